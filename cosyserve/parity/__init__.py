@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 # Suite modules, in the order their tables are printed. Each is cosyserve.parity.<name>.
-SUITES = ("cv2_frontend", "cv2_flow", "cv2_hift", "cv2_token2wav", "cv2_manifest", "dit")
+SUITES = ("cv2_frontend", "cv2_flow", "cv2_hift", "cv2_token2wav", "dit")
 
 
 @dataclass
