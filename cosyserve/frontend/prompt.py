@@ -1,0 +1,51 @@
+"""Zero-shot prompt features: speech tokens, prompt mel and speaker embedding of a reference clip.
+
+Glue of the reference (fixture README §7, llm_layout.md §3): the flow needs exactly two mel
+frames per prompt token (25 tokens/s vs 50 mel frames/s), so both are cut to
+``token_len = min(mel_frames // 2, n_tokens)``: the first ``token_len`` tokens and the first
+``2 * token_len`` mel frames. The LLM prompt uses the same trimmed tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..audio.features import matcha_mel_spectrogram
+from ..audio.io import PromptAudio
+from ..errors import InvalidInputError
+from .onnx_models import SpeakerEncoder, SpeechTokenizer
+
+TOKEN_MEL_RATIO = 2  # mel frames per speech token
+
+
+@dataclass(frozen=True)
+class PromptFeatures:
+    """What a cached speaker or a reference clip contributes to a request (CPU tensors)."""
+
+    speech_tokens: torch.Tensor  # int32 (P,), ids in [0, 6561)
+    speech_feat: torch.Tensor  # float32 (2P, 80), 24 kHz log-mel, time-major as the flow takes it
+    embedding: torch.Tensor  # float32 (192,), raw CAM++ output
+
+
+def prompt_mel(wav24: torch.Tensor) -> torch.Tensor:
+    """24 kHz prompt waveform ``(N,)`` -> log-mel ``(N // 480, 80)`` (time-major)."""
+    return matcha_mel_spectrogram(wav24).transpose(0, 1).contiguous()
+
+
+def trim_to_token_rate(speech_tokens: torch.Tensor, speech_feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut tokens ``(n,)`` and mel ``(T, 80)`` to ``P = min(T // 2, n)`` tokens and ``2P`` frames."""
+    token_len = min(speech_feat.shape[0] // TOKEN_MEL_RATIO, speech_tokens.numel())
+    if token_len == 0:
+        raise InvalidInputError(f"prompt audio yields {speech_tokens.numel()} speech tokens and "
+                                f"{speech_feat.shape[0]} mel frames; too short to condition the voice")
+    return speech_tokens[:token_len], speech_feat[:TOKEN_MEL_RATIO * token_len]
+
+
+def build_prompt_features(prompt_audio: PromptAudio, tokenizer: SpeechTokenizer,
+                          speaker_encoder: SpeakerEncoder) -> PromptFeatures:
+    """Run the speech tokenizer, the prompt mel and the speaker encoder on a validated prompt."""
+    tokens, feat = trim_to_token_rate(tokenizer.tokenize(prompt_audio.wav16), prompt_mel(prompt_audio.wav24))
+    return PromptFeatures(speech_tokens=tokens.to(torch.int32), speech_feat=feat,
+                          embedding=speaker_encoder.embed(prompt_audio.wav16))
