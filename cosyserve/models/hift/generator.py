@@ -1,0 +1,201 @@
+"""HiFT vocoder of CosyVoice2 (upstream ``cosyvoice.hifigan.generator.HiFTGenerator``, 24 kHz).
+
+mel (B, 80, T) → F0 → harmonic excitation → [HiFi-GAN up-sampling fused with the excitation's
+STFT at every stage] → log-magnitude and phase of a 16-point STFT → inverse STFT → 480·T samples.
+Module and parameter names follow upstream so released ``hift.pt`` files load strictly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+from ...errors import InvalidInputError
+from .config import HiftConfig
+from .f0 import ConvF0Predictor
+from .source import HarmonicSource, SourceNoise, draw_source_noise
+
+# exp(log-magnitude) is clipped here before the inverse STFT (upstream constant).
+MAX_MAGNITUDE = 100.0
+# Slope of the leaky ReLU before conv_post: upstream calls F.leaky_relu with its default.
+POST_LRELU_SLOPE = 0.01
+
+
+class Snake(nn.Module):
+    """x + sin²(αx)/α with a learned per-channel α (linear scale)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = self.alpha[None, :, None]
+        return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
+
+
+class ResBlock(nn.Module):
+    """For each dilation d: x ← x + conv_k(Snake(conv_k,d(Snake(x))))."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            weight_norm(nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=d * (kernel_size - 1) // 2))
+            for d in dilations
+        )
+        self.convs2 = nn.ModuleList(
+            weight_norm(nn.Conv1d(channels, channels, kernel_size, padding=(kernel_size - 1) // 2)) for _ in dilations
+        )
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            x = x + conv2(act2(conv1(act1(x))))
+        return x
+
+
+class HiFTGenerator(nn.Module):
+    def __init__(self, cfg: HiftConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.hop_length = cfg.hop_length
+        n_fft = cfg.istft_n_fft
+        spectrum_channels = n_fft + 2  # real and imaginary parts of n_fft/2 + 1 bins
+        stages = len(cfg.upsample_rates)
+
+        # Registration order = upstream's, so state_dict() lists keys in the same order.
+        self.m_source = HarmonicSource(
+            cfg.sampling_rate, self.hop_length, cfg.nb_harmonics, cfg.nsf_alpha, cfg.nsf_sigma, cfg.nsf_voiced_threshold
+        )
+        self.conv_pre = weight_norm(nn.Conv1d(cfg.in_channels, cfg.base_channels, 7, padding=3))
+        self.ups = nn.ModuleList(
+            weight_norm(nn.ConvTranspose1d(
+                cfg.base_channels // 2**i, cfg.base_channels // 2 ** (i + 1), k, u, padding=(k - u) // 2))
+            for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes))
+        )
+        # The excitation's STFT enters stage i at that stage's frame rate: stride = product of the
+        # up-sampling rates still to come (15, 3, 1 for 8·5·3).
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        source_blocks = zip(cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes)
+        for i, (kernel, dilations) in enumerate(source_blocks):
+            channels = cfg.base_channels // 2 ** (i + 1)
+            stride = math.prod(cfg.upsample_rates[i + 1:])
+            if stride == 1:
+                self.source_downs.append(nn.Conv1d(spectrum_channels, channels, 1))
+            else:
+                down = nn.Conv1d(spectrum_channels, channels, 2 * stride, stride, padding=stride // 2)
+                self.source_downs.append(down)
+            self.source_resblocks.append(ResBlock(channels, kernel, dilations))
+        self.resblocks = nn.ModuleList(
+            ResBlock(cfg.base_channels // 2 ** (i + 1), k, d)
+            for i in range(stages)
+            for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes)
+        )
+        self.conv_post = weight_norm(nn.Conv1d(cfg.base_channels // 2**stages, spectrum_channels, 7, padding=3))
+        self.f0_predictor = ConvF0Predictor(cfg.f0_in_channels, cfg.f0_cond_channels, cfg.f0_num_class)
+        # Periodic Hann computed in float64 like upstream's scipy window, then rounded.
+        window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64).float()
+        self.register_buffer("stft_window", window, persistent=False)
+
+    # ----- weight norm -----
+
+    def fold_weight_norm(self) -> "HiFTGenerator":
+        """Replace every weight-normalised weight by its value g·v/‖v‖ (same outputs, no per-call
+        recomputation). Afterwards state_dict() uses plain ``.weight`` keys."""
+        for module in self.modules():
+            if parametrize.is_parametrized(module, "weight"):
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+        return self
+
+    # ----- pieces (public for parity checks) -----
+
+    def compute_source(self, f0: torch.Tensor, noise: SourceNoise) -> torch.Tensor:
+        """F0 (B, T) → excitation (B, 1, hop·T)."""
+        return self.m_source(f0, noise)
+
+    def predict_spectrum(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """mel (B, 80, T) + excitation (B, 1, L) → conv_post output (B, n_fft+2, L/istft_hop + 1):
+        log-magnitudes then raw phases."""
+        source_spec = self._stft(source.squeeze(1)).to(mel.dtype)
+        x = self.conv_pre(mel)
+        n_kernels = len(self.cfg.resblock_kernel_sizes)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, self.cfg.lrelu_slope))
+            if i == len(self.ups) - 1:
+                x = F.pad(x, (1, 0), mode="reflect")  # one more frame: the STFT is centred
+            x = x + self.source_resblocks[i](self.source_downs[i](source_spec))
+            blocks = self.resblocks[i * n_kernels:(i + 1) * n_kernels]
+            x = sum(block(x) for block in blocks) / n_kernels
+        return self.conv_post(F.leaky_relu(x, POST_LRELU_SLOPE))
+
+    def spectrum_to_wave(self, spectrum: torch.Tensor) -> torch.Tensor:
+        """conv_post output → waveform (B, istft_hop·(frames−1)), clamped to ±audio_limit."""
+        bins = self.cfg.istft_n_fft // 2 + 1
+        spectrum = spectrum.float()
+        magnitude = torch.exp(spectrum[:, :bins]).clamp(max=MAX_MAGNITUDE)
+        phase = torch.sin(spectrum[:, bins:])  # upstream: a sine of the raw output, used as the angle
+        complex_spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        n_fft = self.cfg.istft_n_fft
+        wave = torch.istft(complex_spec, n_fft, self.cfg.istft_hop_len, n_fft, window=self.stft_window.float())
+        return wave.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """mel (B, 80, T) + excitation (B, 1, hop·T) → speech (B, hop·T) float32."""
+        return self.spectrum_to_wave(self.predict_spectrum(mel, source))
+
+    def _stft(self, x: torch.Tensor) -> torch.Tensor:
+        n_fft = self.cfg.istft_n_fft
+        spec = torch.stft(
+            x.float(), n_fft, self.cfg.istft_hop_len, n_fft, window=self.stft_window.float(), return_complex=True
+        )
+        return torch.cat([spec.real, spec.imag], dim=1)
+
+    # ----- inference -----
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        mel: torch.Tensor,
+        cache_source: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        sine_noise: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mel (B, 80, T) → (speech (B, hop·T) float32, excitation (B, 1, hop·T)).
+
+        ``cache_source`` (B, 1, C): its samples replace the first C excitation samples (streaming).
+        Randomness: ``sine_noise`` (B, hop·T, H) injects the harmonic-source noise (no draws are
+        made then); otherwise upstream's three draws are made on ``generator`` (or on the default
+        generator of the model's device).
+        """
+        if mel.dim() != 3 or mel.shape[1] != self.cfg.in_channels or mel.shape[2] == 0:
+            raise InvalidInputError(
+                f"HiFT expects a mel of shape (B, {self.cfg.in_channels}, T>0), got {tuple(mel.shape)}")
+        param = self.conv_pre.bias
+        mel = mel.to(param.device, param.dtype)
+        batch, length = mel.shape[0], mel.shape[2] * self.hop_length
+        harmonics = self.m_source.num_harmonics
+        if sine_noise is not None:
+            if tuple(sine_noise.shape) != (batch, length, harmonics):
+                raise InvalidInputError(
+                    f"sine_noise must have shape {(batch, length, harmonics)}, got {tuple(sine_noise.shape)}")
+            no_phase = torch.zeros(batch, harmonics, device=mel.device)
+            noise = SourceNoise(no_phase, sine_noise.to(mel.device, torch.float32))
+        else:
+            noise = draw_source_noise(batch, length, harmonics, mel.device, generator)
+
+        f0 = self.f0_predictor(mel)
+        source = self.compute_source(f0, noise)
+        if cache_source is not None and cache_source.shape[-1] > 0:
+            cached = cache_source.shape[-1]
+            if cache_source.dim() != 3 or cache_source.shape[:2] != (batch, 1) or cached > length:
+                raise InvalidInputError(
+                    f"cache_source must have shape ({batch}, 1, C) with C <= {length}, got {tuple(cache_source.shape)}"
+                )
+            source[:, :, :cached] = cache_source.to(source.device, source.dtype)
+        return self.decode(mel, source), source
