@@ -1,0 +1,2 @@
+"""Running the Triton Inference Server: finding and launching ``tritonserver`` (see
+:mod:`cosyserve.serving.tritonserver`)."""

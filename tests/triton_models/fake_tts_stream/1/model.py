@@ -1,0 +1,1 @@
+../../fake_tts/1/model.py
