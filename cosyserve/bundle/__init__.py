@@ -1,0 +1,140 @@
+"""Random-weight model bundles with the exact layout and file formats of the released models.
+
+There are no model weights on our machines, so every test and benchmark runs on bundles made
+here: the real architecture and file formats with random weights. ``tiny`` builds in seconds on
+a CPU (tests, CI); ``real`` has the released shapes (benchmarks: timing depends on shapes, not
+on weight values).
+
+Layout written under ``out_dir`` (the same directory names the download stage uses)::
+
+    CosyVoice2-0.5B/            cosyvoice2.yaml flow.pt hift.pt campplus.onnx
+                                speech_tokenizer_v2.onnx spk2info.pt
+    cosyvoice2_llm/             HuggingFace Qwen2 checkpoint + tokenizer (llm_layout.md)
+    assets/prompt_audio.wav     a synthetic 16 kHz prompt and assets/prompt_text.txt
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import torch
+
+from ..config import Tagged, dump_hyperpyyaml
+
+SIZES = ("tiny", "real")
+COSYVOICE2_DIR = "CosyVoice2-0.5B"
+LLM_DIR = "cosyvoice2_llm"
+ASSETS_DIR = "assets"
+DEFAULT_SPEAKER_ID = "001"
+# The prompt text shipped with the synthetic prompt; any text works with random weights.
+PROMPT_TEXT = "希望你以后能够做的比我还好呦。"
+
+
+def synthetic_prompt_wave(seconds: float = 3.0, sample_rate: int = 16000, seed: int = 0) -> np.ndarray:
+    """A voiced, speech-like test signal: a gliding harmonic tone with syllable-rate envelope.
+
+    It passes the prompt-audio validation (not silent, within length limits) and exercises
+    every front-end path; it is not speech and no claim is made about how it sounds.
+    """
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sample_rate)) / sample_rate
+    f0 = 140.0 + 30.0 * np.sin(2 * math.pi * 0.7 * t) + 10.0 * np.sin(2 * math.pi * 5.0 * t)
+    phase = 2 * math.pi * np.cumsum(f0) / sample_rate
+    voice = sum(np.sin(k * phase) / k for k in range(1, 12))
+    envelope = 0.55 + 0.45 * np.sin(2 * math.pi * 3.5 * t) ** 2
+    wave = 0.25 * voice * envelope + 0.003 * rng.standard_normal(t.size)
+    return (wave / np.abs(wave).max() * 0.6).astype(np.float32)
+
+
+def _set_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def _write_cosyvoice2_yaml(path: Path, flow_cfg, hift_cfg) -> None:
+    tree = {
+        "sample_rate": 24000,
+        "llm_input_size": 896,
+        "llm_output_size": 896,
+        "spk_embed_dim": 192,
+        "token_frame_rate": 25,
+        "token_mel_ratio": 2,
+        "chunk_size": 25,
+        "num_decoding_left_chunks": -1,
+        "flow": flow_cfg.to_yaml_node(),
+        "hift": hift_cfg.to_yaml_node(),
+        # The LLM is served from the HuggingFace-format directory; this entry only mirrors the
+        # released file so that tools which look for it find the class name.
+        "llm": Tagged("new", "cosyvoice.llm.llm.Qwen2LM", kwargs={
+            "llm_input_size": 896, "llm_output_size": 896, "speech_token_size": 6561}),
+    }
+    dump_hyperpyyaml(tree, path)
+
+
+def make_cosyvoice2_dir(out_dir: Path, size: str, seed: int) -> Path:
+    """Write ``CosyVoice2-0.5B/`` (flow, HiFT, ONNX front-end models, yaml, spk2info)."""
+    from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
+    from ..frontend.prompt import build_prompt_features
+    from ..frontend.speakers import SpeakerRegistry
+    from ..audio.io import prompt_audio_from_array
+    from ..models.flow import CosyVoice2Flow, FlowConfig
+    from ..models.hift import HiFTGenerator, HiftConfig
+    from .onnx_models import write_campplus_onnx, write_speech_tokenizer_onnx
+
+    model_dir = out_dir / COSYVOICE2_DIR
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if size == "tiny":
+        flow_cfg, hift_cfg = FlowConfig.tiny(), HiftConfig.tiny()
+    else:
+        flow_cfg, hift_cfg = FlowConfig.real(), HiftConfig.real()
+    _write_cosyvoice2_yaml(model_dir / "cosyvoice2.yaml", flow_cfg, hift_cfg)
+    _set_seed(seed)
+    torch.save(CosyVoice2Flow(flow_cfg).state_dict(), model_dir / "flow.pt")
+    _set_seed(seed + 1)
+    torch.save(HiFTGenerator(hift_cfg).state_dict(), model_dir / "hift.pt")
+    write_speech_tokenizer_onnx(model_dir / "speech_tokenizer_v2.onnx", size, seed + 2)
+    write_campplus_onnx(model_dir / "campplus.onnx", size, seed + 3)
+
+    # spk2info.pt: the default speaker "001", computed through our own front-end from the
+    # synthetic prompt, so the cached-speaker path has consistent features.
+    prompt = prompt_audio_from_array(synthetic_prompt_wave(seed=seed), 16000)
+    features = build_prompt_features(
+        prompt, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx"), SpeakerEncoder(model_dir / "campplus.onnx")
+    )
+    registry = SpeakerRegistry()
+    registry.add(DEFAULT_SPEAKER_ID, features, prompt_text=PROMPT_TEXT)
+    registry.save(model_dir / "spk2info.pt")
+    return model_dir
+
+
+def write_assets(out_dir: Path, seed: int) -> Path:
+    assets = out_dir / ASSETS_DIR
+    assets.mkdir(parents=True, exist_ok=True)
+    sf.write(assets / "prompt_audio.wav", synthetic_prompt_wave(seed=seed), 16000, subtype="FLOAT")
+    (assets / "prompt_text.txt").write_text(PROMPT_TEXT + "\n", encoding="utf-8")
+    return assets
+
+
+def make_bundle(out_dir: str | Path, size: str = "tiny", seed: int = 0, parts: tuple[str, ...] = ("cosyvoice2", "llm")) -> Path:
+    """Write the requested parts of a random-weight bundle into ``out_dir``; returns it."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    unknown = set(parts) - {"cosyvoice2", "llm", "dit"}
+    if unknown:
+        raise ValueError(f"unknown bundle parts {sorted(unknown)}; known: cosyvoice2, llm, dit")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_assets(out_dir, seed)
+    if "cosyvoice2" in parts:
+        make_cosyvoice2_dir(out_dir, size, seed)
+    if "llm" in parts:
+        from .llm import write_llm_bundle
+
+        write_llm_bundle(out_dir / LLM_DIR, size, seed + 10)
+    if "dit" in parts:
+        from .dit import make_dit_dir
+
+        make_dit_dir(out_dir, size, seed + 20)
+    return out_dir

@@ -162,6 +162,7 @@ class SpeakerRegistry:
                 torch.save(snapshot, tmp_file)
                 tmp_file.flush()
                 os.fsync(tmp_file.fileno())
+            os.chmod(tmp_name, 0o644)  # mkstemp creates 0600; the file is shared model data
             os.replace(tmp_name, target)
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)

@@ -1,0 +1,72 @@
+"""Download the released models (stage 0 of run.sh).
+
+Sources are the ones NVIDIA's runtime uses: the HuggingFace-format LLM ``yuekai/cosyvoice2_llm``
+from the HuggingFace Hub and ``iic/CosyVoice2-0.5B`` from ModelScope (or its HuggingFace mirror
+``FunAudioLLM/CosyVoice2-0.5B`` when ``source="huggingface"``). After a download the directory is
+checked for the files the pipeline needs, so a partial download fails here and not at serving time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .bundle import COSYVOICE2_DIR, LLM_DIR
+from .errors import ModelLoadError
+
+LLM_REPO = "yuekai/cosyvoice2_llm"
+COSYVOICE2_REPOS = {"modelscope": "iic/CosyVoice2-0.5B", "huggingface": "FunAudioLLM/CosyVoice2-0.5B"}
+REQUIRED_FILES = {
+    COSYVOICE2_DIR: ("flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx"),
+    LLM_DIR: ("config.json", "tokenizer_config.json"),
+}
+
+
+def check_model_dir(path: Path, name: str) -> None:
+    missing = [f for f in REQUIRED_FILES[name] if not (path / f).exists()]
+    if name == LLM_DIR and not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise ModelLoadError(f"{path} is missing {', '.join(missing)}: the download is incomplete")
+
+
+def download_llm(out_dir: Path, revision: str | None = None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    target = out_dir / LLM_DIR
+    snapshot_download(repo_id=LLM_REPO, local_dir=str(target), revision=revision)
+    check_model_dir(target, LLM_DIR)
+    return target
+
+
+def download_cosyvoice2(out_dir: Path, source: str = "modelscope", revision: str | None = None) -> Path:
+    target = out_dir / COSYVOICE2_DIR
+    if source == "modelscope":
+        from modelscope import snapshot_download as ms_snapshot_download
+
+        ms_snapshot_download(COSYVOICE2_REPOS[source], local_dir=str(target), revision=revision or "master")
+    elif source == "huggingface":
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(repo_id=COSYVOICE2_REPOS[source], local_dir=str(target), revision=revision)
+    else:
+        raise ValueError(f"unknown source {source!r}; use modelscope or huggingface")
+    check_model_dir(target, COSYVOICE2_DIR)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Download CosyVoice2 models into OUT_DIR")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--source", choices=sorted(COSYVOICE2_REPOS), default="modelscope",
+                        help="where to get CosyVoice2-0.5B (the LLM always comes from the HuggingFace Hub)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"LLM -> {download_llm(args.out)}")
+    print(f"CosyVoice2 -> {download_cosyvoice2(args.out, args.source)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
