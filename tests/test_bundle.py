@@ -46,3 +46,17 @@ def test_bad_arguments(tmp_path):
         make_bundle(tmp_path, "huge")
     with pytest.raises(ValueError, match="unknown bundle parts"):
         make_bundle(tmp_path, "tiny", parts=("vocoder",))
+
+
+def test_dit_directory_loads_strictly(tmp_path):
+    from cosyserve.bundle.dit import DIT_DIR, tiny_dit_config
+    from cosyserve.models.dit import DitFlowConfig
+    from cosyserve.token2wav.dit import load_dit_token2wav
+
+    make_bundle(tmp_path, "tiny", seed=1, parts=("dit",))
+    model_dir = tmp_path / DIT_DIR
+    for name in ("flow.yaml", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2_25hz.onnx"):
+        assert (model_dir / name).is_file(), name
+    assert DitFlowConfig.from_yaml_tree(load_hyperpyyaml(model_dir / "flow.yaml")) == tiny_dit_config()
+    t2w = load_dit_token2wav(model_dir, "cpu", torch.float32)
+    assert t2w.hift.cfg == HiftConfig.tiny()  # widths read from the config-less hift.pt

@@ -137,7 +137,9 @@ def test_load_errors(tmp_path, tiny_state_dict):
         load_hift(tmp_path / "junk.pt")
     torch.save(tiny_state_dict, tmp_path / "tiny.pt")
     with pytest.raises(ModelLoadError, match="does not match"):
-        load_hift(tmp_path / "tiny.pt")  # real-size config
+        load_hift(tmp_path / "tiny.pt", config=HiftConfig.real())
+    # Without a config the widths come from the checkpoint (config-less token2wav/ directories).
+    assert load_hift(tmp_path / "tiny.pt").cfg == HiftConfig.tiny()
     partial = dict(tiny_state_dict)
     partial.pop("conv_post.bias")
     torch.save(partial, tmp_path / "partial.pt")

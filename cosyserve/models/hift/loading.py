@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -71,6 +72,26 @@ def load_hift_state_dict(model: HiFTGenerator, state_dict: dict[str, torch.Tenso
         raise ModelLoadError(f"{source} does not match the HiFT config {model.cfg}: {detail}") from exc
 
 
+def _released_config_with_checkpoint_widths(state_dict: dict[str, torch.Tensor]) -> HiftConfig:
+    """The released hyper-parameters, with the two channel widths read from the tensors.
+
+    Some model directories (Step-Audio-2-mini's ``token2wav/``) ship ``hift.pt`` without a
+    config; the widths are then the only hyper-parameters that can differ from the released
+    ones (e.g. in our tiny test bundles), and both are visible in the first conv of each branch.
+    """
+    state_dict = normalise_hift_keys(state_dict)
+
+    def out_channels(prefix: str, default: int) -> int:
+        for suffix in (_WEIGHT_NORM_V, "weight"):
+            if f"{prefix}.{suffix}" in state_dict:
+                return int(state_dict[f"{prefix}.{suffix}"].shape[0])
+        return default
+
+    real = HiftConfig.real()
+    return dataclasses.replace(real, base_channels=out_channels("conv_pre", real.base_channels),
+                               f0_cond_channels=out_channels("f0_predictor.condnet.0", real.f0_cond_channels))
+
+
 def load_hift(
     path: str | Path,
     device: torch.device | str = "cpu",
@@ -83,7 +104,8 @@ def load_hift(
 
     ``path`` is a model directory (``hift.pt``, hyper-parameters from its ``cosyvoice2.yaml``
     when present) or a checkpoint file (``.pt`` or ``.safetensors``). ``config`` overrides the
-    hyper-parameters; without config or yaml the released CosyVoice2 values are used.
+    hyper-parameters; without config or yaml the released CosyVoice2 values are used, with the
+    channel widths read from the checkpoint.
     ``fold_weight_norm`` removes the weight-norm parametrizations after loading (same outputs,
     faster); pass False to keep upstream's state-dict layout.
     """
@@ -96,8 +118,9 @@ def load_hift(
         checkpoint = path
     if not checkpoint.is_file():
         raise ModelLoadError(f"HiFT checkpoint {checkpoint} not found")
-    model = HiFTGenerator(config or HiftConfig.real())
-    load_hift_state_dict(model, _read_state_dict(checkpoint), source=str(checkpoint))
+    state_dict = _read_state_dict(checkpoint)
+    model = HiFTGenerator(config or _released_config_with_checkpoint_widths(state_dict))
+    load_hift_state_dict(model, state_dict, source=str(checkpoint))
     if fold_weight_norm:
         model.fold_weight_norm()
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

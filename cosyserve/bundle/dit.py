@@ -1,0 +1,48 @@
+"""The Step-Audio-2-mini ``token2wav/`` directory of a random-weight bundle (DiT pipeline)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..config import dump_hyperpyyaml
+from ..models.dit import DitFlow, DitFlowConfig
+from ..models.dit.config import DitEncoderConfig, DitEstimatorConfig
+from ..models.hift import HiFTGenerator, HiftConfig
+
+DIT_DIR = "Step-Audio-2-mini/token2wav"
+
+
+def tiny_dit_config() -> DitFlowConfig:
+    """The shrunk DiT of the parity fixtures (same module tree, tiny widths)."""
+    return DitFlowConfig(
+        input_size=64,
+        encoder=DitEncoderConfig(input_size=64, output_size=64, attention_heads=2, linear_units=128,
+                                 num_blocks=2, num_up_blocks=2),
+        estimator=DitEstimatorConfig(hidden_size=64, depth=2, num_heads=2, head_dim=32),
+    )
+
+
+def make_dit_dir(out_dir: Path, size: str, seed: int) -> Path:
+    """Write ``Step-Audio-2-mini/token2wav/``: flow.yaml, flow.pt, hift.pt and the two ONNX
+    front-end models (the released directory names the tokenizer ``speech_tokenizer_v2_25hz.onnx``)."""
+    from . import COSYVOICE2_DIR, make_cosyvoice2_dir
+
+    model_dir = out_dir / DIT_DIR
+    model_dir.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_dit_config() if size == "tiny" else DitFlowConfig.real()
+    dump_hyperpyyaml({"flow": cfg.to_yaml_node()}, model_dir / "flow.yaml")
+    torch.manual_seed(seed)
+    torch.save(DitFlow(cfg).state_dict(), model_dir / "flow.pt")
+    torch.manual_seed(seed + 1)
+    hift_cfg = HiftConfig.tiny() if size == "tiny" else HiftConfig.real()
+    torch.save(HiFTGenerator(hift_cfg).state_dict(), model_dir / "hift.pt")
+    # The front-end models are the same files as CosyVoice2's.
+    cosyvoice2_dir = out_dir / COSYVOICE2_DIR
+    if not (cosyvoice2_dir / "campplus.onnx").exists():
+        make_cosyvoice2_dir(out_dir, size, seed)
+    shutil.copyfile(cosyvoice2_dir / "campplus.onnx", model_dir / "campplus.onnx")
+    shutil.copyfile(cosyvoice2_dir / "speech_tokenizer_v2.onnx", model_dir / "speech_tokenizer_v2_25hz.onnx")
+    return model_dir
