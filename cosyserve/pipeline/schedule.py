@@ -1,0 +1,103 @@
+"""When to hand speech tokens to token2wav while the LLM is still generating.
+
+The reference BLS emits a chunk whenever ``pending >= hop + lookahead`` tokens are waiting:
+the first hop is 15 tokens (+3 look-ahead tokens the flow needs to see), then
+
+* ``exponential``: hops of 25 * 2**i tokens (25, 50, 100, ...): the first chunk arrives fast
+  and later chunks are larger, so the vocoder keeps ahead of playback with fewer calls;
+* ``time_based``: the hop adapts to how far synthesis is ahead of real time: with a large
+  playback buffer it grows to swallow everything pending, with a small one it stays at the
+  minimum hop so audio keeps flowing.
+
+The final call always passes every token with ``finalize=True``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..errors import InvalidInputError
+
+STRATEGIES = ("exponential", "time_based")
+TOKEN_RATE = 25  # speech tokens per second of audio
+
+
+@dataclass
+class Chunk:
+    """One token2wav call: tokens[:num_tokens] with the first ``token_offset`` already voiced."""
+
+    num_tokens: int
+    token_offset: int
+    finalize: bool
+
+
+@dataclass
+class ChunkScheduler:
+    strategy: str = "exponential"
+    first_hop: int = 15
+    lookahead: int = 3
+    token_rate: int = TOKEN_RATE
+    clock: callable = field(default=time.monotonic, repr=False)
+    token_offset: int = 0
+    chunk_index: int = 0
+    hop: int = field(init=False)
+    _start: float | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise InvalidInputError(f"unknown streaming strategy {self.strategy!r}; choose one of {STRATEGIES}")
+        if self.first_hop <= 0 or self.lookahead < 0:
+            raise InvalidInputError("first_hop must be > 0 and lookahead >= 0")
+        self.hop = self.first_hop
+
+    def next_chunk(self, available: int) -> Chunk | None:
+        """The chunk to synthesise now that ``available`` tokens exist, or None to wait."""
+        if self._start is None:
+            self._start = self.clock()
+        if available - self.token_offset < self.hop + self.lookahead:
+            return None
+        chunk = Chunk(self.token_offset + self.hop + self.lookahead, self.token_offset, False)
+        self.token_offset += self.hop
+        self._advance(available)
+        return chunk
+
+    def final_chunk(self, available: int) -> Chunk:
+        """The last call: every token, finalize=True (may voice zero new tokens)."""
+        return Chunk(available, self.token_offset, True)
+
+    def _advance(self, available: int) -> None:
+        if self.strategy == "exponential":
+            self.hop = self.token_rate * 2 ** self.chunk_index
+        else:
+            self.hop = self._time_based_hop(available)
+        self.chunk_index += 1
+
+    def _time_based_hop(self, available: int) -> int:
+        elapsed = self.clock() - self._start
+        audio_ahead = self.token_offset / self.token_rate - elapsed  # seconds buffered at the client
+        per_chunk = elapsed / (self.chunk_index + 1)
+        if self.chunk_index == 0 or per_chunk <= 0:
+            return self.first_hop
+        pending = available - self.token_offset
+        headroom = audio_ahead / per_chunk  # how many chunk computations the buffer covers
+        if headroom > 4:
+            hop = (pending // self.first_hop + 1) * self.first_hop
+        elif headroom > 2:
+            hop = (pending // self.first_hop) * self.first_hop
+        else:
+            hop = self.first_hop
+        return max(self.first_hop, hop)
+
+
+def plan_chunks(total_tokens: int, strategy: str = "exponential", first_hop: int = 15, lookahead: int = 3) -> list[Chunk]:
+    """The chunks an ``exponential`` stream produces when all tokens arrive before synthesis keeps up.
+
+    Used by tests and benchmarks to know the expected chunk count for a token count.
+    """
+    scheduler = ChunkScheduler(strategy, first_hop, lookahead)
+    chunks = []
+    while (chunk := scheduler.next_chunk(total_tokens)) is not None:
+        chunks.append(chunk)
+    chunks.append(scheduler.final_chunk(total_tokens))
+    return chunks

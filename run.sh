@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# CosyVoice2 on Triton, stage by stage:   bash run.sh <start_stage> <stop_stage>
+#
+#  -1  Python environment (venv + requirements + this package)
+#   0  models: download (MODEL_SOURCE=modelscope|huggingface) or generate random-weight
+#      bundles (MODEL_SOURCE=tiny|real, no network needed)
+#   1  prepare the LLM (nothing for our PyTorch engine; TensorRT-LLM build when LLM_BACKEND=trtllm)
+#   2  create the Triton model repository from model_repo/ templates
+#   3  launch Triton (returns when the server is ready; stop it with: bash run.sh stop)
+#   4  one offline HTTP request (client_http.py)
+#   5  gRPC benchmark (client_grpc.py)
+#   6  offline benchmark (offline_inference.py)
+#
+# Every setting below can be overridden from the environment, e.g.
+#   MODEL_SOURCE=tiny bash run.sh -1 3 && bash run.sh 4 5
+set -euo pipefail
+
+stage=${1:-0}
+stop_stage=${2:-${1:-0}}
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+VENV=${VENV:-$repo_root/.venv}
+PYTHON_BIN=${PYTHON_BIN:-python3}
+MODEL_SOURCE=${MODEL_SOURCE:-modelscope}      # modelscope | huggingface | tiny | real
+MODELS_DIR=${MODELS_DIR:-$repo_root/models}
+BUNDLE_SEED=${BUNDLE_SEED:-0}
+LLM_BACKEND=${LLM_BACKEND:-torch}             # torch (ours) | trtllm
+MODEL_REPO=${MODEL_REPO:-$repo_root/model_repo_cosyvoice2}
+DECOUPLED_MODE=${DECOUPLED_MODE:-True}        # True = streaming, False = offline
+STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | time_based
+DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
+BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-4}
+TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-16}
+MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
+HTTP_PORT=${HTTP_PORT:-8000}
+GRPC_PORT=${GRPC_PORT:-8001}
+METRICS_PORT=${METRICS_PORT:-8002}
+SERVER_LOG=${SERVER_LOG:-$repo_root/outputs/tritonserver.log}
+SERVER_PID_FILE=${SERVER_PID_FILE:-$repo_root/outputs/tritonserver.pid}
+SERVER_START_TIMEOUT=${SERVER_START_TIMEOUT:-600}
+NUM_TASKS=${NUM_TASKS:-4}
+CLIENT_MODE=${CLIENT_MODE:-}                  # default: streaming if DECOUPLED_MODE=True
+DATASET=${DATASET:-}                          # HuggingFace dataset for stage 5/6, e.g. yuekai/seed_tts_cosy2
+MANIFEST=${MANIFEST:-}                        # or a manifest file: utt|prompt_text|prompt_wav|target_text
+OUT_DIR=${OUT_DIR:-$repo_root/outputs}
+TARGET_TEXT=${TARGET_TEXT:-"身临其境，换新体验。塑造开源语音合成新范式，让智能语音更自然。"}
+
+log() {
+  local fname=${BASH_SOURCE[1]##*/}
+  echo -e "$(date '+%Y-%m-%d %H:%M:%S') (${fname}:${BASH_LINENO[0]}:${FUNCNAME[1]}) $*"
+}
+
+die() { log "ERROR: $*"; exit 1; }
+
+use_venv() {
+  if [ -x "$VENV/bin/python" ]; then
+    export PATH="$VENV/bin:$PATH"
+  fi
+  PY=$(command -v python || command -v python3)
+}
+
+if [ "$stage" = "stop" ]; then
+  use_venv
+  "$PY" -m cosyserve.serving.tritonserver stop --pid-file "$SERVER_PID_FILE"
+  exit 0
+fi
+
+use_venv
+mkdir -p "$OUT_DIR"
+
+if [ "$stage" -le -1 ] && [ "$stop_stage" -ge -1 ]; then
+  log "Stage -1: Python environment in $VENV"
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON_BIN" -m venv "$VENV"
+  fi
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  # torch first, so a preinstalled/pinned build (e.g. NVIDIA's container) is kept
+  "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q "torch>=2.4"
+  "$VENV/bin/python" -m pip install -q -r "$repo_root/requirements.txt"
+  "$VENV/bin/python" -m pip install -q --no-deps -e "$repo_root"
+  use_venv
+  log "Python environment ready: $("$PY" -c 'import torch, cosyserve; print("torch", torch.__version__, "cosyserve", cosyserve.__version__)')"
+fi
+
+if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
+  case "$MODEL_SOURCE" in
+    tiny|real)
+      log "Stage 0: generating a $MODEL_SOURCE random-weight bundle in $MODELS_DIR"
+      "$PY" "$repo_root/scripts/make_model_bundle.py" --size "$MODEL_SOURCE" --seed "$BUNDLE_SEED" --out "$MODELS_DIR"
+      ;;
+    modelscope|huggingface)
+      log "Stage 0: downloading models from $MODEL_SOURCE into $MODELS_DIR"
+      "$PY" -m cosyserve.download --out "$MODELS_DIR" --source "$MODEL_SOURCE"
+      ;;
+    *) die "MODEL_SOURCE must be modelscope, huggingface, tiny or real (got $MODEL_SOURCE)" ;;
+  esac
+fi
+
+if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
+  case "$LLM_BACKEND" in
+    torch) log "Stage 1: LLM_BACKEND=torch needs no build step (weights are read from $MODELS_DIR/cosyvoice2_llm)" ;;
+    trtllm) die "Stage 1: LLM_BACKEND=trtllm (checkpoint conversion + trtllm-build) is not implemented yet; use LLM_BACKEND=torch" ;;
+    *) die "LLM_BACKEND must be torch or trtllm (got $LLM_BACKEND)" ;;
+  esac
+fi
+
+if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
+  log "Stage 2: creating the model repository $MODEL_REPO (decoupled=$DECOUPLED_MODE)"
+  [ -d "$repo_root/model_repo/cosyvoice2" ] || die "model_repo/cosyvoice2 is not there yet: the Triton pipeline is not implemented in this version"
+  rm -rf "$MODEL_REPO"
+  mkdir -p "$MODEL_REPO"
+  for m in cosyvoice2 llm token2wav audio_tokenizer speaker_embedding; do
+    cp -r "$repo_root/model_repo/$m" "$MODEL_REPO/"
+  done
+  fill() { "$PY" "$repo_root/scripts/fill_template.py" -i "$1" "$2"; }
+  common="model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS,device:$DEVICE"
+  fill "$MODEL_REPO/token2wav/config.pbtxt" "$common"
+  fill "$MODEL_REPO/audio_tokenizer/config.pbtxt" "$common"
+  fill "$MODEL_REPO/speaker_embedding/config.pbtxt" "$common"
+  fill "$MODEL_REPO/llm/config.pbtxt" "llm_dir:$MODELS_DIR/cosyvoice2_llm,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS,device:$DEVICE"
+  fill "$MODEL_REPO/cosyvoice2/config.pbtxt" "$common,llm_tokenizer_dir:$MODELS_DIR/cosyvoice2_llm,bls_instance_num:$BLS_INSTANCE_NUM,decoupled_mode:$DECOUPLED_MODE,streaming_strategy:$STREAMING_STRATEGY,llm_model_name:llm"
+fi
+
+if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
+  log "Stage 3: launching Triton on ports http=$HTTP_PORT grpc=$GRPC_PORT metrics=$METRICS_PORT (log: $SERVER_LOG)"
+  "$PY" -m cosyserve.serving.tritonserver start --model-repo "$MODEL_REPO" \
+    --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" --metrics-port "$METRICS_PORT" \
+    --log "$SERVER_LOG" --pid-file "$SERVER_PID_FILE" --timeout "$SERVER_START_TIMEOUT"
+  log "Triton is ready. Stop it with: bash run.sh stop"
+fi
+
+client_mode() {
+  if [ -n "$CLIENT_MODE" ]; then echo "$CLIENT_MODE";
+  elif [ "$DECOUPLED_MODE" = "True" ]; then echo streaming; else echo offline; fi
+}
+
+data_args() {
+  if [ -n "$MANIFEST" ]; then echo "--manifest-path $MANIFEST";
+  elif [ -n "$DATASET" ]; then echo "--huggingface-dataset $DATASET";
+  else echo "--manifest-path $OUT_DIR/tiny_manifest.txt"; fi
+}
+
+write_default_manifest() {
+  # Without a dataset, benchmark on the bundled prompt (works offline, e.g. with MODEL_SOURCE=tiny).
+  local wav="$MODELS_DIR/assets/prompt_audio.wav" text
+  [ -f "$wav" ] || die "no MANIFEST/DATASET given and $wav does not exist (run stage 0 first)"
+  text=$(cat "$MODELS_DIR/assets/prompt_text.txt")
+  : > "$OUT_DIR/tiny_manifest.txt"
+  for i in $(seq 1 "$NUM_TASKS"); do
+    echo "utt$i|$text|$wav|$TARGET_TEXT" >> "$OUT_DIR/tiny_manifest.txt"
+  done
+}
+
+if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
+  log "Stage 4: one HTTP request"
+  "$PY" "$repo_root/client_http.py" --server-port "$HTTP_PORT" \
+    --reference-audio "$MODELS_DIR/assets/prompt_audio.wav" \
+    --reference-text "$(cat "$MODELS_DIR/assets/prompt_text.txt")" \
+    --target-text "$TARGET_TEXT" --model-name cosyvoice2 --output-audio "$OUT_DIR/http_output.wav"
+fi
+
+if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
+  mode=$(client_mode)
+  log "Stage 5: gRPC benchmark, $NUM_TASKS tasks, mode=$mode"
+  [ -n "$MANIFEST$DATASET" ] || write_default_manifest
+  # shellcheck disable=SC2046
+  "$PY" "$repo_root/client_grpc.py" --server-addr localhost --server-port "$GRPC_PORT" \
+    --model-name cosyvoice2 --num-tasks "$NUM_TASKS" --mode "$mode" $(data_args) \
+    --log-dir "$OUT_DIR/log_concurrent_tasks_${NUM_TASKS}_${mode}"
+fi
+
+if [ "$stage" -le 6 ] && [ "$stop_stage" -ge 6 ]; then
+  log "Stage 6: offline benchmark (offline_inference.py)"
+  [ -n "$MANIFEST$DATASET" ] || write_default_manifest
+  # shellcheck disable=SC2046
+  "$PY" "$repo_root/offline_inference.py" --model-dir "$MODELS_DIR" --backend "$LLM_BACKEND" $(data_args) \
+    --output-dir "$OUT_DIR/offline_inference"
+fi
