@@ -12,6 +12,7 @@ from .flow import (
     load_flow_state_dict,
     random_flow_state_dict,
 )
+from .stream import FlowStream
 
 __all__ = [
     "CFMConfig",
@@ -22,6 +23,7 @@ __all__ = [
     "EstimatorConfig",
     "FlowConditions",
     "FlowConfig",
+    "FlowStream",
     "UpsampleConformerEncoder",
     "fixed_noise",
     "flow_from_state_dict",

@@ -10,12 +10,13 @@ and cond zeroed).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from ...errors import InvalidInputError
+from .cache import StreamWindow
 from .config import CFMConfig, EstimatorConfig
 from .estimator import CausalConditionalDecoder
 
@@ -75,24 +76,27 @@ class CausalConditionalCFM(nn.Module):
                 with_zeros(spks), with_zeros(cond))
 
     def velocity(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
-                 spks: torch.Tensor, cond: torch.Tensor, *, streaming: bool) -> torch.Tensor:
+                 spks: torch.Tensor, cond: torch.Tensor, *, streaming: bool,
+                 window: StreamWindow | None = None) -> torch.Tensor:
         """Guided velocity (1 + r) * v_cond - r * v_uncond at time t."""
-        out = self.estimator(*self.guidance_batch(x, mask, mu, t, spks, cond), streaming=streaming)
+        out = self.estimator(*self.guidance_batch(x, mask, mu, t, spks, cond), streaming=streaming, window=window)
         conditional, unconditional = out.chunk(2)
         return (1.0 + self.cfg_rate) * conditional - self.cfg_rate * unconditional
 
     def euler_steps(self, z: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
-                    cond: torch.Tensor, *, streaming: bool, n_timesteps: int = N_TIMESTEPS
-                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                    cond: torch.Tensor, *, streaming: bool, n_timesteps: int = N_TIMESTEPS,
+                    windows: Sequence[StreamWindow] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield (t passed to the estimator, state after the step) for each Euler step from z.
 
         t accumulates dt (rather than reading the grid) exactly like upstream, so the t values
-        differ from the grid in the last bits.
+        differ from the grid in the last bits. ``windows``: one stream window per step (each
+        step's estimator pass has its own cached state), for an incremental stream.
         """
         t_span = self.time_span(n_timesteps, mu.device, mu.dtype)
         x, t, dt = z, t_span[0], t_span[1] - t_span[0]
         for step in range(1, n_timesteps + 1):
-            x = x + dt * self.velocity(x, mask, mu, t, spks, cond, streaming=streaming)
+            window = None if windows is None else windows[step - 1]
+            x = x + dt * self.velocity(x, mask, mu, t, spks, cond, streaming=streaming, window=window)
             yield t, x
             t = t + dt
             if step < n_timesteps:

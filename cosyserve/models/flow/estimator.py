@@ -6,7 +6,11 @@ down stage (ResNet + transformers, skip, causal conv) -> mid stages -> up stage 
 -> final causal block -> 1x1 projection. Convolutions are causal (left padding only) and
 transformer attention is full or block-causal (chunks of ``static_chunk_size`` frames from frame 0).
 Module names/indices mirror upstream (``block.0``/``block.2``, ``ff.net.0.proj``, ``to_out.0``)
-so released checkpoints load strictly.
+so released checkpoints load strictly. Padded batches: frames where ``mask`` is 0 are zeroed
+before every convolution and hidden as attention keys, so they never reach real frames.
+Every layer also runs on a :class:`~.cache.StreamWindow` (incremental streaming): attention
+then sees the cached keys/values of the frames before the window, causal convolutions their
+cached left context.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache import KeyValueCache, StreamWindow, with_left_context
 from .config import EstimatorConfig
 from .masks import chunk_mask
 
@@ -35,8 +40,8 @@ def sinusoidal_time_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
 class CausalConv1d(nn.Conv1d):
     """Conv1d with (kernel-1) zeros on the left and none on the right."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
+    def forward(self, x: torch.Tensor, window: StreamWindow | None = None) -> torch.Tensor:
+        return super().forward(with_left_context(x, self.kernel_size[0] - 1, self, window))
 
 
 class Transpose(nn.Module):
@@ -55,8 +60,12 @@ class CausalBlock1D(nn.Module):
             CausalConv1d(dim, dim_out, 3), Transpose(), nn.LayerNorm(dim_out), Transpose(), nn.Mish()
         )
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.block(x * mask) * mask
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, window: StreamWindow | None = None) -> torch.Tensor:
+        conv, *rest = self.block
+        h = conv(x * mask, window)
+        for layer in rest:
+            h = layer(h)
+        return h * mask
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -67,9 +76,10 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, time_emb: torch.Tensor) -> torch.Tensor:
-        h = self.block1(x, mask) + self.mlp(time_emb).unsqueeze(-1)
-        h = self.block2(h, mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, time_emb: torch.Tensor,
+                window: StreamWindow | None = None) -> torch.Tensor:
+        h = self.block1(x, mask, window) + self.mlp(time_emb).unsqueeze(-1)
+        h = self.block2(h, mask, window)
         return h + self.res_conv(x * mask)
 
 
@@ -85,10 +95,15 @@ class SelfAttention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """x (B, T, C); mask bool (B or 1, T, T), True = visible, or None."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, window: StreamWindow | None = None) -> torch.Tensor:
+        """x (B, n, C); mask bool (B or 1, n or 1, keys), True = visible, or None.
+
+        In a stream window the keys are the cached frames before the window, then the window's.
+        """
         b, t, _ = x.shape
         q, k, v = (proj(x).view(b, t, self.heads, -1).transpose(1, 2) for proj in (self.to_q, self.to_k, self.to_v))
+        if window is not None:
+            k, v = window.state(self, KeyValueCache).extend(k, v, window.commit)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.unsqueeze(1))
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
 
@@ -121,8 +136,8 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim, dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attn1(self.norm1(x), mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, window: StreamWindow | None = None) -> torch.Tensor:
+        x = x + self.attn1(self.norm1(x), mask, window)
         return x + self.ff(self.norm3(x))
 
 
@@ -167,36 +182,46 @@ class CausalConditionalDecoder(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def attention_mask(self, mask: torch.Tensor, streaming: bool) -> torch.Tensor:
-        """(B, 1, T) frame mask -> bool (B, T, T) (streaming) or (B, 1, T) key mask."""
-        key_mask = mask.bool()
+    def attention_mask(self, mask: torch.Tensor, streaming: bool,
+                       window: StreamWindow | None = None) -> torch.Tensor:
+        """(B, 1, n) frame mask -> bool (B, n or 1, keys) attention mask.
+
+        Padding frames are hidden as keys; streaming adds the block-causal chunk mask. In a
+        stream window the keys are the (all real) cached frames followed by the window's.
+        """
+        keys = mask.bool()
+        start = 0 if window is None else window.start
+        if start:
+            keys = torch.cat([keys.new_ones(keys.size(0), 1, start), keys], dim=2)
         if not streaming:
-            return key_mask
-        length = mask.size(-1)
-        return key_mask & chunk_mask(length, self.static_chunk_size, self.num_decoding_left_chunks, mask.device)
+            return keys
+        return keys & chunk_mask(mask.size(-1), self.static_chunk_size, self.num_decoding_left_chunks,
+                                 mask.device, query_start=start)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
-                spks: torch.Tensor, cond: torch.Tensor, *, streaming: bool) -> torch.Tensor:
+                spks: torch.Tensor, cond: torch.Tensor, *, streaming: bool,
+                window: StreamWindow | None = None) -> torch.Tensor:
         """x, mu, cond (B, 80, T); mask (B, 1, T); t (B,); spks (B, 80) -> velocity (B, 80, T)."""
         time_emb = self.time_mlp(sinusoidal_time_embedding(t, self.in_channels).to(t.dtype))
         x = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
-        attn_mask = self.attention_mask(mask, streaming)
+        attn_mask = self.attention_mask(mask, streaming, window)
 
         resnet, blocks, downsample = self.down_blocks[0]
-        skip = self._transformers(blocks, resnet(x, mask, time_emb), attn_mask)
-        x = downsample(skip * mask)
+        skip = self._transformers(blocks, resnet(x, mask, time_emb, window), attn_mask, window)
+        x = downsample(skip * mask, window)
         for resnet, blocks in self.mid_blocks:
-            x = self._transformers(blocks, resnet(x, mask, time_emb), attn_mask)
+            x = self._transformers(blocks, resnet(x, mask, time_emb, window), attn_mask, window)
         resnet, blocks, upsample = self.up_blocks[0]
-        x = self._transformers(blocks, resnet(torch.cat([x, skip], dim=1), mask, time_emb), attn_mask)
-        x = upsample(x * mask)
-        x = self.final_block(x, mask)
+        x = self._transformers(blocks, resnet(torch.cat([x, skip], dim=1), mask, time_emb, window), attn_mask, window)
+        x = upsample(x * mask, window)
+        x = self.final_block(x, mask, window)
         return self.final_proj(x * mask) * mask
 
     @staticmethod
-    def _transformers(blocks: nn.ModuleList, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    def _transformers(blocks: nn.ModuleList, x: torch.Tensor, attn_mask: torch.Tensor,
+                      window: StreamWindow | None) -> torch.Tensor:
         """Run transformer blocks on channel-first x (B, C, T)."""
         x = x.transpose(1, 2).contiguous()
         for block in blocks:
-            x = block(x, attn_mask)
+            x = block(x, attn_mask, window)
         return x.transpose(1, 2).contiguous()

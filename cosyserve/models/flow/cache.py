@@ -1,0 +1,115 @@
+"""State kept between the calls of an incremental (streaming) flow session.
+
+The flow is chunk-causal in streaming mode: attention is block-causal, convolutions only look
+left (the pre-lookahead conv looks right, but only at real look-ahead tokens). Positions in a
+*complete* attention block therefore never change once computed. A streaming call recomputes
+a :class:`StreamWindow` of positions ``[start, end)``: ``start`` is the first position whose
+block was incomplete last time, ``end`` the end of what is known now. Every stateful layer keeps
+what later windows need from the positions before ``start`` (attention keys/values, the left
+context of a causal convolution) and, after the call, takes over the first ``commit`` positions
+of the window, the ones that became final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+State = TypeVar("State")
+
+# Growth factor of FrameBuffer's storage: appends stay amortised O(new frames) while at most a
+# third of the storage is slack.
+_GROWTH = 1.5
+
+
+@dataclass(frozen=True)
+class StreamWindow:
+    """Where one call's input sits in the stream, and the per-layer state it continues from."""
+
+    start: int  # absolute position of the window's first input frame
+    commit: int  # leading window frames that are final after this call (their state is kept)
+    states: dict[nn.Module, Any]  # persistent per-layer state of one network pass, keyed by layer
+
+    def scaled(self, factor: int) -> StreamWindow:
+        """The same window at ``factor`` times the frame rate (after an up-sampling layer)."""
+        return StreamWindow(self.start * factor, self.commit * factor, self.states)
+
+    def state(self, owner: nn.Module, create: Callable[[], State]) -> State:
+        if owner not in self.states:
+            self.states[owner] = create()
+        return self.states[owner]
+
+
+class FrameBuffer:
+    """Committed frames of a tensor along ``dim``, with room to append.
+
+    :meth:`extend` writes a window's frames right after the committed ones and returns a view of
+    [committed ‖ window] without copying the committed part; frames past the new commit point are
+    provisional and get overwritten by the next call.
+    """
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.committed = 0
+        self._storage: torch.Tensor | None = None
+
+    def extend(self, frames: torch.Tensor, commit: int) -> torch.Tensor:
+        """[committed ‖ frames] (a view, valid until the next call); then commit ``commit`` frames."""
+        dim, new = self.dim, frames.size(self.dim)
+        end = self.committed + new
+        if self._storage is None or self._storage.size(dim) < end:
+            capacity = max(end, int(_GROWTH * (0 if self._storage is None else self._storage.size(dim))))
+            shape = list(frames.shape)
+            shape[dim] = capacity
+            storage = frames.new_empty(shape)
+            if self.committed:
+                storage.narrow(dim, 0, self.committed).copy_(self._storage.narrow(dim, 0, self.committed))
+            self._storage = storage
+        self._storage.narrow(dim, self.committed, new).copy_(frames)
+        view = self._storage.narrow(dim, 0, end)
+        self.committed += commit
+        return view
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._storage is None else self._storage.numel() * self._storage.element_size()
+
+
+@dataclass
+class KeyValueCache:
+    """Attention keys and values (B, H, T, d) of the committed positions."""
+
+    keys: FrameBuffer = field(default_factory=lambda: FrameBuffer(dim=2))
+    values: FrameBuffer = field(default_factory=lambda: FrameBuffer(dim=2))
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor, commit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window's keys/values appended to the committed ones (see :meth:`FrameBuffer.extend`)."""
+        return self.keys.extend(k, commit), self.values.extend(v, commit)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+def with_left_context(x: torch.Tensor, frames: int, owner: nn.Module, window: StreamWindow | None) -> torch.Tensor:
+    """x (B, C, T) with ``frames`` frames prepended for a causal convolution.
+
+    Without a window: zeros (the sequence starts here). In a stream window: the input frames that
+    precede the window (zeros at the stream start); remembers the ones preceding the next window.
+    """
+    if window is None:
+        return F.pad(x, (frames, 0))
+    left = window.state(owner, lambda: x.new_zeros(x.size(0), x.size(1), frames))
+    padded = torch.cat([left, x], dim=2)
+    window.states[owner] = padded[:, :, window.commit:window.commit + frames]
+    return padded
+
+
+def state_bytes(states: dict[nn.Module, Any]) -> int:
+    """Memory held by one network pass's state: tensors, and objects with an ``nbytes`` property."""
+    return sum(s.numel() * s.element_size() if isinstance(s, torch.Tensor) else s.nbytes for s in states.values())
