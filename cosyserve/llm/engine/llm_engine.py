@@ -1,0 +1,262 @@
+"""Continuous-batching engine: thread-safe submit/cancel, one scheduler step at a time.
+
+Each :meth:`LLMEngine.step` (called by the background thread, or by the caller when no thread
+was started) does, in order: take new requests and cross-thread calls, drop cancelled requests,
+admit waiting requests into free slots and prefill them as one padded batch (prefix-cache hits
+start after the cached tokens), then run one decode step for every running request. Running
+requests always occupy slots 0..n-1: a request that leaves is replaced by the last one (its KV
+is moved), so decode batches are contiguous and need no gather.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import InvalidInputError, RequestCancelledError
+from ..prompt import validate_prompt_ids
+from ..sampling import SamplingParams, random_seed
+from ..stream import Finished, TokenStream, cancelled_error
+from .model_runner import ModelRunner, PrefillItem
+from .prefix_cache import PrefixCache
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    prefilled: int  # requests admitted and prefilled in this step
+    decoded: int  # requests that got a decode token in this step
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        max_slots: int = 64,
+        max_model_len: int = 2048,
+        max_prefill_tokens: int = 8192,
+        prefix_cache_size: int = 64,
+        use_cuda_graphs: bool | None = None,
+    ):
+        device = torch.device(device)
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self.max_slots, self.max_model_len, self.max_prefill_tokens = max_slots, max_model_len, max_prefill_tokens
+        self.runner = ModelRunner(model_dir, device, dtype, max_slots, max_model_len, use_cuda_graphs)
+        self.prefixes = PrefixCache(prefix_cache_size)
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # index == slot
+        # Shared with submitting threads, guarded by _lock.
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._inbox: list[Sequence] = []
+        self._calls: list[tuple[Callable[[], Any], Future]] = []
+        self._active: dict[str, Sequence] = {}
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    # ---- public, any thread ----------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               on_token: Callable[[int], None] | None = None) -> TokenStream:
+        """Queue a request; bad input raises InvalidInputError here and never reaches the batch."""
+        ids = validate_prompt_ids(prompt_ids, self.runner.config.vocab_size)
+        if not isinstance(params, SamplingParams):
+            raise InvalidInputError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if len(ids) >= self.max_model_len:
+            raise InvalidInputError(f"prompt has {len(ids)} tokens; this engine holds at most "
+                                    f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})")
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the engine is closed")
+            if request_id in self._active:
+                raise InvalidInputError(f"request id {request_id!r} is already in use")
+            seq = Sequence(
+                request_id=request_id, prompt_ids=ids, params=params,
+                seed=params.seed if params.seed is not None else random_seed(),
+                max_new_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
+                stream=TokenStream(request_id, lambda: self.cancel(request_id)), on_token=on_token,
+            )
+            self._active[request_id] = seq
+            self._inbox.append(seq)
+            self._wakeup.notify()
+        return seq.stream
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request; its slot is freed at the next step boundary. False if it is not active."""
+        with self._lock:
+            seq = self._active.get(request_id)
+            if seq is None:
+                return False
+            seq.cancelled = True
+            self._wakeup.notify()
+        return True
+
+    def register_prefix(self, key: str, ids: list[int]) -> None:
+        """Compute and keep the KV of ``ids`` (e.g. ``build_prefix_ids``) for reuse by later prompts."""
+        ids = validate_prompt_ids(ids, self.runner.config.vocab_size)
+        if len(ids) >= self.max_model_len:
+            raise InvalidInputError(f"prefix of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")
+        self._call(lambda: self.prefixes.put(key, ids, self.runner.compute_prefix_kv(ids)))
+
+    def teacher_forced_logits(self, prompt_ids: list[int], forced: list[int]) -> torch.Tensor:
+        """Logits (1 + len(forced), window) after the prompt and after each forced window index."""
+        ids = validate_prompt_ids(prompt_ids, self.runner.config.vocab_size)
+        return self._call(lambda: self._score(ids, forced))
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_active(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    def start(self) -> "LLMEngine":
+        """Run steps on a background thread whenever there is work."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            pending = list(self._active.values())
+        for seq in pending:
+            self._finish(seq, Finished("cancelled", RequestCancelledError("the engine was closed")))
+
+    # ---- scheduler -------------------------------------------------------------------------
+    def step(self) -> StepStats:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            calls, self._calls = self._calls, []
+        self._waiting.extend(new)
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # reported to the caller, the engine goes on
+                future.set_exception(exc)
+        self._drop_cancelled()
+        prefilled = self._admit_and_prefill()
+        decoded = len(self._running)
+        if decoded:
+            tokens = self.runner.decode(decoded, max(seq.position for seq in self._running))
+            self._append_tokens(self._running, tokens)
+        return StepStats(prefilled, decoded)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self._closing or self._inbox or self._calls or self._waiting or self._running):
+                    self._wakeup.wait()
+                if self._closing:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a failed step fails the requests in flight, not the engine
+                log.exception("LLM engine step failed")
+                for seq in [*self._running, *self._waiting]:
+                    self._finish(seq, Finished("error", exc))
+                self._running.clear()
+                self._waiting.clear()
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between steps (inline when no thread runs)."""
+        if self._thread is None:
+            return fn()
+        future: Future = Future()
+        with self._lock:
+            self._calls.append((fn, future))
+            self._wakeup.notify()
+        return future.result()
+
+    def _drop_cancelled(self) -> None:
+        if any(seq.cancelled for seq in self._waiting):
+            for seq in [s for s in self._waiting if s.cancelled]:
+                self._finish(seq, cancelled_error(seq.request_id))
+            self._waiting = deque(s for s in self._waiting if not s.cancelled)
+        cancelled = [seq for seq in self._running if seq.cancelled]
+        for seq in cancelled:
+            self._finish(seq, cancelled_error(seq.request_id))
+        self._release(cancelled)
+
+    def _admit_and_prefill(self) -> int:
+        batch: list[tuple[Sequence, PrefillItem]] = []
+        longest = 0
+        while self._waiting and len(self._running) < self.max_slots:
+            seq = self._waiting[0]
+            prefix, cached = self.prefixes.match(seq.prompt_ids)
+            longest_if_added = max(longest, len(seq.prompt_ids) - cached)
+            if batch and longest_if_added * (len(batch) + 1) > self.max_prefill_tokens:
+                break
+            self._waiting.popleft()
+            longest = longest_if_added
+            seq.slot = len(self._running)
+            self._running.append(seq)
+            if prefix is not None:
+                self.runner.load_prefix(seq.slot, prefix.kv, cached)
+            batch.append((seq, PrefillItem(seq.slot, seq.prompt_ids, cached)))
+        if not batch:
+            return 0
+        seqs = [seq for seq, _ in batch]
+        slots = [seq.slot for seq in seqs]
+        self.runner.sampler.set_requests(slots, [s.params for s in seqs], [s.seed for s in seqs],
+                                         [s.prompt_window_ids for s in seqs])
+        self._append_tokens(seqs, self.runner.prefill([item for _, item in batch]))
+        return len(batch)
+
+    def _append_tokens(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        finished = [seq for seq, token in zip(seqs, tokens) if seq.append(token)]
+        if finished:
+            self._forget(finished)
+            self._release(finished)
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        """Free the slots of ``seqs`` (running), moving the last running requests into the holes."""
+        for seq in sorted(seqs, key=lambda s: s.slot, reverse=True):
+            last = self._running.pop()
+            if last is not seq:
+                self.runner.move_slot(last.slot, seq.slot, last.position + 1)
+                last.slot = seq.slot
+                self._running[seq.slot] = last
+            seq.slot = -1
+
+    def _finish(self, seq: Sequence, event: Finished) -> None:
+        seq.finish(event)
+        self._forget([seq])
+
+    def _forget(self, seqs: list[Sequence]) -> None:
+        with self._lock:
+            for seq in seqs:
+                self._active.pop(seq.request_id, None)
+
+    def _score(self, ids: list[int], forced: list[int]) -> torch.Tensor:
+        slot = len(self._running)
+        if slot >= self.max_slots or len(ids) + len(forced) > self.max_model_len:
+            raise InvalidInputError("no free slot or the sequence does not fit max_model_len")
+        rows = [self.runner.prefill_logits([PrefillItem(slot, ids, 0)])[0]]
+        for offset, token in enumerate(forced):
+            position = len(ids) + offset
+            self.runner.set_decode_input(slot, token, position)
+            rows.append(self.runner.decode_logits(slot + 1, position)[slot])
+        return torch.stack(rows).cpu()

@@ -1,0 +1,59 @@
+"""State of one request inside the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..prompt import NUM_SPEECH_TOKENS, OUTPUT_WINDOW_SIZE, OUTPUT_WINDOW_START
+from ..sampling import SamplingParams
+from ..stream import Finished, TokenStream
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_new_tokens: int  # params.max_tokens, cut to what fits in the model length
+    stream: TokenStream
+    on_token: Callable[[int], None] | None = None
+    output: list[int] = field(default_factory=list)
+    slot: int = -1
+    cancelled: bool = False
+    finished: bool = False
+
+    @property
+    def position(self) -> int:
+        """Position of the newest token, the next decode step's input."""
+        return len(self.prompt_ids) + len(self.output) - 1
+
+    @property
+    def prompt_window_ids(self) -> list[int]:
+        """Prompt speech tokens as output-window indices (for the repetition penalty)."""
+        return [t - OUTPUT_WINDOW_START for t in self.prompt_ids
+                if OUTPUT_WINDOW_START <= t < OUTPUT_WINDOW_START + OUTPUT_WINDOW_SIZE]
+
+    def append(self, token: int) -> bool:
+        """Record a sampled window index; returns True when the request is now finished."""
+        if token >= NUM_SPEECH_TOKENS:
+            self.finish(Finished("stop"))
+            return True
+        self.output.append(token)
+        self.stream.put(token)
+        if self.on_token is not None:
+            try:
+                self.on_token(token)
+            except Exception as exc:  # a failing callback ends its own request only
+                self.finish(Finished("error", exc))
+                return True
+        if len(self.output) >= self.max_new_tokens:
+            self.finish(Finished("length"))
+            return True
+        return False
+
+    def finish(self, event: Finished) -> None:
+        if not self.finished:
+            self.finished = True
+            self.stream.put(event)

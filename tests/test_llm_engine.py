@@ -1,0 +1,244 @@
+"""The torch engine against the transformers reference (CPU, float32, tiny bundle), sampling and scheduling."""
+
+import importlib.util
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cosyserve.bundle.llm import ensure_llm_bundle
+from cosyserve.errors import InvalidInputError, RequestCancelledError
+from cosyserve.llm import BackendUnavailableError, SamplingParams, create_backend
+from cosyserve.llm.engine.llm_engine import LLMEngine
+from cosyserve.llm.prompt import NUM_SPEECH_TOKENS, OUTPUT_WINDOW_SIZE, OUTPUT_WINDOW_START, SOS_ID, TASK_ID
+from cosyserve.llm.sampling import Sampler
+
+WINDOW = slice(OUTPUT_WINDOW_START, OUTPUT_WINDOW_START + OUTPUT_WINDOW_SIZE)
+
+
+def prompt(n_text: int, n_speech: int, salt: int = 0) -> list[int]:
+    text = [(37 * i + 11 * salt) % 150000 + 100 for i in range(n_text)]
+    speech = [OUTPUT_WINDOW_START + (53 * i + salt) % NUM_SPEECH_TOKENS for i in range(n_speech)]
+    return [SOS_ID, *text, TASK_ID, *speech]
+
+
+PROMPTS = [prompt(4, 0, 1), prompt(25, 30, 2), prompt(9, 3, 3)]
+
+
+@pytest.fixture(scope="session")
+def llm_dir(tmp_path_factory):
+    return ensure_llm_bundle(tmp_path_factory.getbasetemp() / "llm_tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf(llm_dir):
+    backend = create_backend("hf", llm_dir, "cpu")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def engine(llm_dir):
+    backend = create_backend("torch", llm_dir, "cpu", max_slots=4, max_model_len=256)
+    yield backend
+    backend.close()
+
+
+def test_greedy_matches_hf_single_and_batched(hf, engine):
+    # Different max_tokens: requests leave mid-batch, so slots are compacted while others run.
+    params = [SamplingParams.greedy(max_tokens=n) for n in (20, 7, 14)]
+    reference = [hf.generate(ids, p) for ids, p in zip(PROMPTS, params)]
+    assert [engine.generate(ids, p) for ids, p in zip(PROMPTS, params)] == reference
+    streams = [engine.generate_stream(ids, p) for ids, p in zip(PROMPTS, params)]
+    assert [list(s) for s in streams] == reference
+    assert [len(r) for r in reference] == [20, 7, 14]  # random weights: eos is practically never drawn
+
+
+def test_logits_match_hf(hf, engine):
+    ids = PROMPTS[1]
+    forced = hf.generate(ids, SamplingParams.greedy(max_tokens=10))[:-1]
+    ours = engine.engine.teacher_forced_logits(ids, forced)
+    theirs = hf.logits(ids + [t + OUTPUT_WINDOW_START for t in forced])[len(ids) - 1:, WINDOW]
+    assert ours.shape == theirs.shape == (10, OUTPUT_WINDOW_SIZE)
+    assert (ours - theirs).abs().max() < 1e-4
+
+
+def test_seeded_sampling_is_batch_invariant(hf, engine):
+    params = SamplingParams(seed=1234, max_tokens=25)  # default: RAS, top-k 25, top-p 0.8
+    alone = engine.generate(PROMPTS[1], params)
+    others = [engine.generate_stream(ids, SamplingParams(seed=i, max_tokens=30)) for i, ids in enumerate(PROMPTS)]
+    inside = engine.generate_stream(PROMPTS[1], params)
+    assert list(inside) == alone
+    assert all(len(list(s)) == 30 for s in others)
+    assert hf.generate(PROMPTS[1], params) == alone  # same sampler, same noise
+    assert engine.generate(PROMPTS[1], SamplingParams(seed=1235, max_tokens=25)) != alone
+
+
+def test_ras_resamples_repeated_tokens():
+    sampler = Sampler(2, torch.device("cpu"))
+    logits = torch.zeros(1, OUTPUT_WINDOW_SIZE)
+    logits[0, 42] = 1.0  # the nucleus (top_k=1) is always token 42
+    sampler.set_requests([0], [SamplingParams(top_k=1, seed=3)], [3], [[]])
+    sampler.set_requests([1], [SamplingParams(top_k=1, ras=False, seed=3)], [3], [[]])
+    with_ras = [int(sampler.sample(logits, torch.tensor([0]))) for _ in range(23)]
+    without = [int(sampler.sample(logits, torch.tensor([1]))) for _ in range(23)]
+    assert without == [42] * 23
+    # 42 is accepted, then rejected while it is among the last 10 tokens, then accepted again.
+    assert [i for i, t in enumerate(with_ras) if t == 42] == [0, 11, 22]
+
+
+def test_min_tokens_and_repetition_penalty_in_sampler():
+    sampler = Sampler(1, torch.device("cpu"))
+    logits = torch.zeros(1, OUTPUT_WINDOW_SIZE)
+    logits[0, NUM_SPEECH_TOKENS] = 50.0  # eos1 overwhelmingly likely
+    logits[0, 7] = 10.0
+    sampler.set_requests([0], [SamplingParams(min_tokens=3, seed=0)], [0], [[]])
+    tokens = [int(sampler.sample(logits, torch.tensor([0]))) for _ in range(4)]
+    assert NUM_SPEECH_TOKENS not in tokens[:3] and tokens[3] == NUM_SPEECH_TOKENS
+    logits[0, NUM_SPEECH_TOKENS] = 0.0
+    logits[0, 8] = 5.0
+    sampler.set_requests([0], [SamplingParams.greedy(repetition_penalty=100.0)], [0], [[7]])
+    assert int(sampler.sample(logits, torch.tensor([0]))) == 8  # 7 seen in the prompt: 10 / 100 < 5
+    sampler.set_requests([0], [SamplingParams.greedy()], [0], [[7]])
+    assert int(sampler.sample(logits, torch.tensor([0]))) == 7
+
+
+@pytest.fixture(scope="module")
+def eos_dir(llm_dir, tmp_path_factory):
+    """The tiny bundle with a huge eos1 bias: eos is the greedy choice at every step."""
+    path = tmp_path_factory.mktemp("eos") / "llm"
+    shutil.copytree(llm_dir, path)
+    weights = load_file(path / "model.safetensors")
+    weights["lm_head.bias"][OUTPUT_WINDOW_START + NUM_SPEECH_TOKENS] = 1000.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_eos_min_tokens_and_ignore_eos_counts(eos_dir):
+    engine = LLMEngine(eos_dir, max_slots=2, max_model_len=128)
+    streams = [engine.submit(PROMPTS[0], SamplingParams.greedy()),
+               engine.submit(PROMPTS[2], SamplingParams.greedy(min_tokens=5)),
+               engine.submit(PROMPTS[1], SamplingParams(ignore_eos=True, max_tokens=12, seed=1))]
+    while engine.num_active:
+        engine.step()
+    assert [len(list(s)) for s in streams] == [0, 5, 12]
+    assert [s.finish_reason for s in streams] == ["stop", "stop", "length"]
+    too_long = engine.submit(PROMPTS[0], SamplingParams(ignore_eos=True, max_tokens=1000))
+    while engine.num_active:
+        engine.step()
+    assert len(list(too_long)) == 128 - len(PROMPTS[0])  # capped by max_model_len
+
+
+def test_cancel_frees_the_slot_at_once(llm_dir):
+    engine = LLMEngine(llm_dir, max_slots=2, max_model_len=256).start()
+    try:
+        stream = engine.submit(PROMPTS[1], SamplingParams(ignore_eos=True, max_tokens=200), request_id="long")
+        assert [next(stream), next(stream)]
+        assert engine.cancel("long") and not engine.cancel("unknown")
+        with pytest.raises(RequestCancelledError):
+            list(stream)
+        deadline = time.monotonic() + 2
+        while (engine.num_running or engine.num_active) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.num_running == 0 and engine.num_active == 0
+        with engine.submit(PROMPTS[0], SamplingParams(ignore_eos=True, max_tokens=200)) as closing:
+            next(closing)  # the reader walks away after one token: the request is cancelled too
+        assert len(list(engine.submit(PROMPTS[2], SamplingParams(ignore_eos=True, max_tokens=5)))) == 5
+        assert engine.num_running == 0 and engine.num_active == 0
+    finally:
+        engine.close()
+
+
+def test_bad_requests_fail_alone(hf, engine):
+    params = SamplingParams.greedy(max_tokens=40)
+    good = engine.generate_stream(PROMPTS[1], params)
+    first = next(good)
+    bad_prompts = [[], [158300], [-5], [SOS_ID, "x"]]
+    for ids in bad_prompts:
+        with pytest.raises(InvalidInputError):
+            engine.generate_stream(ids, SamplingParams())
+    for field, value in (("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5),
+                         ("top_k", -1), ("repetition_penalty", 0.0), ("temperature", float("nan")),
+                         ("min_tokens", 50)):
+        with pytest.raises(InvalidInputError):
+            SamplingParams(**{field: value, "max_tokens": 40} if field != "max_tokens" else {field: value})
+    with pytest.raises(InvalidInputError, match="max_model_len"):
+        engine.generate_stream(list(range(300)), SamplingParams())
+    assert [first, *good] == hf.generate(PROMPTS[1], params)
+
+
+def test_prefix_cache_reuses_kv_and_keeps_tokens(llm_dir):
+    engine = LLMEngine(llm_dir, max_slots=2, max_model_len=256)
+    params = SamplingParams.greedy(max_tokens=12)
+
+    def run(ids):
+        stream = engine.submit(ids, params)
+        while engine.num_active:
+            engine.step()
+        return list(stream)
+
+    ids = PROMPTS[1]
+    expected = run(ids)
+    engine.register_prefix("voice", ids[:20])
+    engine.register_prefix("other", [SOS_ID, 999, 998])
+    assert engine.prefixes.match(ids)[1] == 20
+    assert run(ids) == expected
+    assert engine.prefixes.match(ids[:10] + [5])[1] == 10  # partial overlap: shared tokens only
+    assert engine.prefixes.match(ids[:20])[1] == 19  # at least one token is always computed
+
+
+def test_backend_registry(llm_dir, monkeypatch):
+    from cosyserve.llm.openai_backend import BASE_URL_ENV
+
+    monkeypatch.delenv(BASE_URL_ENV, raising=False)
+    with pytest.raises(InvalidInputError, match="unknown LLM backend"):
+        create_backend("vllm", llm_dir)
+    with pytest.raises(InvalidInputError, match="base_url"):
+        create_backend("openai", llm_dir)  # the client needs to know where its server is
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        with pytest.raises(BackendUnavailableError, match="tensorrt_llm"):
+            create_backend("trtllm", llm_dir, "cuda", engine_dir=llm_dir)
+
+
+def test_concurrent_submitters(engine):
+    params = SamplingParams.greedy(max_tokens=9)
+    expected = [engine.generate(ids, params) for ids in PROMPTS]
+    results = [None] * 6
+
+    def worker(i):
+        results[i] = engine.generate(PROMPTS[i % 3], params)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected * 2
+
+
+class _EagerGraph:
+    """Stands in for a captured CUDA graph on CPU: replay() runs the graph body."""
+
+    def __init__(self, body, shape):
+        self.body, self.shape = body, shape
+
+    def replay(self):
+        self.body(*self.shape)
+
+
+def test_lone_prefill_graph_body_matches_hf(hf, llm_dir):
+    # The body captured on GPU for a lone request's prefill (with prefix-cache hits too), run eagerly.
+    engine = LLMEngine(llm_dir, max_slots=2, max_model_len=256)
+    runner = engine.runner
+    runner.prefill_graphs = {(t, kv): _EagerGraph(runner._prefill_step, (t, kv))
+                             for t in runner.prefill_buckets for kv in runner.length_buckets if kv >= t}
+    engine.register_prefix("voice", PROMPTS[1][:12])
+    params = SamplingParams.greedy(max_tokens=8)
+    for ids in (PROMPTS[0], PROMPTS[1]):
+        stream = engine.submit(ids, params)
+        while engine.num_active:
+            engine.step()
+        assert list(stream) == hf.generate(ids, params)
