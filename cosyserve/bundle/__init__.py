@@ -19,7 +19,6 @@ import math
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
 import torch
 
 from ..config import Tagged, dump_hyperpyyaml
@@ -110,6 +109,8 @@ def make_cosyvoice2_dir(out_dir: Path, size: str, seed: int) -> Path:
 
 
 def write_assets(out_dir: Path, seed: int) -> Path:
+    import soundfile as sf  # only here: GPU images without libsndfile can still build LLM bundles
+
     assets = out_dir / ASSETS_DIR
     assets.mkdir(parents=True, exist_ok=True)
     sf.write(assets / "prompt_audio.wav", synthetic_prompt_wave(seed=seed), 16000, subtype="FLOAT")
