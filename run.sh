@@ -25,11 +25,13 @@ MODEL_SOURCE=${MODEL_SOURCE:-modelscope}      # modelscope | huggingface | tiny 
 MODELS_DIR=${MODELS_DIR:-$repo_root/models}
 BUNDLE_SEED=${BUNDLE_SEED:-0}
 LLM_BACKEND=${LLM_BACKEND:-torch}             # torch (ours) | trtllm
-MODEL_REPO=${MODEL_REPO:-$repo_root/model_repo_cosyvoice2}
+MODEL_REPO=${MODEL_REPO:-$repo_root/outputs/model_repo_cosyvoice2}
 DECOUPLED_MODE=${DECOUPLED_MODE:-True}        # True = streaming, False = offline
 STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | time_based
 DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
 BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-4}
+MAX_TOKENS=${MAX_TOKENS:-750}                 # speech tokens per request at most (30 s of audio)
+MIN_TOKENS=${MIN_TOKENS:-0}                   # and at least (benchmarks on random weights fix lengths)
 TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-16}
 MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
 HTTP_PORT=${HTTP_PORT:-8000}
@@ -122,8 +124,8 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   fill "$MODEL_REPO/token2wav/config.pbtxt" "$common"
   fill "$MODEL_REPO/audio_tokenizer/config.pbtxt" "$common"
   fill "$MODEL_REPO/speaker_embedding/config.pbtxt" "$common"
-  fill "$MODEL_REPO/llm/config.pbtxt" "llm_dir:$MODELS_DIR/cosyvoice2_llm,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS,device:$DEVICE"
-  fill "$MODEL_REPO/cosyvoice2/config.pbtxt" "$common,llm_tokenizer_dir:$MODELS_DIR/cosyvoice2_llm,bls_instance_num:$BLS_INSTANCE_NUM,decoupled_mode:$DECOUPLED_MODE,streaming_strategy:$STREAMING_STRATEGY,llm_model_name:llm"
+  fill "$MODEL_REPO/llm/config.pbtxt" "$common,llm_dir:$MODELS_DIR/cosyvoice2_llm"
+  fill "$MODEL_REPO/cosyvoice2/config.pbtxt" "model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,llm_tokenizer_dir:$MODELS_DIR/cosyvoice2_llm,bls_instance_num:$BLS_INSTANCE_NUM,decoupled_mode:$DECOUPLED_MODE,streaming_strategy:$STREAMING_STRATEGY,llm_model_name:llm,max_tokens:$MAX_TOKENS,min_tokens:$MIN_TOKENS"
 fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then

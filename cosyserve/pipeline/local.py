@@ -1,0 +1,177 @@
+"""In-process back ends of :class:`~cosyserve.pipeline.tts.TTSPipeline`: the package objects
+called directly (``offline_inference.py``, tests), and the token2wav session bookkeeping that the
+Triton ``token2wav`` model reuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
+from ..frontend.speakers import SpeakerRegistry
+from ..llm.prompt import build_prefix_ids
+from ..llm.sampling import SamplingParams
+from ..token2wav.cosyvoice2 import CosyVoice2Token2Wav, load_token2wav
+from .tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice, VoiceResolver
+
+COSYVOICE2_DIR = "CosyVoice2-0.5B"
+LLM_DIR = "cosyvoice2_llm"
+SPK2INFO = "spk2info.pt"
+# The reference BLS's request to TensorRT-LLM (llm_layout.md §4); TRT-LLM has no RAS.
+REFERENCE_SAMPLING = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.1,
+                                    seed=42, ras=False)
+STREAM_IDLE_TIMEOUT_S = 600.0
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """``auto`` = CUDA when available, else CPU; ``cpu``, ``cuda``, ``cuda:N`` as given."""
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} was requested but CUDA is not available")
+    return device
+
+
+def register_voice_prefixes(backend, text_tokenizer, registry: SpeakerRegistry) -> None:
+    """Precompute the LLM KV of every registered voice's ``<|sos|>{prompt_text}``."""
+    for speaker_id in registry.ids():
+        prompt_text = registry.get(speaker_id).prompt_text
+        backend.register_prefix(f"voice:{speaker_id}", build_prefix_ids(text_tokenizer, prompt_text))
+
+
+class LocalSpeechTokens:
+    """:class:`~cosyserve.pipeline.tts.SpeechTokenSource` over a ``cosyserve.llm`` backend."""
+
+    def __init__(self, backend, sampling: SamplingParams = REFERENCE_SAMPLING):
+        self.backend = backend
+        self.sampling = sampling
+
+    def generate(self, prompt_ids: list[int], request_id: str, limits: TokenLimits) -> Iterator[Sequence[int]]:
+        params = dataclasses.replace(self.sampling, max_tokens=limits.max_tokens, min_tokens=limits.min_tokens)
+        stream = self.backend.generate_stream(prompt_ids, params, request_id)  # bad prompts raise here
+        return _one_token_pieces(stream)
+
+    def cancel(self, request_id: str) -> None:
+        self.backend.cancel(request_id)
+
+
+def _one_token_pieces(stream) -> Iterator[Sequence[int]]:
+    with stream:  # leaving early cancels the request
+        for token in stream:
+            yield (token,)
+
+
+class LocalToken2Wav:
+    """:class:`~cosyserve.pipeline.tts.Token2Wav` over :class:`CosyVoice2Token2Wav`.
+
+    A request's streaming session opens at its first step and closes at its final step, on
+    :meth:`cancel`, on any error, or after ``idle_timeout_s`` without a step (a caller that
+    vanished mid-stream).
+    """
+
+    def __init__(self, model: CosyVoice2Token2Wav, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S):
+        self.model = model
+        self.idle_timeout_s = idle_timeout_s
+        self._last_step: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def open_sessions(self) -> int:
+        return self.model.open_streams
+
+    def offline(self, request_id: str, tokens: Sequence[int], voice: Voice) -> np.ndarray:
+        f = voice.features
+        return _numpy(self.model.offline(list(tokens), f.speech_tokens, f.speech_feat, f.embedding))
+
+    def step(self, request_id: str, tokens: Sequence[int], voice: Voice, token_offset: int,
+             finalize: bool) -> np.ndarray:
+        self.close_idle()
+        if request_id in self.model.open_stream_ids:
+            stream = self.model.get_stream(request_id)
+        else:
+            f = voice.features
+            stream = self.model.open_stream(request_id, f.speech_tokens, f.speech_feat, f.embedding)
+        try:
+            return _numpy(stream.step(list(tokens), token_offset, finalize))
+        finally:  # the stream closes itself after the final step and on errors
+            with self._lock:
+                if stream.closed:
+                    self._last_step.pop(request_id, None)
+                else:
+                    self._last_step[request_id] = time.monotonic()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._last_step.pop(request_id, None)
+        if request_id in self.model.open_stream_ids:
+            self.model.get_stream(request_id).close()
+
+    def close_idle(self) -> list[str]:
+        """Close sessions whose last step is older than the idle timeout; returns their ids."""
+        deadline = time.monotonic() - self.idle_timeout_s
+        with self._lock:
+            stale = [rid for rid, last in self._last_step.items() if last < deadline]
+        for rid in stale:
+            self.cancel(rid)
+        return stale
+
+
+def _numpy(waveform: torch.Tensor) -> np.ndarray:
+    return waveform.detach().to("cpu", torch.float32).reshape(-1).numpy()
+
+
+@dataclass
+class LocalTTS:
+    """Everything needed to synthesise in this process; :meth:`request` builds a :class:`TTSRequest`."""
+
+    pipeline: TTSPipeline
+    voices: VoiceResolver
+    llm_backend: object
+    token2wav: LocalToken2Wav
+
+    def request(self, target_text: str, *, reference_wav16=None, reference_text: str | None = None,
+                speaker_id: str | None = None, limits: TokenLimits = TokenLimits(),
+                request_id: str | None = None) -> TTSRequest:
+        voice = self.voices.resolve(reference_wav16, reference_text, speaker_id)
+        return TTSRequest(request_id or uuid.uuid4().hex, target_text, voice, limits)
+
+    def close(self) -> None:
+        self.token2wav.model.close_all()
+        self.llm_backend.close()
+
+
+def load_local_tts(models_dir: str | Path, device: str = "auto", *, llm_backend: str = "torch",
+                   strategy: str = "exponential", sampling: SamplingParams = REFERENCE_SAMPLING,
+                   llm_options: dict | None = None) -> LocalTTS:
+    """Load the bundle layout ``<models_dir>/{CosyVoice2-0.5B, cosyvoice2_llm}`` on ``device``.
+
+    fp32 on CPU; on CUDA the flow runs in fp16 (HiFT stays fp32) and the LLM in bf16, as deployed.
+    """
+    from transformers import AutoTokenizer
+
+    from ..llm.backends import create_backend
+
+    models_dir = Path(models_dir)
+    model_dir, llm_dir = models_dir / COSYVOICE2_DIR, models_dir / LLM_DIR
+    device = resolve_device(device)
+    text_tokenizer = AutoTokenizer.from_pretrained(llm_dir)
+    registry = SpeakerRegistry.load(model_dir / SPK2INFO)
+    providers = None if device.type == "cuda" else ["CPUExecutionProvider"]
+    voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", providers),
+                           SpeakerEncoder(model_dir / "campplus.onnx"), default_speaker=DEFAULT_SPEAKER)
+    flow_dtype = torch.float16 if device.type == "cuda" else torch.float32
+    token2wav = LocalToken2Wav(load_token2wav(model_dir, device, flow_dtype))
+    backend = create_backend(llm_backend, llm_dir, device, None, **(llm_options or {}))
+    register_voice_prefixes(backend, text_tokenizer, registry)
+    pipeline = TTSPipeline(text_tokenizer, LocalSpeechTokens(backend, sampling), token2wav, strategy=strategy)
+    return LocalTTS(pipeline, voices, backend, token2wav)

@@ -1,0 +1,272 @@
+"""One text-to-speech request end to end: prompt ids -> LLM speech tokens -> token2wav audio.
+
+The orchestration here is backend-agnostic. It talks to two small interfaces,
+:class:`SpeechTokenSource` (the LLM) and :class:`Token2Wav` (flow + vocoder), so the same code
+runs inside the Triton BLS model (both reached through BLS requests, see
+``cosyserve.serving.bls``) and in-process (``cosyserve.pipeline.local``: the package objects
+called directly, for ``offline_inference.py`` and the tests).
+
+Streaming: the LLM stream is drained on a helper thread while the calling thread synthesises
+chunks as soon as :class:`~cosyserve.pipeline.schedule.ChunkScheduler` allows, so generation
+and synthesis overlap. Pending chunks are always emitted before the final one, so the chunk
+sequence for ``n`` tokens is exactly :func:`~cosyserve.pipeline.schedule.plan_chunks` ``(n)``
+with the exponential strategy, however fast the LLM is. Whenever a request ends early
+(cancelled, error), the LLM request is stopped and the token2wav session closed.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
+from ..errors import InvalidInputError, RequestCancelledError
+from ..frontend.prompt import PromptFeatures, build_prompt_features
+from ..llm.prompt import MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, build_prompt_ids
+from .schedule import ChunkScheduler
+
+MAX_TEXT_CHARS = 1000
+DEFAULT_MAX_TOKENS = 750  # the reference BLS's request_output_len
+DEFAULT_SPEAKER = "001"  # the cached speaker used when a request names no voice
+POLL_S = 0.05  # how often a waiting stream looks at the cancellation flag
+
+
+@dataclass(frozen=True)
+class Voice:
+    """Who speaks: the prompt the LLM continues and the features token2wav is conditioned on.
+
+    ``features`` holds raw speech tokens 0..6560, the prompt mel (2P, 80) and the speaker
+    embedding (192,). ``speaker_id`` names a registered voice
+    (spk2info.pt); it lets back ends reuse what they cache per voice (LLM prefix, default
+    speaker inside token2wav).
+    """
+
+    prompt_text: str
+    features: PromptFeatures
+    speaker_id: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenLimits:
+    """How many speech tokens the LLM may (max) and must (min: end of speech masked) produce."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_tokens <= MAX_SPEECH_TOKENS:
+            raise InvalidInputError(f"max_tokens must be in 1..{MAX_SPEECH_TOKENS}, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidInputError(f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}")
+
+    def override(self, max_tokens: int | None, min_tokens: int | None) -> "TokenLimits":
+        """Per-request limits: given values replace these defaults; min_tokens is clipped to max_tokens."""
+        new_max = self.max_tokens if max_tokens is None else int(max_tokens)
+        new_min = self.min_tokens if min_tokens is None else int(min_tokens)
+        return TokenLimits(new_max, min(new_min, new_max))
+
+
+@dataclass(frozen=True)
+class TTSRequest:
+    request_id: str  # unique among in-flight requests: keys the LLM request and the token2wav session
+    target_text: str
+    voice: Voice
+    limits: TokenLimits = field(default_factory=TokenLimits)
+
+
+class SpeechTokenSource(Protocol):
+    """The LLM: raw speech tokens (0..6560) for a prompt, in pieces as they are generated.
+
+    Registered voices' prefixes (``<|sos|>{prompt_text}``) are registered with the engine at
+    start-up; its prefix cache then matches them by token ids, so no key travels per request.
+    """
+
+    def generate(self, prompt_ids: list[int], request_id: str, limits: TokenLimits) -> Iterator[Sequence[int]]: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+
+class Token2Wav(Protocol):
+    """Flow + vocoder. Streaming sessions are keyed by request id and end with ``finalize``/``cancel``."""
+
+    def offline(self, request_id: str, tokens: Sequence[int], voice: Voice) -> np.ndarray: ...
+
+    def step(self, request_id: str, tokens: Sequence[int], voice: Voice, token_offset: int,
+             finalize: bool) -> np.ndarray: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+
+def validate_text(text: str, what: str = "target_text", max_chars: int = MAX_TEXT_CHARS) -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidInputError(f"{what} is empty; send the text to synthesise (1 to {max_chars} characters)")
+    if len(text) > max_chars:
+        raise InvalidInputError(
+            f"{what} has {len(text)} characters; at most {max_chars} are accepted per request (split longer texts)")
+    return text
+
+
+class VoiceResolver:
+    """A request's voice inputs -> :class:`Voice`: a reference clip with its transcript, a
+    registered speaker id, or neither (the default speaker, "001" of spk2info.pt).
+
+    ``tokenizer``/``speaker_encoder`` only need ``tokenize(wav16)`` / ``embed(wav16)``, so the
+    ONNX wrappers (in-process) and BLS calls to the Triton front-end models both fit.
+    """
+
+    def __init__(self, registry: Any, tokenizer: Any, speaker_encoder: Any, *,
+                 default_speaker: str = DEFAULT_SPEAKER, max_text_chars: int = MAX_TEXT_CHARS):
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self.speaker_encoder = speaker_encoder
+        self.default_speaker = default_speaker
+        self.max_text_chars = max_text_chars
+        registry.get(default_speaker)  # a missing default speaker is a start-up error
+
+    def resolve(self, reference_wav16: Any = None, reference_text: str | None = None,
+                speaker_id: str | None = None) -> Voice:
+        if reference_wav16 is not None:
+            if speaker_id:
+                raise InvalidInputError("send either reference_wav (+ reference_text) or speaker_id, not both")
+            if not reference_text or not reference_text.strip():
+                raise InvalidInputError(
+                    "reference_wav needs reference_text, the transcript of the reference audio")
+            validate_text(reference_text, "reference_text", self.max_text_chars)
+            audio = prompt_audio_from_array(reference_wav16, TOKENIZER_SAMPLE_RATE)
+            return Voice(reference_text, build_prompt_features(audio, self.tokenizer, self.speaker_encoder))
+        if reference_text:
+            raise InvalidInputError("reference_text was given without reference_wav; send both or neither")
+        speaker = self.registry.get(speaker_id or self.default_speaker)
+        return Voice(speaker.prompt_text, speaker.features, speaker.speaker_id)
+
+
+def never_cancelled() -> bool:
+    return False
+
+
+class _TokenPump:
+    """Drains an LLM token stream on a daemon thread; the consumer waits for growth or the end."""
+
+    def __init__(self, pieces: Iterator[Sequence[int]]):
+        self.tokens: list[int] = []
+        self.done = False
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, args=(pieces,), name="tts-token-pump", daemon=True)
+        self._thread.start()
+
+    def _run(self, pieces: Iterator[Sequence[int]]) -> None:
+        try:
+            for piece in pieces:
+                with self._cond:
+                    self.tokens.extend(int(t) for t in piece)
+                    self._cond.notify_all()
+        except BaseException as exc:  # handed to the consumer thread
+            self.error = exc
+        finally:
+            with self._cond:
+                self.done = True
+                self._cond.notify_all()
+
+    def wait(self, seen: int, timeout: float) -> tuple[int, bool]:
+        """Block until more than ``seen`` tokens exist, the stream ended, or ``timeout``; -> (count, done)."""
+        with self._cond:
+            self._cond.wait_for(lambda: len(self.tokens) > seen or self.done, timeout)
+            return len(self.tokens), self.done
+
+
+class TTSPipeline:
+    """Text + voice -> 24 kHz waveform, offline (:meth:`synthesize`) or chunk by chunk (:meth:`stream`).
+
+    ``text_tokenizer`` is the LLM's HuggingFace tokenizer (prompt ids, llm_layout.md §3).
+    """
+
+    def __init__(self, text_tokenizer: Any, llm: SpeechTokenSource, token2wav: Token2Wav, *,
+                 strategy: str = "exponential", max_text_chars: int = MAX_TEXT_CHARS):
+        ChunkScheduler(strategy)  # fail at start-up, not per request, on an unknown strategy
+        self.text_tokenizer = text_tokenizer
+        self.llm = llm
+        self.token2wav = token2wav
+        self.strategy = strategy
+        self.max_text_chars = max_text_chars
+
+    def prompt_ids(self, target_text: str, voice: Voice) -> list[int]:
+        """``<|sos|>{prompt_text}{target_text}<|task_id|>`` + the voice's speech tokens as LLM ids."""
+        validate_text(target_text, "target_text", self.max_text_chars)
+        tokens = voice.features.speech_tokens
+        return build_prompt_ids(self.text_tokenizer, target_text, voice.prompt_text,
+                                [int(t) for t in tokens.reshape(-1).tolist()])
+
+    def _start(self, request: TTSRequest) -> Iterator[Sequence[int]]:
+        ids = self.prompt_ids(request.target_text, request.voice)
+        return self.llm.generate(ids, request.request_id, request.limits)
+
+    def synthesize(self, request: TTSRequest, is_cancelled: Callable[[], bool] = never_cancelled) -> np.ndarray:
+        """The whole waveform (float32, 24 kHz) in one piece."""
+        pieces = self._start(request)
+        tokens: list[int] = []
+        finished = False
+        try:
+            for piece in pieces:
+                tokens.extend(int(t) for t in piece)
+                if is_cancelled():
+                    raise RequestCancelledError(f"request {request.request_id} was cancelled")
+            finished = True
+        finally:
+            if not finished:
+                self.llm.cancel(request.request_id)
+        _check_tokens(tokens, final=True)
+        if is_cancelled():
+            raise RequestCancelledError(f"request {request.request_id} was cancelled")
+        return self.token2wav.offline(request.request_id, tokens, request.voice)
+
+    def stream(self, request: TTSRequest, is_cancelled: Callable[[], bool] = never_cancelled) -> Iterator[np.ndarray]:
+        """Waveform chunks in order; their concatenation is the utterance.
+
+        Closing the generator early (or an error, or ``is_cancelled()`` turning true) stops the
+        LLM request and closes the token2wav session.
+        """
+        pump = _TokenPump(self._start(request))
+        scheduler = ChunkScheduler(self.strategy)
+        rid, voice = request.request_id, request.voice
+        session_open = finished = False
+        try:
+            count, done = 0, False
+            while not done:
+                count, done = pump.wait(count, POLL_S)
+                if is_cancelled():
+                    raise RequestCancelledError(f"request {rid} was cancelled")
+                while (chunk := scheduler.next_chunk(count)) is not None:
+                    tokens = pump.tokens[:chunk.num_tokens]
+                    _check_tokens(tokens)
+                    session_open = True
+                    yield self.token2wav.step(rid, tokens, voice, chunk.token_offset, False)
+                    if is_cancelled():
+                        raise RequestCancelledError(f"request {rid} was cancelled")
+            if pump.error is not None:
+                raise pump.error
+            final = scheduler.final_chunk(count)
+            tokens = pump.tokens[:final.num_tokens]
+            _check_tokens(tokens, final=True)
+            yield self.token2wav.step(rid, tokens, voice, final.token_offset, True)
+            finished = True
+        finally:
+            if not finished:
+                if not pump.done:
+                    self.llm.cancel(rid)
+                if session_open:
+                    self.token2wav.cancel(rid)
+
+
+def _check_tokens(tokens: Sequence[int], final: bool = False) -> None:
+    """The LLM must hand on raw speech tokens only, and at least one by the end."""
+    if final and not tokens:
+        # Also what a BLS caller sees when the LLM model failed: Triton 24.10 drops error
+        # responses of decoupled models on their way to BLS callers.
+        raise RuntimeError("the LLM produced no speech tokens for this request (nothing to synthesise)")
+    if tokens and not (0 <= min(tokens) and max(tokens) < NUM_SPEECH_TOKENS):
+        raise RuntimeError(
+            f"the LLM produced token ids outside 0..{NUM_SPEECH_TOKENS - 1}: {min(tokens)}..{max(tokens)}")

@@ -1,0 +1,193 @@
+"""The ``cosyvoice2`` Triton model (Python BLS): text (+ voice) -> 24 kHz waveform.
+
+Inputs (all ``[1, ...]``): ``target_text`` BYTES; optional ``reference_wav`` FP32 (16 kHz) with
+``reference_wav_len`` INT32 and ``reference_text`` BYTES (zero-shot voice), or ``speaker_id``
+BYTES (a voice of spk2info.pt); neither = the default speaker "001". Optional ``max_tokens`` /
+``min_tokens`` INT32 override the template's speech-token limits for one request.
+Output: ``waveform`` FP32.
+
+``decoupled`` true streams chunks (ChunkScheduler, template parameter ``streaming_strategy``),
+then a final flag; false answers once. The orchestration is :class:`~cosyserve.pipeline.tts.TTSPipeline`;
+this module only supplies its back ends as BLS requests to the ``audio_tokenizer``,
+``speaker_embedding``, LLM (``llm_model_name``: ``llm`` or ``tensorrt_llm``) and ``token2wav``
+models.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from ..frontend.speakers import SpeakerRegistry
+from ..llm.prompt import EOS_IDS, NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
+from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO
+from ..pipeline.tts import (DEFAULT_MAX_TOKENS, DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice,
+                            VoiceResolver, validate_text)
+from .triton_utils import (FINAL, error_response, model_parameters, optional_input, optional_scalar, optional_text,
+                           raise_response_error, reference_wav, required_parameter, tensor)
+
+
+def _bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str], request_id: str = ""):
+    return pb_utils.InferenceRequest(model_name=model_name, requested_output_names=outputs, request_id=request_id,
+                                     inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
+
+
+def _exec(model_name: str, inputs: dict[str, np.ndarray], output: str, request_id: str = "") -> np.ndarray:
+    """One BLS call; returns ``output`` without its batch dimension."""
+    response = _bls(model_name, inputs, [output], request_id).exec()
+    raise_response_error(response, model_name)
+    return pb_utils.get_output_tensor_by_name(response, output).as_numpy()[0]
+
+
+class RemoteSpeechTokenizer:
+    """``tokenize(wav16)`` through the ``audio_tokenizer`` model."""
+
+    def tokenize(self, wav16: torch.Tensor) -> torch.Tensor:
+        wav = wav16.numpy().astype(np.float32)[None]
+        inputs = {"reference_wav": wav, "reference_wav_len": np.array([[wav.shape[1]]], np.int32)}
+        ids = _exec("audio_tokenizer", inputs, "prompt_speech_tokens")
+        return torch.from_numpy(ids.astype(np.int32) - SPEECH_TOKEN_OFFSET)
+
+
+class RemoteSpeakerEncoder:
+    """``embed(wav16)`` through the ``speaker_embedding`` model (fp16 on the wire)."""
+
+    def embed(self, wav16: torch.Tensor) -> torch.Tensor:
+        embedding = _exec("speaker_embedding", {"reference_wav": wav16.numpy().astype(np.float32)[None]},
+                          "prompt_spk_embedding")
+        return torch.from_numpy(embedding.astype(np.float32))
+
+
+class TritonSpeechTokens:
+    """:class:`~cosyserve.pipeline.tts.SpeechTokenSource` over a TensorRT-LLM-style model (always decoupled)."""
+
+    def __init__(self, model_name: str, streaming: bool):
+        self.model_name = model_name
+        self.streaming = streaming
+        s = REFERENCE_SAMPLING
+        self.sampling = {
+            "end_id": np.array([[EOS_IDS[0]]], np.int32), "pad_id": np.array([[EOS_IDS[0]]], np.int32),
+            "runtime_top_p": np.array([[s.top_p]], np.float32), "runtime_top_k": np.array([[s.top_k]], np.int32),
+            "temperature": np.array([[s.temperature]], np.float32),
+            "repetition_penalty": np.array([[s.repetition_penalty]], np.float32),
+            "random_seed": np.array([[s.seed]], np.uint64), "streaming": np.array([[streaming]], np.bool_),
+        }
+
+    def generate(self, prompt_ids: list[int], request_id: str, limits: TokenLimits) -> Iterator[Sequence[int]]:
+        ids = np.asarray(prompt_ids, np.int32)[None]
+        inputs = {"input_ids": ids, "input_lengths": np.array([[ids.shape[1]]], np.int32),
+                  "request_output_len": np.array([[limits.max_tokens]], np.int32), **self.sampling}
+        if limits.min_tokens:  # optional in TRT-LLM's interface: only sent when used
+            inputs["min_tokens"] = np.array([[limits.min_tokens]], np.int32)
+        responses = _bls(self.model_name, inputs, ["output_ids", "sequence_length"], request_id).exec(decoupled=True)
+        return self._speech_tokens(responses)
+
+    def _speech_tokens(self, responses) -> Iterator[Sequence[int]]:
+        ended = False  # an end-of-speech id was seen; the rest is drained (an abandoned iterator leaks)
+        for response in responses:
+            raise_response_error(response, self.model_name)
+            output_ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
+            if output_ids is None or ended:  # None: the empty response that carries the final flag
+                continue
+            length = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
+            raw = output_ids.as_numpy()[0][0][:length].astype(np.int64) - SPEECH_TOKEN_OFFSET
+            speech = (raw >= 0) & (raw < NUM_SPEECH_TOKENS)
+            if not speech.all():
+                ended = True
+                raw = raw[:int(np.argmin(speech))]
+            yield raw.tolist()
+
+    def cancel(self, request_id: str) -> None:
+        stop = {"input_ids": np.array([[EOS_IDS[0]]], np.int32), "input_lengths": np.array([[1]], np.int32),
+                "request_output_len": np.array([[1]], np.int32), "stop": np.array([[True]], np.bool_)}
+        for response in _bls(self.model_name, stop, ["output_ids"], request_id).exec(decoupled=True):
+            if response.has_error():
+                pb_utils.Logger.log_warn(f"stopping LLM request {request_id}: {response.error().message()}")
+
+
+class TritonToken2Wav:
+    """:class:`~cosyserve.pipeline.tts.Token2Wav` over the ``token2wav`` model (sessions keyed by request id)."""
+
+    def offline(self, request_id: str, tokens: Sequence[int], voice: Voice) -> np.ndarray:
+        return self._call(request_id, tokens, voice, with_prompt=True)
+
+    def step(self, request_id: str, tokens: Sequence[int], voice: Voice, token_offset: int,
+             finalize: bool) -> np.ndarray:
+        # The prompt is only read when the session opens, at the first step.
+        return self._call(request_id, tokens, voice, with_prompt=token_offset == 0,
+                          token_offset=np.array([[token_offset]], np.int32), finalize=np.array([[finalize]], np.bool_))
+
+    def cancel(self, request_id: str) -> None:
+        self._call(request_id, [], None, with_prompt=False, cancel=np.array([[True]], np.bool_))
+
+    def _call(self, request_id: str, tokens: Sequence[int], voice: Voice | None, with_prompt: bool,
+              **extra: np.ndarray) -> np.ndarray:
+        inputs = {"target_speech_tokens": np.asarray(tokens, np.int32).reshape(1, -1) + SPEECH_TOKEN_OFFSET, **extra}
+        if with_prompt and voice.speaker_id != DEFAULT_SPEAKER:  # token2wav holds the default speaker itself
+            f = voice.features
+            inputs["prompt_speech_tokens"] = f.speech_tokens.numpy().astype(np.int32)[None] + SPEECH_TOKEN_OFFSET
+            inputs["prompt_speech_feat"] = f.speech_feat.numpy().astype(np.float16)[None]
+            inputs["prompt_spk_embedding"] = f.embedding.numpy().astype(np.float16)[None]
+        return _exec("token2wav", inputs, "waveform", request_id)
+
+
+class CosyVoice2BLS:
+    """Requests are handled one at a time per instance, inside ``execute``, with the LLM stream
+    drained on one helper thread: the reference BLS's threading, the one Triton 24.10's Python
+    stub survives (many request threads per stub corrupted its heap under load). Concurrency
+    comes from ``bls_instance_num`` instances, and the LLM batches across all of them.
+    """
+
+    def __init__(self, config: dict):
+        from transformers import AutoTokenizer
+
+        params = model_parameters(config)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
+        self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), RemoteSpeakerEncoder())
+        self.limits = TokenLimits(int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
+                                  int(params.get("min_tokens") or 0))
+        llm = TritonSpeechTokens(params.get("llm_model_name") or "llm", streaming=self.decoupled)
+        tokenizer = AutoTokenizer.from_pretrained(required_parameter(params, "llm_tokenizer_dir"))
+        self.pipeline = TTSPipeline(tokenizer, llm, TritonToken2Wav(),
+                                    strategy=params.get("streaming_strategy") or "exponential")
+
+    def execute(self, requests):
+        if self.decoupled:
+            for request in requests:
+                self._stream(request)
+            return None
+        return [self._offline(request) for request in requests]
+
+    def _parse(self, request) -> TTSRequest:
+        target_text = validate_text(optional_text(request, "target_text"), "target_text", self.pipeline.max_text_chars)
+        wav = reference_wav(request) if optional_input(request, "reference_wav") is not None else None
+        voice = self.voices.resolve(wav, optional_text(request, "reference_text"), optional_text(request, "speaker_id"))
+        limits = self.limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens"))
+        # Unique even when clients reuse ids: it keys the LLM request and the token2wav session.
+        request_id = f"{request.request_id() or 'tts'}-{uuid.uuid4().hex[:12]}"
+        return TTSRequest(request_id, target_text, voice, limits)
+
+    def _stream(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            for chunk in self.pipeline.stream(self._parse(request), sender.is_cancelled):
+                sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", chunk)]))
+            sender.send(flags=FINAL)
+        except Exception as exc:
+            sender.send(error_response(exc), flags=FINAL)
+
+    def _offline(self, request):
+        try:
+            waveform = self.pipeline.synthesize(self._parse(request), request.is_cancelled)
+            return pb_utils.InferenceResponse(output_tensors=[tensor("waveform", waveform)])
+        except Exception as exc:
+            return error_response(exc)
+
+    def close(self) -> None:
+        """Nothing to release: requests finish inside execute."""

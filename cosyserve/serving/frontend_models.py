@@ -1,0 +1,59 @@
+"""The ``audio_tokenizer`` and ``speaker_embedding`` Triton models over the ONNX front-end wrappers.
+
+* ``audio_tokenizer``: ``reference_wav`` FP32 [-1] (16 kHz) + optional ``reference_wav_len``
+  INT32 [1] -> ``prompt_speech_tokens`` INT32 [-1], LLM ids (speech token + 151663).
+* ``speaker_embedding``: ``reference_wav`` FP32 [-1] (+ optional length) ->
+  ``prompt_spk_embedding`` FP16 [-1] (192 values, the raw CAM++ x-vector).
+
+Audio is validated like any prompt (finite, not silent, 0.5-30 s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..audio.io import TOKENIZER_SAMPLE_RATE, validate_waveform
+from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
+from ..llm.prompt import SPEECH_TOKEN_OFFSET
+from ..pipeline.local import resolve_device
+from .triton_utils import model_parameters, reference_wav, required_parameter, respond_each, tensor
+
+
+class _FrontendModel:
+    """One ONNX wrapper, one request at a time; subclasses define ``_run(request) -> tensors``."""
+
+    def __init__(self, config: dict, onnx_file: str, wrapper):
+        params = model_parameters(config)
+        device = resolve_device(params.get("device") or "auto")
+        providers = None if device.type == "cuda" else ["CPUExecutionProvider"]
+        self.onnx_model = wrapper(Path(required_parameter(params, "model_dir")) / onnx_file, providers)
+
+    def execute(self, requests) -> list:
+        return respond_each(requests, self._run)
+
+    def close(self) -> None:
+        """Nothing to release (the ONNX session goes with the process)."""
+
+
+def _prompt_wav(request):
+    return validate_waveform(reference_wav(request), TOKENIZER_SAMPLE_RATE)
+
+
+class AudioTokenizerModel(_FrontendModel):
+    def __init__(self, config: dict):
+        super().__init__(config, "speech_tokenizer_v2.onnx", SpeechTokenizer)
+
+    def _run(self, request) -> list:
+        tokens = self.onnx_model.tokenize(_prompt_wav(request)).numpy().astype(np.int32) + SPEECH_TOKEN_OFFSET
+        return [tensor("prompt_speech_tokens", tokens)]
+
+
+class SpeakerEmbeddingModel(_FrontendModel):
+    def __init__(self, config: dict):
+        super().__init__(config, "campplus.onnx", SpeakerEncoder)
+
+    def _run(self, request) -> list:
+        embedding = self.onnx_model.embed(_prompt_wav(request)).numpy().astype(np.float16)
+        return [tensor("prompt_spk_embedding", embedding)]

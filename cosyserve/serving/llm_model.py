@@ -1,0 +1,155 @@
+"""The ``llm`` Triton model: this package's LLM engine behind TensorRT-LLM's tensor interface.
+
+Same inputs and outputs as the ``tensorrt_llm`` model of NVIDIA's runtime, so the BLS can talk to
+either (template parameter ``llm_model_name``). Decoupled, one instance: ``execute`` only hands
+each request to the engine (which batches all in-flight requests continuously) and returns; a
+thread per request streams the engine's tokens back through the response sender.
+
+* ``streaming`` true: one response per generated token (``output_ids`` [1, 1, n_new],
+  ``sequence_length`` [1, 1] = n_new), then an empty final response; false: one final response
+  with every token. Ids are LLM ids (raw speech token + 151663); the end-of-speech id is not
+  returned. The prompt is never echoed (TRT-LLM ``exclude_input_in_output``).
+* ``stop`` true stops the in-flight request with the same request id: that one ends like a
+  finished request, the stop request gets an empty final response. A cancelled caller (client
+  disconnect) stops its request too.
+* Sampling: ``temperature``, ``runtime_top_k``, ``runtime_top_p``, ``repetition_penalty``,
+  ``random_seed``, ``min_tokens``, ``request_output_len``; absent ones take TRT-LLM's defaults.
+
+Parameters: ``llm_dir`` (HuggingFace-format LLM), ``device`` (auto|cpu|cuda), optional
+``model_dir`` (its spk2info.pt voices get their ``<|sos|>{prompt_text}`` prefix cached at start-up)
+and ``llm_backend`` (``torch``, default, or ``hf``).
+Metrics: ``cosyserve_llm_active_requests`` (requests being streamed) and
+``cosyserve_llm_generated_tokens_total``.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ..errors import InvalidInputError, RequestCancelledError
+from ..llm.backends import create_backend
+from ..llm.prompt import EOS_IDS, SPEECH_TOKEN_OFFSET
+from ..llm.sampling import SamplingParams
+from ..pipeline.local import SPK2INFO, register_voice_prefixes, resolve_device
+from .triton_utils import (FINAL, Metric, error_response, model_parameters, optional_scalar,
+                           required_input, required_parameter, tensor)
+
+DEFAULT_OUTPUT_LEN = 750
+
+
+class LLMModel:
+    def __init__(self, config: dict):
+        params = model_parameters(config)
+        llm_dir = Path(required_parameter(params, "llm_dir"))
+        device = resolve_device(params.get("device") or "auto")
+        self.backend = create_backend(params.get("llm_backend") or "torch", llm_dir, device)
+        if params.get("model_dir"):  # registered voices: precompute their prompt prefixes
+            from transformers import AutoTokenizer
+
+            from ..frontend.speakers import SpeakerRegistry
+
+            registry = SpeakerRegistry.load(Path(params["model_dir"]) / SPK2INFO)
+            register_voice_prefixes(self.backend, AutoTokenizer.from_pretrained(llm_dir), registry)
+        self.active = Metric("cosyserve_llm_active_requests", "LLM requests being generated", config["name"])
+        self.generated = Metric("cosyserve_llm_generated_tokens_total", "speech tokens generated",
+                                config["name"], kind="counter")
+
+    def execute(self, requests) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                if optional_scalar(request, "stop"):
+                    self.backend.cancel(request.request_id())
+                    sender.send(flags=FINAL)
+                    continue
+                stream, streaming = self._submit(request)
+            except Exception as exc:
+                _send_error(sender, exc)
+                continue
+            self.active.increment(1)
+            threading.Thread(target=self._serve, args=(stream, streaming, sender), daemon=True).start()
+        return None
+
+    def _submit(self, request):
+        ids = required_input(request, "input_ids").reshape(-1)
+        length = optional_scalar(request, "input_lengths")
+        if length is not None:
+            if not 0 < length <= ids.size:
+                raise InvalidInputError(f"input_lengths is {length}; it must be in 1..{ids.size} (the input_ids sent)")
+            ids = ids[:length]
+        end_id = optional_scalar(request, "end_id")
+        if end_id is not None and end_id not in EOS_IDS:
+            raise InvalidInputError(f"end_id {end_id} is not an end-of-speech id of this model {EOS_IDS}")
+        params = SamplingParams(
+            temperature=_number(request, "temperature", 1.0),
+            top_k=int(_number(request, "runtime_top_k", 0)),
+            top_p=_number(request, "runtime_top_p", 1.0) or 1.0,  # TRT-LLM: top_p 0 means off
+            repetition_penalty=_number(request, "repetition_penalty", 1.0),
+            seed=_optional_int(request, "random_seed"),
+            ras=False,  # TRT-LLM samples without repetition-aware resampling
+            min_tokens=int(_number(request, "min_tokens", 0)),
+            max_tokens=int(_number(request, "request_output_len", DEFAULT_OUTPUT_LEN)),
+        )
+        request_id = request.request_id() or uuid.uuid4().hex
+        stream = self.backend.generate_stream([int(i) for i in ids], params, request_id)
+        return stream, bool(optional_scalar(request, "streaming"))
+
+    def _serve(self, stream, streaming: bool, sender) -> None:
+        tokens: list[int] = []
+        try:
+            for token in _until_stopped(stream):
+                if sender.is_cancelled():  # the caller went away
+                    stream.close()
+                    break
+                if streaming:
+                    sender.send(_ids_response([token]))
+                else:
+                    tokens.append(token)
+            sender.send(None if streaming else _ids_response(tokens), flags=FINAL)
+        except Exception as exc:  # an engine failure
+            _send_error(sender, exc)
+        finally:
+            stream.close()
+            self.generated.increment(stream.num_tokens)
+            self.active.increment(-1)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _until_stopped(stream):
+    """The stream's tokens; a ``stop`` request ends it like the end of speech, as in TensorRT-LLM."""
+    try:
+        yield from stream
+    except RequestCancelledError:
+        return
+
+
+def _send_error(sender, exc: Exception) -> None:
+    # Triton 24.10 never delivers a decoupled model's error response to a BLS caller (and the
+    # lost response keeps the caller from unloading); one that also carries the final flag
+    # leaves the caller's response iterator hanging. So errors are kept for real failures and
+    # the final flag travels alone.
+    sender.send(error_response(exc))
+    sender.send(flags=FINAL)
+
+
+def _ids_response(raw_tokens: list[int]) -> "pb_utils.InferenceResponse":
+    ids = np.asarray(raw_tokens, dtype=np.int32).reshape(1, -1) + SPEECH_TOKEN_OFFSET  # (beam, tokens)
+    return pb_utils.InferenceResponse(output_tensors=[
+        tensor("output_ids", ids), tensor("sequence_length", np.array([ids.shape[1]], np.int32))])
+
+
+def _number(request, name: str, default: float) -> float:
+    value = optional_scalar(request, name)
+    return default if value is None else value
+
+
+def _optional_int(request, name: str) -> int | None:
+    value = optional_scalar(request, name)
+    return None if value is None else int(value)

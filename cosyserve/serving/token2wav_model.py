@@ -1,0 +1,104 @@
+"""The ``token2wav`` Triton model: speech tokens (LLM ids) -> 24 kHz waveform, offline or streaming.
+
+* Without ``token_offset``: the offline path (flow over every token, HiFT in one call).
+* With ``token_offset`` + ``finalize``: one step of the streaming session keyed by the request id
+  (the BLS sets ``request_id`` on its BLS requests). The session opens at its first step and
+  closes after ``finalize``, on ``cancel`` (returns an empty waveform), on any error, or when
+  idle for ``stream_idle_timeout_s`` (default 600 s). Sessions live in this process, hence one
+  instance.
+* Without ``prompt_*`` inputs the default speaker of ``spk2info.pt`` ("001") is used; otherwise
+  all three prompt inputs must be sent (LLM ids for the tokens, fp16 features).
+
+Metric: ``cosyserve_token2wav_open_streams``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import InvalidInputError
+from ..frontend.prompt import PromptFeatures
+from ..frontend.speakers import SpeakerRegistry
+from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
+from ..pipeline.local import SPK2INFO, STREAM_IDLE_TIMEOUT_S, LocalToken2Wav, resolve_device
+from ..pipeline.tts import DEFAULT_SPEAKER, Voice
+from ..token2wav.cosyvoice2 import load_token2wav
+from .triton_utils import (Metric, model_parameters, optional_input, optional_scalar, required_input,
+                           required_parameter, respond_each, tensor)
+
+PROMPT_INPUTS = ("prompt_speech_tokens", "prompt_speech_feat", "prompt_spk_embedding")
+
+
+class Token2WavModel:
+    def __init__(self, config: dict):
+        params = model_parameters(config)
+        model_dir = Path(required_parameter(params, "model_dir"))
+        device = resolve_device(params.get("device") or "auto")
+        # As deployed: the flow in fp16 on GPUs (HiFT stays fp32); everything fp32 on CPUs.
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        idle_timeout = float(params.get("stream_idle_timeout_s") or STREAM_IDLE_TIMEOUT_S)
+        self.token2wav = LocalToken2Wav(load_token2wav(model_dir, device, dtype), idle_timeout)
+        speaker = SpeakerRegistry.load(model_dir / SPK2INFO).get(DEFAULT_SPEAKER)
+        self.default_voice = Voice(speaker.prompt_text, speaker.features, speaker.speaker_id)
+        self.open_streams = Metric("cosyserve_token2wav_open_streams", "token2wav streaming sessions open",
+                                   config["name"])
+
+    def execute(self, requests) -> list:
+        responses = respond_each(requests, self._run_or_close)
+        self.open_streams.set(self.token2wav.open_sessions)
+        return responses
+
+    def _run_or_close(self, request) -> list:
+        try:
+            return [tensor("waveform", self._run(request))]
+        except Exception:
+            self.token2wav.cancel(request.request_id())  # a failed request never keeps a session
+            raise
+
+    def _run(self, request) -> np.ndarray:
+        request_id = request.request_id()
+        if optional_scalar(request, "cancel"):
+            self.token2wav.cancel(request_id)
+            return np.zeros(0, np.float32)
+        tokens = _raw_tokens(required_input(request, "target_speech_tokens"), "target_speech_tokens")
+        voice = self._voice(request)
+        token_offset = optional_scalar(request, "token_offset")
+        if token_offset is None:
+            return self.token2wav.offline(request_id, tokens, voice)
+        finalize = optional_scalar(request, "finalize")
+        if finalize is None:
+            raise InvalidInputError("token_offset needs finalize (true on the last chunk of the stream)")
+        if not request_id:
+            raise InvalidInputError("streaming token2wav (token_offset given) needs a request id to key its session")
+        return self.token2wav.step(request_id, tokens, voice, int(token_offset), bool(finalize))
+
+    def _voice(self, request) -> Voice:
+        prompt = {name: optional_input(request, name) for name in PROMPT_INPUTS}
+        sent = [name for name, value in prompt.items() if value is not None]
+        if not sent:
+            return self.default_voice
+        if len(sent) != len(PROMPT_INPUTS):
+            raise InvalidInputError(f"got {sent} but not the others: {list(PROMPT_INPUTS)} go together "
+                                    "(or send none of them for the default speaker)")
+        features = PromptFeatures(
+            speech_tokens=torch.from_numpy(_raw_tokens(prompt["prompt_speech_tokens"], "prompt_speech_tokens")),
+            speech_feat=torch.from_numpy(prompt["prompt_speech_feat"].astype(np.float32)),
+            embedding=torch.from_numpy(prompt["prompt_spk_embedding"].astype(np.float32).reshape(-1)),
+        )
+        return Voice("", features)
+
+    def close(self) -> None:
+        self.token2wav.model.close_all()
+
+
+def _raw_tokens(llm_ids: np.ndarray, name: str) -> np.ndarray:
+    """LLM ids (151663 + k) -> raw speech tokens k (int32)."""
+    ids = llm_ids.reshape(-1).astype(np.int64)
+    last = SPEECH_TOKEN_OFFSET + NUM_SPEECH_TOKENS - 1
+    if ids.size and (ids.min() < SPEECH_TOKEN_OFFSET or ids.max() > last):
+        raise InvalidInputError(f"{name} holds ids {ids.min()}..{ids.max()}; speech tokens are sent as LLM ids "
+                                f"{SPEECH_TOKEN_OFFSET}..{last}")
+    return (ids - SPEECH_TOKEN_OFFSET).astype(np.int32)

@@ -1,0 +1,159 @@
+"""What every cosyserve Triton Python model needs: parameters, request tensors, errors, metrics.
+
+Only importable inside Triton's Python backend (``triton_python_backend_utils``). Models are
+configured with ``max_batch_size > 0``, so every tensor has a leading batch dimension; clients
+send one utterance per request (``[1, ...]``) and each request is handled on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import traceback
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ..errors import InvalidInputError, RequestCancelledError
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def model_config(args: dict) -> dict:
+    return json.loads(args["model_config"])
+
+
+def model_parameters(config: dict) -> dict[str, str]:
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def required_parameter(params: dict[str, str], key: str) -> str:
+    if not params.get(key):
+        raise ValueError(f"model parameter {key!r} is missing or empty in config.pbtxt")
+    return params[key]
+
+
+# ----- request tensors -----
+
+def optional_input(request, name: str) -> np.ndarray | None:
+    """The request's tensor ``name`` without its batch dimension, or None when not sent."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    array = tensor.as_numpy()
+    if array.ndim == 0 or array.shape[0] != 1:
+        raise InvalidInputError(
+            f"input {name} has shape {list(array.shape)}; send one utterance per request (batch dimension 1)")
+    return array[0]
+
+
+def required_input(request, name: str) -> np.ndarray:
+    array = optional_input(request, name)
+    if array is None:
+        raise InvalidInputError(f"input {name} is required")
+    return array
+
+
+def optional_scalar(request, name: str):
+    """A ``[1]``-shaped input as a Python scalar, or None."""
+    array = optional_input(request, name)
+    if array is None:
+        return None
+    if array.size != 1:
+        raise InvalidInputError(f"input {name} must hold exactly one value, got {array.size}")
+    value = array.reshape(-1)[0]
+    return value.item() if isinstance(value, np.generic) else value  # BYTES arrive as bytes objects
+
+
+def optional_text(request, name: str) -> str | None:
+    value = optional_scalar(request, name)
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInputError(f"input {name} is not valid UTF-8 text ({exc})") from None
+    return str(value)
+
+
+def tensor(name: str, array: np.ndarray) -> "pb_utils.Tensor":
+    """An output tensor with the batch dimension (1) added."""
+    return pb_utils.Tensor(name, np.ascontiguousarray(array)[None])
+
+
+# ----- errors -----
+
+def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
+    """A per-request error: bad input -> INVALID_ARG (HTTP 400), cancelled -> CANCELLED, else INTERNAL."""
+    if isinstance(exc, InvalidInputError):
+        error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+    elif isinstance(exc, RequestCancelledError):
+        error = pb_utils.TritonError(str(exc), pb_utils.TritonError.CANCELLED)
+    else:
+        pb_utils.Logger.log_error("".join(traceback.format_exception(exc)))
+        error = pb_utils.TritonError(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+    return pb_utils.InferenceResponse(error=error)
+
+
+def respond_each(requests, run) -> list:
+    """Non-decoupled execute: ``run(request) -> output tensors`` per request; errors stay per request."""
+    responses = []
+    for request in requests:
+        try:
+            responses.append(pb_utils.InferenceResponse(output_tensors=run(request)))
+        except Exception as exc:
+            responses.append(error_response(exc))
+    return responses
+
+
+def reference_wav(request) -> np.ndarray:
+    """``reference_wav`` (16 kHz float32) cut to ``reference_wav_len`` when that is sent."""
+    wav = required_input(request, "reference_wav").reshape(-1)
+    if wav.size == 0:
+        raise InvalidInputError("reference_wav is empty; send 0.5 to 30 s of 16 kHz audio")
+    length = optional_scalar(request, "reference_wav_len")
+    if length is not None:
+        if not 0 < length <= wav.size:
+            raise InvalidInputError(
+                f"reference_wav_len is {length}; it must be in 1..{wav.size} (the samples in reference_wav)")
+        wav = wav[:length]
+    return wav
+
+
+def raise_response_error(response, model_name: str) -> None:
+    """Re-raise a BLS response's error; a sub-model's INVALID_ARG stays an InvalidInputError."""
+    if not response.has_error():
+        return
+    error = response.error()
+    if error.code() == pb_utils.TritonError.INVALID_ARG:
+        raise InvalidInputError(error.message())
+    raise RuntimeError(f"model {model_name!r} failed: {error.message()}")
+
+
+# ----- metrics -----
+
+class Metric:
+    """A Prometheus gauge or counter on Triton's metrics endpoint, labelled with the model name.
+
+    Exposes per-request state (active LLM requests, open token2wav streams, generated tokens)
+    so that operators and tests can check that nothing outlives its request.
+    """
+
+    # Metric updates from several threads of one model process at once crash the server
+    # (Triton 24.10 Python backend), so every update in this process goes through one lock.
+    _lock = threading.Lock()
+
+    def __init__(self, name: str, description: str, model_name: str, kind: str = "gauge"):
+        kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER}
+        # The family must outlive its metric objects, hence kept on self.
+        self._family = pb_utils.MetricFamily(name=name, description=description, kind=kinds[kind])
+        self._metric = self._family.Metric(labels={"model": model_name})
+
+    def set(self, value: float) -> None:
+        with self._lock:
+            self._metric.set(value)
+
+    def increment(self, delta: float = 1) -> None:
+        with self._lock:
+            self._metric.increment(delta)

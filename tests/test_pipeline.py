@@ -1,0 +1,243 @@
+"""The backend-agnostic TTS orchestration (cosyserve.pipeline.tts) and its in-process back ends.
+
+Fakes pin down the chunk schedule, cancellation and error handling exactly; the tiny bundle
+(cosyserve.pipeline.local) checks the same contracts with the real LLM engine and token2wav.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from conftest_triton import SAMPLES_PER_TOKEN, expected_chunk_samples
+from cosyserve.errors import InvalidInputError, RequestCancelledError
+from cosyserve.llm.prompt import SOS_ID, SPEECH_TOKEN_OFFSET, TASK_ID
+from cosyserve.pipeline.schedule import plan_chunks
+from cosyserve.pipeline.tts import TokenLimits, TTSPipeline, TTSRequest, Voice, validate_text
+
+VOICE = Voice("提示文本。", SimpleNamespace(speech_tokens=torch.tensor([5, 6, 7], dtype=torch.int32)))
+
+
+class FakeLLM:
+    """Yields tokens 0, 1, 2, ... one per piece, optionally slowly or failing part-way."""
+
+    def __init__(self, delay_s: float = 0.0, fail_at: int | None = None):
+        self.delay_s, self.fail_at = delay_s, fail_at
+        self.prompts: list[list[int]] = []
+        self.cancelled: list[str] = []
+
+    def generate(self, prompt_ids, request_id, limits):
+        self.prompts.append(prompt_ids)
+
+        def tokens():
+            for i in range(limits.max_tokens):
+                if request_id in self.cancelled:
+                    return
+                if i == self.fail_at:
+                    raise RuntimeError("LLM broke")
+                time.sleep(self.delay_s)
+                yield [i]
+
+        return tokens()
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+
+class FakeToken2Wav:
+    """Records calls; returns as many samples as the real model would."""
+
+    def __init__(self, fail_at_step: int | None = None):
+        self.steps: list[tuple[int, int, bool]] = []
+        self.offline_calls: list[int] = []
+        self.cancelled: list[str] = []
+        self.fail_at_step = fail_at_step
+
+    def offline(self, request_id, tokens, voice):
+        self.offline_calls.append(len(tokens))
+        return np.zeros(SAMPLES_PER_TOKEN * len(tokens), np.float32)
+
+    def step(self, request_id, tokens, voice, token_offset, finalize):
+        if len(self.steps) == self.fail_at_step:
+            raise RuntimeError("token2wav broke")
+        self.steps.append((len(tokens), token_offset, finalize))
+        return np.zeros(10, np.float32)
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+
+@pytest.fixture(scope="module")
+def text_tokenizer(tiny_bundle):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_bundle / "cosyvoice2_llm")
+
+
+def make(text_tokenizer, llm=None, token2wav=None):
+    return TTSPipeline(text_tokenizer, llm or FakeLLM(), token2wav or FakeToken2Wav())
+
+
+def request(n: int, rid: str = "r1") -> TTSRequest:
+    return TTSRequest(rid, "你好，世界。", VOICE, TokenLimits(n, n))
+
+
+@pytest.mark.parametrize("n", [1, 17, 18, 40, 100, 250])
+@pytest.mark.parametrize("delay_s", [0.0, 0.002])
+def test_stream_chunks_follow_the_plan_whatever_the_llm_speed(text_tokenizer, n, delay_s):
+    token2wav = FakeToken2Wav()
+    chunks = list(make(text_tokenizer, FakeLLM(delay_s), token2wav).stream(request(n)))
+    assert token2wav.steps == [(c.num_tokens, c.token_offset, c.finalize) for c in plan_chunks(n)]
+    assert len(chunks) == len(plan_chunks(n)) and token2wav.cancelled == []
+
+
+def test_prompt_ids_follow_the_reference_layout(text_tokenizer):
+    llm = FakeLLM()
+    make(text_tokenizer, llm).synthesize(request(3))
+    ids = llm.prompts[0]
+    assert ids[0] == SOS_ID and ids[-4] == TASK_ID
+    assert ids[-3:] == [SPEECH_TOKEN_OFFSET + t for t in (5, 6, 7)]
+    assert text_tokenizer.decode(ids[1:-4]) == "提示文本。你好，世界。"
+
+
+def test_offline_makes_one_token2wav_call_with_every_token(text_tokenizer):
+    token2wav = FakeToken2Wav()
+    audio = make(text_tokenizer, token2wav=token2wav).synthesize(request(37))
+    assert token2wav.offline_calls == [37] and token2wav.steps == []
+    assert audio.size == 37 * SAMPLES_PER_TOKEN
+
+
+def test_cancellation_between_chunks_stops_the_llm_and_closes_the_session(text_tokenizer):
+    llm, token2wav = FakeLLM(delay_s=0.002), FakeToken2Wav()
+    cancelled = threading.Event()
+    stream = make(text_tokenizer, llm, token2wav).stream(request(300), cancelled.is_set)
+    next(stream)
+    cancelled.set()
+    with pytest.raises(RequestCancelledError):
+        list(stream)
+    assert llm.cancelled == ["r1"] and token2wav.cancelled == ["r1"]
+    assert len(token2wav.steps) == 1
+
+
+def test_closing_the_stream_early_cancels_too(text_tokenizer):
+    llm, token2wav = FakeLLM(delay_s=0.002), FakeToken2Wav()
+    stream = make(text_tokenizer, llm, token2wav).stream(request(300))
+    next(stream)
+    stream.close()
+    assert llm.cancelled == ["r1"] and token2wav.cancelled == ["r1"]
+
+
+def test_llm_failure_closes_the_token2wav_session(text_tokenizer):
+    token2wav = FakeToken2Wav()
+    with pytest.raises(RuntimeError, match="LLM broke"):
+        list(make(text_tokenizer, FakeLLM(fail_at=30), token2wav).stream(request(100)))
+    assert token2wav.cancelled == ["r1"]
+
+
+def test_token2wav_failure_stops_the_llm(text_tokenizer):
+    llm = FakeLLM(delay_s=0.002)
+    with pytest.raises(RuntimeError, match="token2wav broke"):
+        list(make(text_tokenizer, llm, FakeToken2Wav(fail_at_step=1)).stream(request(300)))
+    assert llm.cancelled == ["r1"]
+
+
+def test_offline_cancellation_stops_the_llm(text_tokenizer):
+    llm, token2wav = FakeLLM(), FakeToken2Wav()
+    with pytest.raises(RequestCancelledError):
+        make(text_tokenizer, llm, token2wav).synthesize(request(50), lambda: True)
+    assert llm.cancelled == ["r1"] and token2wav.offline_calls == []
+
+
+def test_an_llm_that_produces_nothing_is_an_error(text_tokenizer):
+    class SilentLLM(FakeLLM):
+        def generate(self, prompt_ids, request_id, limits):
+            return iter([])
+
+    token2wav = FakeToken2Wav()
+    pipeline = make(text_tokenizer, SilentLLM(), token2wav)
+    with pytest.raises(RuntimeError, match="no speech tokens"):
+        pipeline.synthesize(request(5))
+    with pytest.raises(RuntimeError, match="no speech tokens"):
+        list(pipeline.stream(request(5)))
+    assert token2wav.steps == [] and token2wav.offline_calls == [] and token2wav.cancelled == []
+
+
+def test_tokens_outside_the_speech_vocabulary_are_refused(text_tokenizer):
+    class BadLLM(FakeLLM):
+        def generate(self, prompt_ids, request_id, limits):
+            return iter([[1, 2, 6561]])
+
+    with pytest.raises(RuntimeError, match="outside 0..6560"):
+        make(text_tokenizer, BadLLM()).synthesize(request(3))
+
+
+def test_text_and_limit_validation():
+    assert validate_text("hi") == "hi"
+    for bad, message in [("", "empty"), ("  \n", "empty"), ("x" * 1001, "at most 1000")]:
+        with pytest.raises(InvalidInputError, match=message):
+            validate_text(bad)
+    limits = TokenLimits(100, 20)
+    assert limits.override(None, None) == limits
+    assert limits.override(10, None) == TokenLimits(10, 10)  # min clipped to the new max
+    assert limits.override(300, 300) == TokenLimits(300, 300)
+    for bad in [(0, 0), (5000, 0), (10, -1)]:
+        with pytest.raises(InvalidInputError):
+            limits.override(*bad)
+
+
+# ----- in-process back ends on the tiny bundle -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def local_tts(tiny_bundle):
+    from cosyserve.pipeline.local import load_local_tts
+
+    tts = load_local_tts(tiny_bundle, "cpu")
+    yield tts
+    tts.close()
+
+
+def _wait_idle(tts, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while tts.llm_backend.engine.num_active and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert tts.llm_backend.engine.num_active == 0
+    assert tts.token2wav.open_sessions == 0
+
+
+def test_local_stream_and_offline_lengths(local_tts):
+    chunks = list(local_tts.pipeline.stream(local_tts.request("你好，世界。", limits=TokenLimits(60, 60))))
+    assert [c.size for c in chunks] == expected_chunk_samples(60)
+    audio = local_tts.pipeline.synthesize(local_tts.request("你好，世界。", limits=TokenLimits(25, 25)))
+    assert audio.shape == (25 * SAMPLES_PER_TOKEN,) and np.isfinite(audio).all()
+    _wait_idle(local_tts)
+
+
+def test_local_voices(local_tts, tiny_bundle):
+    wav, rate = sf.read(tiny_bundle / "assets" / "prompt_audio.wav", dtype="float32")
+    zero_shot = local_tts.request("你好", reference_wav16=wav, reference_text="参考。", limits=TokenLimits(20, 20))
+    assert zero_shot.voice.prompt_text == "参考。" and zero_shot.voice.speaker_id is None
+    assert local_tts.pipeline.synthesize(zero_shot).size == 20 * SAMPLES_PER_TOKEN
+    assert local_tts.request("你好").voice.speaker_id == "001"
+    for kwargs, message in [
+        (dict(reference_wav16=wav), "needs reference_text"),
+        (dict(reference_text="x"), "without reference_wav"),
+        (dict(reference_wav16=wav, reference_text="x", speaker_id="001"), "not both"),
+        (dict(speaker_id="nobody"), "unknown speaker id"),
+        (dict(reference_wav16=wav[:800], reference_text="x"), "long"),
+    ]:
+        with pytest.raises(InvalidInputError, match=message):
+            local_tts.request("你好", **kwargs)
+
+
+def test_local_cancellation_frees_the_engine_and_the_session(local_tts):
+    stream = local_tts.pipeline.stream(local_tts.request("你好", limits=TokenLimits(500, 500)))
+    next(stream)
+    assert local_tts.token2wav.open_sessions == 1
+    stream.close()
+    _wait_idle(local_tts)

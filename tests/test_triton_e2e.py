@@ -1,0 +1,359 @@
+"""End to end through a real tritonserver (CPU, tiny random-weight bundle).
+
+One server runs the whole model repository with a streaming ``cosyvoice2`` and an offline
+``cosyvoice2_offline`` BLS. The template sets ``max_tokens = min_tokens = 40``, so every
+request makes exactly 40 speech tokens (960 samples each) and a known chunk plan. The bundle's
+spk2info.pt gets a second voice ("spk2") to exercise registered voices besides the default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_model_repo, expected_chunk_samples,
+                             free_ports, grpc_input, metrics, server_env, template_values, token_limits,
+                             wait_until_idle)
+
+pytest.importorskip("pytriton")  # the bundled tritonserver
+
+NUM_TOKENS = 40  # max_tokens = min_tokens in the template
+BLS_INSTANCES = 2  # per cosyvoice2 model: requests served at once
+TARGET_TEXTS = ["你好，世界。", "今天天气不错。", "Hello there.", "身临其境，换新体验。", "一二三四五。", "Good morning!"]
+
+
+@pytest.fixture(scope="module")
+def models_dir(tiny_bundle: Path, tmp_path_factory) -> Path:
+    """The tiny bundle with a second registered voice, "spk2", in a copy of its spk2info.pt."""
+    from cosyserve.audio.io import prompt_audio_from_array
+    from cosyserve.bundle import synthetic_prompt_wave
+    from cosyserve.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
+    from cosyserve.frontend.speakers import SpeakerRegistry
+
+    out = tmp_path_factory.mktemp("e2e_models")
+    shutil.copytree(tiny_bundle / "CosyVoice2-0.5B", out / "CosyVoice2-0.5B")
+    for name in ("cosyvoice2_llm", "assets"):
+        (out / name).symlink_to(tiny_bundle / name)
+    model_dir = out / "CosyVoice2-0.5B"
+    registry = SpeakerRegistry.load(model_dir / "spk2info.pt")
+    registry.register("spk2", prompt_audio_from_array(synthetic_prompt_wave(seed=7), 16000), "另一个声音。",
+                      SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx"),
+                      SpeakerEncoder(model_dir / "campplus.onnx"))
+    registry.save()
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(models_dir: Path, tmp_path_factory):
+    from cosyserve.serving.tritonserver import start_server
+
+    work = tmp_path_factory.mktemp("e2e_server")
+    repo = build_model_repo(models_dir, work / "repo", max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS,
+                            bls_instances=BLS_INSTANCES)
+    http, grpc, metrics_port = free_ports(3)
+    srv = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics_port, log_file=work / "server.log",
+                       timeout=300, env=server_env(), die_with_parent=True)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def idle_server(server):
+    """The server, checked to hold no LLM request and no token2wav stream after the test."""
+    yield server
+    values = wait_until_idle(server.metrics_port)
+    assert values["cosyserve_llm_active_requests"] == 0, values
+    assert values["cosyserve_token2wav_open_streams"] == 0, values
+    assert server.process.poll() is None, "tritonserver died"
+
+
+def grpc_client(server) -> grpcclient.InferenceServerClient:
+    return grpcclient.InferenceServerClient(server.grpc_url)
+
+
+def stream_tts(server, inputs: list, model: str = "cosyvoice2") -> list[np.ndarray]:
+    stream = Stream(server.grpc_url)
+    try:
+        stream.send(model, inputs)
+        return [chunk.reshape(-1) for chunk in stream.responses()]
+    finally:
+        stream.close()
+
+
+def run_script(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{args[0]} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def write_manifest(path: Path, models_dir: Path, count: int) -> Path:
+    wav = models_dir / "assets" / "prompt_audio.wav"
+    prompt_text = (models_dir / "assets" / "prompt_text.txt").read_text().strip()
+    lines = [f"utt{i}|{prompt_text}|{wav}|{TARGET_TEXTS[i % len(TARGET_TEXTS)]}" for i in range(count)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ----- the benchmark / example clients ---------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["streaming", "offline"])
+def test_grpc_client(idle_server, models_dir, tmp_path, mode):
+    manifest = write_manifest(tmp_path / "manifest.txt", models_dir, 6)
+    report = tmp_path / "report.json"
+    model = "cosyvoice2" if mode == "streaming" else "cosyvoice2_offline"
+    run_script("client_grpc.py", "--server-port", str(idle_server.grpc_port), "--model-name", model,
+               "--mode", mode, "--num-tasks", "3", "--manifest-path", str(manifest),
+               "--log-dir", str(tmp_path / "log"), "--json-report", str(report), "--log-interval", "0")
+    summary = json.loads(report.read_text())
+    assert summary["requests"] == 6 and summary["failed"] == 0
+    assert summary["rtf"] > 0 and summary["latency"]["count"] == 6
+    for result in summary["per_request"]:
+        assert round(result["audio_s"] * 24000) == SAMPLES_PER_TOKEN * NUM_TOKENS
+        if mode == "streaming":
+            chunk_samples = [round(d * 24000) for d in result["chunk_durations_s"]]
+            assert chunk_samples == expected_chunk_samples(NUM_TOKENS)
+            assert result["chunk_arrivals_s"] == sorted(result["chunk_arrivals_s"])
+    if mode == "streaming":
+        assert summary["first_chunk_latency"]["count"] == 6
+    stats = {m["name"]: m for m in summary["triton_stats"]["model_stats"]}
+    assert stats[model]["inference_count"] == 6
+    assert {"llm", "token2wav", "audio_tokenizer", "speaker_embedding"} <= set(stats)
+    assert (tmp_path / "log" / "utt0.wav").is_file()
+
+
+def test_http_client(idle_server, models_dir, tmp_path):
+    out = tmp_path / "out.wav"
+    run_script("client_http.py", "--server-port", str(idle_server.http_port), "--model-name", "cosyvoice2_offline",
+               "--reference-audio", str(models_dir / "assets" / "prompt_audio.wav"),
+               "--reference-text", "希望你以后能够做的比我还好呦。", "--target-text", "你好，世界。",
+               "--output-audio", str(out))
+    audio, rate = sf.read(out)
+    assert rate == 24000 and audio.shape == (SAMPLES_PER_TOKEN * NUM_TOKENS,)
+
+
+# ----- voices, limits --------------------------------------------------------------------------
+
+def test_registered_voices_and_default_speaker(idle_server):
+    client = grpc_client(idle_server)
+
+    def offline(*extra):
+        response = client.infer("cosyvoice2_offline", [grpc_input("target_text", "你好"), *extra])
+        return response.as_numpy("waveform").reshape(-1)
+
+    # No voice inputs = "001"; "spk2" travels to token2wav as prompt tensors (fp16).
+    for audio in (offline(), offline(grpc_input("speaker_id", "001")), offline(grpc_input("speaker_id", "spk2"))):
+        assert audio.shape == (SAMPLES_PER_TOKEN * NUM_TOKENS,) and np.isfinite(audio).all() and audio.any()
+
+
+def test_per_request_token_limits_stream_in_planned_chunks(idle_server):
+    chunks = stream_tts(idle_server, [grpc_input("target_text", "你好"), *token_limits(100)])
+    assert [c.size for c in chunks] == expected_chunk_samples(100)
+
+
+# ----- robustness ------------------------------------------------------------------------------
+
+def _reference(wav: np.ndarray, length: int | None = None, text: str | None = "参考文本") -> list:
+    inputs = [grpc_input("reference_wav", wav.reshape(1, -1).astype(np.float32)),
+              grpc_input("reference_wav_len", np.array([[wav.size if length is None else length]], np.int32))]
+    return inputs + ([grpc_input("reference_text", text)] if text is not None else [])
+
+
+def bad_requests(prompt: np.ndarray) -> dict[str, tuple[list, str]]:
+    """name -> (inputs, part of the expected error message)."""
+    text = grpc_input("target_text", "你好")
+    return {
+        "empty text": ([grpc_input("target_text", "   ")], "target_text is empty"),
+        "over-long text": ([grpc_input("target_text", "长" * 1001)], "at most 1000"),
+        "reference without text": ([text, *_reference(prompt, text=None)], "needs reference_text"),
+        "text without reference": ([text, grpc_input("reference_text", "abc")], "without reference_wav"),
+        "zero-length audio": ([text, *_reference(np.zeros(0, np.float32), 0)], "reference_wav is empty"),
+        "NaN audio": ([text, *_reference(np.full(16000, np.nan, np.float32))], "NaN"),
+        "too short audio": ([text, *_reference(prompt[:1600])], "0.10 s long"),
+        "silent audio": ([text, *_reference(np.zeros(16000, np.float32))], "silent"),
+        "length beyond audio": ([text, *_reference(prompt, prompt.size + 1)], "reference_wav_len"),
+        "wrong dtype": ([text, grpc_input("reference_wav", prompt.reshape(1, -1).astype(np.float64), "FP64")], "FP32"),
+        "wrong shape": ([grpc_input("target_text", np.array([[b"a", b"b"]], dtype=object), "BYTES")], "shape"),
+        "batch of two": ([grpc_input("target_text", np.array([[b"a"], [b"b"]], dtype=object), "BYTES")],
+                         "one utterance"),
+        "unknown speaker": ([text, grpc_input("speaker_id", "nobody")], "unknown speaker id 'nobody'"),
+        "speaker and reference": ([text, grpc_input("speaker_id", "001"), *_reference(prompt)], "not both"),
+        "bad max_tokens": ([text, grpc_input("max_tokens", np.array([[0]], np.int32))], "max_tokens"),
+        "invalid UTF-8": ([grpc_input("target_text", np.array([[b"\xff\xfe"]], dtype=object), "BYTES")], "UTF-8"),
+    }
+
+
+def test_bad_requests_get_clear_errors_and_the_server_stays_healthy(idle_server, models_dir):
+    prompt, _ = sf.read(models_dir / "assets" / "prompt_audio.wav", dtype="float32")
+    client = grpc_client(idle_server)
+    for name, (inputs, message) in bad_requests(prompt).items():
+        with pytest.raises(InferenceServerException) as offline_error:
+            client.infer("cosyvoice2_offline", inputs)
+        assert message in offline_error.value.message(), name
+        assert offline_error.value.status() == "StatusCode.INVALID_ARGUMENT", name
+        with pytest.raises(InferenceServerException) as stream_error:
+            stream_tts(idle_server, inputs)
+        assert message in stream_error.value.message(), name
+    assert client.is_server_live()
+    assert client.is_model_ready("cosyvoice2") and client.is_model_ready("cosyvoice2_offline")
+    good = client.infer("cosyvoice2_offline", [grpc_input("target_text", "好"), *_reference(prompt)])
+    assert good.as_numpy("waveform").size == SAMPLES_PER_TOKEN * NUM_TOKENS
+    assert sum(c.size for c in stream_tts(idle_server, [grpc_input("target_text", "好")])) == NUM_TOKENS * 960
+
+
+# ----- the llm and token2wav models on their own ---------------------------------------------------
+
+def test_llm_model_speaks_tensorrt_llm_tensors(idle_server):
+    from cosyserve.llm.prompt import EOS_IDS, SOS_ID, SPEECH_TOKEN_OFFSET, TASK_ID
+
+    def request(streaming: bool, n: int) -> list:
+        return [grpc_input("input_ids", np.array([[SOS_ID, 100, 200, TASK_ID]], np.int32)),
+                grpc_input("input_lengths", np.array([[4]], np.int32)),
+                grpc_input("request_output_len", np.array([[n]], np.int32)),
+                grpc_input("min_tokens", np.array([[n]], np.int32)),
+                grpc_input("end_id", np.array([[EOS_IDS[0]]], np.int32)),
+                grpc_input("random_seed", np.array([[42]], np.uint64)),
+                grpc_input("streaming", np.array([[streaming]]))]
+
+    stream = Stream(idle_server.grpc_url)
+    try:
+        stream.send("llm", request(True, 12), outputs=("output_ids", "sequence_length"))
+        pieces = stream.responses("output_ids")
+        stream.send("llm", request(False, 12), outputs=("output_ids", "sequence_length"))
+        whole = stream.responses("output_ids")
+    finally:
+        stream.close()
+    assert len(pieces) == 12 and all(p.shape == (1, 1, 1) for p in pieces)
+    assert len(whole) == 1 and whole[0].shape == (1, 1, 12)
+    streamed = np.concatenate([p.reshape(-1) for p in pieces])
+    np.testing.assert_array_equal(streamed, whole[0].reshape(-1))  # same seed, same tokens
+    assert ((streamed >= SPEECH_TOKEN_OFFSET) & (streamed < SPEECH_TOKEN_OFFSET + 6561)).all()
+
+
+def test_token2wav_model_offline_streaming_and_cancel(idle_server):
+    from cosyserve.llm.prompt import SPEECH_TOKEN_OFFSET
+
+    client = grpc_client(idle_server)
+    tokens = (np.arange(30, dtype=np.int32) * 97 % 6561 + SPEECH_TOKEN_OFFSET)[None]
+    offline = client.infer("token2wav", [grpc_input("target_speech_tokens", tokens)]).as_numpy("waveform")
+    assert offline.shape == (1, 30 * SAMPLES_PER_TOKEN)
+
+    def step(offset: int, finalize: bool, n: int, request_id: str = "t2w-1"):
+        return client.infer("token2wav", [grpc_input("target_speech_tokens", tokens[:, :n]),
+                                          grpc_input("token_offset", np.array([[offset]], np.int32)),
+                                          grpc_input("finalize", np.array([[finalize]]))], request_id=request_id)
+
+    with pytest.raises(InferenceServerException, match="needs a request id"):
+        step(0, False, 18, request_id="")
+    with pytest.raises(InferenceServerException, match="LLM ids"):
+        client.infer("token2wav", [grpc_input("target_speech_tokens", np.array([[5, 6, 7]], np.int32))])
+    assert step(0, False, 18).as_numpy("waveform").shape == (1, 15 * SAMPLES_PER_TOKEN - 3840)
+    assert metrics(idle_server.metrics_port)["cosyserve_token2wav_open_streams"] == 1
+    cancel = client.infer("token2wav", [grpc_input("target_speech_tokens", np.zeros((1, 0), np.int32)),
+                                        grpc_input("cancel", np.array([[True]]))], request_id="t2w-1")
+    assert cancel.as_numpy("waveform").size == 0
+    assert metrics(idle_server.metrics_port)["cosyserve_token2wav_open_streams"] == 0
+    with pytest.raises(InferenceServerException, match="does not continue"):  # the session is gone
+        step(15, True, 30)
+
+
+# ----- load, cancellation ----------------------------------------------------------------------
+
+def test_fifty_sequential_streams_then_concurrent_bursts(idle_server):
+    limits = token_limits(18)
+    expected = expected_chunk_samples(18)
+    stream = Stream(idle_server.grpc_url)
+    try:
+        for i in range(50):
+            stream.send("cosyvoice2", [grpc_input("target_text", TARGET_TEXTS[i % len(TARGET_TEXTS)]), *limits],
+                        request_id=f"seq{i}")
+            assert [c.size for c in stream.responses()] == expected, f"request {i}"
+    finally:
+        stream.close()
+
+    for burst in range(3):
+        results = {}
+
+        def one(i: int) -> None:
+            try:
+                results[i] = [c.size for c in stream_tts(idle_server, [grpc_input("target_text", "你好"), *limits])]
+            except Exception as exc:  # reported below
+                results[i] = exc
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert results == {i: expected for i in range(8)}, f"burst {burst}"
+
+
+def test_cancelled_streams_free_llm_slots_and_token2wav_sessions(idle_server):
+    before = metrics(idle_server.metrics_port)
+    streams = [Stream(idle_server.grpc_url) for _ in range(BLS_INSTANCES)]
+    for stream in streams:
+        stream.send("cosyvoice2", [grpc_input("target_text", "你好"), *token_limits(600)])
+    for stream in streams:
+        result, error = stream.next()
+        assert error is None and result.as_numpy("waveform").size > 0
+    during = metrics(idle_server.metrics_port)
+    # They generate at once: the llm model's execute() hands each request to the engine.
+    assert during["cosyserve_llm_active_requests"] == BLS_INSTANCES
+    assert during["cosyserve_token2wav_open_streams"] == BLS_INSTANCES
+    for stream in streams:
+        stream.close(cancel=True)
+    after = wait_until_idle(idle_server.metrics_port, timeout_s=10)
+    generated = after["cosyserve_llm_generated_tokens_total"] - before["cosyserve_llm_generated_tokens_total"]
+    assert generated < BLS_INSTANCES * 600, "the LLM requests were not stopped early"
+    assert sum(c.size for c in stream_tts(idle_server, [grpc_input("target_text", "好")])) == NUM_TOKENS * 960
+
+
+def test_client_that_disconnects_mid_stream_frees_everything(idle_server, tmp_path):
+    script = tmp_path / "vanishing_client.py"
+    script.write_text(
+        "import os, sys\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from conftest_triton import Stream, grpc_input, token_limits\n"
+        "stream = Stream(sys.argv[1])\n"
+        "stream.send('cosyvoice2', [grpc_input('target_text', 'hi'), *token_limits(600)])\n"
+        "result, error = stream.next()\n"
+        "assert error is None, error\n"
+        "print('first chunk', flush=True)\n"
+        "os.kill(os.getpid(), 9)\n")
+    before = metrics(idle_server.metrics_port)
+    proc = subprocess.run([sys.executable, str(script), idle_server.grpc_url, str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert proc.returncode == -signal.SIGKILL and "first chunk" in proc.stdout, proc.stderr[-2000:]
+    after = wait_until_idle(idle_server.metrics_port, timeout_s=10)
+    assert after["cosyserve_llm_generated_tokens_total"] - before["cosyserve_llm_generated_tokens_total"] < 600
+
+
+# ----- run.sh ----------------------------------------------------------------------------------
+
+def test_run_sh_stage2_fills_the_same_templates(models_dir, tmp_path):
+    """run.sh stage 2 must fill every template with the keys this test suite uses."""
+    repo = tmp_path / "repo"
+    env = dict(os.environ, MODELS_DIR=str(models_dir), MODEL_REPO=str(repo), DECOUPLED_MODE="True", DEVICE="cpu",
+               BLS_INSTANCE_NUM=str(BLS_INSTANCES), MAX_TOKENS=str(NUM_TOKENS), MIN_TOKENS=str(NUM_TOKENS),
+               VENV=str(Path(sys.prefix)), OUT_DIR=str(tmp_path / "out"))
+    proc = subprocess.run(["bash", str(REPO_ROOT / "run.sh"), "2", "2"], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ours = build_model_repo(models_dir, tmp_path / "ours", max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS,
+                            bls_instances=BLS_INSTANCES)
+    for model in template_values(models_dir, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_instances=BLS_INSTANCES):
+        assert (repo / model / "config.pbtxt").read_text() == (ours / model / "config.pbtxt").read_text(), model
