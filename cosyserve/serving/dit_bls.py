@@ -1,0 +1,132 @@
+"""The ``cosyvoice2_dit`` Triton model (Python BLS): text (+ voice) -> 24 kHz waveform with the DiT token2wav.
+
+Inputs as ``cosyvoice2`` (all ``[1, ...]``): ``target_text`` BYTES; optional ``reference_wav`` FP32
+(16 kHz) + ``reference_wav_len`` INT32 + ``reference_text`` BYTES, or ``speaker_id`` BYTES (a voice
+of spk2info.pt), or neither (the default speaker "001"); optional ``max_tokens`` / ``min_tokens``
+INT32 overriding the template's speech-token limits. Output: ``waveform`` FP32.
+
+Back ends (:class:`~cosyserve.serving.dit_pipeline.DitTTSPipeline` does the orchestration):
+
+* LLM prompt speech tokens: the ``audio_tokenizer`` model (CosyVoice2's S3 tokenizer);
+* speech tokens: any OpenAI-compatible completions server at parameter ``llm_url`` (``.../v1``),
+  through :mod:`cosyserve.llm.openai_backend` (our ``cosyserve.llm.openai_server``, trtllm-serve...);
+* audio: the ``token2wav_dit`` model, one BLS request per chunk (new tokens only; the speaker on the
+  first chunk; request id = this request's). NVIDIA's BLS also sends a request parameter
+  ``priority`` = chunk index + 1; Triton 2.51 does not take it as the scheduling priority (its
+  verbose log shows priority 10 for every such request), so it is not sent here.
+
+Chunk schedule: parameter ``streaming_strategy`` (``exponential`` | ``equal``). ``decoupled`` true
+streams one response per chunk then a final flag; false answers once (offline token2wav).
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ..frontend.speakers import SpeakerRegistry
+from ..llm.backends import create_backend
+from ..llm.prompt import SPEECH_TOKEN_OFFSET
+from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, register_voice_prefixes
+from ..pipeline.tts import DEFAULT_MAX_TOKENS, TokenLimits, VoiceResolver, validate_text
+from .bls import RemoteSpeechTokenizer
+from .dit_pipeline import DitTTSPipeline, DitTTSRequest, SkipSpeakerEmbedding, dit_request
+from .dit_runtime import SpeakerRef
+from .triton_utils import (FINAL, error_response, model_parameters, optional_input, optional_scalar, optional_text,
+                           raise_response_error, reference_wav, required_parameter, tensor)
+
+TOKEN2WAV_DIT = "token2wav_dit"
+
+
+class TritonDitToken2Wav:
+    """:class:`~cosyserve.serving.dit_pipeline.DitToken2WavBackend` over the ``token2wav_dit`` model."""
+
+    def offline(self, tokens: Sequence[int], speaker: SpeakerRef) -> np.ndarray:
+        return self._call("", tokens, speaker)
+
+    def step(self, request_id: str, tokens: Sequence[int], speaker: SpeakerRef | None, finalize: bool) -> np.ndarray:
+        return self._call(request_id, tokens, speaker, finalize=np.array([[finalize]], np.bool_))
+
+    def cancel(self, request_id: str) -> bool:
+        self._call(request_id, [], None, cancel=np.array([[True]], np.bool_))
+        return True
+
+    def _call(self, request_id: str, tokens: Sequence[int], speaker: SpeakerRef | None,
+              **extra: np.ndarray) -> np.ndarray:
+        inputs = {"target_speech_tokens": np.asarray(tokens, np.int32).reshape(1, -1) + SPEECH_TOKEN_OFFSET, **extra}
+        if speaker is not None and speaker.speaker_id:
+            inputs["speaker_id"] = np.array([[speaker.speaker_id.encode("utf-8")]], dtype=object)
+        elif speaker is not None:
+            inputs["reference_wav"] = speaker.wav16.astype(np.float32).reshape(1, -1)
+            inputs["reference_wav_len"] = np.array([[speaker.wav16.size]], np.int32)
+        request = pb_utils.InferenceRequest(
+            model_name=TOKEN2WAV_DIT, requested_output_names=["waveform"], request_id=request_id,
+            inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
+        response = request.exec()
+        raise_response_error(response, TOKEN2WAV_DIT)
+        return pb_utils.get_output_tensor_by_name(response, "waveform").as_numpy()[0]
+
+
+class CosyVoice2DitBLS:
+    """Requests are handled one at a time per instance, inside ``execute`` (the threading that
+    Triton's Python stub survives, see :class:`~cosyserve.serving.bls.CosyVoice2BLS`); concurrency
+    comes from ``bls_instance_num`` instances, and the LLM server batches across all of them. The
+    LLM stream is read by the OpenAI backend's own thread, so tokens keep coming while a chunk is
+    voiced."""
+
+    def __init__(self, config: dict):
+        from transformers import AutoTokenizer
+
+        params = model_parameters(config)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
+        self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), SkipSpeakerEmbedding())
+        self.limits = TokenLimits(int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
+                                  int(params.get("min_tokens") or 0))
+        tokenizer_dir = required_parameter(params, "llm_tokenizer_dir")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.llm_backend = create_backend("openai", tokenizer_dir, base_url=required_parameter(params, "llm_url"),
+                                          model=params.get("llm_model") or None)
+        register_voice_prefixes(self.llm_backend, tokenizer, registry)
+        self.pipeline = DitTTSPipeline(tokenizer, LocalSpeechTokens(self.llm_backend, REFERENCE_SAMPLING),
+                                       TritonDitToken2Wav(), strategy=params.get("streaming_strategy") or "exponential")
+
+    def execute(self, requests):
+        if self.decoupled:
+            for request in requests:
+                self._stream(request)
+            return None
+        return [self._offline(request) for request in requests]
+
+    def _parse(self, request) -> DitTTSRequest:
+        target_text = validate_text(optional_text(request, "target_text"), "target_text", self.pipeline.max_text_chars)
+        wav = reference_wav(request) if optional_input(request, "reference_wav") is not None else None
+        limits = self.limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens"))
+        # Unique even when clients reuse ids: it keys the LLM request and the token2wav_dit stream.
+        request_id = f"{request.request_id() or 'tts'}-{uuid.uuid4().hex[:12]}"
+        return dit_request(self.voices, request_id, target_text, reference_wav16=wav,
+                           reference_text=optional_text(request, "reference_text"),
+                           speaker_id=optional_text(request, "speaker_id"), limits=limits)
+
+    def _stream(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            for chunk in self.pipeline.stream(self._parse(request), sender.is_cancelled):
+                sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", chunk)]))
+            sender.send(flags=FINAL)
+        except Exception as exc:
+            sender.send(error_response(exc), flags=FINAL)
+
+    def _offline(self, request):
+        try:
+            waveform = self.pipeline.synthesize(self._parse(request), request.is_cancelled)
+            return pb_utils.InferenceResponse(output_tensors=[tensor("waveform", waveform)])
+        except Exception as exc:
+            return error_response(exc)
+
+    def close(self) -> None:
+        self.llm_backend.close()
