@@ -9,11 +9,20 @@ Reproduces the Triton ``token2wav`` model (``CosyVoice2Model.token2wav``):
   3840-sample excitation cache, Hamming cross-fade, 3840 samples withheld until the next chunk).
 
 Token ids are raw speech tokens in [0, vocab_size) (6561), not LLM ids.
+
+Work of several requests runs packed together through :meth:`CosyVoice2Token2Wav.run_batch`
+(offline requests and streaming steps alike; :mod:`.batching` schedules it): one flow batch per
+(streaming, finalize) kind, one HiFT batch per mel shape; each result equals the request run
+alone up to float rounding. :class:`Token2WavOptions` holds the opt-in speed-ups (all off by
+default, which keeps the reference computation): CUDA graphs (:mod:`.graphs`) and the
+incremental streaming flow (:class:`~cosyserve.models.flow.FlowStream`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +30,37 @@ from typing import Any
 import torch
 
 from ..errors import InvalidInputError
-from ..models.flow import CosyVoice2Flow, load_flow
-from ..models.hift import HiFTGenerator, load_hift
-from .vocoder_stream import HiftStream, SineNoiseProvider, VocoderChunk
+from ..models.flow import CosyVoice2Flow, FlowStream, load_flow
+from ..models.hift import HiFTGenerator, draw_source_noise, load_hift
+from .graphs import FlowSampler, HiftRunner
+from .vocoder_stream import HiftStream, SineNoiseProvider, VocoderCall, VocoderChunk
+
+
+@dataclass(frozen=True)
+class Token2WavOptions:
+    """Opt-in speed-ups; the defaults reproduce the reference computation.
+
+    ``cuda_graphs``: replay the flow's Euler loop (padded to multiples of ``bucket_frames``
+    frames, batch to a power of two) and, with ``hift_graphs``, HiFT's network (exact shapes) from
+    CUDA graphs (:mod:`.graphs`); CUDA devices only. HiFT graphs pay off when shapes repeat
+    (streaming chunks), not for offline utterances of one-off lengths. ``incremental_stream``: non-final streaming steps
+    compute only their new frames (:class:`FlowStream`; same output up to rounding, but the
+    stream holds per-frame state, ~115 MB per second of audio for the released model in fp16).
+    ``tensorrt_plan`` / ``tensorrt_streaming_plan``: run the estimator from TensorRT plans
+    (:mod:`.tensorrt`; non-streaming / streaming attention), CUDA only, not with ``cuda_graphs``.
+    """
+
+    cuda_graphs: bool = False
+    hift_graphs: bool = True
+    incremental_stream: bool = False
+    bucket_frames: int = 50
+    max_graphs: int = 64
+    tensorrt_plan: str | Path | None = None
+    tensorrt_streaming_plan: str | Path | None = None
+
+    @property
+    def tensorrt(self) -> bool:
+        return bool(self.tensorrt_plan or self.tensorrt_streaming_plan)
 
 
 @dataclass
@@ -33,19 +70,69 @@ class _Prompt:
     embedding: torch.Tensor  # (1, spk_embed_dim)
 
 
+@dataclass
+class OfflineRequest:
+    """One offline synthesis for :meth:`CosyVoice2Token2Wav.offline_batch` (arguments as for ``offline``)."""
+
+    tokens: Any
+    prompt_tokens: Any
+    prompt_feat: Any
+    embedding: Any
+    generator: torch.Generator | None = None
+    sine_noise: SineNoiseProvider | None = None
+
+
+@dataclass
+class _Work:
+    """One unit of :meth:`CosyVoice2Token2Wav.run_batch`: validated tokens and where its mel goes."""
+
+    tokens: torch.Tensor  # (1, n) on the device
+    prompt: _Prompt
+    finalize: bool
+    streaming: bool
+    skip_frames: int  # leading target frames already voiced (ratio · token_offset)
+    stream: Token2WavStream | None  # None: offline
+    generator: torch.Generator | None = None
+    sine_noise: SineNoiseProvider | None = None
+
+    @property
+    def incremental(self) -> bool:
+        return self.stream is not None and self.stream._flow_stream is not None and not self.finalize
+
+
 class CosyVoice2Token2Wav:
     """Flow + HiFT on one device. ``dtype`` is the flow's compute dtype; HiFT keeps its own
     (the Triton deployment runs the flow in fp16 and HiFT in fp32). Open streams are tracked so
     servers and tests can check that no per-request state outlives its request."""
 
     def __init__(self, flow: CosyVoice2Flow, hift: HiFTGenerator, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, options: Token2WavOptions | None = None):
         self.device = torch.device(device)
         self.dtype = dtype
+        self.options = options or Token2WavOptions()
+        for wanted, name in ((self.options.cuda_graphs, "cuda_graphs"), (self.options.tensorrt, "a TensorRT plan")):
+            if wanted and self.device.type != "cuda":
+                raise InvalidInputError(f"{name} needs a CUDA device, got {str(self.device)!r}")
+        if self.options.cuda_graphs and self.options.tensorrt:
+            raise InvalidInputError("choose cuda_graphs or a TensorRT estimator plan, not both")
         self.flow = flow.to(device=self.device, dtype=dtype).eval()
+        if self.options.tensorrt:
+            from .tensorrt import TensorRTEstimator  # fails fast without the tensorrt package
+
+            decoder = self.flow.decoder
+            decoder.estimator = TensorRTEstimator(decoder.estimator, {False: self.options.tensorrt_plan,
+                                                                      True: self.options.tensorrt_streaming_plan})
         self.hift = hift.to(device=self.device).eval()
+        options = self.options
+        self.sampler = FlowSampler(self.flow.decoder, cuda_graphs=options.cuda_graphs,
+                                   bucket_frames=options.bucket_frames, max_graphs=options.max_graphs)
+        self.vocoder = HiftRunner(self.hift, cuda_graphs=options.cuda_graphs and options.hift_graphs,
+                                  max_graphs=options.max_graphs)
+        self.sample_rate = self.hift.cfg.sampling_rate
         self._streams: dict[str, Token2WavStream] = {}
         self._lock = threading.Lock()
+        # With CUDA graphs, batches run one at a time: a capture must not overlap other threads' GPU work.
+        self._run_lock = threading.Lock() if options.cuda_graphs else contextlib.nullcontext()
 
     # ----- offline -----
 
@@ -56,14 +143,21 @@ class CosyVoice2Token2Wav:
         HiFT randomness: drawn on ``generator`` (default generator if None), or injected by
         ``sine_noise`` (called with the sample count).
         """
-        prompt = self._prompt(prompt_tokens, prompt_feat, embedding)
-        tokens = self._tokens(tokens, "tokens")
+        return self.offline_batch([OfflineRequest(tokens, prompt_tokens, prompt_feat, embedding, generator,
+                                                  sine_noise)])[0]
+
+    def offline_batch(self, requests: Sequence[OfflineRequest]) -> list[torch.Tensor]:
+        """:meth:`offline` of several requests in one flow batch (HiFT batched per equal length)."""
+        return self.run_batch([self.offline_work(r) for r in requests])
+
+    def offline_work(self, request: OfflineRequest) -> _Work:
+        """Validate an offline request into a unit of :meth:`run_batch`."""
+        prompt = self._prompt(request.prompt_tokens, request.prompt_feat, request.embedding)
+        tokens = self._tokens(request.tokens, "tokens")
         if tokens.shape[1] == 0:
             raise InvalidInputError("tokens is empty; at least one speech token is required")
-        mel = self._flow(tokens, prompt, streaming=False, finalize=True)
-        noise = sine_noise(mel.shape[2] * self.hift.hop_length) if sine_noise else None
-        speech, _ = self.hift.inference(mel, generator=generator, sine_noise=noise)
-        return speech[0].float().cpu()
+        return _Work(tokens, prompt, finalize=True, streaming=False, skip_frames=0, stream=None,
+                     generator=request.generator, sine_noise=request.sine_noise)
 
     # ----- streaming -----
 
@@ -77,7 +171,9 @@ class CosyVoice2Token2Wav:
             if request_id in self._streams:
                 raise InvalidInputError(f"a token2wav stream for request id {request_id!r} is already open")
             vocoder = HiftStream(self.hift, generator=generator, sine_noise=sine_noise)
-            stream = Token2WavStream(self, request_id, prompt, vocoder)
+            flow_stream = (self.flow.open_stream(prompt.tokens, prompt.feat, prompt.embedding)
+                           if self.options.incremental_stream else None)
+            stream = Token2WavStream(self, request_id, prompt, vocoder, flow_stream)
             self._streams[request_id] = stream
         return stream
 
@@ -111,11 +207,92 @@ class CosyVoice2Token2Wav:
             if self._streams.get(stream.request_id) is stream:
                 del self._streams[stream.request_id]
 
-    # ----- helpers -----
+    # ----- batched execution -----
 
-    def _flow(self, tokens: torch.Tensor, prompt: _Prompt, *, streaming: bool, finalize: bool) -> torch.Tensor:
-        return self.flow.inference(tokens, prompt.tokens, prompt.feat, prompt.embedding,
-                                   streaming=streaming, finalize=finalize)
+    @torch.inference_mode()
+    def run_batch(self, work: Sequence[_Work]) -> list[torch.Tensor | VocoderChunk]:
+        """Run validated units (:meth:`offline_work`, :meth:`Token2WavStream.plan_step`) packed together.
+
+        Returns, per unit, the offline waveform (N,) float32 on the CPU, or the streaming step's
+        :class:`VocoderChunk`. On an error every stream of the batch is closed.
+        """
+        with self._run_lock:
+            return self._run_batch(work)
+
+    def _run_batch(self, work: Sequence[_Work]) -> list[torch.Tensor | VocoderChunk]:
+        try:
+            mels = self._new_mels(work)
+            calls = [w.stream._vocoder.prepare(mel, finalize=w.finalize) if w.stream else
+                     VocoderCall(mel, None, True, self.hift.hop_length, True) for w, mel in zip(work, mels)]
+            outputs = self._vocode(work, calls)
+            results = []
+            for w, mel, call, output in zip(work, mels, calls, outputs):
+                if w.stream is None:
+                    results.append(output[0][0].float().cpu())
+                else:
+                    results.append(w.stream._complete(call, output, mel.shape[2], w.finalize))
+            return results
+        except BaseException:
+            for w in work:
+                if w.stream is not None:
+                    w.stream.close()
+            raise
+
+    def _new_mels(self, work: Sequence[_Work]) -> list[torch.Tensor]:
+        """Each unit's not yet voiced mel (1, 80, f) float32: one flow batch per (streaming, finalize)."""
+        mels: list[torch.Tensor | None] = [None] * len(work)
+        groups: dict[tuple[bool, bool], list[int]] = {}
+        for i, w in enumerate(work):
+            if w.incremental:
+                mels[i] = w.stream._flow_stream.step(w.tokens, False)
+            else:
+                groups.setdefault((w.streaming, w.finalize), []).append(i)
+        for (streaming, finalize), members in groups.items():
+            items = [work[i] for i in members]
+            c = self.flow.batch_conditions([w.tokens for w in items], [w.prompt.tokens for w in items],
+                                           [w.prompt.feat for w in items], [w.prompt.embedding for w in items],
+                                           streaming=streaming, finalize=finalize)
+            for i, mel in zip(members, c.target_mels(self.sampler(c, streaming))):
+                mels[i] = mel[:, :, work[i].skip_frames:]
+        return mels
+
+    def _vocode(self, work: Sequence[_Work], calls: Sequence[VocoderCall]) -> list[tuple | None]:
+        """HiFT (speech, source) of each needed call (None otherwise), batched per (frames, cached samples).
+
+        Noise is drawn per unit in order, as the unbatched calls would draw it; the random initial
+        phases that HiFT would also draw never reach its output (fixture README §5.2)."""
+        harmonics = self.hift.m_source.num_harmonics
+        noises: list[torch.Tensor | None] = []
+        for w, call in zip(work, calls):
+            if not call.needed:
+                noises.append(None)
+                continue
+            generator, provider = ((w.stream._vocoder.generator, w.stream._vocoder.sine_noise) if w.stream
+                                   else (w.generator, w.sine_noise))
+            if provider is None:
+                noises.append(draw_source_noise(1, call.samples, harmonics, self.device, generator).sine_noise)
+                continue
+            noise = provider(call.samples)
+            if tuple(noise.shape) != (1, call.samples, harmonics):
+                raise InvalidInputError(
+                    f"sine_noise must have shape {(1, call.samples, harmonics)}, got {tuple(noise.shape)}")
+            noises.append(noise)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, call in enumerate(calls):
+            if call.needed:
+                cached = -1 if call.cache_source is None else call.cache_source.shape[-1]
+                groups.setdefault((call.mel_in.shape[2], cached), []).append(i)
+        outputs: list[tuple | None] = [None] * len(calls)
+        for (_, cached), members in groups.items():
+            mel = torch.cat([calls[i].mel_in for i in members])
+            cache = None if cached < 0 else torch.cat([calls[i].cache_source for i in members])
+            noise = torch.cat([noises[i].to(self.device) for i in members])
+            speech, source = self.vocoder(mel, cache, noise)
+            for row, i in enumerate(members):
+                outputs[i] = (speech[row:row + 1], source[row:row + 1])
+        return outputs
+
+    # ----- validation -----
 
     def _tokens(self, value: Any, name: str) -> torch.Tensor:
         """Speech-token ids as a (1, n) long tensor on the device; ids must lie in [0, vocab_size)."""
@@ -164,16 +341,23 @@ class Token2WavStream:
     serves cancellation. Usable as a context manager.
     """
 
-    def __init__(self, owner: CosyVoice2Token2Wav, request_id: str, prompt: _Prompt, vocoder: HiftStream):
+    def __init__(self, owner: CosyVoice2Token2Wav, request_id: str, prompt: _Prompt, vocoder: HiftStream,
+                 flow_stream: FlowStream | None = None):
         self.owner = owner
         self.request_id = request_id
         self._prompt: _Prompt | None = prompt
         self._vocoder = vocoder
+        self._flow_stream = flow_stream
         self._frames_done = 0  # mel frames already handed to the vocoder
 
     @property
     def closed(self) -> bool:
         return self._prompt is None
+
+    @property
+    def frames_done(self) -> int:
+        """Target mel frames voiced so far (token_mel_ratio · the next token_offset)."""
+        return self._frames_done
 
     def step(self, tokens_so_far: Any, token_offset: int, finalize: bool) -> torch.Tensor:
         """Voice tokens[token_offset:] → waveform piece (S,) float32 on the CPU."""
@@ -181,18 +365,22 @@ class Token2WavStream:
 
     def step_chunk(self, tokens_so_far: Any, token_offset: int, finalize: bool) -> VocoderChunk:
         """:meth:`step` returning the vocoder call's details (mel given to HiFT, raw output...)."""
+        return self.owner.run_batch([self.plan_step(tokens_so_far, token_offset, finalize)])[0]
+
+    def plan_step(self, tokens_so_far: Any, token_offset: int, finalize: bool) -> _Work:
+        """Validate a step into a unit of :meth:`CosyVoice2Token2Wav.run_batch` (closes the stream if invalid).
+
+        Run it before planning the next step: the check of ``token_offset`` reads the frames voiced so far.
+        """
         if self._prompt is None:
             raise InvalidInputError(f"token2wav stream {self.request_id!r} is closed (finalized, cancelled or failed)")
         try:
-            chunk = self._step(tokens_so_far, token_offset, finalize)
+            return self._plan(tokens_so_far, token_offset, finalize)
         except BaseException:
             self.close()
             raise
-        if finalize:
-            self.close()
-        return chunk
 
-    def _step(self, tokens_so_far: Any, token_offset: int, finalize: bool) -> VocoderChunk:
+    def _plan(self, tokens_so_far: Any, token_offset: int, finalize: bool) -> _Work:
         cfg = self.owner.flow.cfg
         tokens = self.owner._tokens(tokens_so_far, "tokens_so_far")
         if isinstance(token_offset, bool) or not isinstance(token_offset, int) or token_offset < 0:
@@ -210,16 +398,23 @@ class Token2WavStream:
                 f"{token_offset + (0 if finalize else cfg.pre_lookahead_len)} tokens"
                 + ("" if finalize else f" (the last {cfg.pre_lookahead_len} are look-ahead only)")
             )
-        mel = self.owner._flow(tokens, self._prompt, streaming=not finalize, finalize=finalize)
-        mel = mel[:, :, token_offset * cfg.token_mel_ratio:]
-        chunk = self._vocoder.push(mel, finalize=finalize)
-        self._frames_done += mel.shape[2]
+        return _Work(tokens, self._prompt, finalize=finalize, streaming=not finalize,
+                     skip_frames=token_offset * cfg.token_mel_ratio, stream=self)
+
+    def _complete(self, call: VocoderCall, hift_output: tuple | None, new_frames: int, finalize: bool) -> VocoderChunk:
+        raw_speech, source = hift_output if hift_output is not None else (None, None)
+        chunk = self._vocoder.complete(call, raw_speech, source)
+        self._frames_done += new_frames
+        if finalize:
+            self.close()
         return chunk
 
     def close(self) -> None:
         """Release the caches and leave the owner's registry (idempotent)."""
         self._prompt = None
         self._vocoder.close()
+        if self._flow_stream is not None:
+            self._flow_stream.close()
         self.owner._forget(self)
 
     def __enter__(self) -> "Token2WavStream":
@@ -238,11 +433,10 @@ def _float_tensor(value: Any, name: str) -> torch.Tensor:
     return tensor
 
 
-def load_token2wav(model_dir: str | Path, device: torch.device | str = "cpu",
-                   dtype: torch.dtype = torch.float32) -> CosyVoice2Token2Wav:
+def load_token2wav(model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                   options: Token2WavOptions | None = None) -> CosyVoice2Token2Wav:
     """Load ``flow.pt`` + ``hift.pt`` (configured by ``cosyvoice2.yaml`` when present) from a
     CosyVoice2 model directory. The flow runs in ``dtype``, HiFT in float32."""
     flow = load_flow(model_dir, device, dtype)
     hift = load_hift(model_dir, device, torch.float32)
-    return CosyVoice2Token2Wav(flow, hift, device, dtype)
-
+    return CosyVoice2Token2Wav(flow, hift, device, dtype, options)

@@ -49,6 +49,21 @@ def crossfade(new: torch.Tensor, old_tail: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class VocoderCall:
+    """The HiFT call of one streaming chunk (see :meth:`HiftStream.prepare`)."""
+
+    mel_in: torch.Tensor  # (1, 80, F) cached mel frames followed by the new frames
+    cache_source: torch.Tensor | None  # (1, 1, C) excitation of the cached frames, or None
+    finalize: bool
+    hop_length: int
+    needed: bool  # False: nothing new to voice and nothing withheld to flush, so no HiFT call
+
+    @property
+    def samples(self) -> int:
+        return self.mel_in.shape[2] * self.hop_length
+
+
+@dataclass
 class VocoderChunk:
     """One streaming HiFT call: what it saw, what it made, what was emitted."""
 
@@ -90,27 +105,44 @@ class HiftStream:
     @torch.inference_mode()
     def push(self, mel: torch.Tensor, *, finalize: bool) -> VocoderChunk:
         """Vocode the next mel chunk (1, 80, F); ``finalize`` marks the last one."""
+        call = self.prepare(mel, finalize=finalize)
+        if not call.needed:
+            return self.complete(call, None, None)
+        sine_noise = self.sine_noise(call.samples) if self.sine_noise else None
+        raw_speech, source = self.hift.inference(call.mel_in, call.cache_source, self.generator, sine_noise)
+        return self.complete(call, raw_speech, source)
+
+    @torch.inference_mode()
+    def prepare(self, mel: torch.Tensor, *, finalize: bool) -> VocoderCall:
+        """The HiFT call the next chunk needs (no state change); run it, then :meth:`complete`.
+
+        Split from :meth:`push` so that a batcher can run the calls of many streams together.
+        """
         if self.finished:
             raise InvalidInputError("this vocoder stream is finished; open a new one")
         if mel.dim() != 3 or mel.shape[0] != 1:
             raise InvalidInputError(f"streaming vocoder expects a mel of shape (1, 80, F), got {tuple(mel.shape)}")
         mel_in = torch.cat([self._mel.to(mel), mel], dim=2) if self._mel is not None else mel
-        if mel.shape[2] == 0 and (not finalize or mel_in.shape[2] == 0):
-            # Nothing new to voice (and nothing withheld to flush): no HiFT call, state unchanged.
-            empty = mel.new_zeros(1, 0, dtype=torch.float32)
-            if finalize:
-                self.close()
-            return VocoderChunk(mel_in, mel.new_zeros(1, 1, 0), empty, empty)
+        needed = not (mel.shape[2] == 0 and (not finalize or mel_in.shape[2] == 0))
+        return VocoderCall(mel_in, self._source, finalize, self.hift.hop_length, needed)
 
-        sine_noise = self.sine_noise(mel_in.shape[2] * self.hift.hop_length) if self.sine_noise else None
-        raw_speech, source = self.hift.inference(mel_in, self._source, self.generator, sine_noise)
+    @torch.inference_mode()
+    def complete(self, call: VocoderCall, raw_speech: torch.Tensor | None,
+                 source: torch.Tensor | None) -> VocoderChunk:
+        """Take the HiFT output of ``call`` (None when not ``call.needed``): cross-fade, cache, emit."""
+        if not call.needed:
+            # Nothing new to voice (and nothing withheld to flush): no HiFT call, state unchanged.
+            empty = call.mel_in.new_zeros(1, 0, dtype=torch.float32)
+            if call.finalize:
+                self.close()
+            return VocoderChunk(call.mel_in, call.mel_in.new_zeros(1, 1, 0), empty, empty)
         speech = crossfade(raw_speech, self._speech_tail) if self._speech_tail is not None else raw_speech
-        if finalize:
+        if call.finalize:
             self.close()
             audio = speech
         else:
-            self._mel = mel_in[:, :, -self.mel_cache_frames:]
+            self._mel = call.mel_in[:, :, -self.mel_cache_frames:]
             self._source = source[:, :, -self.overlap_samples:]
             self._speech_tail = speech[:, -self.overlap_samples:]
             audio = speech[:, : max(speech.shape[1] - self.overlap_samples, 0)]
-        return VocoderChunk(mel_in, source, raw_speech, audio)
+        return VocoderChunk(call.mel_in, source, raw_speech, audio)

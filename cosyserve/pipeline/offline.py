@@ -1,0 +1,330 @@
+"""Offline batch TTS (``offline_inference.py``): a dataset in, wavs and a timing report out.
+
+Per batch of ``batch_size`` utterances: the voices are resolved (speech tokenizer + speaker
+encoder on each prompt, or one registered speaker for all), the LLM generates every utterance's
+speech tokens with all requests in flight together (the torch engine batches them; other back
+ends take them as they can), then token2wav synthesises them ``token2wav_batch_size`` at a time
+(:meth:`CosyVoice2Token2Wav.offline_batch`: one flow batch, HiFT batched per length; utterances
+are sorted by length first so batches pad little). Three timers (front-end, LLM, token2wav) add up
+to the total; writing files is not timed. RTF = total time / seconds of audio.
+
+Benchmarks on random weights need realistic lengths (a random LLM rarely samples the end of
+speech): with :class:`FixedLength` every utterance generates exactly ``round(rate x seconds)``
+tokens (``min_tokens = max_tokens``), the seconds being given (one value, or a seeded uniform
+draw per utterance between two values) or estimated from the text (:func:`estimate_seconds`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+import unicodedata
+import uuid
+import wave
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..clients import Utterance, load_reference_audio
+from ..errors import InvalidInputError
+from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
+from ..frontend.speakers import SpeakerRegistry
+from ..llm.backends import BackendUnavailableError, create_backend
+from ..llm.prompt import MAX_SPEECH_TOKENS
+from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, load_token2wav
+from .local import (COSYVOICE2_DIR, LLM_DIR, REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, LocalToken2Wav,
+                    register_voice_prefixes, resolve_device)
+from .schedule import TOKEN_RATE
+from .tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, Voice, VoiceResolver
+
+BACKENDS = ("torch", "hf", "trtllm", "vllm", "openai")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+VLLM_UNSUPPORTED = (
+    "the vllm backend is not supported yet: vLLM's Qwen2 loader drops the CosyVoice2 LLM's lm_head bias "
+    "(llm_layout.md §2), so it would sample text tokens instead of speech. Serve the LLM with a server that "
+    "keeps the bias (python -m cosyserve.llm.openai_server) and use --backend openai --openai-base-url URL, "
+    "or use --backend torch")
+
+
+@dataclass(frozen=True)
+class FixedLength:
+    """Force every utterance to ``round(tokens_per_second x seconds)`` speech tokens.
+
+    ``seconds``: None = estimated from the text; (s,) = s for all; (lo, hi) = uniform draw per
+    utterance (``random.Random(seed)``, in dataset order).
+    """
+
+    tokens_per_second: float = TOKEN_RATE
+    seconds: tuple[float, ...] | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.tokens_per_second > 0:
+            raise InvalidInputError(f"tokens per second must be > 0, got {self.tokens_per_second}")
+        if self.seconds is not None and (len(self.seconds) not in (1, 2) or min(self.seconds) <= 0
+                                         or self.seconds[0] > self.seconds[-1]):
+            raise InvalidInputError(f"fixed output seconds must be one positive value or lo <= hi, got {self.seconds}")
+
+    def draws(self, count: int) -> list[float | None]:
+        """Per utterance: the seconds to generate, None where they are to be estimated from the text."""
+        if self.seconds is None:
+            return [None] * count
+        rng = random.Random(self.seed)
+        return [self.seconds[0] if len(self.seconds) == 1 else rng.uniform(*self.seconds) for _ in range(count)]
+
+    def limits(self, seconds: float) -> TokenLimits:
+        tokens = min(max(1, round(self.tokens_per_second * seconds)), MAX_SPEECH_TOKENS)
+        return TokenLimits(max_tokens=tokens, min_tokens=tokens)
+
+
+def spoken_characters(text: str) -> int:
+    """Letters and digits: a speaking-rate unit that does not depend on the tokenizer (a CJK
+    character is a syllable; within one language, letters are proportional to speech)."""
+    return sum(1 for ch in text if unicodedata.category(ch)[0] in "LN")
+
+
+def estimate_seconds(voice: Voice, target_text: str) -> float:
+    """The prompt's speaking rate applied to the target text: prompt seconds x target / prompt characters."""
+    prompt_chars = spoken_characters(voice.prompt_text)
+    if prompt_chars == 0:
+        raise InvalidInputError("cannot estimate the output length: the voice's prompt text has no letters; "
+                                "give --fixed-output-seconds")
+    return voice.features.speech_tokens.numel() / TOKEN_RATE * spoken_characters(target_text) / prompt_chars
+
+
+@dataclass
+class OfflineConfig:
+    backend: str = "torch"
+    device: str = "auto"
+    dtype: str | None = None  # flow dtype; default float16 on CUDA (as deployed), float32 on CPU
+    llm_dtype: str | None = None  # default bfloat16 on CUDA, float32 on CPU
+    batch_size: int = 16  # LLM requests in flight together
+    token2wav_batch_size: int = 8
+    token2wav_options: Token2WavOptions = field(default_factory=Token2WavOptions)
+    fixed_length: FixedLength | None = None
+    speaker_id: str | None = None  # use this registered voice for every utterance instead of its prompt
+    seed: int = 0  # HiFT noise (per utterance, with its id) and the fixed-length draws
+    llm_options: dict = field(default_factory=dict)  # e.g. engine_dir (trtllm), base_url (openai)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise InvalidInputError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        for name in ("batch_size", "token2wav_batch_size"):
+            if getattr(self, name) < 1:
+                raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("dtype", "llm_dtype"):
+            if getattr(self, name) not in (None, *DTYPES):
+                raise InvalidInputError(f"{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class ItemResult:
+    id: str
+    speech_tokens: int
+    audio_s: float
+    wav: str
+
+
+@dataclass
+class Timers:
+    frontend_s: float = 0.0
+    llm_s: float = 0.0
+    token2wav_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.frontend_s + self.llm_s + self.token2wav_s
+
+
+def create_llm(name: str, llm_dir: Path, device: torch.device, dtype: str | None, **options):
+    """The LLM back end by name; those not installable here raise BackendUnavailableError saying what to install."""
+    if name == "vllm":
+        raise BackendUnavailableError(VLLM_UNSUPPORTED)
+    return create_backend(name, llm_dir, device, dtype, **options)
+
+
+class OfflineTTS:
+    """The loaded models: voices, LLM back end, token2wav (layout of :func:`cosyserve.bundle.make_bundle`)."""
+
+    def __init__(self, models_dir: str | Path, config: OfflineConfig):
+        from transformers import AutoTokenizer
+
+        self.config = config
+        models_dir = Path(models_dir)
+        model_dir, llm_dir = models_dir / COSYVOICE2_DIR, models_dir / LLM_DIR
+        for path in (model_dir, llm_dir):
+            if not path.is_dir():
+                raise InvalidInputError(f"{path} does not exist: --model-dir must hold {COSYVOICE2_DIR}/ and {LLM_DIR}/")
+        self.device = resolve_device(config.device)
+        flow_dtype = DTYPES[config.dtype] if config.dtype else (
+            torch.float16 if self.device.type == "cuda" else torch.float32)
+        self.text_tokenizer = AutoTokenizer.from_pretrained(llm_dir)
+        registry = SpeakerRegistry.load(model_dir / SPK2INFO)
+        providers = None if self.device.type == "cuda" else ["CPUExecutionProvider"]
+        self.voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", providers),
+                                    SpeakerEncoder(model_dir / "campplus.onnx"), default_speaker=DEFAULT_SPEAKER)
+        self.token2wav = load_token2wav(model_dir, self.device, flow_dtype, config.token2wav_options)
+        self.llm_backend = create_llm(config.backend, llm_dir, self.device, config.llm_dtype, **config.llm_options)
+        register_voice_prefixes(self.llm_backend, self.text_tokenizer, registry)
+        self.llm = LocalSpeechTokens(self.llm_backend, REFERENCE_SAMPLING)
+        self.pipeline = TTSPipeline(self.text_tokenizer, self.llm, LocalToken2Wav(self.token2wav))
+
+    def close(self) -> None:
+        self.token2wav.close_all()
+        self.llm_backend.close()
+
+    def voice(self, item: Utterance) -> Voice:
+        if self.config.speaker_id:
+            return self.voices.resolve(speaker_id=self.config.speaker_id)
+        return self.voices.resolve(load_reference_audio(item.reference_audio), item.reference_text)
+
+    def limits(self, voice: Voice, item: Utterance, seconds: float | None) -> TokenLimits:
+        fixed = self.config.fixed_length
+        if fixed is None:
+            return TokenLimits()
+        return fixed.limits(seconds if seconds is not None else estimate_seconds(voice, item.target_text))
+
+    def speech_tokens(self, requests: Sequence[tuple[list[int], TokenLimits]]) -> list[list[int]]:
+        """Generate all requests with every one in flight at once."""
+        def one(request: tuple[list[int], TokenLimits]) -> list[int]:
+            ids, limits = request
+            tokens = [t for piece in self.llm.generate(ids, uuid.uuid4().hex, limits) for t in piece]
+            if not tokens:
+                raise RuntimeError("the LLM produced no speech tokens (nothing to synthesise)")
+            return tokens
+
+        with ThreadPoolExecutor(max_workers=max(1, len(requests)), thread_name_prefix="llm-request") as pool:
+            return list(pool.map(one, requests))
+
+    def waveforms(self, ids: Sequence[str], tokens: Sequence[list[int]], voices: Sequence[Voice]) -> list[np.ndarray]:
+        """token2wav of every utterance, shortest first, ``token2wav_batch_size`` per batch.
+
+        HiFT noise comes from a generator per utterance seeded from its id and ``config.seed``, so
+        the audio does not depend on batch sizes or order."""
+        order = sorted(range(len(tokens)), key=lambda i: len(tokens[i]))
+        waves: list[np.ndarray | None] = [None] * len(tokens)
+        size = self.config.token2wav_batch_size
+        for start in range(0, len(order), size):
+            members = order[start:start + size]
+            requests = [OfflineRequest(tokens[i], voices[i].features.speech_tokens, voices[i].features.speech_feat,
+                                       voices[i].features.embedding, generator=self._generator(ids[i]))
+                        for i in members]
+            for i, wave_ in zip(members, self.token2wav.offline_batch(requests)):
+                waves[i] = wave_.numpy()
+        return waves
+
+
+    def _generator(self, item_id: str) -> torch.Generator:
+        seed = zlib.crc32(f"{self.config.seed}:{item_id}".encode())
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def synthesize_items(tts: OfflineTTS, items: Sequence[Utterance], output_dir: Path, *,
+                progress: Callable[[int], None] | None = None, timers: Timers | None = None) -> list[ItemResult]:
+    """Synthesise ``items`` batch by batch into ``output_dir/<id>.wav``; adds the time spent to ``timers``."""
+    timers = timers if timers is not None else Timers()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    fixed = tts.config.fixed_length
+    seconds = fixed.draws(len(items)) if fixed else [None] * len(items)
+    results = []
+    for start in range(0, len(items), tts.config.batch_size):
+        batch = items[start:start + tts.config.batch_size]
+        began = time.perf_counter()
+        voices = [tts.voice(item) for item in batch]
+        requests = [(tts.pipeline.prompt_ids(item.target_text, voice), tts.limits(voice, item, s))
+                    for item, voice, s in zip(batch, voices, seconds[start:start + len(batch)])]
+        llm_start = time.perf_counter()
+        tokens = tts.speech_tokens(requests)
+        t2w_start = time.perf_counter()
+        waves = tts.waveforms([item.id for item in batch], tokens, voices)
+        synchronize(tts.device)
+        done = time.perf_counter()
+        timers.frontend_s += llm_start - began
+        timers.llm_s += t2w_start - llm_start
+        timers.token2wav_s += done - t2w_start
+        for item, speech, audio in zip(batch, tokens, waves):
+            path = output_dir / f"{item.id}.wav"
+            write_wav(path, audio, tts.token2wav.sample_rate)
+            results.append(ItemResult(item.id, len(speech), audio.size / tts.token2wav.sample_rate, path.name))
+        if progress:
+            progress(len(batch))
+    return results
+
+
+def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> None:
+    """16-bit PCM mono WAV (the standard library's writer: no audio package needed)."""
+    pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2")
+    with wave.open(str(path), "wb") as handle:
+        handle.setnchannels(1)
+        handle.setsampwidth(2)
+        handle.setframerate(sample_rate)
+        handle.writeframes(pcm.tobytes())
+
+
+def build_report(results: Sequence[ItemResult], timers: Timers, config: OfflineConfig, device: torch.device,
+                 extra: dict | None = None) -> dict:
+    audio = sum(r.audio_s for r in results)
+    tokens = sum(r.speech_tokens for r in results)
+
+    def per_audio(seconds: float) -> float | None:
+        return seconds / audio if audio > 0 else None
+
+    return {
+        **(extra or {}),
+        "backend": config.backend, "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "flow_dtype": config.dtype, "llm_dtype": config.llm_dtype, "batch_size": config.batch_size,
+        "token2wav_batch_size": config.token2wav_batch_size,
+        "token2wav_options": {k: str(v) for k, v in dataclasses.asdict(config.token2wav_options).items()},
+        "fixed_length": dataclasses.asdict(config.fixed_length) if config.fixed_length else None,
+        "items": len(results), "speech_tokens": tokens, "audio_s": audio,
+        "frontend_time_s": timers.frontend_s, "llm_time_s": timers.llm_s, "token2wav_time_s": timers.token2wav_s,
+        "total_time_s": timers.total_s, "rtf": per_audio(timers.total_s), "llm_rtf": per_audio(timers.llm_s),
+        "token2wav_rtf": per_audio(timers.token2wav_s),
+        "llm_tokens_per_s": tokens / timers.llm_s if timers.llm_s > 0 else None,
+        "per_item": [dataclasses.asdict(r) for r in results],
+    }
+
+
+def format_report_md(report: dict, per_item: bool = True) -> str:
+    def num(value, digits: int = 4) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    lines = [
+        "# offline_inference report", "",
+        f"backend `{report['backend']}` on `{report['device']}`" + (f" ({report['gpu']})" if report["gpu"] else "")
+        + f", LLM batch {report['batch_size']}, token2wav batch {report['token2wav_batch_size']}", "",
+        "| figure | value |", "|---|---:|",
+        f"| utterances | {report['items']} |",
+        f"| speech tokens | {report['speech_tokens']} |",
+        f"| audio seconds | {num(report['audio_s'], 3)} |",
+        f"| front-end time (s) | {num(report['frontend_time_s'], 3)} |",
+        f"| llm_time (s) | {num(report['llm_time_s'], 3)} |",
+        f"| token2wav_time (s) | {num(report['token2wav_time_s'], 3)} |",
+        f"| total_time (s) | {num(report['total_time_s'], 3)} |",
+        f"| RTF (total / audio) | {num(report['rtf'])} |",
+        f"| LLM RTF | {num(report['llm_rtf'])} |",
+        f"| token2wav RTF | {num(report['token2wav_rtf'])} |",
+        f"| LLM tokens/s | {num(report['llm_tokens_per_s'], 1)} |",
+    ]
+    if per_item:
+        lines += ["", "| id | speech tokens | audio s |", "|---|---:|---:|"]
+        lines += [f"| {r['id']} | {r['speech_tokens']} | {r['audio_s']:.3f} |" for r in report["per_item"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(report: dict, output_dir: Path) -> None:
+    (output_dir / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False), encoding="utf-8")
+    (output_dir / "report.md").write_text(format_report_md(report), encoding="utf-8")

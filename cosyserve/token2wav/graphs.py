@@ -1,0 +1,197 @@
+"""Token2wav's two hot loops, optionally replayed from CUDA graphs.
+
+On a GPU both are bound by kernel launches, not arithmetic: one flow call runs the estimator
+10 Euler steps x (14 ResNet stages + 56 transformer blocks at the released size), several
+thousand small kernels on a batch of 2 CFG rows; a HiFT call is a few hundred convolutions and
+element-wise ops. A CUDA graph captures such a sequence once per input shape and replays it with
+one launch.
+
+* :class:`FlowSampler`: the CFM Euler loop over :class:`~cosyserve.models.flow.FlowConditions`.
+  Graphs replay fixed shapes, so requests are padded on the right to a multiple of
+  ``bucket_frames`` frames and the batch to a power of two (copies of row 0). That is exact up to
+  rounding: the estimator's convolutions are causal, padded frames are zeroed before each of them
+  and hidden as attention keys (the same rule that makes mixed-length batches exact).
+* :class:`HiftRunner`: HiFT with injected source noise. HiFT is not causal (centred
+  convolutions, reflect padding), so its graphs are keyed by the exact frame count (rows, which
+  never interact, are padded to a power of two), and only its network (``predict_spectrum``) is
+  captured: ``torch.istft`` checks its window on the host, a device sync that a graph cannot contain.
+
+A shape is captured the second time it is seen (``capture_after``); a one-off shape runs eagerly,
+since capturing costs about three runs. All graphs of a cache share one memory pool: replays are
+serialised, inputs are copied in and outputs cloned out around each replay, so one graph's
+temporaries may overlap another's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidInputError
+from ..models.flow import CausalConditionalCFM, FlowConditions, fixed_noise
+from ..models.flow.cfm import N_TIMESTEPS, NOISE_FRAMES
+from ..models.hift import HiFTGenerator, SourceNoise
+
+TensorFn = Callable[..., tuple[torch.Tensor, ...]]
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+
+
+class GraphCache:
+    """``fn(*tensors) -> tuple of tensors`` replayed from a CUDA graph per input shape (LRU, ``max_graphs``).
+
+    ``fn`` must be a pure function of its inputs' values with no host synchronisation. Shapes seen
+    at most ``capture_after`` times run eagerly. Thread-safe (calls are serialised).
+    """
+
+    def __init__(self, fn: TensorFn, *, max_graphs: int = 64, capture_after: int = 1, warmup: int = 2):
+        if max_graphs < 1:
+            raise InvalidInputError(f"max_graphs must be >= 1, got {max_graphs}")
+        self.fn = fn
+        self.max_graphs = max_graphs
+        self.capture_after = capture_after
+        self.warmup = warmup
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._seen: Counter = Counter()
+        self._pool = None
+        self._lock = threading.Lock()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    @torch.inference_mode()
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        key = tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
+        with self._lock:
+            entry = self._graphs.get(key)
+            if entry is None:
+                self._seen[key] += 1
+                if self._seen[key] <= self.capture_after:
+                    return self.fn(*inputs)
+                entry = self._capture(key, inputs)
+            else:
+                self._graphs.move_to_end(key)
+            for static, value in zip(entry.inputs, inputs):
+                static.copy_(value)
+            entry.graph.replay()
+            return tuple(out.clone() for out in entry.outputs)
+
+    def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...]) -> _Graph:
+        device = inputs[0].device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        static = tuple(t.clone(memory_format=torch.contiguous_format) for t in inputs)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up: library handles, cuDNN/cuFFT plans, lazy allocations
+            for _ in range(self.warmup):
+                self.fn(*static)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads may keep running (and allocating) eagerly during the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            outputs = self.fn(*static)
+        if len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)
+        entry = self._graphs[key] = _Graph(graph, static, tuple(outputs))
+        return entry
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << (value - 1).bit_length()
+
+
+def _pad_rows(v: torch.Tensor, rows: int) -> torch.Tensor:
+    """``v`` with copies of its first row appended up to ``rows`` rows (padding rows are discarded)."""
+    return torch.cat([v, v[:1].expand(rows - v.size(0), *v.shape[1:])]) if rows > v.size(0) else v
+
+
+class FlowSampler:
+    """The flow's Euler loop: ``(conditions, streaming) -> x (B, 80, T)``, eager or from CUDA graphs.
+
+    Eager without ``cuda_graphs`` and ``pad``: exactly ``CausalConditionalCFM.forward``.
+    ``pad`` (implied by ``cuda_graphs``) runs the padded shapes; on its own it only serves tests.
+    """
+
+    def __init__(self, decoder: CausalConditionalCFM, *, cuda_graphs: bool = False, pad: bool = False,
+                 bucket_frames: int = 50, max_graphs: int = 64, n_timesteps: int = N_TIMESTEPS):
+        if bucket_frames < 1:
+            raise InvalidInputError(f"bucket_frames must be >= 1, got {bucket_frames}")
+        self.decoder = decoder
+        self.pad = pad or cuda_graphs
+        self.bucket_frames = bucket_frames
+        self.n_timesteps = n_timesteps
+        loops = {streaming: self._loop(streaming) for streaming in (False, True)}
+        self._run: dict[bool, TensorFn] = (
+            {s: GraphCache(fn, max_graphs=max_graphs) for s, fn in loops.items()} if cuda_graphs else loops)
+
+    def _loop(self, streaming: bool) -> TensorFn:
+        def euler(z, mask, mu, spks, cond):
+            for _, x in self.decoder.euler_steps(z, mask, mu, spks, cond, streaming=streaming,
+                                                 n_timesteps=self.n_timesteps):
+                pass
+            return (x,)
+        return euler
+
+    @torch.inference_mode()
+    def __call__(self, c: FlowConditions, streaming: bool) -> torch.Tensor:
+        if not self.pad:
+            return self.decoder(c.mu, c.mask, c.spks, c.cond, streaming=streaming, n_timesteps=self.n_timesteps)
+        batch, frames = c.mu.size(0), c.mu.size(2)
+        rows, padded = _next_power_of_two(batch), min(_round_up(frames, self.bucket_frames), NOISE_FRAMES)
+
+        def fit(v: torch.Tensor) -> torch.Tensor:
+            if v.dim() == 3:
+                v = torch.nn.functional.pad(v, (0, padded - frames))
+            return _pad_rows(v, rows)
+
+        z = fixed_noise(padded, c.mu.device, c.mu.dtype).expand(rows, -1, -1)
+        (x,) = self._run[streaming](z, fit(c.mask), fit(c.mu), fit(c.spks), fit(c.cond))
+        return x[:batch, :, :frames]
+
+
+class HiftRunner:
+    """HiFT inference with injected sine noise: ``(mel, cache_source, sine_noise) -> (speech, source)``.
+
+    Without ``cuda_graphs`` and ``pad`` it is :meth:`HiFTGenerator.inference`; with graphs the
+    network part is replayed from a graph per shape, rows padded to a power of two (source and
+    inverse STFT stay eager). ``pad`` alone runs that decomposition eagerly (tests).
+    """
+
+    def __init__(self, hift: HiFTGenerator, *, cuda_graphs: bool = False, pad: bool = False, max_graphs: int = 64):
+        self.hift = hift
+        self._network: TensorFn | None = (GraphCache(self._spectrum, max_graphs=max_graphs) if cuda_graphs
+                                          else self._spectrum if pad else None)
+
+    def _spectrum(self, mel: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.hift.predict_spectrum(mel, source),)
+
+    @torch.inference_mode()
+    def __call__(self, mel: torch.Tensor, cache_source: torch.Tensor | None,
+                 sine_noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hift = self.hift
+        if self._network is None:
+            return hift.inference(mel, cache_source, sine_noise=sine_noise)
+        param = hift.conv_pre.bias
+        mel = mel.to(param.device, param.dtype)
+        phases = torch.zeros(mel.size(0), hift.m_source.num_harmonics, device=mel.device)
+        source = hift.compute_source(hift.f0_predictor(mel), SourceNoise(phases, sine_noise.to(mel.device)))
+        if cache_source is not None and cache_source.shape[-1] > 0:
+            source[:, :, :cache_source.shape[-1]] = cache_source.to(source.device, source.dtype)
+        rows = _next_power_of_two(mel.size(0))
+        (spectrum,) = self._network(_pad_rows(mel, rows), _pad_rows(source, rows))
+        return hift.spectrum_to_wave(spectrum[:mel.size(0)]), source

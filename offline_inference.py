@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Offline batch TTS without a server: a dataset in, one wav per utterance plus report.json/report.md out.
+
+    # a manifest (utt|prompt_text|prompt_wav|target_text per line) with our PyTorch LLM engine
+    python offline_inference.py --model-dir models --backend torch --manifest-path data.txt \\
+        --output-dir outputs/offline_inference
+
+    # a HuggingFace dataset (columns id, prompt_text, prompt_audio, target_text; needs `datasets`)
+    python offline_inference.py --model-dir models --huggingface-dataset yuekai/seed_tts_cosy2 \\
+        --split-name wenetspeech4tts --batch-size 16 --token2wav-batch-size 8 --output-dir out
+
+    # benchmark on random weights: every utterance exactly 4-10 s long (25 tokens/s)
+    python offline_inference.py --model-dir models --manifest-path data.txt --output-dir out \\
+        --fixed-tokens-per-second 25 --fixed-output-seconds 4 10 --warmup 2
+
+``--model-dir`` is the bundle root holding CosyVoice2-0.5B/ and cosyvoice2_llm/. LLM back ends:
+torch (this package's engine), hf (transformers reference), trtllm (needs tensorrt_llm and
+``--trtllm-engine-dir``), openai (an OpenAI-compatible server at ``--openai-base-url``); vllm is
+not supported yet (the message says why). Report: front-end / LLM / token2wav / total time,
+seconds of audio, RTF = total time / audio (model loading and file writing not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from cosyserve import clients
+from cosyserve.errors import CosyServeError, InvalidInputError
+from cosyserve.pipeline.offline import (BACKENDS, DTYPES, FixedLength, OfflineConfig, OfflineTTS, Timers,
+                                        build_report, format_report_md, synthesize_items, write_reports)
+from cosyserve.token2wav.cosyvoice2 import Token2WavOptions
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, required=True, help="bundle root: CosyVoice2-0.5B/ and cosyvoice2_llm/")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--manifest-path", type=Path, help="lines utt|prompt_text|prompt_wav|target_text")
+    data.add_argument("--huggingface-dataset", help="e.g. yuekai/seed_tts_cosy2 (needs the `datasets` package)")
+    p.add_argument("--split-name", default="wenetspeech4tts", help="dataset split")
+    p.add_argument("--max-items", type=int, help="only the first N utterances")
+    p.add_argument("--output-dir", type=Path, required=True)
+    p.add_argument("--backend", choices=BACKENDS, default="torch", help="LLM back end")
+    p.add_argument("--trtllm-engine-dir", type=Path, help="trtllm: the trtllm-build output directory")
+    p.add_argument("--openai-base-url", help="openai: http://HOST:PORT/v1 of the completions server")
+    p.add_argument("--batch-size", type=int, default=16, help="LLM requests in flight together")
+    p.add_argument("--token2wav-batch-size", type=int, default=8, help="utterances per flow/HiFT batch")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="flow dtype (default float16 on CUDA, float32 on CPU)")
+    p.add_argument("--llm-dtype", choices=sorted(DTYPES), help="LLM dtype (default bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="token2wav: replay CUDA graphs of the flow's ODE loop (not of HiFT: one-off lengths)")
+    p.add_argument("--speaker-id", help="use this registered voice (spk2info.pt) for every utterance instead of "
+                                        "its prompt audio/text (no prompt audio is read)")
+    p.add_argument("--fixed-tokens-per-second", type=float,
+                   help="force every utterance to round(RATE x seconds) speech tokens (min = max tokens); seconds "
+                        "from --fixed-output-seconds, else estimated from the prompt's speaking rate")
+    p.add_argument("--fixed-output-seconds", type=float, nargs="+", metavar="S",
+                   help="one value for all utterances, or LO HI for a seeded uniform draw per utterance "
+                        "(implies --fixed-tokens-per-second 25 when that is not given)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --fixed-output-seconds draws and the HiFT noise")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="first synthesise the first N utterances twice, untimed (kernels, allocations; CUDA graphs "
+                        "capture a shape the second time it is seen)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def config_from_args(args) -> OfflineConfig:
+    fixed = None
+    if args.fixed_tokens_per_second is not None or args.fixed_output_seconds:
+        seconds = tuple(args.fixed_output_seconds) if args.fixed_output_seconds else None
+        fixed = FixedLength(args.fixed_tokens_per_second or 25.0, seconds, args.seed)
+    llm_options = {}
+    if args.backend == "trtllm":
+        llm_options["engine_dir"] = args.trtllm_engine_dir
+    if args.backend == "openai" and args.openai_base_url:
+        llm_options["base_url"] = args.openai_base_url
+    return OfflineConfig(backend=args.backend, device=args.device, dtype=args.dtype, llm_dtype=args.llm_dtype,
+                         batch_size=args.batch_size, token2wav_batch_size=args.token2wav_batch_size,
+                         token2wav_options=Token2WavOptions(cuda_graphs=args.cuda_graphs, hift_graphs=False),
+                         fixed_length=fixed,
+                         speaker_id=args.speaker_id, seed=args.seed, llm_options=llm_options)
+
+
+def load_items(args) -> list[clients.Utterance]:
+    if args.manifest_path:
+        items = clients.load_manifest(args.manifest_path)
+    else:
+        items = clients.load_hf_dataset(args.huggingface_dataset, args.split_name)
+    if args.max_items is not None:
+        if args.max_items < 1:
+            raise InvalidInputError(f"--max-items must be >= 1, got {args.max_items}")
+        items = items[:args.max_items]
+    return items
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        config = config_from_args(args)
+        items = load_items(args)
+        tts = OfflineTTS(args.model_dir, config)
+    except (CosyServeError, ValueError) as exc:  # bad arguments/data, a back end that cannot run here
+        print(f"offline_inference.py: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.warmup:
+            with tempfile.TemporaryDirectory() as scratch:
+                for _ in range(2):
+                    synthesize_items(tts, items[:args.warmup], Path(scratch))
+        timers = Timers()
+        with _progress(len(items), args.no_progress) as bar:
+            results = synthesize_items(tts, items, args.output_dir, progress=bar.update, timers=timers)
+    finally:
+        tts.close()
+    report = build_report(results, timers, config, tts.device,
+                          {"data": str(args.manifest_path or f"{args.huggingface_dataset}[{args.split_name}]"),
+                           "warmup_items": args.warmup})
+    write_reports(report, args.output_dir)
+    print(format_report_md(report, per_item=False))
+    print(f"wrote {len(results)} wavs, report.json and report.md to {args.output_dir}")
+    return 0
+
+
+def _progress(total: int, disabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="utt", desc="offline TTS", disable=disabled)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

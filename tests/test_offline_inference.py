@@ -1,0 +1,129 @@
+"""offline_inference.py on the tiny bundle: wavs + reports, fixed lengths, batching invariance, clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cosyserve.errors import InvalidInputError
+from cosyserve.frontend.prompt import PromptFeatures
+from cosyserve.pipeline.offline import FixedLength, estimate_seconds, spoken_characters
+from cosyserve.pipeline.tts import Voice
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import offline_inference  # noqa: E402
+
+torch.set_num_threads(1)
+TARGETS = ["身临其境，换新体验。", "塑造开源语音合成新范式，让智能语音更自然。", "你好，世界。"]
+
+
+@pytest.fixture(scope="module")
+def manifest(tiny_bundle, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "manifest.txt"
+    prompt_text = (tiny_bundle / "assets" / "prompt_text.txt").read_text(encoding="utf-8").strip()
+    wav = tiny_bundle / "assets" / "prompt_audio.wav"
+    path.write_text("".join(f"utt{i}|{prompt_text}|{wav}|{t}\n" for i, t in enumerate(TARGETS)), encoding="utf-8")
+    return path
+
+
+def _run(tiny_bundle, manifest, out: Path, *extra: str) -> int:
+    return offline_inference.main(["--model-dir", str(tiny_bundle), "--manifest-path", str(manifest),
+                                   "--output-dir", str(out), "--device", "cpu", "--no-progress", *extra])
+
+
+def _read_wav(path: Path) -> np.ndarray:
+    with wave.open(str(path)) as handle:
+        assert handle.getframerate() == 24000 and handle.getnchannels() == 1 and handle.getsampwidth() == 2
+        return np.frombuffer(handle.readframes(handle.getnframes()), "<i2").astype(np.float32) / 32767
+
+
+def test_manifest_run_writes_wavs_and_reports(tiny_bundle, manifest, tmp_path):
+    out = tmp_path / "out"
+    assert _run(tiny_bundle, manifest, out, "--batch-size", "2", "--token2wav-batch-size", "2",
+                "--fixed-output-seconds", "0.4", "0.8", "--seed", "3") == 0
+    report = json.loads((out / "report.json").read_text())
+    expected_tokens = [round(25 * s) for s in FixedLength(25, (0.4, 0.8), 3).draws(3)]
+    assert [r["speech_tokens"] for r in report["per_item"]] == expected_tokens
+    assert len(set(expected_tokens)) > 1  # the draws really spread
+    for item, tokens in zip(report["per_item"], expected_tokens):
+        audio = _read_wav(out / item["wav"])
+        assert audio.size == tokens * 960 and np.abs(audio).max() > 0
+        assert item["audio_s"] == pytest.approx(tokens * 0.04)
+    assert report["items"] == 3 and report["audio_s"] == pytest.approx(sum(expected_tokens) * 0.04)
+    assert min(report["llm_time_s"], report["token2wav_time_s"], report["frontend_time_s"]) > 0
+    assert report["total_time_s"] == pytest.approx(
+        report["frontend_time_s"] + report["llm_time_s"] + report["token2wav_time_s"])
+    assert report["rtf"] == pytest.approx(report["total_time_s"] / report["audio_s"])
+    markdown = (out / "report.md").read_text()
+    assert "llm_time" in markdown and "token2wav_time" in markdown and "RTF" in markdown and "utt2" in markdown
+
+
+def test_batch_sizes_do_not_change_the_audio(tiny_bundle, manifest, tmp_path):
+    """Seeded sampling is per request and token2wav batches equal single runs: same wavs."""
+    common = ("--speaker-id", "001", "--fixed-tokens-per-second", "25", "--backend", "hf")
+    assert _run(tiny_bundle, manifest, tmp_path / "a", "--batch-size", "1", "--token2wav-batch-size", "1", *common) == 0
+    assert _run(tiny_bundle, manifest, tmp_path / "b", "--batch-size", "3", "--token2wav-batch-size", "3", *common) == 0
+    reports = [json.loads((tmp_path / d / "report.json").read_text()) for d in "ab"]
+    assert reports[0]["per_item"] == reports[1]["per_item"]
+    assert reports[1]["backend"] == "hf" and reports[1]["token2wav_batch_size"] == 3
+    for item in reports[0]["per_item"]:
+        a, b = (_read_wav(tmp_path / d / item["wav"]) for d in "ab")
+        assert a.size == b.size and np.abs(a - b).max() <= 2 / 32767  # PCM rounding of fp-level differences
+
+
+def test_length_estimate_follows_the_prompt_speaking_rate():
+    features = PromptFeatures(torch.zeros(75, dtype=torch.int32), torch.zeros(150, 80), torch.zeros(192))
+    voice = Voice("希望你以后能够做的比我还好呦。", features)  # 14 characters in 3 s
+    assert spoken_characters("Hello, world 42!") == 12
+    assert estimate_seconds(voice, "身临其境，换新体验。") == pytest.approx(3.0 * 8 / 14)
+    with pytest.raises(InvalidInputError, match="no letters"):
+        estimate_seconds(Voice("...", features), "你好")
+
+
+def test_fixed_length_limits():
+    fixed = FixedLength(25, (4.0, 10.0), seed=1)
+    draws = fixed.draws(50)
+    assert draws == FixedLength(25, (4.0, 10.0), seed=1).draws(50) and 4.0 <= min(draws) < max(draws) <= 10.0
+    limits = fixed.limits(6.02)
+    assert limits.min_tokens == limits.max_tokens == 150
+    assert FixedLength(25, None).draws(2) == [None, None]
+    for bad in ((0.0,), (5.0, 4.0), (1.0, 2.0, 3.0)):
+        with pytest.raises(InvalidInputError):
+            FixedLength(25, bad)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--backend", "vllm"), "vllm backend is not supported yet"),
+    (("--batch-size", "0"), "batch_size must be >= 1"),
+    (("--max-items", "0"), "--max-items"),
+])
+def test_clear_errors(tiny_bundle, manifest, tmp_path, capsys, args, message):
+    assert _run(tiny_bundle, manifest, tmp_path, *args) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed")
+def test_trtllm_without_tensorrt_llm_names_the_package(tiny_bundle, manifest, tmp_path, capsys):
+    assert _run(tiny_bundle, manifest, tmp_path, "--backend", "trtllm") == 2
+    assert "tensorrt_llm" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets is installed")
+def test_huggingface_dataset_without_datasets_names_the_package(tiny_bundle, tmp_path, capsys):
+    assert offline_inference.main(["--model-dir", str(tiny_bundle), "--huggingface-dataset", "yuekai/seed_tts_cosy2",
+                                   "--output-dir", str(tmp_path)]) == 2
+    assert "`datasets`" in capsys.readouterr().err
+
+
+def test_missing_model_dir(manifest, tmp_path, capsys):
+    assert offline_inference.main(["--model-dir", str(tmp_path / "nothing"), "--manifest-path", str(manifest),
+                                   "--output-dir", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    assert "CosyVoice2-0.5B" in capsys.readouterr().err
