@@ -25,6 +25,12 @@ MODEL_SOURCE=${MODEL_SOURCE:-modelscope}      # modelscope | huggingface | tiny 
 MODELS_DIR=${MODELS_DIR:-$repo_root/models}
 BUNDLE_SEED=${BUNDLE_SEED:-0}
 LLM_BACKEND=${LLM_BACKEND:-torch}             # torch (ours) | trtllm
+TRT_DTYPE=${TRT_DTYPE:-bfloat16}              # TensorRT-LLM only (LLM_BACKEND=trtllm)
+TRT_WEIGHTS_DIR=${TRT_WEIGHTS_DIR:-$MODELS_DIR/trt_weights_$TRT_DTYPE}
+TRT_ENGINE_DIR=${TRT_ENGINE_DIR:-$MODELS_DIR/trt_engines_$TRT_DTYPE}
+TRT_MAX_BATCH_SIZE=${TRT_MAX_BATCH_SIZE:-16}
+TRT_MAX_NUM_TOKENS=${TRT_MAX_NUM_TOKENS:-32768}
+TRT_KV_CACHE_TOKENS=${TRT_KV_CACHE_TOKENS:-2560}  # the reference's paged KV cache for all in-flight requests
 MODEL_REPO=${MODEL_REPO:-$repo_root/outputs/model_repo_cosyvoice2}
 DECOUPLED_MODE=${DECOUPLED_MODE:-True}        # True = streaming, False = offline
 STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | time_based
@@ -106,7 +112,20 @@ fi
 if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
   case "$LLM_BACKEND" in
     torch) log "Stage 1: LLM_BACKEND=torch needs no build step (weights are read from $MODELS_DIR/cosyvoice2_llm)" ;;
-    trtllm) die "Stage 1: LLM_BACKEND=trtllm (checkpoint conversion + trtllm-build) is not implemented yet; use LLM_BACKEND=torch" ;;
+    trtllm)
+      command -v trtllm-build >/dev/null || die "Stage 1: trtllm-build not found: use Dockerfile.server's image or see docs/deployment.md"
+      if [ ! -f "$TRT_ENGINE_DIR/rank0.engine" ]; then
+        log "Stage 1: converting $MODELS_DIR/cosyvoice2_llm to a TensorRT-LLM checkpoint ($TRT_DTYPE)"
+        "$PY" "$repo_root/scripts/convert_checkpoint.py" --model_dir "$MODELS_DIR/cosyvoice2_llm" \
+          --output_dir "$TRT_WEIGHTS_DIR" --dtype "$TRT_DTYPE" || die "checkpoint conversion failed"
+        log "Stage 1: building the TensorRT-LLM engine in $TRT_ENGINE_DIR"
+        trtllm-build --checkpoint_dir "$TRT_WEIGHTS_DIR" --output_dir "$TRT_ENGINE_DIR" \
+          --max_batch_size "$TRT_MAX_BATCH_SIZE" --max_num_tokens "$TRT_MAX_NUM_TOKENS" \
+          --gemm_plugin "$TRT_DTYPE" --logits_dtype float32 || die "trtllm-build failed"
+      fi
+      "$PY" "$repo_root/scripts/test_llm.py" --engine_dir "$TRT_ENGINE_DIR" --tokenizer_dir "$MODELS_DIR/cosyvoice2_llm" \
+        --input_text "你好，请问你叫什么？" --top_k 50 --top_p 0.95 --temperature 0.8 || die "engine smoke test failed"
+      ;;
     *) die "LLM_BACKEND must be torch or trtllm (got $LLM_BACKEND)" ;;
   esac
 fi
@@ -116,7 +135,9 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   [ -d "$repo_root/model_repo/cosyvoice2" ] || die "model_repo/cosyvoice2 is not there yet: the Triton pipeline is not implemented in this version"
   rm -rf "$MODEL_REPO"
   mkdir -p "$MODEL_REPO"
-  for m in cosyvoice2 llm token2wav audio_tokenizer speaker_embedding; do
+  llm_model=llm
+  [ "$LLM_BACKEND" = trtllm ] && llm_model=tensorrt_llm
+  for m in cosyvoice2 $llm_model token2wav audio_tokenizer speaker_embedding; do
     cp -r "$repo_root/model_repo/$m" "$MODEL_REPO/"
   done
   fill() { "$PY" "$repo_root/scripts/fill_template.py" -i "$1" "$2"; }
@@ -124,8 +145,13 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   fill "$MODEL_REPO/token2wav/config.pbtxt" "$common"
   fill "$MODEL_REPO/audio_tokenizer/config.pbtxt" "$common"
   fill "$MODEL_REPO/speaker_embedding/config.pbtxt" "$common"
-  fill "$MODEL_REPO/llm/config.pbtxt" "$common,llm_dir:$MODELS_DIR/cosyvoice2_llm"
-  fill "$MODEL_REPO/cosyvoice2/config.pbtxt" "model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,llm_tokenizer_dir:$MODELS_DIR/cosyvoice2_llm,bls_instance_num:$BLS_INSTANCE_NUM,decoupled_mode:$DECOUPLED_MODE,streaming_strategy:$STREAMING_STRATEGY,llm_model_name:llm,max_tokens:$MAX_TOKENS,min_tokens:$MIN_TOKENS"
+  if [ "$llm_model" = llm ]; then
+    fill "$MODEL_REPO/llm/config.pbtxt" "$common,llm_dir:$MODELS_DIR/cosyvoice2_llm"
+  else
+    # decoupled always: the BLS streams from the LLM model in both modes (one response when not streaming)
+    fill "$MODEL_REPO/tensorrt_llm/config.pbtxt" "triton_backend:tensorrtllm,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,decoupled_mode:True,max_beam_width:1,engine_dir:$TRT_ENGINE_DIR,max_tokens_in_paged_kv_cache:$TRT_KV_CACHE_TOKENS,max_attention_window_size:$TRT_KV_CACHE_TOKENS,kv_cache_free_gpu_mem_fraction:0.5,exclude_input_in_output:True,enable_kv_cache_reuse:False,batching_strategy:inflight_fused_batching,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS,encoder_input_features_data_type:TYPE_FP16,logits_datatype:TYPE_FP32"
+  fi
+  fill "$MODEL_REPO/cosyvoice2/config.pbtxt" "model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,llm_tokenizer_dir:$MODELS_DIR/cosyvoice2_llm,bls_instance_num:$BLS_INSTANCE_NUM,decoupled_mode:$DECOUPLED_MODE,streaming_strategy:$STREAMING_STRATEGY,llm_model_name:$llm_model,max_tokens:$MAX_TOKENS,min_tokens:$MIN_TOKENS"
 fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then

@@ -17,6 +17,9 @@ from .errors import ModelLoadError
 
 LLM_REPO = "yuekai/cosyvoice2_llm"
 COSYVOICE2_REPOS = {"modelscope": "iic/CosyVoice2-0.5B", "huggingface": "FunAudioLLM/CosyVoice2-0.5B"}
+# The default speaker "001" that NVIDIA's runtime uses when a request has no reference audio; it is
+# not part of the ModelScope/HuggingFace model repository.
+SPK2INFO_URL = "https://raw.githubusercontent.com/qi-hua/async_cosyvoice/main/CosyVoice2-0.5B/spk2info.pt"
 REQUIRED_FILES = {
     COSYVOICE2_DIR: ("flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx"),
     LLM_DIR: ("config.json", "tokenizer_config.json"),
@@ -53,6 +56,22 @@ def download_cosyvoice2(out_dir: Path, source: str = "modelscope", revision: str
     else:
         raise ValueError(f"unknown source {source!r}; use modelscope or huggingface")
     check_model_dir(target, COSYVOICE2_DIR)
+    download_spk2info(target)
+    return target
+
+
+def download_spk2info(model_dir: Path, url: str = SPK2INFO_URL) -> Path:
+    """Fetch spk2info.pt (if absent) and check that it loads as a speaker registry."""
+    import urllib.request
+
+    from .frontend.speakers import SpeakerRegistry
+
+    target = model_dir / "spk2info.pt"
+    if not target.exists():
+        tmp = target.with_suffix(".part")
+        urllib.request.urlretrieve(url, tmp)
+        tmp.replace(target)
+    SpeakerRegistry.load(target)  # raises ModelLoadError on a broken download
     return target
 
 
