@@ -36,7 +36,10 @@ DECOUPLED_MODE=${DECOUPLED_MODE:-True}        # True = streaming, False = offlin
 STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | time_based
 DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
 BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-4}
-MAX_TOKENS=${MAX_TOKENS:-750}                 # speech tokens per request at most (30 s of audio)
+OFFLINE_BLS_INSTANCE_NUM=${OFFLINE_BLS_INSTANCE_NUM:-1}  # cosyvoice2_offline, served next to a streaming cosyvoice2
+# Speech tokens per request at most: 750 (30 s of audio) as the reference; random-weight bundles
+# never emit end-of-speech, so the tiny one stops at 200 (8 s) to keep CPU runs short.
+MAX_TOKENS=${MAX_TOKENS:-$([ "$MODEL_SOURCE" = tiny ] && echo 200 || echo 750)}
 MIN_TOKENS=${MIN_TOKENS:-0}                   # and at least (benchmarks on random weights fix lengths)
 TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-16}
 MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
@@ -151,7 +154,14 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     # decoupled always: the BLS streams from the LLM model in both modes (one response when not streaming)
     fill "$MODEL_REPO/tensorrt_llm/config.pbtxt" "triton_backend:tensorrtllm,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,decoupled_mode:True,max_beam_width:1,engine_dir:$TRT_ENGINE_DIR,max_tokens_in_paged_kv_cache:$TRT_KV_CACHE_TOKENS,max_attention_window_size:$TRT_KV_CACHE_TOKENS,kv_cache_free_gpu_mem_fraction:0.5,exclude_input_in_output:True,enable_kv_cache_reuse:False,batching_strategy:inflight_fused_batching,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS,encoder_input_features_data_type:TYPE_FP16,logits_datatype:TYPE_FP32"
   fi
-  fill "$MODEL_REPO/cosyvoice2/config.pbtxt" "model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,llm_tokenizer_dir:$MODELS_DIR/cosyvoice2_llm,bls_instance_num:$BLS_INSTANCE_NUM,decoupled_mode:$DECOUPLED_MODE,streaming_strategy:$STREAMING_STRATEGY,llm_model_name:$llm_model,max_tokens:$MAX_TOKENS,min_tokens:$MIN_TOKENS"
+  bls="model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,llm_tokenizer_dir:$MODELS_DIR/cosyvoice2_llm,streaming_strategy:$STREAMING_STRATEGY,llm_model_name:$llm_model,max_tokens:$MAX_TOKENS,min_tokens:$MIN_TOKENS"
+  if [ "$DECOUPLED_MODE" = True ]; then
+    # HTTP clients cannot read decoupled (streaming) models: serve an offline twin next to it.
+    cp -r "$repo_root/model_repo/cosyvoice2" "$MODEL_REPO/cosyvoice2_offline"
+    sed -i 's/^name: "cosyvoice2"/name: "cosyvoice2_offline"/' "$MODEL_REPO/cosyvoice2_offline/config.pbtxt"
+    fill "$MODEL_REPO/cosyvoice2_offline/config.pbtxt" "$bls,bls_instance_num:$OFFLINE_BLS_INSTANCE_NUM,decoupled_mode:False"
+  fi
+  fill "$MODEL_REPO/cosyvoice2/config.pbtxt" "$bls,bls_instance_num:$BLS_INSTANCE_NUM,decoupled_mode:$DECOUPLED_MODE"
 fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
@@ -185,11 +195,13 @@ write_default_manifest() {
 }
 
 if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
-  log "Stage 4: one HTTP request"
+  http_model=cosyvoice2
+  [ "$DECOUPLED_MODE" = True ] && http_model=cosyvoice2_offline
+  log "Stage 4: one HTTP request to $http_model"
   "$PY" "$repo_root/client_http.py" --server-port "$HTTP_PORT" \
     --reference-audio "$MODELS_DIR/assets/prompt_audio.wav" \
     --reference-text "$(cat "$MODELS_DIR/assets/prompt_text.txt")" \
-    --target-text "$TARGET_TEXT" --model-name cosyvoice2 --output-audio "$OUT_DIR/http_output.wav"
+    --target-text "$TARGET_TEXT" --model-name "$http_model" --output-audio "$OUT_DIR/http_output.wav"
 fi
 
 if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
