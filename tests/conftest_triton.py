@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import queue
+import re
 import shutil
 import socket
 import time
@@ -61,6 +62,106 @@ def build_model_repo(models_dir: Path, repo: Path, *, max_tokens: int, min_token
         config = repo / name / "config.pbtxt"
         config.write_text(fill(config.read_text(), subs).replace(f'name: "{template}"', f'name: "{name}"'))
     return repo
+
+
+def set_parameter(config: Path, key: str, value: str) -> None:
+    """Give the (filled) config's parameter ``key`` another value."""
+    pattern = re.compile(r'(key: "%s", value: \{ string_value: )"[^"]*"' % re.escape(key))
+    text, count = pattern.subn(lambda m: f'{m.group(1)}"{value}"', config.read_text())
+    assert count == 1, f"parameter {key} is not in {config}"
+    config.write_text(text)
+
+
+# A decoupled Python model that calls the ``llm`` model through BLS, as the cosyvoice2 BLS does.
+# Request inputs: ``mode`` "churn" (``calls`` short LLM streams, each read to its end) or "die" (read
+# the first token of a long stream, then kill this stub).
+LLM_CALLER_MODEL = '''
+import os
+import signal
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from cosyserve.llm.prompt import SOS_ID, TASK_ID
+from cosyserve.serving.triton_utils import FINAL, FinishedResponseIterators, optional_scalar, optional_text
+
+
+def llm_stream(num_tokens: int):
+    inputs = {"input_ids": np.array([[SOS_ID, 100, 200, TASK_ID]], np.int32),
+              "request_output_len": np.array([[num_tokens]], np.int32),
+              "min_tokens": np.array([[num_tokens]], np.int32), "streaming": np.array([[True]])}
+    return pb_utils.InferenceRequest(model_name="llm", requested_output_names=["output_ids", "sequence_length"],
+                                     inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()]).exec(decoupled=True)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.finished = FinishedResponseIterators()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            if optional_text(request, "mode") == "die":
+                next(iter(llm_stream(600)))
+                os.kill(os.getpid(), signal.SIGKILL)
+            for _ in range(optional_scalar(request, "calls")):
+                responses = llm_stream(3)
+                tokens = []
+                for response in responses:
+                    tokens.append(pb_utils.get_output_tensor_by_name(response, "output_ids"))
+                    for _ in range(4):  # messages for the stub's utils thread, which then frees this
+                        pb_utils.Logger.log_verbose("llm_caller")  # iterator late (not logged by default)
+                assert len(tokens) == 4 and tokens[-1] is None  # 3 tokens, then the final flag alone
+                self.finished.keep(responses)
+                del responses, tokens  # a BLS going on with its work: only the kept reference is left
+                busy_until = time.monotonic() + 0.01  # and allocating while the stub frees it
+                while time.monotonic() < busy_until:
+                    work = [np.arange(i) for i in range(20)]
+                self.finished.release(sender.is_cancelled)
+            sender.send(flags=FINAL)
+        return None
+'''
+
+LLM_CALLER_CONFIG = '''
+name: "NAME"
+backend: "python"
+max_batch_size: 1
+model_transaction_policy { decoupled: true }
+input [
+  { name: "mode", data_type: TYPE_STRING, dims: [ 1 ] },
+  { name: "calls", data_type: TYPE_INT32, dims: [ 1 ] }
+]
+output [ { name: "unused", data_type: TYPE_INT32, dims: [ 1 ] } ]
+instance_group [ { count: 1, kind: KIND_CPU } ]
+'''
+
+
+def build_llm_caller_repo(models_dir: Path, repo: Path, callers: list[str], send_timeout_s: float) -> Path:
+    """The ``llm`` model (``send_timeout_s`` set) and one :data:`LLM_CALLER_MODEL` per name in ``callers``."""
+    shutil.rmtree(repo, ignore_errors=True)
+    shutil.copytree(REPO_ROOT / "model_repo" / "llm", repo / "llm")
+    subs = template_values(models_dir, max_tokens=1, min_tokens=1, bls_instances=1)["llm"]
+    config = repo / "llm" / "config.pbtxt"
+    config.write_text(_fill_template_module().fill(config.read_text(), subs))
+    set_parameter(config, "send_timeout_s", str(send_timeout_s))
+    for name in callers:
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(LLM_CALLER_MODEL)
+        (repo / name / "config.pbtxt").write_text(LLM_CALLER_CONFIG.replace("NAME", name))
+    return repo
+
+
+# Lines of a server log that say a stub crashed (its Python stacks follow, see triton_utils).
+STUB_CRASH = re.compile(r"Fatal Python error|Stub process .* is not healthy|malloc\(\)|double free|corrupted")
+
+
+def crash_report(log_file: Path, since: int = 0) -> str:
+    """The server log from byte ``since`` when it tells of a crashed stub, else ''."""
+    with open(log_file, "rb") as log:
+        log.seek(since)
+        text = log.read().decode(errors="replace")
+    return text[-6000:] if STUB_CRASH.search(text) else ""
 
 
 def free_ports(count: int) -> list[int]:

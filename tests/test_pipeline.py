@@ -97,6 +97,29 @@ def test_stream_chunks_follow_the_plan_whatever_the_llm_speed(text_tokenizer, n,
     assert len(chunks) == len(plan_chunks(n)) and token2wav.cancelled == []
 
 
+def test_stream_runs_on_the_calling_thread(text_tokenizer):
+    """Inside Triton every back-end call is a pb_utils call: they must all come from one thread."""
+    threads = set()
+
+    class RecordingLLM(FakeLLM):
+        def generate(self, prompt_ids, request_id, limits):
+            for piece in super().generate(prompt_ids, request_id, limits):
+                threads.add(threading.get_ident())
+                yield piece
+
+    class RecordingToken2Wav(FakeToken2Wav):
+        def step(self, *args):
+            threads.add(threading.get_ident())
+            return super().step(*args)
+
+    def is_cancelled():
+        threads.add(threading.get_ident())
+        return False
+
+    chunks = list(make(text_tokenizer, RecordingLLM(0.001), RecordingToken2Wav()).stream(request(60), is_cancelled))
+    assert len(chunks) == len(plan_chunks(60)) and threads == {threading.get_ident()}
+
+
 def test_prompt_ids_follow_the_reference_layout(text_tokenizer):
     llm = FakeLLM()
     make(text_tokenizer, llm).synthesize(request(3))

@@ -24,14 +24,17 @@ import soundfile as sf
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_model_repo, expected_chunk_samples,
-                             free_ports, grpc_input, metrics, server_env, template_values, token_limits,
-                             wait_until_idle)
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_llm_caller_repo, build_model_repo,
+                             crash_report, expected_chunk_samples, free_ports, grpc_input, metrics, server_env,
+                             template_values, token_limits, wait_until_idle)
 
 pytest.importorskip("pytriton")  # the bundled tritonserver
 
 NUM_TOKENS = 40  # max_tokens = min_tokens in the template
 BLS_INSTANCES = 2  # per cosyvoice2 model: requests served at once
+# Requests that get stopped part-way: long enough that the LLM still generates when the stop
+# comes, even on a loaded machine (the BLS notices a cancellation between chunks).
+LONG_TOKENS = 1500
 TARGET_TEXTS = ["你好，世界。", "今天天气不错。", "Hello there.", "身临其境，换新体验。", "一二三四五。", "Good morning!"]
 
 
@@ -72,11 +75,15 @@ def server(models_dir: Path, tmp_path_factory):
 
 @pytest.fixture
 def idle_server(server):
-    """The server, checked to hold no LLM request and no token2wav stream after the test."""
+    """The server, checked after the test: no stub crashed, no LLM request or token2wav stream is left."""
+    log_start = server.log_file.stat().st_size
     yield server
+    crash = crash_report(server.log_file, log_start)
+    assert not crash, f"a model's stub crashed during the test; server log:\n{crash}"
     values = wait_until_idle(server.metrics_port)
-    assert values["cosyserve_llm_active_requests"] == 0, values
-    assert values["cosyserve_token2wav_open_streams"] == 0, values
+    leftovers = f"{values}\nserver log:\n{crash_report(server.log_file) or 'no crash reported'}"
+    assert values["cosyserve_llm_active_requests"] == 0, leftovers
+    assert values["cosyserve_token2wav_open_streams"] == 0, leftovers
     assert server.process.poll() is None, "tritonserver died"
 
 
@@ -306,7 +313,7 @@ def test_cancelled_streams_free_llm_slots_and_token2wav_sessions(idle_server):
     before = metrics(idle_server.metrics_port)
     streams = [Stream(idle_server.grpc_url) for _ in range(BLS_INSTANCES)]
     for stream in streams:
-        stream.send("cosyvoice2", [grpc_input("target_text", "你好"), *token_limits(600)])
+        stream.send("cosyvoice2", [grpc_input("target_text", "你好"), *token_limits(LONG_TOKENS)])
     for stream in streams:
         result, error = stream.next()
         assert error is None and result.as_numpy("waveform").size > 0
@@ -318,7 +325,7 @@ def test_cancelled_streams_free_llm_slots_and_token2wav_sessions(idle_server):
         stream.close(cancel=True)
     after = wait_until_idle(idle_server.metrics_port, timeout_s=10)
     generated = after["cosyserve_llm_generated_tokens_total"] - before["cosyserve_llm_generated_tokens_total"]
-    assert generated < BLS_INSTANCES * 600, "the LLM requests were not stopped early"
+    assert generated < BLS_INSTANCES * LONG_TOKENS, "the LLM requests were not stopped early"
     assert sum(c.size for c in stream_tts(idle_server, [grpc_input("target_text", "好")])) == NUM_TOKENS * 960
 
 
@@ -329,7 +336,7 @@ def test_client_that_disconnects_mid_stream_frees_everything(idle_server, tmp_pa
         "sys.path.insert(0, sys.argv[2])\n"
         "from conftest_triton import Stream, grpc_input, token_limits\n"
         "stream = Stream(sys.argv[1])\n"
-        "stream.send('cosyvoice2', [grpc_input('target_text', 'hi'), *token_limits(600)])\n"
+        f"stream.send('cosyvoice2', [grpc_input('target_text', 'hi'), *token_limits({LONG_TOKENS})])\n"
         "result, error = stream.next()\n"
         "assert error is None, error\n"
         "print('first chunk', flush=True)\n"
@@ -339,7 +346,57 @@ def test_client_that_disconnects_mid_stream_frees_everything(idle_server, tmp_pa
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert proc.returncode == -signal.SIGKILL and "first chunk" in proc.stdout, proc.stderr[-2000:]
     after = wait_until_idle(idle_server.metrics_port, timeout_s=10)
-    assert after["cosyserve_llm_generated_tokens_total"] - before["cosyserve_llm_generated_tokens_total"] < 600
+    assert after["cosyserve_llm_generated_tokens_total"] - before["cosyserve_llm_generated_tokens_total"] < LONG_TOKENS
+
+
+# ----- the llm model and BLS callers of it, on a second server ----------------------------------
+
+LLM_SEND_TIMEOUT_S = 2  # the llm model's send_timeout_s there (10 s as shipped)
+
+
+@pytest.fixture(scope="module")
+def llm_callers(models_dir: Path, tmp_path_factory):
+    """The llm model with two BLS callers (conftest_triton.LLM_CALLER_MODEL); one is killed."""
+    from cosyserve.serving.tritonserver import start_server
+
+    work = tmp_path_factory.mktemp("llm_callers")
+    repo = build_llm_caller_repo(models_dir, work / "repo", ["llm_caller", "doomed_caller"], LLM_SEND_TIMEOUT_S)
+    http, grpc, metrics_port = free_ports(3)
+    srv = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics_port, log_file=work / "server.log",
+                       timeout=300, env=server_env(), die_with_parent=True)
+    yield srv
+    srv.stop(timeout=5)  # no graceful exit: the sends to the killed caller never return
+
+
+def call_llm_caller(server, model: str, mode: str, calls: int = 0) -> None:
+    stream = Stream(server.grpc_url)
+    try:
+        stream.send(model, [grpc_input("mode", mode), grpc_input("calls", np.array([[calls]], np.int32))], outputs=())
+        stream.responses()
+    finally:
+        stream.close()
+
+
+def test_a_bls_stub_survives_many_decoupled_calls(llm_callers):
+    """Triton 24.10's stub frees a finished decoupled BLS response iterator without the GIL when
+    Python let go of it first (heap corruption, the stub dies within a few hundred calls); the
+    caller keeps them in FinishedResponseIterators, as the cosyvoice2 BLS does."""
+    log_start = llm_callers.log_file.stat().st_size
+    call_llm_caller(llm_callers, "llm_caller", "churn", calls=150)
+    assert not crash_report(llm_callers.log_file, log_start)
+
+
+def test_llm_requests_of_a_caller_that_died_are_stopped(llm_callers):
+    """Sends to a dead BLS stub block for ever in Triton 24.10; the llm model's watchdog stops the request."""
+    before = metrics(llm_callers.metrics_port)
+    with pytest.raises(InferenceServerException, match="not healthy"):
+        call_llm_caller(llm_callers, "doomed_caller", "die")
+    deadline = time.monotonic() + LLM_SEND_TIMEOUT_S + 15
+    while (after := metrics(llm_callers.metrics_port))["cosyserve_llm_active_requests"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert after["cosyserve_llm_active_requests"] == 0, after
+    assert after["cosyserve_llm_generated_tokens_total"] - before["cosyserve_llm_generated_tokens_total"] < 600  # of 600
+    call_llm_caller(llm_callers, "llm_caller", "churn", calls=2)  # the llm model serves on
 
 
 # ----- run.sh ----------------------------------------------------------------------------------

@@ -6,17 +6,20 @@ runs inside the Triton BLS model (both reached through BLS requests, see
 ``cosyserve.serving.bls``) and in-process (``cosyserve.pipeline.local``: the package objects
 called directly, for ``offline_inference.py`` and the tests).
 
-Streaming: the LLM stream is drained on a helper thread while the calling thread synthesises
-chunks as soon as :class:`~cosyserve.pipeline.schedule.ChunkScheduler` allows, so generation
-and synthesis overlap. Pending chunks are always emitted before the final one, so the chunk
-sequence for ``n`` tokens is exactly :func:`~cosyserve.pipeline.schedule.plan_chunks` ``(n)``
-with the exponential strategy, however fast the LLM is. Whenever a request ends early
-(cancelled, error), the LLM request is stopped and the token2wav session closed.
+Streaming: everything happens on the calling thread, which reads the LLM's pieces as they come
+and synthesises a chunk as soon as :class:`~cosyserve.pipeline.schedule.ChunkScheduler` allows
+(as the reference BLS does). Generation and synthesis still overlap: every back end buffers
+tokens on its own side (the engine's thread, the ``llm`` Triton model), so the LLM goes on while
+a chunk is voiced. One thread matters inside Triton: the BLS then touches the stub's
+``pb_utils`` from its request thread only. Ready chunks are emitted after each piece, so the
+chunk sequence for ``n`` tokens is exactly :func:`~cosyserve.pipeline.schedule.plan_chunks`
+``(n)`` with the exponential strategy, however fast the LLM is. Whenever a request ends early
+(cancelled, error), the LLM request is cancelled (which also releases what it holds) and the
+token2wav session closed.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -31,7 +34,6 @@ from .schedule import ChunkScheduler
 MAX_TEXT_CHARS = 1000
 DEFAULT_MAX_TOKENS = 750  # the reference BLS's request_output_len
 DEFAULT_SPEAKER = "001"  # the cached speaker used when a request names no voice
-POLL_S = 0.05  # how often a waiting stream looks at the cancellation flag
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,8 @@ class SpeechTokenSource(Protocol):
 
     def generate(self, prompt_ids: list[int], request_id: str, limits: TokenLimits) -> Iterator[Sequence[int]]: ...
 
-    def cancel(self, request_id: str) -> None: ...
+    def cancel(self, request_id: str) -> None:
+        """Stop the request and release what it holds; harmless once it has ended."""
 
 
 class Token2Wav(Protocol):
@@ -147,37 +150,6 @@ def never_cancelled() -> bool:
     return False
 
 
-class _TokenPump:
-    """Drains an LLM token stream on a daemon thread; the consumer waits for growth or the end."""
-
-    def __init__(self, pieces: Iterator[Sequence[int]]):
-        self.tokens: list[int] = []
-        self.done = False
-        self.error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, args=(pieces,), name="tts-token-pump", daemon=True)
-        self._thread.start()
-
-    def _run(self, pieces: Iterator[Sequence[int]]) -> None:
-        try:
-            for piece in pieces:
-                with self._cond:
-                    self.tokens.extend(int(t) for t in piece)
-                    self._cond.notify_all()
-        except BaseException as exc:  # handed to the consumer thread
-            self.error = exc
-        finally:
-            with self._cond:
-                self.done = True
-                self._cond.notify_all()
-
-    def wait(self, seen: int, timeout: float) -> tuple[int, bool]:
-        """Block until more than ``seen`` tokens exist, the stream ended, or ``timeout``; -> (count, done)."""
-        with self._cond:
-            self._cond.wait_for(lambda: len(self.tokens) > seen or self.done, timeout)
-            return len(self.tokens), self.done
-
-
 class TTSPipeline:
     """Text + voice -> 24 kHz waveform, offline (:meth:`synthesize`) or chunk by chunk (:meth:`stream`).
 
@@ -212,53 +184,52 @@ class TTSPipeline:
         try:
             for piece in pieces:
                 tokens.extend(int(t) for t in piece)
-                if is_cancelled():
-                    raise RequestCancelledError(f"request {request.request_id} was cancelled")
+                _raise_if_cancelled(is_cancelled, request.request_id)
             finished = True
         finally:
             if not finished:
                 self.llm.cancel(request.request_id)
         _check_tokens(tokens, final=True)
-        if is_cancelled():
-            raise RequestCancelledError(f"request {request.request_id} was cancelled")
+        _raise_if_cancelled(is_cancelled, request.request_id)
         return self.token2wav.offline(request.request_id, tokens, request.voice)
 
     def stream(self, request: TTSRequest, is_cancelled: Callable[[], bool] = never_cancelled) -> Iterator[np.ndarray]:
         """Waveform chunks in order; their concatenation is the utterance.
 
-        Closing the generator early (or an error, or ``is_cancelled()`` turning true) stops the
+        Closing the generator early (or an error, or ``is_cancelled()`` turning true) cancels the
         LLM request and closes the token2wav session.
         """
-        pump = _TokenPump(self._start(request))
+        pieces = self._start(request)
         scheduler = ChunkScheduler(self.strategy)
         rid, voice = request.request_id, request.voice
-        session_open = finished = False
+        tokens: list[int] = []
+        llm_done = session_open = finished = False
         try:
-            count, done = 0, False
-            while not done:
-                count, done = pump.wait(count, POLL_S)
-                if is_cancelled():
-                    raise RequestCancelledError(f"request {rid} was cancelled")
-                while (chunk := scheduler.next_chunk(count)) is not None:
-                    tokens = pump.tokens[:chunk.num_tokens]
-                    _check_tokens(tokens)
+            for piece in pieces:
+                tokens.extend(int(t) for t in piece)
+                _raise_if_cancelled(is_cancelled, rid)
+                while (chunk := scheduler.next_chunk(len(tokens))) is not None:
+                    part = tokens[:chunk.num_tokens]
+                    _check_tokens(part)
                     session_open = True
-                    yield self.token2wav.step(rid, tokens, voice, chunk.token_offset, False)
-                    if is_cancelled():
-                        raise RequestCancelledError(f"request {rid} was cancelled")
-            if pump.error is not None:
-                raise pump.error
-            final = scheduler.final_chunk(count)
-            tokens = pump.tokens[:final.num_tokens]
+                    yield self.token2wav.step(rid, part, voice, chunk.token_offset, False)
+                    _raise_if_cancelled(is_cancelled, rid)
+            llm_done = True
             _check_tokens(tokens, final=True)
+            final = scheduler.final_chunk(len(tokens))
             yield self.token2wav.step(rid, tokens, voice, final.token_offset, True)
             finished = True
         finally:
             if not finished:
-                if not pump.done:
+                if not llm_done:
                     self.llm.cancel(rid)
                 if session_open:
                     self.token2wav.cancel(rid)
+
+
+def _raise_if_cancelled(is_cancelled: Callable[[], bool], request_id: str) -> None:
+    if is_cancelled():
+        raise RequestCancelledError(f"request {request_id} was cancelled")
 
 
 def _check_tokens(tokens: Sequence[int], final: bool = False) -> None:

@@ -28,8 +28,9 @@ from ..llm.prompt import EOS_IDS, NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO
 from ..pipeline.tts import (DEFAULT_MAX_TOKENS, DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice,
                             VoiceResolver, validate_text)
-from .triton_utils import (FINAL, error_response, model_parameters, optional_input, optional_scalar, optional_text,
-                           raise_response_error, reference_wav, required_parameter, tensor)
+from .triton_utils import (FINAL, FinishedResponseIterators, error_response, model_parameters, optional_input,
+                           optional_scalar, optional_text, raise_response_error, reference_wav, required_parameter,
+                           tensor)
 
 
 def _bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str], request_id: str = ""):
@@ -64,11 +65,20 @@ class RemoteSpeakerEncoder:
 
 
 class TritonSpeechTokens:
-    """:class:`~cosyserve.pipeline.tts.SpeechTokenSource` over a TensorRT-LLM-style model (always decoupled)."""
+    """:class:`~cosyserve.pipeline.tts.SpeechTokenSource` over a TensorRT-LLM-style model (always decoupled).
+
+    Every response iterator is read to its final response (the stub frees an abandoned one
+    never) and then kept in ``finished`` until the stub lets go of it (see
+    :class:`~cosyserve.serving.triton_utils.FinishedResponseIterators`): call
+    :meth:`release_finished` while the request being served is still open. Not thread-safe:
+    one per stub, used from the request thread.
+    """
 
     def __init__(self, model_name: str, streaming: bool):
         self.model_name = model_name
         self.streaming = streaming
+        self.finished = FinishedResponseIterators()
+        self._unfinished: dict[str, object] = {}  # request id -> its response iterator, until read to the end
         s = REFERENCE_SAMPLING
         self.sampling = {
             "end_id": np.array([[EOS_IDS[0]]], np.int32), "pad_id": np.array([[EOS_IDS[0]]], np.int32),
@@ -85,10 +95,11 @@ class TritonSpeechTokens:
         if limits.min_tokens:  # optional in TRT-LLM's interface: only sent when used
             inputs["min_tokens"] = np.array([[limits.min_tokens]], np.int32)
         responses = _bls(self.model_name, inputs, ["output_ids", "sequence_length"], request_id).exec(decoupled=True)
-        return self._speech_tokens(responses)
+        self._unfinished[request_id] = responses
+        return self._speech_tokens(request_id, responses)
 
-    def _speech_tokens(self, responses) -> Iterator[Sequence[int]]:
-        ended = False  # an end-of-speech id was seen; the rest is drained (an abandoned iterator leaks)
+    def _speech_tokens(self, request_id: str, responses) -> Iterator[Sequence[int]]:
+        ended = False  # an end-of-speech id was seen; the rest is still read (see the class docstring)
         for response in responses:
             raise_response_error(response, self.model_name)
             output_ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
@@ -101,13 +112,26 @@ class TritonSpeechTokens:
                 ended = True
                 raw = raw[:int(np.argmin(speech))]
             yield raw.tolist()
+        self.finished.keep(self._unfinished.pop(request_id))
 
     def cancel(self, request_id: str) -> None:
+        """Stop the request, then read what it still sends (up to its final response)."""
         stop = {"input_ids": np.array([[EOS_IDS[0]]], np.int32), "input_lengths": np.array([[1]], np.int32),
                 "request_output_len": np.array([[1]], np.int32), "stop": np.array([[True]], np.bool_)}
-        for response in _bls(self.model_name, stop, ["output_ids"], request_id).exec(decoupled=True):
+        stop_responses = _bls(self.model_name, stop, ["output_ids"], request_id).exec(decoupled=True)
+        for response in stop_responses:
             if response.has_error():
                 pb_utils.Logger.log_warn(f"stopping LLM request {request_id}: {response.error().message()}")
+        self.finished.keep(stop_responses)
+        responses = self._unfinished.pop(request_id, None)
+        if responses is not None:
+            for _ in responses:  # the stopped request ends within a token
+                pass
+            self.finished.keep(responses)
+
+    def release_finished(self, is_cancelled) -> None:
+        """Let go of the finished iterators the stub no longer holds (``is_cancelled`` of an open request)."""
+        self.finished.release(is_cancelled)
 
 
 class TritonToken2Wav:
@@ -137,10 +161,9 @@ class TritonToken2Wav:
 
 
 class CosyVoice2BLS:
-    """Requests are handled one at a time per instance, inside ``execute``, with the LLM stream
-    drained on one helper thread: the reference BLS's threading, the one Triton 24.10's Python
-    stub survives (many request threads per stub corrupted its heap under load). Concurrency
-    comes from ``bls_instance_num`` instances, and the LLM batches across all of them.
+    """Requests are handled one at a time per instance, inside ``execute``, on the request thread
+    only: every ``pb_utils`` call of this stub comes from one thread. Concurrency comes from
+    ``bls_instance_num`` instances, and the LLM batches across all of them.
     """
 
     def __init__(self, config: dict):
@@ -152,9 +175,9 @@ class CosyVoice2BLS:
         self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), RemoteSpeakerEncoder())
         self.limits = TokenLimits(int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
                                   int(params.get("min_tokens") or 0))
-        llm = TritonSpeechTokens(params.get("llm_model_name") or "llm", streaming=self.decoupled)
+        self.llm = TritonSpeechTokens(params.get("llm_model_name") or "llm", streaming=self.decoupled)
         tokenizer = AutoTokenizer.from_pretrained(required_parameter(params, "llm_tokenizer_dir"))
-        self.pipeline = TTSPipeline(tokenizer, llm, TritonToken2Wav(),
+        self.pipeline = TTSPipeline(tokenizer, self.llm, TritonToken2Wav(),
                                     strategy=params.get("streaming_strategy") or "exponential")
 
     def execute(self, requests):
@@ -175,19 +198,23 @@ class CosyVoice2BLS:
 
     def _stream(self, request) -> None:
         sender = request.get_response_sender()
+        last = None  # the final response: nothing more, or the error
         try:
             for chunk in self.pipeline.stream(self._parse(request), sender.is_cancelled):
                 sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", chunk)]))
-            sender.send(flags=FINAL)
         except Exception as exc:
-            sender.send(error_response(exc), flags=FINAL)
+            last = error_response(exc)
+        self.llm.release_finished(sender.is_cancelled)  # before the final flag closes the sender
+        sender.send(last, flags=FINAL)
 
     def _offline(self, request):
         try:
             waveform = self.pipeline.synthesize(self._parse(request), request.is_cancelled)
-            return pb_utils.InferenceResponse(output_tensors=[tensor("waveform", waveform)])
+            response = pb_utils.InferenceResponse(output_tensors=[tensor("waveform", waveform)])
         except Exception as exc:
-            return error_response(exc)
+            response = error_response(exc)
+        self.llm.release_finished(request.is_cancelled)
+        return response
 
     def close(self) -> None:
         """Nothing to release: requests finish inside execute."""

@@ -11,13 +11,16 @@ thread per request streams the engine's tokens back through the response sender.
   returned. The prompt is never echoed (TRT-LLM ``exclude_input_in_output``).
 * ``stop`` true stops the in-flight request with the same request id: that one ends like a
   finished request, the stop request gets an empty final response. A cancelled caller (client
-  disconnect) stops its request too.
+  disconnect) stops its request too, and so does a caller that no longer takes responses: a send
+  that has waited ``send_timeout_s`` (parameter, default 10 s) means the caller's process died
+  (Triton 24.10 then blocks that send for ever), so a watchdog thread stops the request.
+* Only the requested outputs are built: Triton 24.10's stub drops the others without the GIL.
 * Sampling: ``temperature``, ``runtime_top_k``, ``runtime_top_p``, ``repetition_penalty``,
   ``random_seed``, ``min_tokens``, ``request_output_len``; absent ones take TRT-LLM's defaults.
 
 Parameters: ``llm_dir`` (HuggingFace-format LLM), ``device`` (auto|cpu|cuda), optional
-``model_dir`` (its spk2info.pt voices get their ``<|sos|>{prompt_text}`` prefix cached at start-up)
-and ``llm_backend`` (``torch``, default, or ``hf``).
+``model_dir`` (its spk2info.pt voices get their ``<|sos|>{prompt_text}`` prefix cached at start-up),
+``llm_backend`` (``torch``, default, or ``hf``) and ``send_timeout_s``.
 Metrics: ``cosyserve_llm_active_requests`` (requests being streamed) and
 ``cosyserve_llm_generated_tokens_total``.
 """
@@ -25,8 +28,11 @@ Metrics: ``cosyserve_llm_active_requests`` (requests being streamed) and
 from __future__ import annotations
 
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -35,11 +41,30 @@ from ..errors import InvalidInputError, RequestCancelledError
 from ..llm.backends import create_backend
 from ..llm.prompt import EOS_IDS, SPEECH_TOKEN_OFFSET
 from ..llm.sampling import SamplingParams
+from ..llm.stream import TokenStream
 from ..pipeline.local import SPK2INFO, register_voice_prefixes, resolve_device
 from .triton_utils import (FINAL, Metric, error_response, model_parameters, optional_scalar,
                            required_input, required_parameter, tensor)
 
 DEFAULT_OUTPUT_LEN = 750
+# A send only waits for the server to hand the response on (to a gRPC stream, or to the calling
+# BLS stub, which takes it at once); this long means that caller is gone.
+DEFAULT_SEND_TIMEOUT_S = 10.0
+
+
+@dataclass(eq=False)
+class _Generation:
+    """A request being streamed back, by its own thread; ``sending_since`` is set while a send waits."""
+
+    stream: TokenStream
+    sender: Any
+    outputs: frozenset[str]
+    sending_since: float | None = None
+
+    def send(self, response=None, flags: int = 0) -> None:
+        self.sending_since = time.monotonic()
+        self.sender.send(response, flags=flags)
+        self.sending_since = None
 
 
 class LLMModel:
@@ -58,6 +83,11 @@ class LLMModel:
         self.active = Metric("cosyserve_llm_active_requests", "LLM requests being generated", config["name"])
         self.generated = Metric("cosyserve_llm_generated_tokens_total", "speech tokens generated",
                                 config["name"], kind="counter")
+        self.send_timeout_s = float(params.get("send_timeout_s") or DEFAULT_SEND_TIMEOUT_S)
+        self._generations: set[_Generation] = set()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch_sends, name="llm-send-watchdog", daemon=True).start()
 
     def execute(self, requests) -> None:
         for request in requests:
@@ -69,10 +99,13 @@ class LLMModel:
                     continue
                 stream, streaming = self._submit(request)
             except Exception as exc:
-                _send_error(sender, exc)
+                _send_error(sender.send, exc)
                 continue
+            generation = _Generation(stream, sender, frozenset(request.requested_output_names()))
+            with self._lock:
+                self._generations.add(generation)
             self.active.increment(1)
-            threading.Thread(target=self._serve, args=(stream, streaming, sender), daemon=True).start()
+            threading.Thread(target=self._serve, args=(generation, streaming), daemon=True).start()
         return None
 
     def _submit(self, request):
@@ -99,26 +132,47 @@ class LLMModel:
         stream = self.backend.generate_stream([int(i) for i in ids], params, request_id)
         return stream, bool(optional_scalar(request, "streaming"))
 
-    def _serve(self, stream, streaming: bool, sender) -> None:
+    def _serve(self, generation: _Generation, streaming: bool) -> None:
+        stream, outputs = generation.stream, generation.outputs
         tokens: list[int] = []
         try:
             for token in _until_stopped(stream):
-                if sender.is_cancelled():  # the caller went away
+                if generation.sender.is_cancelled():  # the caller went away
                     stream.close()
                     break
                 if streaming:
-                    sender.send(_ids_response([token]))
+                    generation.send(_ids_response([token], outputs))
                 else:
                     tokens.append(token)
-            sender.send(None if streaming else _ids_response(tokens), flags=FINAL)
+            generation.send(None if streaming else _ids_response(tokens, outputs), flags=FINAL)
         except Exception as exc:  # an engine failure
-            _send_error(sender, exc)
+            _send_error(generation.send, exc)
         finally:
-            stream.close()
-            self.generated.increment(stream.num_tokens)
-            self.active.increment(-1)
+            self._release(generation)
+
+    def _watch_sends(self) -> None:
+        """Stop the requests whose caller no longer takes responses (their threads stay blocked)."""
+        while not self._closed.wait(1.0):
+            deadline = time.monotonic() - self.send_timeout_s
+            with self._lock:
+                stuck = [g for g in self._generations if g.sending_since is not None and g.sending_since < deadline]
+            for generation in stuck:
+                pb_utils.Logger.log_warn(f"LLM request {generation.stream.request_id}: a response has waited more "
+                                         f"than {self.send_timeout_s:g} s to be taken; stopping the request")
+                self._release(generation)
+
+    def _release(self, generation: _Generation) -> None:
+        """Stop the engine request and count it out, once (its thread or the watchdog)."""
+        with self._lock:
+            if generation not in self._generations:
+                return
+            self._generations.remove(generation)
+        generation.stream.close()
+        self.generated.increment(generation.stream.num_tokens)
+        self.active.increment(-1)
 
     def close(self) -> None:
+        self._closed.set()
         self.backend.close()
 
 
@@ -130,19 +184,19 @@ def _until_stopped(stream):
         return
 
 
-def _send_error(sender, exc: Exception) -> None:
+def _send_error(send, exc: Exception) -> None:
     # Triton 24.10 never delivers a decoupled model's error response to a BLS caller (and the
     # lost response keeps the caller from unloading); one that also carries the final flag
     # leaves the caller's response iterator hanging. So errors are kept for real failures and
     # the final flag travels alone.
-    sender.send(error_response(exc))
-    sender.send(flags=FINAL)
+    send(error_response(exc))
+    send(flags=FINAL)
 
 
-def _ids_response(raw_tokens: list[int]) -> "pb_utils.InferenceResponse":
+def _ids_response(raw_tokens: list[int], outputs: frozenset[str]) -> "pb_utils.InferenceResponse":
     ids = np.asarray(raw_tokens, dtype=np.int32).reshape(1, -1) + SPEECH_TOKEN_OFFSET  # (beam, tokens)
-    return pb_utils.InferenceResponse(output_tensors=[
-        tensor("output_ids", ids), tensor("sequence_length", np.array([ids.shape[1]], np.int32))])
+    arrays = {"output_ids": ids, "sequence_length": np.array([ids.shape[1]], np.int32)}
+    return pb_utils.InferenceResponse(output_tensors=[tensor(name, a) for name, a in arrays.items() if name in outputs])
 
 
 def _number(request, name: str, default: float) -> float:

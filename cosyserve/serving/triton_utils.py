@@ -7,6 +7,7 @@ send one utterance per request (``[1, ...]``) and each request is handled on its
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import threading
 import traceback
@@ -17,6 +18,10 @@ import triton_python_backend_utils as pb_utils
 from ..errors import InvalidInputError, RequestCancelledError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+# A stub that crashes then writes its Python stacks to the server log (the stub ignores
+# PYTHONFAULTHANDLER); otherwise clients only see "Stub process ... is not healthy".
+faulthandler.enable()
 
 
 def model_config(args: dict) -> dict:
@@ -129,6 +134,40 @@ def raise_response_error(response, model_name: str) -> None:
     if error.code() == pb_utils.TritonError.INVALID_ARG:
         raise InvalidInputError(error.message())
     raise RuntimeError(f"model {model_name!r} failed: {error.message()}")
+
+
+# ----- decoupled BLS calls -----
+
+class FinishedResponseIterators:
+    """Decoupled BLS response iterators that have ended, kept alive until the stub lets go of them.
+
+    Triton 24.10's Python stub holds its own reference to each decoupled BLS response iterator
+    and drops it on its utils thread, without the GIL, a little after the last response (a
+    queued cleanup). If that is the last reference, the iterator and the numpy arrays of every
+    response it buffered are freed on that thread while Python runs on another: the heap gets
+    corrupted and the stub dies ("Stub process ... is not healthy"); load widens the window.
+    (The Python backend of 24.12 frees those arrays under the GIL.) Until then Python keeps
+    its reference until the stub is known to have dropped its own: the utils thread works
+    through its queue in order and also answers ``is_cancelled()``, so an ``is_cancelled()`` that
+    asked the server (returned False; True is cached) proves every earlier cleanup done.
+
+    One per stub thread that makes BLS calls (this project's BLS models use only the request
+    thread).
+    """
+
+    def __init__(self) -> None:
+        self._kept: list = []
+
+    def keep(self, iterator) -> None:
+        """Hold ``iterator``, which has returned its final response (its cleanup is queued)."""
+        self._kept.append(iterator)
+
+    def release(self, is_cancelled) -> None:
+        """Drop what the stub has let go of. ``is_cancelled``: the bound method of a request (or
+        response sender) that is still open: asking a finished request's is a use-after-free."""
+        count = len(self._kept)
+        if count and not is_cancelled():
+            del self._kept[:count]
 
 
 # ----- metrics -----

@@ -15,3 +15,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.model.close()
+        del self.model  # freed here: left to the Triton 24.10 stub's own teardown, torch models crash it
