@@ -7,16 +7,20 @@
 Items come from ``--reference-audio`` (one request), else ``--manifest-path`` (lines
 ``utt|prompt_text|prompt_wav|target_text``), else ``--huggingface-dataset``/``--split-name``.
 Each of the ``--num-tasks`` tasks (threads, one client each) sends its share of the items one
-after another. ``--mode streaming`` needs the model to be decoupled: audio arrives in chunks on
-a gRPC stream and the chunk arrival times give first/second-chunk latencies and playback
-underruns. Writes ``<id>.wav`` per item, ``rtf-<name>.txt``, ``stats_summary-<name>.txt`` (Triton
+after another (``--num-requests N`` cycles the items to N requests). ``--mode streaming`` needs
+the model to be decoupled: audio arrives in chunks on a gRPC stream and the chunk arrival times
+give first/second-chunk latencies and playback underruns. On random-weight bundles, which never
+end speech by themselves, ``--fixed-output-seconds 4 10`` fixes every request's length (sent as
+``max_tokens = min_tokens``; the same seeded draws per item as ``offline_inference.py``).
+Writes ``<id>.wav`` per request, ``rtf-<name>.txt``, ``stats_summary-<name>.txt`` (Triton
 per-model statistics of this run) and ``model_config-<name>.json`` into ``--log-dir``, and with
-``--json-report`` every number as JSON.
+``--json-report`` every number as JSON (with the speech tokens requested per request).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -31,9 +35,10 @@ from tritonclient.utils import InferenceServerException
 
 from cosyserve import clients
 from cosyserve.errors import InvalidInputError
+from cosyserve.lengths import FixedLength
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server-addr", default="localhost")
     parser.add_argument("--server-port", type=int, default=8001, help="Triton gRPC port")
@@ -55,18 +60,41 @@ def parse_args() -> argparse.Namespace:
                         help="True: send only target_text (and --speaker-id): the server uses a cached speaker")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--json-report", type=Path, help="write every number of the run to this JSON file")
+    parser.add_argument("--num-requests", type=int,
+                        help="send this many requests, cycling through the items (ids get _r<pass>); default: "
+                             "each item once")
+    parser.add_argument("--fixed-output-seconds", type=float, nargs="+", metavar="S",
+                        help="random-weight bundles: every request makes exactly round(RATE x S) speech tokens "
+                             "(max_tokens = min_tokens); S is one value, or LO HI for a seeded uniform draw per "
+                             "item in item order (as offline_inference.py draws them)")
+    parser.add_argument("--tokens-per-second", type=float, default=25.0,
+                        help="RATE of --fixed-output-seconds (speech tokens per second of audio)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --fixed-output-seconds draws")
     parser.add_argument("--compute-wer", action="store_true", help="not supported here (accepted for compatibility)")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def load_items(args: argparse.Namespace) -> tuple[str, list[clients.Utterance]]:
-    """(run name, items). The manifest wins over the dataset default."""
+    """(run name, the requests to send). The manifest wins over the dataset default."""
     if args.reference_audio:
-        return Path(args.reference_audio).stem, [
+        name, items = Path(args.reference_audio).stem, [
             clients.Utterance("test", args.reference_text, args.reference_audio, args.target_text)]
-    if args.manifest_path:
-        return Path(args.manifest_path).stem, clients.load_manifest(args.manifest_path)
-    return args.split_name, clients.load_hf_dataset(args.huggingface_dataset, args.split_name)
+    elif args.manifest_path:
+        name, items = Path(args.manifest_path).stem, clients.load_manifest(args.manifest_path)
+    else:
+        name, items = args.split_name, clients.load_hf_dataset(args.huggingface_dataset, args.split_name)
+    fixed = fixed_length(args)
+    if fixed:  # drawn per item before repeating: a repeat has its item's length
+        items = clients.with_fixed_lengths(items, fixed)
+    if args.num_requests is not None:
+        items = clients.repeat_items(items, args.num_requests)
+    return name, items
+
+
+def fixed_length(args: argparse.Namespace) -> FixedLength | None:
+    if not args.fixed_output_seconds:
+        return None
+    return FixedLength(args.tokens_per_second, tuple(args.fixed_output_seconds), args.seed)
 
 
 class Task:
@@ -93,7 +121,8 @@ class Task:
         try:
             waveform = clients.load_reference_audio(item.reference_audio) if self.send_reference else None
             inputs = clients.build_inputs(grpcclient, waveform, item.reference_text, item.target_text,
-                                          args.speaker_id)
+                                          args.speaker_id, max_tokens=item.speech_tokens,
+                                          min_tokens=item.speech_tokens)
             audio, result = self.run_request(client, args.model_name, inputs, clients.requested_outputs(grpcclient),
                                              item.id, timeout_s=args.request_timeout)
             sf.write(args.log_dir / f"{item.id}.wav", audio, clients.OUTPUT_SAMPLE_RATE, "PCM_16")
@@ -152,7 +181,10 @@ def main() -> int:
     (args.log_dir / f"stats_summary-{name}.txt").write_text(stats_text)
     (args.log_dir / f"model_config-{name}.json").write_text(json.dumps(model_config, indent=2))
     if args.json_report:
+        fixed = fixed_length(args)
         report = {**summary, "model_name": args.model_name, "num_tasks": len(shares), "server": url,
+                  "fixed_length": dataclasses.asdict(fixed) if fixed else None,
+                  "requested_speech_tokens": {item.id: item.speech_tokens for item in items} if fixed else None,
                   "per_request": [r.to_dict() for r in results], "triton_stats": triton_stats}
         args.json_report.parent.mkdir(parents=True, exist_ok=True)
         args.json_report.write_text(json.dumps(report, indent=2, ensure_ascii=False))

@@ -31,8 +31,9 @@ import torch
 
 from cosyserve import clients
 from cosyserve.errors import CosyServeError, InvalidInputError
-from cosyserve.pipeline.offline import (BACKENDS, DTYPES, FixedLength, OfflineConfig, OfflineTTS, Timers,
-                                        build_report, format_report_md, synthesize_items, write_reports)
+from cosyserve.lengths import FixedLength
+from cosyserve.pipeline.offline import (BACKENDS, DTYPES, OfflineConfig, OfflineTTS, Timers, build_report,
+                                        format_report_md, synthesize_items, write_reports)
 from cosyserve.token2wav.cosyvoice2 import Token2WavOptions
 
 

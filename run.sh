@@ -25,6 +25,13 @@ MODEL_SOURCE=${MODEL_SOURCE:-modelscope}      # modelscope | huggingface | tiny 
 MODELS_DIR=${MODELS_DIR:-$repo_root/models}
 BUNDLE_SEED=${BUNDLE_SEED:-0}
 LLM_BACKEND=${LLM_BACKEND:-torch}             # torch (ours) | trtllm
+LLM_ENGINE=${LLM_ENGINE:-torch}               # our llm model's engine: torch | hf (transformers generate, a baseline)
+# What the BLS's requests to the Triton LLM model carry: tensorrt_llm (+ embedding_bias, stop words,
+# seed, as a TensorRT-LLM engine needs) | cosyserve; empty = tensorrt_llm with LLM_BACKEND=trtllm.
+LLM_PROTOCOL=${LLM_PROTOCOL:-}
+# http://HOST:PORT/v1 of an OpenAI-compatible completions server (python -m cosyserve.llm.openai_server,
+# trtllm-serve...): speech tokens come from there and the repository gets no Triton LLM model.
+LLM_URL=${LLM_URL:-}
 TRT_DTYPE=${TRT_DTYPE:-bfloat16}              # TensorRT-LLM only (LLM_BACKEND=trtllm)
 TRT_WEIGHTS_DIR=${TRT_WEIGHTS_DIR:-$MODELS_DIR/trt_weights_$TRT_DTYPE}
 TRT_ENGINE_DIR=${TRT_ENGINE_DIR:-$MODELS_DIR/trt_engines_$TRT_DTYPE}
@@ -41,7 +48,10 @@ OFFLINE_BLS_INSTANCE_NUM=${OFFLINE_BLS_INSTANCE_NUM:-1}  # cosyvoice2_offline, s
 # never emit end-of-speech, so the tiny one stops at 200 (8 s) to keep CPU runs short.
 MAX_TOKENS=${MAX_TOKENS:-$([ "$MODEL_SOURCE" = tiny ] && echo 200 || echo 750)}
 MIN_TOKENS=${MIN_TOKENS:-0}                   # and at least (benchmarks on random weights fix lengths)
-TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-16}
+TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-16}   # also the flow/HiFT batch of token2wav
+TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # auto (fp16 on CUDA, fp32 on CPU) | float16 | bfloat16 | float32
+TOKEN2WAV_CUDA_GRAPHS=${TOKEN2WAV_CUDA_GRAPHS:-auto}   # auto (on with CUDA) | true | false
+TOKEN2WAV_INCREMENTAL_STREAM=${TOKEN2WAV_INCREMENTAL_STREAM:-false}  # true: streaming steps cost only their new frames
 MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
 HTTP_PORT=${HTTP_PORT:-8000}
 GRPC_PORT=${GRPC_PORT:-8001}
@@ -140,21 +150,23 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   mkdir -p "$MODEL_REPO"
   llm_model=llm
   [ "$LLM_BACKEND" = trtllm ] && llm_model=tensorrt_llm
-  for m in cosyvoice2 $llm_model token2wav audio_tokenizer speaker_embedding; do
+  triton_llm=$llm_model  # the LLM model in the repository: none with LLM_URL (stage 3 then loads none)
+  [ -n "$LLM_URL" ] && triton_llm= && log "Stage 2: speech tokens from the completions server at $LLM_URL"
+  for m in cosyvoice2 $triton_llm token2wav audio_tokenizer speaker_embedding; do
     cp -r "$repo_root/model_repo/$m" "$MODEL_REPO/"
   done
   fill() { "$PY" "$repo_root/scripts/fill_template.py" -i "$1" "$2"; }
   common="model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS,device:$DEVICE"
-  fill "$MODEL_REPO/token2wav/config.pbtxt" "$common"
+  fill "$MODEL_REPO/token2wav/config.pbtxt" "$common,token2wav_dtype:$TOKEN2WAV_DTYPE,token2wav_cuda_graphs:$TOKEN2WAV_CUDA_GRAPHS,token2wav_incremental_stream:$TOKEN2WAV_INCREMENTAL_STREAM"
   fill "$MODEL_REPO/audio_tokenizer/config.pbtxt" "$common"
   fill "$MODEL_REPO/speaker_embedding/config.pbtxt" "$common"
-  if [ "$llm_model" = llm ]; then
-    fill "$MODEL_REPO/llm/config.pbtxt" "$common,llm_dir:$MODELS_DIR/cosyvoice2_llm"
-  else
+  if [ "$triton_llm" = llm ]; then
+    fill "$MODEL_REPO/llm/config.pbtxt" "$common,llm_dir:$MODELS_DIR/cosyvoice2_llm,llm_engine:$LLM_ENGINE"
+  elif [ "$triton_llm" = tensorrt_llm ]; then
     # decoupled always: the BLS streams from the LLM model in both modes (one response when not streaming)
     fill "$MODEL_REPO/tensorrt_llm/config.pbtxt" "triton_backend:tensorrtllm,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,decoupled_mode:True,max_beam_width:1,engine_dir:$TRT_ENGINE_DIR,max_tokens_in_paged_kv_cache:$TRT_KV_CACHE_TOKENS,max_attention_window_size:$TRT_KV_CACHE_TOKENS,kv_cache_free_gpu_mem_fraction:0.5,exclude_input_in_output:True,enable_kv_cache_reuse:False,batching_strategy:inflight_fused_batching,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS,encoder_input_features_data_type:TYPE_FP16,logits_datatype:TYPE_FP32"
   fi
-  bls="model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,llm_tokenizer_dir:$MODELS_DIR/cosyvoice2_llm,streaming_strategy:$STREAMING_STRATEGY,llm_model_name:$llm_model,max_tokens:$MAX_TOKENS,min_tokens:$MIN_TOKENS"
+  bls="model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,llm_tokenizer_dir:$MODELS_DIR/cosyvoice2_llm,streaming_strategy:$STREAMING_STRATEGY,llm_model_name:$llm_model,llm_protocol:$LLM_PROTOCOL,llm_url:${LLM_URL//,/\\,},max_tokens:$MAX_TOKENS,min_tokens:$MIN_TOKENS"
   if [ "$DECOUPLED_MODE" = True ]; then
     # HTTP clients cannot read decoupled (streaming) models: serve an offline twin next to it.
     cp -r "$repo_root/model_repo/cosyvoice2" "$MODEL_REPO/cosyvoice2_offline"

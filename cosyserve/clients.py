@@ -7,14 +7,17 @@ Wire protocol of the ``cosyvoice2`` Triton model (same as NVIDIA's CosyVoice run
 * ``reference_text`` BYTES [1, 1]: transcript of the prompt (UTF-8)
 * ``target_text`` BYTES [1, 1]: text to synthesise (UTF-8)
 * ``speaker_id`` BYTES [1, 1], optional: cached speaker to use / cache the prompt under
+* ``max_tokens`` / ``min_tokens`` INT32 [1, 1], optional (this server's addition): speech-token
+  limits of this request
 * output ``waveform`` FP32 [1, M]: 24 kHz audio, in one response, or in one response per
   chunk when the model is decoupled (streaming)
 
 Besides building requests, this module runs one request (offline or streaming, with the
 synchronous tritonclient so that chunk arrival times are taken in the gRPC callback), loads
-benchmark items (manifest file or HuggingFace dataset), and turns per-request timings into
-the benchmark numbers: latency percentiles, real-time factor, playback underruns and Triton's
-per-model statistics for the run.
+benchmark items (manifest file or HuggingFace dataset; repeated to a request count, with fixed
+lengths for random-weight bundles), and turns per-request timings into the benchmark numbers:
+latency percentiles, real-time factor, playback underruns and Triton's per-model statistics for
+the run.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from __future__ import annotations
 import queue
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from .errors import InvalidInputError
+from .lengths import FixedLength
 
 OUTPUT_SAMPLE_RATE = 24000
 PERCENTILES = (50, 90, 95, 99)
@@ -39,12 +43,17 @@ PERCENTILES = (50, 90, 95, 99)
 
 @dataclass
 class Utterance:
-    """One synthesis request: ``reference_audio`` is a file path or ``{"array", "sampling_rate"}``."""
+    """One synthesis request: ``reference_audio`` is a file path or ``{"array", "sampling_rate"}``.
+
+    ``speech_tokens``: make exactly this many speech tokens (sent as ``max_tokens = min_tokens``);
+    None leaves the lengths to the server.
+    """
 
     id: str
     reference_text: str
     reference_audio: Any
     target_text: str
+    speech_tokens: int | None = None
 
 
 def load_manifest(path: str | Path) -> list[Utterance]:
@@ -95,6 +104,22 @@ def _checked_unique(items: list[Utterance], source: str) -> list[Utterance]:
     return items
 
 
+def repeat_items(items: Sequence[Utterance], num_requests: int) -> list[Utterance]:
+    """``num_requests`` requests cycling through ``items``; the k-th pass's ids get ``_r<k>``
+    (k from 0), so every request has its own id (and output wav)."""
+    if num_requests < 1:
+        raise InvalidInputError(f"number of requests must be >= 1, got {num_requests}")
+    return [replace(items[i % len(items)], id=f"{items[i % len(items)].id}_r{i // len(items)}")
+            for i in range(num_requests)]
+
+
+def with_fixed_lengths(items: Sequence[Utterance], fixed: FixedLength) -> list[Utterance]:
+    """``items`` with ``speech_tokens`` from ``fixed``'s draws, one per item in order."""
+    if fixed.seconds is None:
+        raise InvalidInputError("fixed lengths for requests need the seconds (one value or lo hi)")
+    return [replace(item, speech_tokens=fixed.tokens(seconds)) for item, seconds in zip(items, fixed.draws(len(items)))]
+
+
 def split_round_robin(items: Sequence[Utterance], num_tasks: int) -> list[list[Utterance]]:
     """Deal ``items`` to ``min(num_tasks, len(items))`` tasks (each runs its share in order)."""
     if num_tasks < 1:
@@ -136,11 +161,14 @@ def build_inputs(
     reference_text: str,
     target_text: str,
     speaker_id: str | None = None,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
 ) -> list:
     """The request's input tensors for ``protocol`` (``tritonclient.http`` or ``tritonclient.grpc``).
 
     ``waveform=None`` sends no reference (the server must know ``speaker_id`` already, or use
-    its cached default speaker).
+    its cached default speaker). ``max_tokens``/``min_tokens`` override the server's speech-token
+    limits for this request (both equal: exactly that many tokens).
     """
     if not target_text:
         raise InvalidInputError("target text is empty")
@@ -157,6 +185,11 @@ def build_inputs(
     tensors.append(("target_text", _bytes_tensor(target_text), "BYTES"))
     if speaker_id is not None:
         tensors.append(("speaker_id", _bytes_tensor(speaker_id), "BYTES"))
+    for name, value, least in (("max_tokens", max_tokens, 1), ("min_tokens", min_tokens, 0)):
+        if value is not None:
+            if value < least:
+                raise InvalidInputError(f"{name} must be >= {least}, got {value}")
+            tensors.append((name, np.array([[value]], dtype=np.int32), "INT32"))
     inputs = []
     for name, value, datatype in tensors:
         tensor = protocol.InferInput(name, list(value.shape), datatype)

@@ -40,8 +40,10 @@ def template_values(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_i
     common = {"model_dir": f"{models_dir}/CosyVoice2-0.5B", "triton_max_batch_size": str(max_batch_size),
               "max_queue_delay_microseconds": "0", "device": "cpu"}
     return {
-        "token2wav": common, "audio_tokenizer": common, "speaker_embedding": common,
-        "llm": {**common, "llm_dir": f"{models_dir}/cosyvoice2_llm"},
+        "token2wav": {**common, "token2wav_dtype": "auto", "token2wav_cuda_graphs": "auto",
+                      "token2wav_incremental_stream": "false"},
+        "audio_tokenizer": common, "speaker_embedding": common,
+        "llm": {**common, "llm_dir": f"{models_dir}/cosyvoice2_llm", "llm_engine": "torch"},
         "cosyvoice2": {"model_dir": common["model_dir"], "triton_max_batch_size": str(max_batch_size),
                        "llm_tokenizer_dir": f"{models_dir}/cosyvoice2_llm",
                        "bls_instance_num": str(bls_instances), "decoupled_mode": str(decoupled),
@@ -117,7 +119,7 @@ class TritonPythonModel:
                 del responses, tokens  # a BLS going on with its work: only the kept reference is left
                 busy_until = time.monotonic() + 0.01  # and allocating while the stub frees it
                 while time.monotonic() < busy_until:
-                    work = [np.arange(i) for i in range(20)]
+                    [np.arange(i) for i in range(20)]
                 self.finished.release(sender.is_cancelled)
             sender.send(flags=FINAL)
         return None

@@ -1,5 +1,9 @@
 """cosyserve.clients without a server: items, audio loading, request tensors, benchmark math."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -9,6 +13,9 @@ import tritonclient.http as httpclient
 
 from cosyserve import clients
 from cosyserve.errors import InvalidInputError
+from cosyserve.lengths import FixedLength
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # --- items ---------------------------------------------------------------------------------
 
@@ -48,6 +55,48 @@ def test_split_round_robin():
     assert len(clients.split_round_robin(items, 9)) == 5
     with pytest.raises(InvalidInputError):
         clients.split_round_robin(items, 0)
+
+
+def test_repeat_items_cycles_with_unique_ids():
+    items = [clients.Utterance(str(i), "", "", "t", speech_tokens=10 * i) for i in range(3)]
+    requests = clients.repeat_items(items, 7)
+    assert [r.id for r in requests] == ["0_r0", "1_r0", "2_r0", "0_r1", "1_r1", "2_r1", "0_r2"]
+    assert [r.speech_tokens for r in requests] == [0, 10, 20, 0, 10, 20, 0]
+    assert [r.id for r in clients.repeat_items(items, 2)] == ["0_r0", "1_r0"]
+    assert items[0].id == "0"  # the items themselves are left alone
+    with pytest.raises(InvalidInputError, match="number of requests must be >= 1"):
+        clients.repeat_items(items, 0)
+
+
+def test_fixed_lengths_are_the_offline_draws_per_item():
+    items = [clients.Utterance(str(i), "", "", "t") for i in range(26)]
+    fixed = FixedLength(25, (4.0, 10.0), seed=3)
+    lengths = [i.speech_tokens for i in clients.with_fixed_lengths(items, fixed)]
+    assert lengths == [round(25 * s) for s in fixed.draws(26)]  # what offline_inference.py generates
+    assert 100 <= min(lengths) < max(lengths) <= 250
+    assert lengths != [i.speech_tokens for i in clients.with_fixed_lengths(items, FixedLength(25, (4.0, 10.0), 4))]
+    assert {i.speech_tokens for i in clients.with_fixed_lengths(items, FixedLength(12.5, (2.0,)))} == {25}
+    with pytest.raises(InvalidInputError, match="need the seconds"):
+        clients.with_fixed_lengths(items, FixedLength(25, None))
+
+
+def test_client_grpc_requests_without_torch(tmp_path):
+    """client_grpc.py's request list: fixed lengths drawn per item, then cycled; torch is not imported."""
+    (tmp_path / "m.txt").write_text("a|p|a.wav|t1\nb|p|b.wav|t2\n", encoding="utf-8")
+    script = f"""
+import sys
+sys.path.insert(0, {str(REPO_ROOT)!r})
+import client_grpc
+args = client_grpc.parse_args(["--manifest-path", {str(tmp_path / "m.txt")!r}, "--num-requests", "5",
+                               "--fixed-output-seconds", "4", "10", "--seed", "1"])
+name, items = client_grpc.load_items(args)
+print(name, [(i.id, i.speech_tokens) for i in items], "torch" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    out = done.stdout.split(" ", 1)
+    a, b = (round(25 * s) for s in FixedLength(25, (4.0, 10.0), 1).draws(2))
+    assert out[0] == "m"
+    assert out[1].strip() == f"[('a_r0', {a}), ('b_r0', {b}), ('a_r1', {a}), ('b_r1', {b}), ('a_r2', {a})] False"
 
 
 def test_reference_audio_mono_and_resampled(tmp_path):
@@ -116,6 +165,21 @@ def test_build_inputs_matches_wire_protocol(protocol):
 def test_build_inputs_without_reference():
     inputs = clients.build_inputs(grpcclient, None, "", "hello")
     assert [i.name() for i in inputs] == ["target_text"]
+
+
+def test_build_inputs_token_limits():
+    inputs = clients.build_inputs(grpcclient, None, "", "hello", max_tokens=150, min_tokens=150)
+    by_name = {i.name(): i for i in inputs}
+    assert list(by_name) == ["target_text", "max_tokens", "min_tokens"]
+    for name in ("max_tokens", "min_tokens"):
+        assert by_name[name].datatype() == "INT32" and list(by_name[name].shape()) == [1, 1]
+        assert np.frombuffer(by_name[name]._get_content(), np.int32).tolist() == [150]
+    only_max = clients.build_inputs(httpclient, None, "", "hello", max_tokens=7)
+    assert [i.name() for i in only_max] == ["target_text", "max_tokens"]
+    for kwargs, message in (({"max_tokens": 0}, "max_tokens must be >= 1"),
+                            ({"min_tokens": -1}, "min_tokens must be >= 0")):
+        with pytest.raises(InvalidInputError, match=message):
+            clients.build_inputs(grpcclient, None, "", "hello", **kwargs)
 
 
 @pytest.mark.parametrize("wav, target, message", [

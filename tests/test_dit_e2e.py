@@ -202,7 +202,8 @@ def test_grpc_client_streams_concurrent_requests_in_planned_chunks(idle_server, 
     stats = {m["name"]: m for m in summary["triton_stats"]["model_stats"]}
     assert stats["cosyvoice2_dit"]["inference_count"] == 6
     assert stats["token2wav_dit"]["inference_count"] == 6 * len(expected)  # one request per chunk
-    assert stats["audio_tokenizer"]["inference_count"] == 6  # the LLM prompt tokens
+    # the LLM prompt tokens: one clip, so at most once per BLS instance (each caches its prompt features)
+    assert 1 <= stats["audio_tokenizer"]["inference_count"] <= 3
     audio, rate = sf.read(tmp_path / "log" / "utt0.wav")
     assert rate == 24000 and audio.shape == (SAMPLES_PER_TOKEN * NUM_TOKENS,) and np.abs(audio).max() > 0
 

@@ -14,7 +14,8 @@ import torch
 
 from cosyserve.errors import InvalidInputError
 from cosyserve.frontend.prompt import PromptFeatures
-from cosyserve.pipeline.offline import FixedLength, estimate_seconds, spoken_characters
+from cosyserve.lengths import FixedLength
+from cosyserve.pipeline.offline import estimate_seconds, spoken_characters
 from cosyserve.pipeline.tts import Voice
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,8 +93,7 @@ def test_fixed_length_limits():
     fixed = FixedLength(25, (4.0, 10.0), seed=1)
     draws = fixed.draws(50)
     assert draws == FixedLength(25, (4.0, 10.0), seed=1).draws(50) and 4.0 <= min(draws) < max(draws) <= 10.0
-    limits = fixed.limits(6.02)
-    assert limits.min_tokens == limits.max_tokens == 150
+    assert fixed.tokens(6.02) == 150 and fixed.tokens(0.001) == 1
     assert FixedLength(25, None).draws(2) == [None, None]
     for bad in ((0.0,), (5.0, 4.0), (1.0, 2.0, 3.0)):
         with pytest.raises(InvalidInputError):

@@ -48,7 +48,6 @@ def test_environment_puts_this_python_first():
     env = ts.server_environment(install, {"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/opt/x"})
     assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
     assert env["PATH"].endswith(":/usr/bin")
-    assert str(Path(ts.cosyserve.__file__).resolve().parents[1]) in env["PYTHONPATH"].split(":")
     if install.library_dirs:  # bundled server: its libs come before the inherited ones
         assert env["LD_LIBRARY_PATH"].split(":")[0] == str(install.library_dirs[0])
         assert env["LD_LIBRARY_PATH"].endswith(":/opt/x")
@@ -56,6 +55,18 @@ def test_environment_puts_this_python_first():
         stub = install.backend_directory / "python" / "triton_python_backend_stub"
         assert f"{sys.version_info.major}.{sys.version_info.minor}" in str(stub.resolve())
         assert (install.backend_directory / "python" / "libtriton_python.so").resolve().is_file()
+
+
+@pytest.mark.parametrize("numpy_version, fails", [("1.26.4", False), ("2.0.0", True), ("2.5.2", True)])
+def test_bundled_stub_needs_numpy_below_2(monkeypatch, numpy_version, fails):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: numpy_version)
+    if fails:
+        with pytest.raises(ts.TritonServerError, match=r"numpy<2"):
+            ts._check_numpy_for_bundled_stub()
+    else:
+        ts._check_numpy_for_bundled_stub()
 
 
 def test_http_identity(server):

@@ -16,11 +16,12 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from ..errors import InvalidInputError
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import build_prefix_ids
 from ..llm.sampling import SamplingParams
-from ..token2wav.cosyvoice2 import CosyVoice2Token2Wav, load_token2wav
+from ..token2wav.cosyvoice2 import CosyVoice2Token2Wav, OfflineRequest, load_token2wav
 from .tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice, VoiceResolver
 
 COSYVOICE2_DIR = "CosyVoice2-0.5B"
@@ -71,17 +72,34 @@ def _one_token_pieces(stream) -> Iterator[Sequence[int]]:
             yield (token,)
 
 
+@dataclass
+class Token2WavCall:
+    """One unit for :meth:`LocalToken2Wav.run`: offline (``token_offset`` None) or one streaming step."""
+
+    request_id: str
+    tokens: Sequence[int]
+    voice: Voice
+    token_offset: int | None = None
+    finalize: bool = False
+
+
 class LocalToken2Wav:
-    """:class:`~cosyserve.pipeline.tts.Token2Wav` over :class:`CosyVoice2Token2Wav`.
+    """:class:`~cosyserve.pipeline.tts.Token2Wav` over :class:`CosyVoice2Token2Wav`, plus :meth:`run`,
+    which packs several requests' work into shared flow/HiFT batches (the Triton ``token2wav``
+    model hands it every request of a dynamic batch).
 
     A request's streaming session opens at its first step and closes at its final step, on
     :meth:`cancel`, on any error, or after ``idle_timeout_s`` without a step (a caller that
     vanished mid-stream).
     """
 
-    def __init__(self, model: CosyVoice2Token2Wav, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S):
+    def __init__(self, model: CosyVoice2Token2Wav, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
+                 max_batch: int = 16):
+        if max_batch < 1:
+            raise InvalidInputError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
         self.idle_timeout_s = idle_timeout_s
+        self.max_batch = max_batch
         self._last_step: dict[str, float] = {}
         self._lock = threading.Lock()
 
@@ -90,25 +108,59 @@ class LocalToken2Wav:
         return self.model.open_streams
 
     def offline(self, request_id: str, tokens: Sequence[int], voice: Voice) -> np.ndarray:
-        f = voice.features
-        return _numpy(self.model.offline(list(tokens), f.speech_tokens, f.speech_feat, f.embedding))
+        return _one(self.run([Token2WavCall(request_id, tokens, voice)]))
 
     def step(self, request_id: str, tokens: Sequence[int], voice: Voice, token_offset: int,
              finalize: bool) -> np.ndarray:
+        return _one(self.run([Token2WavCall(request_id, tokens, voice, token_offset, finalize)]))
+
+    def run(self, calls: Sequence[Token2WavCall]) -> list[np.ndarray | Exception]:
+        """Per call, its waveform (float32, 24 kHz) or the exception that failed it.
+
+        Invalid calls fail alone; the valid ones run ``max_batch`` at a time, and a batch that
+        fails fails (and closes the streams of) its own calls only.
+        """
         self.close_idle()
-        if request_id in self.model.open_stream_ids:
-            stream = self.model.get_stream(request_id)
+        results: list[np.ndarray | Exception | None] = [None] * len(calls)
+        planned = []  # (index, work)
+        for index, call in enumerate(calls):
+            try:
+                planned.append((index, self._plan(call)))
+            except Exception as exc:
+                results[index] = exc
+        for start in range(0, len(planned), self.max_batch):
+            group = planned[start:start + self.max_batch]
+            try:
+                outputs = self.model.run_batch([work for _, work in group])
+            except Exception as exc:
+                outputs = [exc] * len(group)
+            for (index, work), output in zip(group, outputs):
+                results[index] = output if isinstance(output, Exception) else _numpy(
+                    output if work.stream is None else output.audio[0])
+                if work.stream is not None:
+                    self._touch(work.stream)
+        return results
+
+    def _plan(self, call: Token2WavCall):
+        f = call.voice.features
+        if call.token_offset is None:
+            return self.model.offline_work(OfflineRequest(list(call.tokens), f.speech_tokens, f.speech_feat,
+                                                          f.embedding))
+        if call.request_id in self.model.open_stream_ids:
+            stream = self.model.get_stream(call.request_id)
         else:
-            f = voice.features
-            stream = self.model.open_stream(request_id, f.speech_tokens, f.speech_feat, f.embedding)
+            stream = self.model.open_stream(call.request_id, f.speech_tokens, f.speech_feat, f.embedding)
         try:
-            return _numpy(stream.step(list(tokens), token_offset, finalize))
-        finally:  # the stream closes itself after the final step and on errors
-            with self._lock:
-                if stream.closed:
-                    self._last_step.pop(request_id, None)
-                else:
-                    self._last_step[request_id] = time.monotonic()
+            return stream.plan_step(list(call.tokens), call.token_offset, call.finalize)
+        finally:
+            self._touch(stream)  # a failed plan closes the stream
+
+    def _touch(self, stream) -> None:
+        with self._lock:
+            if stream.closed:
+                self._last_step.pop(stream.request_id, None)
+            else:
+                self._last_step[stream.request_id] = time.monotonic()
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -124,6 +176,12 @@ class LocalToken2Wav:
         for rid in stale:
             self.cancel(rid)
         return stale
+
+
+def _one(results: list) -> np.ndarray:
+    if isinstance(results[0], Exception):
+        raise results[0]
+    return results[0]
 
 
 def _numpy(waveform: torch.Tensor) -> np.ndarray:

@@ -9,16 +9,16 @@ are sorted by length first so batches pad little). Three timers (front-end, LLM,
 to the total; writing files is not timed. RTF = total time / seconds of audio.
 
 Benchmarks on random weights need realistic lengths (a random LLM rarely samples the end of
-speech): with :class:`FixedLength` every utterance generates exactly ``round(rate x seconds)``
-tokens (``min_tokens = max_tokens``), the seconds being given (one value, or a seeded uniform
-draw per utterance between two values) or estimated from the text (:func:`estimate_seconds`).
+speech): with :class:`~cosyserve.lengths.FixedLength` every utterance generates exactly
+``round(rate x seconds)`` tokens (``min_tokens = max_tokens``, at most ``MAX_SPEECH_TOKENS``), the
+seconds being given (one value, or a seeded uniform draw per utterance between two values) or
+estimated from the text (:func:`estimate_seconds`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import time
 import unicodedata
 import uuid
@@ -36,6 +36,7 @@ from ..clients import Utterance, load_reference_audio
 from ..errors import InvalidInputError
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..frontend.speakers import SpeakerRegistry
+from ..lengths import FixedLength
 from ..llm.backends import BackendUnavailableError, create_backend
 from ..llm.prompt import MAX_SPEECH_TOKENS
 from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, load_token2wav
@@ -51,37 +52,6 @@ VLLM_UNSUPPORTED = (
     "(llm_layout.md §2), so it would sample text tokens instead of speech. Serve the LLM with a server that "
     "keeps the bias (python -m cosyserve.llm.openai_server) and use --backend openai --openai-base-url URL, "
     "or use --backend torch")
-
-
-@dataclass(frozen=True)
-class FixedLength:
-    """Force every utterance to ``round(tokens_per_second x seconds)`` speech tokens.
-
-    ``seconds``: None = estimated from the text; (s,) = s for all; (lo, hi) = uniform draw per
-    utterance (``random.Random(seed)``, in dataset order).
-    """
-
-    tokens_per_second: float = TOKEN_RATE
-    seconds: tuple[float, ...] | None = None
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.tokens_per_second > 0:
-            raise InvalidInputError(f"tokens per second must be > 0, got {self.tokens_per_second}")
-        if self.seconds is not None and (len(self.seconds) not in (1, 2) or min(self.seconds) <= 0
-                                         or self.seconds[0] > self.seconds[-1]):
-            raise InvalidInputError(f"fixed output seconds must be one positive value or lo <= hi, got {self.seconds}")
-
-    def draws(self, count: int) -> list[float | None]:
-        """Per utterance: the seconds to generate, None where they are to be estimated from the text."""
-        if self.seconds is None:
-            return [None] * count
-        rng = random.Random(self.seed)
-        return [self.seconds[0] if len(self.seconds) == 1 else rng.uniform(*self.seconds) for _ in range(count)]
-
-    def limits(self, seconds: float) -> TokenLimits:
-        tokens = min(max(1, round(self.tokens_per_second * seconds)), MAX_SPEECH_TOKENS)
-        return TokenLimits(max_tokens=tokens, min_tokens=tokens)
 
 
 def spoken_characters(text: str) -> int:
@@ -189,7 +159,9 @@ class OfflineTTS:
         fixed = self.config.fixed_length
         if fixed is None:
             return TokenLimits()
-        return fixed.limits(seconds if seconds is not None else estimate_seconds(voice, item.target_text))
+        tokens = fixed.tokens(seconds if seconds is not None else estimate_seconds(voice, item.target_text))
+        tokens = min(tokens, MAX_SPEECH_TOKENS)
+        return TokenLimits(max_tokens=tokens, min_tokens=tokens)
 
     def speech_tokens(self, requests: Sequence[tuple[list[int], TokenLimits]]) -> list[list[int]]:
         """Generate all requests with every one in flight at once."""

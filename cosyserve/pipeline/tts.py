@@ -10,8 +10,8 @@ Streaming: everything happens on the calling thread, which reads the LLM's piece
 and synthesises a chunk as soon as :class:`~cosyserve.pipeline.schedule.ChunkScheduler` allows
 (as the reference BLS does). Generation and synthesis still overlap: every back end buffers
 tokens on its own side (the engine's thread, the ``llm`` Triton model), so the LLM goes on while
-a chunk is voiced. One thread matters inside Triton: the BLS then touches the stub's
-``pb_utils`` from its request thread only. Ready chunks are emitted after each piece, so the
+a chunk is voiced. Inside Triton this keeps every ``pb_utils`` call of a BLS stub on its
+request thread. Ready chunks are emitted after each piece, so the
 chunk sequence for ``n`` tokens is exactly :func:`~cosyserve.pipeline.schedule.plan_chunks`
 ``(n)`` with the exponential strategy, however fast the LLM is. Whenever a request ends early
 (cancelled, error), the LLM request is cancelled (which also releases what it holds) and the
@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
+from ..clip_cache import ClipCache
 from ..errors import InvalidInputError, RequestCancelledError
 from ..frontend.prompt import PromptFeatures, build_prompt_features
 from ..llm.prompt import MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, build_prompt_ids
@@ -34,6 +35,7 @@ from .schedule import ChunkScheduler
 MAX_TEXT_CHARS = 1000
 DEFAULT_MAX_TOKENS = 750  # the reference BLS's request_output_len
 DEFAULT_SPEAKER = "001"  # the cached speaker used when a request names no voice
+DEFAULT_FEATURE_CACHE_SIZE = 256  # reference clips whose prompt features are kept (VoiceResolver)
 
 
 @dataclass(frozen=True)
@@ -118,15 +120,22 @@ class VoiceResolver:
 
     ``tokenizer``/``speaker_encoder`` only need ``tokenize(wav16)`` / ``embed(wav16)``, so the
     ONNX wrappers (in-process) and BLS calls to the Triton front-end models both fit.
+
+    Voice agents send the same reference clip with every request: the prompt features of the
+    last ``feature_cache_size`` distinct clips are kept, keyed by a hash of the validated
+    16 kHz samples (the features depend on nothing else), so a repeated clip skips the speech
+    tokenizer and the speaker encoder. 0 disables the cache.
     """
 
     def __init__(self, registry: Any, tokenizer: Any, speaker_encoder: Any, *,
-                 default_speaker: str = DEFAULT_SPEAKER, max_text_chars: int = MAX_TEXT_CHARS):
+                 default_speaker: str = DEFAULT_SPEAKER, max_text_chars: int = MAX_TEXT_CHARS,
+                 feature_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE):
         self.registry = registry
         self.tokenizer = tokenizer
         self.speaker_encoder = speaker_encoder
         self.default_speaker = default_speaker
         self.max_text_chars = max_text_chars
+        self._features: ClipCache[PromptFeatures] = ClipCache(feature_cache_size)
         registry.get(default_speaker)  # a missing default speaker is a start-up error
 
     def resolve(self, reference_wav16: Any = None, reference_text: str | None = None,
@@ -139,11 +148,20 @@ class VoiceResolver:
                     "reference_wav needs reference_text, the transcript of the reference audio")
             validate_text(reference_text, "reference_text", self.max_text_chars)
             audio = prompt_audio_from_array(reference_wav16, TOKENIZER_SAMPLE_RATE)
-            return Voice(reference_text, build_prompt_features(audio, self.tokenizer, self.speaker_encoder))
+            return Voice(reference_text, self._prompt_features(audio))
         if reference_text:
             raise InvalidInputError("reference_text was given without reference_wav; send both or neither")
         speaker = self.registry.get(speaker_id or self.default_speaker)
         return Voice(speaker.prompt_text, speaker.features, speaker.speaker_id)
+
+
+    @property
+    def cached_clips(self) -> int:
+        return len(self._features)
+
+    def _prompt_features(self, audio) -> PromptFeatures:
+        return self._features.get_or_compute(
+            audio.wav16, lambda: build_prompt_features(audio, self.tokenizer, self.speaker_encoder))
 
 
 def never_cancelled() -> bool:

@@ -9,13 +9,26 @@ Output: ``waveform`` FP32.
 ``decoupled`` true streams chunks (ChunkScheduler, template parameter ``streaming_strategy``),
 then a final flag; false answers once. The orchestration is :class:`~cosyserve.pipeline.tts.TTSPipeline`;
 this module only supplies its back ends as BLS requests to the ``audio_tokenizer``,
-``speaker_embedding``, LLM (``llm_model_name``: ``llm`` or ``tensorrt_llm``) and ``token2wav``
-models.
+``speaker_embedding``, LLM and ``token2wav`` models.
+
+Speech tokens come from one of:
+
+* a Triton LLM model with TensorRT-LLM's tensor interface, named by parameter ``llm_model_name``
+  (``llm``, this package's; ``tensorrt_llm``, NVIDIA's). Parameter ``llm_protocol`` says what its
+  requests carry (:class:`~cosyserve.trtllm.request.TritonLLMInputs`): ``tensorrt_llm`` adds the
+  head bias as ``embedding_bias``, the stop words and ``seed``, which a TensorRT-LLM engine needs;
+  ``cosyserve`` leaves them out; empty = ``tensorrt_llm`` for the model of that name, else
+  ``cosyserve``. The ``llm`` model accepts both, so the BLS runs unchanged against either name.
+* an OpenAI-compatible completions server, when parameter ``llm_url`` (``http://HOST:PORT/v1``)
+  is set (no Triton LLM model then), through :mod:`cosyserve.llm.openai_backend` as the DiT BLS
+  does (:func:`openai_speech_tokens`); a cancelled request closes its connection, which stops
+  the generation on the server.
 """
 
 from __future__ import annotations
 
 import uuid
+from contextlib import closing
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -24,10 +37,12 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..frontend.speakers import SpeakerRegistry
-from ..llm.prompt import EOS_IDS, NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
-from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO
+from ..llm.backends import create_backend
+from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
+from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, register_voice_prefixes
 from ..pipeline.tts import (DEFAULT_MAX_TOKENS, DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice,
                             VoiceResolver, validate_text)
+from ..trtllm.request import TritonLLMInputs, resolve_protocol
 from .triton_utils import (FINAL, FinishedResponseIterators, error_response, model_parameters, optional_input,
                            optional_scalar, optional_text, raise_response_error, reference_wav, required_parameter,
                            tensor)
@@ -64,36 +79,35 @@ class RemoteSpeakerEncoder:
         return torch.from_numpy(embedding.astype(np.float32))
 
 
+def openai_speech_tokens(params: dict[str, str], tokenizer_dir: str, tokenizer, registry: SpeakerRegistry
+                         ) -> LocalSpeechTokens:
+    """Speech tokens from the OpenAI-compatible server at parameter ``llm_url`` (model id: parameter
+    ``llm_model``, empty = the first the server lists), with the registered voices' prefixes warmed
+    there. Its ``backend`` reads each stream on a thread of its own; close it when unloading."""
+    backend = create_backend("openai", tokenizer_dir, base_url=required_parameter(params, "llm_url"),
+                             model=params.get("llm_model") or None)
+    register_voice_prefixes(backend, tokenizer, registry)
+    return LocalSpeechTokens(backend, REFERENCE_SAMPLING)
+
+
 class TritonSpeechTokens:
     """:class:`~cosyserve.pipeline.tts.SpeechTokenSource` over a TensorRT-LLM-style model (always decoupled).
 
-    Every response iterator is read to its final response (the stub frees an abandoned one
-    never) and then kept in ``finished`` until the stub lets go of it (see
-    :class:`~cosyserve.serving.triton_utils.FinishedResponseIterators`): call
-    :meth:`release_finished` while the request being served is still open. Not thread-safe:
-    one per stub, used from the request thread.
+    Every response iterator is read to its final response (the stub never frees an abandoned
+    one) and then kept in ``finished`` until the stub lets go of it: call ``finished.release``
+    while the request being served is still open (see
+    :class:`~cosyserve.serving.triton_utils.FinishedResponseIterators`). Not thread-safe: one per
+    stub, used from the request thread.
     """
 
-    def __init__(self, model_name: str, streaming: bool):
+    def __init__(self, model_name: str, inputs: TritonLLMInputs):
         self.model_name = model_name
-        self.streaming = streaming
+        self.inputs = inputs
         self.finished = FinishedResponseIterators()
         self._unfinished: dict[str, object] = {}  # request id -> its response iterator, until read to the end
-        s = REFERENCE_SAMPLING
-        self.sampling = {
-            "end_id": np.array([[EOS_IDS[0]]], np.int32), "pad_id": np.array([[EOS_IDS[0]]], np.int32),
-            "runtime_top_p": np.array([[s.top_p]], np.float32), "runtime_top_k": np.array([[s.top_k]], np.int32),
-            "temperature": np.array([[s.temperature]], np.float32),
-            "repetition_penalty": np.array([[s.repetition_penalty]], np.float32),
-            "random_seed": np.array([[s.seed]], np.uint64), "streaming": np.array([[streaming]], np.bool_),
-        }
 
     def generate(self, prompt_ids: list[int], request_id: str, limits: TokenLimits) -> Iterator[Sequence[int]]:
-        ids = np.asarray(prompt_ids, np.int32)[None]
-        inputs = {"input_ids": ids, "input_lengths": np.array([[ids.shape[1]]], np.int32),
-                  "request_output_len": np.array([[limits.max_tokens]], np.int32), **self.sampling}
-        if limits.min_tokens:  # optional in TRT-LLM's interface: only sent when used
-            inputs["min_tokens"] = np.array([[limits.min_tokens]], np.int32)
+        inputs = self.inputs.generate(prompt_ids, limits.max_tokens, limits.min_tokens)
         responses = _bls(self.model_name, inputs, ["output_ids", "sequence_length"], request_id).exec(decoupled=True)
         self._unfinished[request_id] = responses
         return self._speech_tokens(request_id, responses)
@@ -116,9 +130,7 @@ class TritonSpeechTokens:
 
     def cancel(self, request_id: str) -> None:
         """Stop the request, then read what it still sends (up to its final response)."""
-        stop = {"input_ids": np.array([[EOS_IDS[0]]], np.int32), "input_lengths": np.array([[1]], np.int32),
-                "request_output_len": np.array([[1]], np.int32), "stop": np.array([[True]], np.bool_)}
-        stop_responses = _bls(self.model_name, stop, ["output_ids"], request_id).exec(decoupled=True)
+        stop_responses = _bls(self.model_name, self.inputs.stop(), ["output_ids"], request_id).exec(decoupled=True)
         for response in stop_responses:
             if response.has_error():
                 pb_utils.Logger.log_warn(f"stopping LLM request {request_id}: {response.error().message()}")
@@ -128,10 +140,6 @@ class TritonSpeechTokens:
             for _ in responses:  # the stopped request ends within a token
                 pass
             self.finished.keep(responses)
-
-    def release_finished(self, is_cancelled) -> None:
-        """Let go of the finished iterators the stub no longer holds (``is_cancelled`` of an open request)."""
-        self.finished.release(is_cancelled)
 
 
 class TritonToken2Wav:
@@ -170,13 +178,23 @@ class CosyVoice2BLS:
         from transformers import AutoTokenizer
 
         params = model_parameters(config)
+        # Dozens of instances share the host's cores; each needs little CPU (prompt mel, resampling).
+        torch.set_num_threads(int(params.get("torch_threads") or 1))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
         self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), RemoteSpeakerEncoder())
         self.limits = TokenLimits(int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
                                   int(params.get("min_tokens") or 0))
-        self.llm = TritonSpeechTokens(params.get("llm_model_name") or "llm", streaming=self.decoupled)
-        tokenizer = AutoTokenizer.from_pretrained(required_parameter(params, "llm_tokenizer_dir"))
+        tokenizer_dir = required_parameter(params, "llm_tokenizer_dir")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if params.get("llm_url"):
+            self.llm = openai_speech_tokens(params, tokenizer_dir, tokenizer, registry)
+        else:
+            model_name = params.get("llm_model_name") or "llm"
+            protocol = resolve_protocol(params.get("llm_protocol"), model_name)
+            # the tensorrt_llm protocol's embedding_bias is the head bias of this (HuggingFace) directory
+            self.llm = TritonSpeechTokens(model_name, TritonLLMInputs(protocol, REFERENCE_SAMPLING, self.decoupled,
+                                                                      tokenizer_dir))
         self.pipeline = TTSPipeline(tokenizer, self.llm, TritonToken2Wav(),
                                     strategy=params.get("streaming_strategy") or "exponential")
 
@@ -200,11 +218,13 @@ class CosyVoice2BLS:
         sender = request.get_response_sender()
         last = None  # the final response: nothing more, or the error
         try:
-            for chunk in self.pipeline.stream(self._parse(request), sender.is_cancelled):
-                sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", chunk)]))
+            # closed here, on an error too: its clean-up makes BLS calls, which only work inside execute
+            with closing(self.pipeline.stream(self._parse(request), sender.is_cancelled)) as chunks:
+                for chunk in chunks:
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", chunk)]))
         except Exception as exc:
             last = error_response(exc)
-        self.llm.release_finished(sender.is_cancelled)  # before the final flag closes the sender
+        self._release_finished(sender.is_cancelled)  # before the final flag closes the sender
         sender.send(last, flags=FINAL)
 
     def _offline(self, request):
@@ -213,8 +233,14 @@ class CosyVoice2BLS:
             response = pb_utils.InferenceResponse(output_tensors=[tensor("waveform", waveform)])
         except Exception as exc:
             response = error_response(exc)
-        self.llm.release_finished(request.is_cancelled)
+        self._release_finished(request.is_cancelled)
         return response
 
+    def _release_finished(self, is_cancelled) -> None:
+        if isinstance(self.llm, TritonSpeechTokens):
+            self.llm.finished.release(is_cancelled)
+
     def close(self) -> None:
-        """Nothing to release: requests finish inside execute."""
+        """Requests finish inside execute; only an OpenAI backend has threads (idle ones) to stop."""
+        if isinstance(self.llm, LocalSpeechTokens):
+            self.llm.backend.close()

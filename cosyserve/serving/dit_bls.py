@@ -22,18 +22,19 @@ streams one response per chunk then a final flag; false answers once (offline to
 from __future__ import annotations
 
 import uuid
+from contextlib import closing
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from ..frontend.speakers import SpeakerRegistry
-from ..llm.backends import create_backend
 from ..llm.prompt import SPEECH_TOKEN_OFFSET
-from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, register_voice_prefixes
+from ..pipeline.local import SPK2INFO
 from ..pipeline.tts import DEFAULT_MAX_TOKENS, TokenLimits, VoiceResolver, validate_text
-from .bls import RemoteSpeechTokenizer
+from .bls import RemoteSpeechTokenizer, openai_speech_tokens
 from .dit_pipeline import DitTTSPipeline, DitTTSRequest, SkipSpeakerEmbedding, dit_request
 from .dit_runtime import SpeakerRef
 from .triton_utils import (FINAL, error_response, model_parameters, optional_input, optional_scalar, optional_text,
@@ -82,6 +83,7 @@ class CosyVoice2DitBLS:
         from transformers import AutoTokenizer
 
         params = model_parameters(config)
+        torch.set_num_threads(int(params.get("torch_threads") or 1))  # as the cosyvoice2 BLS: many light instances
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
         self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), SkipSpeakerEmbedding())
@@ -89,11 +91,9 @@ class CosyVoice2DitBLS:
                                   int(params.get("min_tokens") or 0))
         tokenizer_dir = required_parameter(params, "llm_tokenizer_dir")
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.llm_backend = create_backend("openai", tokenizer_dir, base_url=required_parameter(params, "llm_url"),
-                                          model=params.get("llm_model") or None)
-        register_voice_prefixes(self.llm_backend, tokenizer, registry)
-        self.pipeline = DitTTSPipeline(tokenizer, LocalSpeechTokens(self.llm_backend, REFERENCE_SAMPLING),
-                                       TritonDitToken2Wav(), strategy=params.get("streaming_strategy") or "exponential")
+        self.llm = openai_speech_tokens(params, tokenizer_dir, tokenizer, registry)
+        self.pipeline = DitTTSPipeline(tokenizer, self.llm, TritonDitToken2Wav(),
+                                       strategy=params.get("streaming_strategy") or "exponential")
 
     def execute(self, requests):
         if self.decoupled:
@@ -115,8 +115,10 @@ class CosyVoice2DitBLS:
     def _stream(self, request) -> None:
         sender = request.get_response_sender()
         try:
-            for chunk in self.pipeline.stream(self._parse(request), sender.is_cancelled):
-                sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", chunk)]))
+            # closed here, on an error too: its clean-up calls token2wav_dit, which only works inside execute
+            with closing(self.pipeline.stream(self._parse(request), sender.is_cancelled)) as chunks:
+                for chunk in chunks:
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", chunk)]))
             sender.send(flags=FINAL)
         except Exception as exc:
             sender.send(error_response(exc), flags=FINAL)
@@ -129,4 +131,4 @@ class CosyVoice2DitBLS:
             return error_response(exc)
 
     def close(self) -> None:
-        self.llm_backend.close()
+        self.llm.backend.close()

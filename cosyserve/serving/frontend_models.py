@@ -5,7 +5,9 @@
 * ``speaker_embedding``: ``reference_wav`` FP32 [-1] (+ optional length) ->
   ``prompt_spk_embedding`` FP16 [-1] (192 values, the raw CAM++ x-vector).
 
-Audio is validated like any prompt (finite, not silent, 0.5-30 s).
+Audio is validated like any prompt (finite, not silent, 0.5-30 s). Each model keeps its
+results for the last ``clip_cache_size`` distinct clips (parameter, default 256): every BLS
+instance asks these shared models, so a voice reused across requests is computed once.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from ..audio.io import TOKENIZER_SAMPLE_RATE, validate_waveform
+from ..clip_cache import ClipCache
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..llm.prompt import SPEECH_TOKEN_OFFSET
 from ..pipeline.local import resolve_device
+from ..pipeline.tts import DEFAULT_FEATURE_CACHE_SIZE as DEFAULT_CLIP_CACHE_SIZE
 from .triton_utils import model_parameters, reference_wav, required_parameter, respond_each, tensor
 
 
@@ -29,6 +33,7 @@ class _FrontendModel:
         device = resolve_device(params.get("device") or "auto")
         providers = None if device.type == "cuda" else ["CPUExecutionProvider"]
         self.onnx_model = wrapper(Path(required_parameter(params, "model_dir")) / onnx_file, providers)
+        self.cache: ClipCache[np.ndarray] = ClipCache(int(params.get("clip_cache_size") or DEFAULT_CLIP_CACHE_SIZE))
 
     def execute(self, requests) -> list:
         return respond_each(requests, self._run)
@@ -46,7 +51,9 @@ class AudioTokenizerModel(_FrontendModel):
         super().__init__(config, "speech_tokenizer_v2.onnx", SpeechTokenizer)
 
     def _run(self, request) -> list:
-        tokens = self.onnx_model.tokenize(_prompt_wav(request)).numpy().astype(np.int32) + SPEECH_TOKEN_OFFSET
+        wav = _prompt_wav(request)
+        tokens = self.cache.get_or_compute(
+            wav, lambda: self.onnx_model.tokenize(wav).numpy().astype(np.int32) + SPEECH_TOKEN_OFFSET)
         return [tensor("prompt_speech_tokens", tokens)]
 
 
@@ -55,5 +62,6 @@ class SpeakerEmbeddingModel(_FrontendModel):
         super().__init__(config, "campplus.onnx", SpeakerEncoder)
 
     def _run(self, request) -> list:
-        embedding = self.onnx_model.embed(_prompt_wav(request)).numpy().astype(np.float16)
+        wav = _prompt_wav(request)
+        embedding = self.cache.get_or_compute(wav, lambda: self.onnx_model.embed(wav).numpy().astype(np.float16))
         return [tensor("prompt_spk_embedding", embedding)]

@@ -1,9 +1,11 @@
 """The ``llm`` Triton model: this package's LLM engine behind TensorRT-LLM's tensor interface.
 
 Same inputs and outputs as the ``tensorrt_llm`` model of NVIDIA's runtime, so the BLS can talk to
-either (template parameter ``llm_model_name``). Decoupled, one instance: ``execute`` only hands
-each request to the engine (which batches all in-flight requests continuously) and returns; a
-thread per request streams the engine's tokens back through the response sender.
+either (template parameters ``llm_model_name``, ``llm_protocol``). Decoupled, one instance:
+``execute`` only hands each request to the engine (which batches all in-flight requests
+continuously) and returns; a thread per request streams the engine's tokens back through the
+response sender (one per request, not one for all: a send that never returns, see below, holds
+up its own request only).
 
 * ``streaming`` true: one response per generated token (``output_ids`` [1, 1, n_new],
   ``sequence_length`` [1, 1] = n_new), then an empty final response; false: one final response
@@ -16,13 +18,20 @@ thread per request streams the engine's tokens back through the response sender.
   (Triton 24.10 then blocks that send for ever), so a watchdog thread stops the request.
 * Only the requested outputs are built: Triton 24.10's stub drops the others without the GIL.
 * Sampling: ``temperature``, ``runtime_top_k``, ``runtime_top_p``, ``repetition_penalty``,
-  ``random_seed``, ``min_tokens``, ``request_output_len``; absent ones take TRT-LLM's defaults.
+  ``seed`` or ``random_seed`` (its older name; equal when both are sent), ``min_tokens``,
+  ``request_output_len``; absent ones take TRT-LLM's defaults.
+* What a TensorRT-LLM engine needs and this one has built in is accepted and checked (see
+  :mod:`cosyserve.trtllm.request`): ``embedding_bias`` ``[1, vocab]`` must be the head bias of
+  ``llm_dir`` (which the engine applies anyway) or zeros; ``stop_words_list`` with ``end_id``
+  must be the three end-of-speech ids, at which the engine always stops.
 
 Parameters: ``llm_dir`` (HuggingFace-format LLM), ``device`` (auto|cpu|cuda), optional
 ``model_dir`` (its spk2info.pt voices get their ``<|sos|>{prompt_text}`` prefix cached at start-up),
 ``llm_backend`` (``torch``, default, or ``hf``) and ``send_timeout_s``.
-Metrics: ``cosyserve_llm_active_requests`` (requests being streamed) and
-``cosyserve_llm_generated_tokens_total``.
+Metrics: ``cosyserve_llm_active_requests`` (requests being streamed),
+``cosyserve_llm_generated_tokens_total`` and ``cosyserve_llm_tensorrt_llm_requests_total``
+(requests that came in TensorRT-LLM's full form: ``embedding_bias``, ``stop_words_list`` and
+``seed``, all accepted).
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,28 +52,33 @@ from ..llm.prompt import EOS_IDS, SPEECH_TOKEN_OFFSET
 from ..llm.sampling import SamplingParams
 from ..llm.stream import TokenStream
 from ..pipeline.local import SPK2INFO, register_voice_prefixes, resolve_device
-from .triton_utils import (FINAL, Metric, error_response, model_parameters, optional_scalar,
+from ..trtllm.request import check_embedding_bias, check_stop_words, embedding_bias, request_seed
+from .triton_utils import (FINAL, Metric, error_response, model_parameters, optional_input, optional_scalar,
                            required_input, required_parameter, tensor)
 
 DEFAULT_OUTPUT_LEN = 750
 # A send only waits for the server to hand the response on (to a gRPC stream, or to the calling
 # BLS stub, which takes it at once); this long means that caller is gone.
 DEFAULT_SEND_TIMEOUT_S = 10.0
+CLOSE_JOIN_S = 5.0  # how long unloading waits for each request's thread to send its last response
 
 
 @dataclass(eq=False)
 class _Generation:
-    """A request being streamed back, by its own thread; ``sending_since`` is set while a send waits."""
+    """A request being streamed back by ``thread``; ``sending_since`` is set while a send waits."""
 
     stream: TokenStream
     sender: Any
     outputs: frozenset[str]
+    thread: threading.Thread = field(init=False)
     sending_since: float | None = None
 
     def send(self, response=None, flags: int = 0) -> None:
         self.sending_since = time.monotonic()
-        self.sender.send(response, flags=flags)
-        self.sending_since = None
+        try:
+            self.sender.send(response, flags=flags)
+        finally:
+            self.sending_since = None
 
 
 class LLMModel:
@@ -73,6 +87,7 @@ class LLMModel:
         llm_dir = Path(required_parameter(params, "llm_dir"))
         device = resolve_device(params.get("device") or "auto")
         self.backend = create_backend(params.get("llm_backend") or "torch", llm_dir, device)
+        self.head_bias = embedding_bias(llm_dir).numpy()  # what a TensorRT-LLM caller's embedding_bias must be
         if params.get("model_dir"):  # registered voices: precompute their prompt prefixes
             from transformers import AutoTokenizer
 
@@ -83,11 +98,15 @@ class LLMModel:
         self.active = Metric("cosyserve_llm_active_requests", "LLM requests being generated", config["name"])
         self.generated = Metric("cosyserve_llm_generated_tokens_total", "speech tokens generated",
                                 config["name"], kind="counter")
+        self.trtllm_requests = Metric("cosyserve_llm_tensorrt_llm_requests_total",
+                                      "requests with embedding_bias, stop_words_list and seed (all accepted)",
+                                      config["name"], kind="counter")
         self.send_timeout_s = float(params.get("send_timeout_s") or DEFAULT_SEND_TIMEOUT_S)
         self._generations: set[_Generation] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        threading.Thread(target=self._watch_sends, name="llm-send-watchdog", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch_sends, name="llm-send-watchdog", daemon=True)
+        self._watchdog.start()
 
     def execute(self, requests) -> None:
         for request in requests:
@@ -102,10 +121,11 @@ class LLMModel:
                 _send_error(sender.send, exc)
                 continue
             generation = _Generation(stream, sender, frozenset(request.requested_output_names()))
+            generation.thread = threading.Thread(target=self._serve, args=(generation, streaming), daemon=True)
             with self._lock:
                 self._generations.add(generation)
             self.active.increment(1)
-            threading.Thread(target=self._serve, args=(generation, streaming), daemon=True).start()
+            generation.thread.start()
         return None
 
     def _submit(self, request):
@@ -118,19 +138,32 @@ class LLMModel:
         end_id = optional_scalar(request, "end_id")
         if end_id is not None and end_id not in EOS_IDS:
             raise InvalidInputError(f"end_id {end_id} is not an end-of-speech id of this model {EOS_IDS}")
+        trtllm_form = self._check_trtllm_inputs(request, end_id)
         params = SamplingParams(
             temperature=_number(request, "temperature", 1.0),
             top_k=int(_number(request, "runtime_top_k", 0)),
             top_p=_number(request, "runtime_top_p", 1.0) or 1.0,  # TRT-LLM: top_p 0 means off
             repetition_penalty=_number(request, "repetition_penalty", 1.0),
-            seed=_optional_int(request, "random_seed"),
+            seed=request_seed(_optional_int(request, "seed"), _optional_int(request, "random_seed")),
             ras=False,  # TRT-LLM samples without repetition-aware resampling
             min_tokens=int(_number(request, "min_tokens", 0)),
             max_tokens=int(_number(request, "request_output_len", DEFAULT_OUTPUT_LEN)),
         )
         request_id = request.request_id() or uuid.uuid4().hex
         stream = self.backend.generate_stream([int(i) for i in ids], params, request_id)
+        if trtllm_form:
+            self.trtllm_requests.increment(1)
         return stream, bool(optional_scalar(request, "streaming"))
+
+    def _check_trtllm_inputs(self, request, end_id: int | None) -> bool:
+        """Check what only a TensorRT-LLM engine needs; True when the request sent all of it."""
+        stop_words = optional_input(request, "stop_words_list")
+        if stop_words is not None:
+            check_stop_words(stop_words, end_id)
+        bias = optional_input(request, "embedding_bias")
+        if bias is not None:
+            check_embedding_bias(bias, self.head_bias)
+        return stop_words is not None and bias is not None and optional_input(request, "seed") is not None
 
     def _serve(self, generation: _Generation, streaming: bool) -> None:
         stream, outputs = generation.stream, generation.outputs
@@ -172,8 +205,14 @@ class LLMModel:
         self.active.increment(-1)
 
     def close(self) -> None:
+        # Threads still running when the stub tears down crash it: end them first.
         self._closed.set()
-        self.backend.close()
+        self._watchdog.join()
+        with self._lock:
+            generations = list(self._generations)
+        self.backend.close()  # ends every stream
+        for generation in generations:
+            generation.thread.join(timeout=CLOSE_JOIN_S)
 
 
 def _until_stopped(stream):

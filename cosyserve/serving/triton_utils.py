@@ -101,6 +101,17 @@ def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(error=error)
 
 
+def parse_flag(value: str, auto: bool) -> bool:
+    """A boolean model parameter: true/false (any case, also 1/0, yes/no), or "auto" for ``auto``."""
+    flags = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    text = value.strip().lower()
+    if text == "auto":
+        return auto
+    if text not in flags:
+        raise InvalidInputError(f"expected true, false or auto, got {value!r}")
+    return flags[text]
+
+
 def respond_each(requests, run) -> list:
     """Non-decoupled execute: ``run(request) -> output tensors`` per request; errors stay per request."""
     responses = []
@@ -146,10 +157,10 @@ class FinishedResponseIterators:
     queued cleanup). If that is the last reference, the iterator and the numpy arrays of every
     response it buffered are freed on that thread while Python runs on another: the heap gets
     corrupted and the stub dies ("Stub process ... is not healthy"); load widens the window.
-    (The Python backend of 24.12 frees those arrays under the GIL.) Until then Python keeps
-    its reference until the stub is known to have dropped its own: the utils thread works
-    through its queue in order and also answers ``is_cancelled()``, so an ``is_cancelled()`` that
-    asked the server (returned False; True is cached) proves every earlier cleanup done.
+    (The Python backend of 24.12 frees those arrays under the GIL.) So Python keeps its
+    reference until the stub is known to have dropped its own: the utils thread works through
+    its queue in order and also answers ``is_cancelled()``, so an ``is_cancelled()`` that asked
+    the server (returned False; True is cached) proves every earlier cleanup done.
 
     One per stub thread that makes BLS calls (this project's BLS models use only the request
     thread).

@@ -15,10 +15,14 @@ Two installations are supported:
   interpreter's ``libpython`` directory (otherwise the stub may pick up a system libpython
   of another patch release).
 
-In both cases the stub runs the Python found first on ``PATH``: putting the running
+In both cases the stub embeds the Python found first on ``PATH``: putting the running
 interpreter's ``bin`` directory first makes Triton's Python models see this virtualenv's
-packages, and the root of this ``cosyserve`` checkout goes on ``PYTHONPATH`` so that model
-code imports the same package as the launcher.
+packages. The stub's interpreter is isolated (it ignores ``PYTHONPATH`` and the user site),
+so ``cosyserve`` and everything the models import must be installed in that environment
+(``pip install -e .`` does it; a ``.pth`` file in its site-packages works too). The bundled
+stubs (Triton 24.10) read numpy 2 arrays wrongly and die at the first request carrying a
+string tensor ("Stub process ... is not healthy"), hence nvidia-pytriton's ``numpy<2``
+requirement, which the launcher checks instead of letting the first request fail.
 
 Command line (``run.sh`` stage 3)::
 
@@ -53,7 +57,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import cosyserve
 
 LOG_TAIL_LINES = 40
 READY_POLL_S = 0.5
@@ -106,12 +109,33 @@ def bundled_installation() -> TritonInstallation:
     # Wheel installs keep the bundled shared libraries next to the package; editable ones inside it.
     wheel_libs = package_dir.parent / "nvidia_pytriton.libs"
     libs = wheel_libs if wheel_libs.is_dir() else dist / "external_libs"
+    _check_numpy_for_bundled_stub()
     return TritonInstallation(
         binary=binary,
         backend_directory=_python_backend_directory(dist),
         cache_directory=dist / "caches",
         library_dirs=(libs, *_libpython_dirs()),
     )
+
+
+def _check_numpy_for_bundled_stub() -> None:
+    """Fail fast where the bundled stub would crash at the first request (see the module docstring)."""
+    spec = importlib.util.find_spec("numpy")
+    if spec is None:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        numpy_version = version("numpy")
+    except PackageNotFoundError:
+        return
+    if int(numpy_version.split(".")[0]) >= 2:
+        raise TritonServerError(
+            f"numpy {numpy_version} is installed for {sys.executable}, but the Python backend bundled with "
+            "nvidia-pytriton (Triton 24.10) needs numpy<2: its stub misreads numpy 2 arrays and dies at the "
+            "first request. Install numpy<2 in this environment (pip install 'numpy<2'), or use NVIDIA's "
+            "Triton container"
+        )
 
 
 def _libpython_dirs() -> tuple[Path, ...]:
@@ -165,7 +189,6 @@ def server_environment(install: TritonInstallation, base: Mapping[str, str] | No
         env[name] = os.pathsep.join(dict.fromkeys(parts))  # drop duplicates, keep order
 
     prepend("PATH", Path(sys.executable).parent)
-    prepend("PYTHONPATH", Path(cosyserve.__file__).resolve().parents[1])
     if install.library_dirs:
         prepend("LD_LIBRARY_PATH", *install.library_dirs)
     return env

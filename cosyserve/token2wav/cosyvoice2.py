@@ -54,7 +54,7 @@ class Token2WavOptions:
     hift_graphs: bool = True
     incremental_stream: bool = False
     bucket_frames: int = 50
-    max_graphs: int = 64
+    max_graphs: int = 256
     tensorrt_plan: str | Path | None = None
     tensorrt_streaming_plan: str | Path | None = None
 

@@ -1,0 +1,245 @@
+"""scripts/bench_triton.py: the synthetic manifest, arguments, repository reading, Triton compute
+shares and target checks without a server; then the whole driver on a real CPU server (tiny bundle)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from cosyserve import clients
+from cosyserve.audio.io import MAX_PROMPT_SECONDS, MIN_PROMPT_SECONDS
+from cosyserve.lengths import FixedLength
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest_triton import free_ports  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_driver():
+    spec = importlib.util.spec_from_file_location("bench_triton", REPO_ROOT / "scripts" / "bench_triton.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_driver()
+
+
+# --- without a server -------------------------------------------------------------------------
+
+
+def test_synthetic_manifest_is_a_valid_seeded_benchmark_set(tmp_path):
+    manifest = bench.write_synthetic_manifest(tmp_path / "a", count=26, seed=0)
+    items = clients.load_manifest(manifest)
+    assert len(items) == 26 and len({i.reference_audio for i in items}) == 26
+    for item in items:
+        info = sf.info(item.reference_audio)
+        assert info.samplerate == 16000 and info.channels == 1
+        assert 3.0 <= info.duration <= 8.0
+        assert MIN_PROMPT_SECONDS <= info.duration <= MAX_PROMPT_SECONDS
+        wav = clients.load_reference_audio(item.reference_audio)  # the server's checks: rate, length, not silent
+        assert wav.size == info.frames
+        # about 4.5 characters a second of prompt; targets of 18-45 characters (+ punctuation)
+        prompt_chars = sum(ch in bench.CHARACTERS for ch in item.reference_text)
+        assert abs(prompt_chars - 4.5 * info.duration) <= 1
+        target_chars = sum(ch in bench.CHARACTERS for ch in item.target_text)
+        assert 18 <= target_chars <= 45 and item.target_text.endswith("。")
+    durations = [sf.info(i.reference_audio).duration for i in items]
+    assert max(durations) - min(durations) > 2.0  # drawn, not constant
+    again = bench.write_synthetic_manifest(tmp_path / "b", count=26, seed=0)
+    assert again.read_text(encoding="utf-8") == manifest.read_text(encoding="utf-8")
+    np.testing.assert_array_equal(sf.read(tmp_path / "a" / "wavs" / "prompt_005.wav")[0],
+                                  sf.read(tmp_path / "b" / "wavs" / "prompt_005.wav")[0])
+    other = bench.write_synthetic_manifest(tmp_path / "c", count=26, seed=1)
+    assert other.read_text(encoding="utf-8") != manifest.read_text(encoding="utf-8")
+
+
+def test_variant_and_offline_run_parsing():
+    assert bench.parse_variant("ours") == bench.Variant("ours", {}, False)
+    variant = bench.parse_variant("mps16:BLS_INSTANCE_NUM=16,TOKEN2WAV_CUDA_GRAPHS=false,MPS=1")
+    assert variant == bench.Variant("mps16", {"BLS_INSTANCE_NUM": "16", "TOKEN2WAV_CUDA_GRAPHS": "false"}, True)
+    for bad in ("a b:X=1", "v:X", "v:1X=2", "v:MPS=yes", ":X=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_variant(bad)
+    run = bench.parse_offline_run("torch:--backend torch --batch-size 16 --cuda-graphs")
+    assert run == bench.OfflineRun("torch", ["--backend", "torch", "--batch-size", "16", "--cuda-graphs"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--variant", "a", "--variant", "a"], "variant names must be unique"),
+    (["--concurrency", "0"], "must be >= 1"),
+    (["--fixed-output-seconds", "5", "4"], "lo <= hi"),
+    (["--variant", "m:MPS=1"], "nvidia-cuda-mps-control is not on PATH"),
+])
+def test_argument_errors(extra, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--models-dir", str(_models_dir(tmp_path)), "--out-dir", str(tmp_path), "--no-plot", *extra])
+    assert message in capsys.readouterr().err
+
+
+def _models_dir(tmp_path: Path) -> Path:
+    for part in ("CosyVoice2-0.5B", "cosyvoice2_llm"):
+        (tmp_path / "models" / part).mkdir(parents=True, exist_ok=True)
+    return tmp_path / "models"
+
+
+def test_models_dir_is_checked(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--models-dir", str(tmp_path), "--out-dir", str(tmp_path), "--no-plot"])
+    assert "must hold CosyVoice2-0.5B/ and cosyvoice2_llm/" in capsys.readouterr().err
+
+
+def test_missing_matplotlib_fails_before_benchmarking(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not importable
+    models = str(_models_dir(tmp_path))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--models-dir", models, "--out-dir", str(tmp_path)])
+    assert "bench.png needs matplotlib" in capsys.readouterr().err
+    assert bench.parse_args(["--models-dir", models, "--out-dir", str(tmp_path), "--no-plot"]).no_plot
+
+
+def test_requests_per_level_default():
+    args = argparse.Namespace(requests_per_level=None)
+    assert [bench.requests_per_level(args, c) for c in (1, 16, 32, 64)] == [26, 32, 64, 128]
+    assert bench.requests_per_level(argparse.Namespace(requests_per_level=5), 64) == 5
+
+
+def _config(repo: Path, name: str, decoupled: str, count: int) -> None:
+    (repo / name).mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(
+        f'name: "{name}"\nmodel_transaction_policy {{\n  decoupled: {decoupled}\n}}\n'
+        f"instance_group [\n  {{ count: {count}, kind: KIND_CPU }}\n]\n")
+
+
+def test_read_repository_finds_the_model_of_each_mode(tmp_path):
+    _config(tmp_path / "twin", "cosyvoice2", "True", 4)
+    _config(tmp_path / "twin", "cosyvoice2_offline", "False", 16)
+    twin = bench.read_repository(tmp_path / "twin")
+    assert twin.models == {"streaming": "cosyvoice2", "offline": "cosyvoice2_offline"}
+    assert twin.bls_instances == {"cosyvoice2": 4, "cosyvoice2_offline": 16}
+    _config(tmp_path / "offline", "cosyvoice2", "False", 2)
+    assert bench.read_repository(tmp_path / "offline").models == {"streaming": None, "offline": "cosyvoice2"}
+    with pytest.raises(bench.BenchError, match="no cosyvoice2 model"):
+        bench.read_repository(tmp_path / "empty")
+
+
+def test_compute_by_group():
+    def model(name, ns, queue_ns, executions):
+        return {"name": name, "inference_count": executions * 2, "execution_count": executions,
+                "inference_stats": {"queue": {"count": executions, "ns": queue_ns},
+                                    "compute_input": {"count": executions, "ns": ns // 4},
+                                    "compute_infer": {"count": executions, "ns": ns // 2},
+                                    "compute_output": {"count": executions, "ns": ns // 4}}}
+
+    stats = {"model_stats": [model("cosyvoice2", 8_000_000_000, 4_000_000, 4), model("llm", 1_000_000_000, 0, 4),
+                             model("token2wav", 2_000_000_000, 2_000_000, 2),
+                             model("audio_tokenizer", 500_000_000, 0, 1),
+                             model("speaker_embedding", 500_000_000, 0, 1)]}
+    groups = bench.compute_by_group(stats, wall_s=4.0)
+    assert set(groups) == {"bls", "llm", "token2wav", "frontends"}
+    assert groups["bls"]["share"] is None and groups["bls"]["busy"] == pytest.approx(2.0)
+    assert groups["bls"]["queue_avg_ms"] == pytest.approx(1.0)
+    assert groups["token2wav"]["share"] == pytest.approx(0.5) and groups["token2wav"]["compute_s"] == pytest.approx(2.0)
+    assert groups["frontends"]["models"] == ["audio_tokenizer", "speaker_embedding"]
+    assert groups["frontends"]["share"] == pytest.approx(0.25) and groups["frontends"]["executions"] == 2
+    assert groups["llm"]["inferences"] == 8
+
+
+def _row(mode, concurrency, **numbers):
+    row = {"variant": "v", "mode": mode, "concurrency": concurrency, "failed": 0, "rtf": 0.5, "req_per_s": 1.0,
+           "first_chunk_p50_ms": 50.0, "first_chunk_p95_ms": 250.0, "requests_with_underrun": 0}
+    return {**row, **numbers}
+
+
+def test_targets():
+    levels = [_row("streaming", 1, first_chunk_p50_ms=59.0), _row("streaming", 16, req_per_s=17.0),
+              _row("streaming", 32, req_per_s=20.0, requests_with_underrun=1),
+              _row("streaming", 64, failed=1), _row("offline", 16, rtf=0.012, requests_with_underrun=None)]
+    offline_runs = [{"name": "torch", "batch_size": 16, "rtf": 0.005}, {"name": "hf", "batch_size": 16, "rtf": 0.7},
+                    {"name": "b8", "batch_size": 8, "rtf": 0.001}, {"name": "bad", "error": "boom"}]
+    results = bench.check_targets(levels, [{"name": "v"}], offline_runs)
+    verdicts = [(bench.verdict(r["passed"]), r["subject"]) for r in results]
+    assert verdicts == [("PASS", "v"), ("PASS", "v"), ("PASS", "v"), ("MISS", "v"), ("MISS", "v"),
+                        ("PASS", "torch"), ("MISS", "hf")]
+    assert results[2]["measured"] == "17.00 req/s at concurrency 16"  # 32 is faster but had an underrun
+    slow = bench.check_targets([_row("streaming", 1, first_chunk_p50_ms=61.0)], [{"name": "v"}], [])
+    assert [bench.verdict(r["passed"]) for r in slow] == ["MISS", "NOT RUN", "MISS", "NOT RUN", "NOT RUN", "NOT RUN"]
+    assert "PASS: first chunk p50 <= 60 ms at concurrency 1 [v]: p50 59.0 ms" in bench.targets_text(results)
+
+
+# --- the driver end to end on a CPU server -----------------------------------------------------
+
+SECONDS = (0.8, 1.2)  # 20-30 speech tokens per item
+PROMPTS, REQUESTS = 3, 4  # the 4th request repeats the first item
+
+
+def test_driver_end_to_end(tiny_bundle, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("pytriton")  # the bundled tritonserver
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server's model processes: 2-core machine
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")
+    http, grpc, metrics = free_ports(3)
+    out = tmp_path / "bench"
+    argv = ["--models-dir", str(tiny_bundle), "--out-dir", str(out), "--concurrency", "1", "2",
+            "--modes", "streaming", "offline", "--fixed-output-seconds", *map(str, SECONDS), "--seed", "3",
+            "--requests-per-level", str(REQUESTS), "--num-prompts", str(PROMPTS), "--variant", "ours:DEVICE=cpu",
+            "--offline-inference", "cpu:--device cpu --batch-size 2 --threads 1",
+            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+
+    tokens = [round(25 * s) for s in FixedLength(25, SECONDS, 3).draws(PROMPTS)]
+    per_level_s = sum(tokens[i % PROMPTS] for i in range(REQUESTS)) / 25  # 960 samples a token at 24 kHz
+    result = json.loads((out / "bench.json").read_text(encoding="utf-8"))
+    levels = result["levels"]
+    assert [(r["mode"], r["concurrency"], r["model"]) for r in levels] == [
+        ("streaming", 1, "cosyvoice2"), ("streaming", 2, "cosyvoice2"),
+        ("offline", 1, "cosyvoice2_offline"), ("offline", 2, "cosyvoice2_offline")]
+    for row in levels:
+        assert row["requests"] == REQUESTS and row["failed"] == 0 and not row["errors"]
+        assert row["audio_s"] == pytest.approx(per_level_s, abs=1e-9)
+        assert row["requested_audio_s"] == pytest.approx(per_level_s, abs=1e-9)
+        assert row["req_per_s"] > 0 and row["rtf"] == pytest.approx(row["wall_s"] / per_level_s)
+        # (frontends too, unless every BLS instance had the level's prompts in its feature cache already)
+        assert {"bls", "llm", "token2wav"} <= set(row["triton_compute"])
+        assert row["triton_compute"]["token2wav"]["compute_s"] > 0
+        streaming = row["mode"] == "streaming"
+        assert (row["first_chunk_p50_ms"] is not None) == streaming
+        assert (row["requests_with_underrun"] is not None) == streaming
+        report = json.loads(Path(row["report"]).read_text(encoding="utf-8"))
+        assert sorted(r["id"] for r in report["per_request"]) == ["bench_000_r0", "bench_000_r1", "bench_001_r0",
+                                                                  "bench_002_r0"]
+        by_id = {r["id"]: r["audio_s"] for r in report["per_request"]}
+        assert by_id["bench_000_r1"] == by_id["bench_000_r0"] == pytest.approx(tokens[0] / 25)
+        assert report["num_tasks"] == row["concurrency"]
+        if streaming:
+            assert all(r["first_chunk_latency_s"] < r["latency_s"] for r in report["per_request"])
+
+    assert (out / "ours" / "model_repo" / "cosyvoice2_offline" / "config.pbtxt").is_file()  # built by run.sh
+    variant = result["variants"][0]
+    assert variant["overrides"] == {"DEVICE": "cpu"} and variant["bls_instances"]["cosyvoice2"] >= 1
+    assert result["header"]["gpu"] == "cpu" and "--variant ours:DEVICE=cpu" in result["header"]["command"]
+
+    offline = result["offline_inference"][0]
+    assert offline["name"] == "cpu" and offline["batch_size"] == 2 and offline["device"] == "cpu"
+    assert offline["audio_s"] == pytest.approx(sum(tokens) / 25) and offline["rtf"] > 0
+    assert offline["total_time_s"] >= offline["llm_time_s"] + offline["token2wav_time_s"] - 1e-9
+
+    assert len(result["targets"]) == 6 and result["targets"][-1]["passed"] is None  # no batch-16 offline run
+    md = (out / "bench.md").read_text(encoding="utf-8")
+    assert "| ours | streaming | 1 | 4 | 0 |" in md and "| ours | offline | 2 | 4 | 0 |" in md
+    assert "| cpu | " in md and "token2wav (token2wav)" in md and "* GPU: cpu" in md
+    assert "## Targets" in md and "first chunk p50 <= 60 ms at concurrency 1 [ours]" in md
+    assert md in printed
+    png = (out / "bench.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
