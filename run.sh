@@ -42,6 +42,10 @@ MODEL_REPO=${MODEL_REPO:-$repo_root/outputs/model_repo_cosyvoice2}
 DECOUPLED_MODE=${DECOUPLED_MODE:-True}        # True = streaming, False = offline
 STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | time_based
 DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
+# CUDA MPS lets the LLM and token2wav processes run kernels on the GPU at once (measured 10-20 %
+# faster than time-slicing, docs/benchmarks.md). auto: on when a GPU and nvidia-cuda-mps-control are there.
+CUDA_MPS=${CUDA_MPS:-auto}                    # auto | on | off
+MPS_DIR=${MPS_DIR:-$repo_root/outputs/mps}    # the daemon's pipes and logs
 BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-4}
 OFFLINE_BLS_INSTANCE_NUM=${OFFLINE_BLS_INSTANCE_NUM:-1}  # cosyvoice2_offline, served next to a streaming cosyvoice2
 # Speech tokens per request at most: 750 (30 s of audio) as the reference; random-weight bundles
@@ -73,6 +77,43 @@ log() {
 
 die() { log "ERROR: $*"; exit 1; }
 
+case "$CUDA_MPS" in auto|on|off) ;; *) die "CUDA_MPS must be auto, on or off (got $CUDA_MPS)" ;; esac
+
+mps_wanted() {
+  case "$CUDA_MPS" in
+    on) return 0 ;;
+    off) return 1 ;;
+    *) [ "$DEVICE" != cpu ] && command -v nvidia-cuda-mps-control > /dev/null \
+         && nvidia-smi -L 2> /dev/null | grep -q '^GPU' ;;
+  esac
+}
+
+mps_env() {
+  export CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log
+}
+
+start_mps() {  # the daemon outlives this script, like the server; `run.sh stop` ends both
+  command -v nvidia-cuda-mps-control > /dev/null || { log "nvidia-cuda-mps-control is not installed"; return 1; }
+  mps_env
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if ! echo get_server_list | nvidia-cuda-mps-control > /dev/null 2>&1; then
+    nvidia-cuda-mps-control -d || { log "could not start the CUDA MPS control daemon"; return 1; }
+  fi
+  if ! echo get_server_list | nvidia-cuda-mps-control > /dev/null 2>&1; then
+    log "the CUDA MPS control daemon does not answer (logs: $CUDA_MPS_LOG_DIRECTORY)"
+    stop_mps
+    return 1
+  fi
+  log "CUDA MPS control daemon running (pipes: $CUDA_MPS_PIPE_DIRECTORY)"
+}
+
+stop_mps() {
+  mps_env
+  if [ -S "$CUDA_MPS_PIPE_DIRECTORY/control" ] && command -v nvidia-cuda-mps-control > /dev/null; then
+    echo quit | nvidia-cuda-mps-control && log "stopped the CUDA MPS control daemon"
+  fi
+}
+
 use_venv() {
   if [ -x "$VENV/bin/python" ]; then
     export PATH="$VENV/bin:$PATH"
@@ -83,6 +124,7 @@ use_venv() {
 if [ "$stage" = "stop" ]; then
   use_venv
   "$PY" -m cosyserve.serving.tritonserver stop --pid-file "$SERVER_PID_FILE"
+  stop_mps
   exit 0
 fi
 
@@ -178,6 +220,13 @@ fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
   log "Stage 3: launching Triton on ports http=$HTTP_PORT grpc=$GRPC_PORT metrics=$METRICS_PORT (log: $SERVER_LOG)"
+  if ! mps_wanted; then
+    log "Stage 3: without CUDA MPS (CUDA_MPS=$CUDA_MPS)"
+  elif ! start_mps; then
+    [ "$CUDA_MPS" = auto ] || die "CUDA_MPS=on but MPS could not be started (set CUDA_MPS=off to run without it)"
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    log "Stage 3: continuing without CUDA MPS (CUDA_MPS=auto)"
+  fi
   "$PY" -m cosyserve.serving.tritonserver start --model-repo "$MODEL_REPO" \
     --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" --metrics-port "$METRICS_PORT" \
     --log "$SERVER_LOG" --pid-file "$SERVER_PID_FILE" --timeout "$SERVER_START_TIMEOUT"

@@ -7,12 +7,16 @@ The repository is built like ``run.sh`` stage 2 (copy ``model_repo/<model>``, fi
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import queue
 import re
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -262,3 +266,49 @@ class Stream:
 def server_env() -> dict[str, str]:
     """One torch/OMP thread per model process: the CI machine has 2 cores."""
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+
+def serve_repo(repo: Path, work: Path):
+    """Generator for a module fixture: tritonserver on ``repo`` (free ports, log ``work/server.log``),
+    yielded running and stopped afterwards."""
+    from cosyserve.serving.tritonserver import start_server
+
+    http, grpc, metrics_port = free_ports(3)
+    server = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics_port,
+                          log_file=work / "server.log", timeout=300, env=server_env(), die_with_parent=True)
+    yield server
+    server.stop()
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no server outlives a killed test run
+
+
+def wait_http(url: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Poll ``url`` until it answers; fail if ``process`` exits first or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            assert process.poll() is None, f"process exited with {process.returncode}"
+            assert time.monotonic() < deadline, f"{url} not ready after {timeout_s} s"
+            time.sleep(0.3)
+
+
+def serve_openai_llm(llm_dir: Path, log: Path, max_slots: int):
+    """Generator for a module fixture: ``cosyserve.llm.openai_server`` on ``llm_dir`` (CPU),
+    yielding (base url, log file) and terminated afterwards."""
+    (port,) = free_ports(1)
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cosyserve.llm.openai_server", "--model-dir", str(llm_dir), "--host", "127.0.0.1",
+             "--port", str(port), "--device", "cpu", "--max-slots", str(max_slots)],
+            stdout=out, stderr=subprocess.STDOUT, env=server_env(), cwd=REPO_ROOT, preexec_fn=_die_with_parent)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", process)
+        yield f"http://127.0.0.1:{port}/v1", log
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

@@ -15,16 +15,13 @@ tokens, 960 samples each, in a known chunk plan.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +30,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_model_repo, crash_report,
-                             expected_chunk_samples, free_ports, grpc_input, metrics, server_env, set_parameter,
+                             expected_chunk_samples, grpc_input, metrics, serve_openai_llm, serve_repo, set_parameter,
                              token_limits, wait_until_idle)
 from cosyserve.errors import InvalidInputError
 from cosyserve.llm.prompt import EOS_IDS, SOS_ID, SPEECH_TOKEN_OFFSET, TASK_ID
@@ -181,33 +178,10 @@ def test_run_sh_stage2_openai_mode_and_protocol(tiny_bundle, tmp_path):
 
 # ----- a real server ---------------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @pytest.fixture(scope="module")
 def openai_server(llm_dir, tmp_path_factory):
     """``cosyserve.llm.openai_server`` on the tiny LLM: (base url, log file)."""
-    log = tmp_path_factory.mktemp("openai_llm") / "llm.log"
-    (port,) = free_ports(1)
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "cosyserve.llm.openai_server", "--model-dir", str(llm_dir), "--host", "127.0.0.1",
-             "--port", str(port), "--device", "cpu", "--max-slots", "4"],
-            stdout=out, stderr=subprocess.STDOUT, env=server_env(), cwd=REPO_ROOT, preexec_fn=_die_with_parent)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.3)
-        yield f"http://127.0.0.1:{port}/v1", log
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    yield from serve_openai_llm(llm_dir, tmp_path_factory.mktemp("openai_llm") / "llm.log", max_slots=4)
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +189,6 @@ def server(tiny_bundle, openai_server, tmp_path_factory):
     """``cosyvoice2`` (streaming) and ``cosyvoice2_offline`` on ``tensorrt_llm`` (our llm model), the
     first with llm_protocol set, the second by the model name; ``cosyvoice2_openai`` (streaming) on
     the OpenAI server."""
-    from cosyserve.serving.tritonserver import start_server
-
     work = tmp_path_factory.mktemp("protocols_server")
     repo = build_model_repo(tiny_bundle, work / "repo", max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS,
                             bls_instances=1)
@@ -230,11 +202,7 @@ def server(tiny_bundle, openai_server, tmp_path_factory):
     for name in ("cosyvoice2", "cosyvoice2_offline"):
         set_parameter(repo / name / "config.pbtxt", "llm_model_name", "tensorrt_llm")
     set_parameter(repo / "cosyvoice2" / "config.pbtxt", "llm_protocol", "tensorrt_llm")
-    http, grpc, metrics_port = free_ports(3)
-    srv = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics_port, log_file=work / "server.log",
-                       timeout=300, env=server_env(), die_with_parent=True)
-    yield srv
-    srv.stop()
+    yield from serve_repo(repo, work)
 
 
 @pytest.fixture

@@ -15,15 +15,12 @@ here too; stage 7 starts its own LLM server and two CPU token2wav servers.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +29,8 @@ import soundfile as sf
 from tritonclient.utils import InferenceServerException
 
 import tritonclient.grpc as grpcclient
-from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, free_ports, grpc_input, metrics, server_env,
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, free_ports, grpc_input, metrics, serve_openai_llm,
+                             serve_repo, server_env,
                              token_limits)
 
 pytest.importorskip("pytriton")
@@ -56,22 +54,6 @@ def expected_chunk_samples(num_tokens: int, strategy: str = "exponential") -> li
         voiced = chunk.end - chunk.start - (0 if chunk.last else 3)
         sizes.append(SAMPLES_PER_TOKEN * voiced + (HELD_BACK if i else 0) - (0 if chunk.last else HELD_BACK))
     return sizes
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def wait_http(url: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except OSError:
-            assert process.poll() is None, f"process exited with {process.returncode}"
-            assert time.monotonic() < deadline, f"{url} not ready after {timeout_s} s"
-            time.sleep(0.3)
 
 
 def script_env(models: Path, out: Path, **extra: str) -> dict[str, str]:
@@ -108,19 +90,7 @@ def models(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def llm_server(models, tmp_path_factory):
     """Our OpenAI-compatible server on the tiny LLM: (base url, log file)."""
-    log = tmp_path_factory.mktemp("dit_llm") / "llm.log"
-    (port,) = free_ports(1)
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "cosyserve.llm.openai_server", "--model-dir", str(models / "cosyvoice2_llm"),
-             "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--max-slots", "8"],
-            stdout=out, stderr=subprocess.STDOUT, env=server_env(), cwd=REPO_ROOT, preexec_fn=_die_with_parent)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", process)
-        yield f"http://127.0.0.1:{port}/v1", log
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    yield from serve_openai_llm(models / "cosyvoice2_llm", tmp_path_factory.mktemp("dit_llm") / "llm.log", max_slots=8)
 
 
 def _variant(repo: Path, name: str, **replacements: str) -> None:
@@ -136,8 +106,6 @@ def _variant(repo: Path, name: str, **replacements: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(models, llm_server, tmp_path_factory):
-    from cosyserve.serving.tritonserver import start_server
-
     work = tmp_path_factory.mktemp("dit_server")
     repo = work / "repo"
     run_script("bash", str(SCRIPT), "2", "2", env=script_env(models, work, MODEL_REPO=str(repo), LLM_URL=llm_server[0],
@@ -145,11 +113,7 @@ def server(models, llm_server, tmp_path_factory):
     assert sorted(p.name for p in repo.iterdir()) == ["audio_tokenizer", "cosyvoice2_dit", "token2wav_dit"]
     _variant(repo, "cosyvoice2_dit_equal", **{'"exponential"': '"equal"', "count: 3": "count: 1"})
     _variant(repo, "cosyvoice2_dit_offline", **{"decoupled: True": "decoupled: False", "count: 3": "count: 1"})
-    http, grpc, metrics_port = free_ports(3)
-    srv = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics_port, log_file=work / "server.log",
-                       timeout=300, env=server_env(), die_with_parent=True)
-    yield srv
-    srv.stop()
+    yield from serve_repo(repo, work)
 
 
 @pytest.fixture

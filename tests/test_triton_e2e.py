@@ -25,7 +25,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_llm_caller_repo, build_model_repo,
-                             crash_report, expected_chunk_samples, free_ports, grpc_input, metrics, server_env,
+                             crash_report, expected_chunk_samples, free_ports, grpc_input, metrics, serve_repo,
+                             server_env,
                              template_values, token_limits, wait_until_idle)
 
 pytest.importorskip("pytriton")  # the bundled tritonserver
@@ -61,16 +62,10 @@ def models_dir(tiny_bundle: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(models_dir: Path, tmp_path_factory):
-    from cosyserve.serving.tritonserver import start_server
-
     work = tmp_path_factory.mktemp("e2e_server")
     repo = build_model_repo(models_dir, work / "repo", max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS,
                             bls_instances=BLS_INSTANCES)
-    http, grpc, metrics_port = free_ports(3)
-    srv = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics_port, log_file=work / "server.log",
-                       timeout=300, env=server_env(), die_with_parent=True)
-    yield srv
-    srv.stop()
+    yield from serve_repo(repo, work)
 
 
 @pytest.fixture
