@@ -312,3 +312,24 @@ def serve_openai_llm(llm_dir: Path, log: Path, max_slots: int):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def stream_tts(server, inputs: list, model: str = "cosyvoice2") -> list[np.ndarray]:
+    """One streaming request; the chunks, flattened."""
+    stream = Stream(server.grpc_url)
+    try:
+        stream.send(model, inputs)
+        return [chunk.reshape(-1) for chunk in stream.responses()]
+    finally:
+        stream.close()
+
+
+def assert_server_idle(server, log_start: int) -> None:
+    """After a test: no stub crashed since ``log_start``, no LLM request or token2wav stream is left, alive."""
+    crash = crash_report(server.log_file, log_start)
+    assert not crash, f"a model's stub crashed during the test; server log:\n{crash}"
+    values = wait_until_idle(server.metrics_port)
+    leftovers = f"{values}\nserver log:\n{crash_report(server.log_file) or 'no crash reported'}"
+    assert values["cosyserve_llm_active_requests"] == 0, leftovers
+    assert values["cosyserve_token2wav_open_streams"] == 0, leftovers
+    assert server.process.poll() is None, "tritonserver died"

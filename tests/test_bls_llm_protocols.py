@@ -29,9 +29,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_model_repo, crash_report,
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, assert_server_idle, build_model_repo,
                              expected_chunk_samples, grpc_input, metrics, serve_openai_llm, serve_repo, set_parameter,
-                             token_limits, wait_until_idle)
+                             stream_tts, token_limits, wait_until_idle)
 from cosyserve.errors import InvalidInputError
 from cosyserve.llm.prompt import EOS_IDS, SOS_ID, SPEECH_TOKEN_OFFSET, TASK_ID
 from cosyserve.pipeline.local import REFERENCE_SAMPLING
@@ -210,24 +210,12 @@ def idle_server(server):
     """The server, checked after the test: no stub crashed, no LLM request or token2wav stream is left."""
     log_start = server.log_file.stat().st_size
     yield server
-    assert not crash_report(server.log_file, log_start), crash_report(server.log_file, log_start)
-    values = wait_until_idle(server.metrics_port)
-    assert values["cosyserve_llm_active_requests"] == 0 and values["cosyserve_token2wav_open_streams"] == 0, values
-    assert server.process.poll() is None, "tritonserver died"
-
-
-def stream_tts(server, model: str, inputs: list) -> list[np.ndarray]:
-    stream = Stream(server.grpc_url)
-    try:
-        stream.send(model, inputs)
-        return [chunk.reshape(-1) for chunk in stream.responses()]
-    finally:
-        stream.close()
+    assert_server_idle(server, log_start)
 
 
 def test_bls_speaks_tensorrt_llm_protocol_to_the_llm_model(idle_server):
     before = metrics(idle_server.metrics_port)
-    chunks = stream_tts(idle_server, "cosyvoice2", [grpc_input("target_text", "你好，世界。")])
+    chunks = stream_tts(idle_server, [grpc_input("target_text", "你好，世界。")], "cosyvoice2")
     assert [c.size for c in chunks] == expected_chunk_samples(NUM_TOKENS)
     offline = grpcclient.InferenceServerClient(idle_server.grpc_url).infer(
         "cosyvoice2_offline", [grpc_input("target_text", "今天天气不错。")]).as_numpy("waveform")
@@ -284,10 +272,10 @@ def test_llm_model_checks_what_a_tensorrt_llm_caller_sends(idle_server, head_bia
 
 
 def test_openai_mode_streams_the_planned_chunks(idle_server):
-    chunks = stream_tts(idle_server, "cosyvoice2_openai", [grpc_input("target_text", "Hello there.")])
+    chunks = stream_tts(idle_server, [grpc_input("target_text", "Hello there.")], "cosyvoice2_openai")
     assert [c.size for c in chunks] == expected_chunk_samples(NUM_TOKENS)
     assert all(np.isfinite(c).all() for c in chunks)
-    shorter = stream_tts(idle_server, "cosyvoice2_openai", [grpc_input("target_text", "好"), *token_limits(18)])
+    shorter = stream_tts(idle_server, [grpc_input("target_text", "好"), *token_limits(18)], "cosyvoice2_openai")
     assert [c.size for c in shorter] == expected_chunk_samples(18)
 
 
@@ -305,6 +293,6 @@ def test_openai_mode_cancel_stops_the_generation_on_the_server(idle_server, open
         time.sleep(0.1)
     assert log.read_text().count("went away") == went_away + 1, "the server's generation was not stopped"
     assert wait_until_idle(idle_server.metrics_port, timeout_s=10)["cosyserve_token2wav_open_streams"] == 0
-    after = stream_tts(idle_server, "cosyvoice2_openai", [grpc_input("target_text", "好")])
+    after = stream_tts(idle_server, [grpc_input("target_text", "好")], "cosyvoice2_openai")
     assert sum(c.size for c in after) == NUM_TOKENS * SAMPLES_PER_TOKEN
 

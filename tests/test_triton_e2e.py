@@ -24,9 +24,9 @@ import soundfile as sf
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_llm_caller_repo, build_model_repo,
-                             crash_report, expected_chunk_samples, free_ports, grpc_input, metrics, serve_repo,
-                             server_env,
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, assert_server_idle, build_llm_caller_repo,
+                             build_model_repo, crash_report, expected_chunk_samples, free_ports, grpc_input, metrics,
+                             serve_repo, server_env, stream_tts,
                              template_values, token_limits, wait_until_idle)
 
 pytest.importorskip("pytriton")  # the bundled tritonserver
@@ -73,26 +73,11 @@ def idle_server(server):
     """The server, checked after the test: no stub crashed, no LLM request or token2wav stream is left."""
     log_start = server.log_file.stat().st_size
     yield server
-    crash = crash_report(server.log_file, log_start)
-    assert not crash, f"a model's stub crashed during the test; server log:\n{crash}"
-    values = wait_until_idle(server.metrics_port)
-    leftovers = f"{values}\nserver log:\n{crash_report(server.log_file) or 'no crash reported'}"
-    assert values["cosyserve_llm_active_requests"] == 0, leftovers
-    assert values["cosyserve_token2wav_open_streams"] == 0, leftovers
-    assert server.process.poll() is None, "tritonserver died"
+    assert_server_idle(server, log_start)
 
 
 def grpc_client(server) -> grpcclient.InferenceServerClient:
     return grpcclient.InferenceServerClient(server.grpc_url)
-
-
-def stream_tts(server, inputs: list, model: str = "cosyvoice2") -> list[np.ndarray]:
-    stream = Stream(server.grpc_url)
-    try:
-        stream.send(model, inputs)
-        return [chunk.reshape(-1) for chunk in stream.responses()]
-    finally:
-        stream.close()
 
 
 def run_script(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

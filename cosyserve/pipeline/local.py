@@ -83,6 +83,37 @@ class Token2WavCall:
     finalize: bool = False
 
 
+class SessionClock:
+    """When each open streaming session last stepped, so that sessions whose caller vanished
+    mid-stream can be closed (thread-safe)."""
+
+    def __init__(self):
+        self._last_step: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def stepped(self, session_id: str, closed: bool) -> None:
+        """A step of ``session_id`` ended; ``closed``: the session ended with it."""
+        with self._lock:
+            if closed:
+                self._last_step.pop(session_id, None)
+            else:
+                self._last_step[session_id] = time.monotonic()
+
+    def forget(self, session_id: str) -> None:
+        with self._lock:
+            self._last_step.pop(session_id, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._last_step.clear()
+
+    def idle(self, timeout_s: float) -> list[str]:
+        """The sessions without a step for ``timeout_s`` seconds."""
+        deadline = time.monotonic() - timeout_s
+        with self._lock:
+            return [sid for sid, last in self._last_step.items() if last < deadline]
+
+
 class LocalToken2Wav:
     """:class:`~cosyserve.pipeline.tts.Token2Wav` over :class:`CosyVoice2Token2Wav`, plus :meth:`run`,
     which packs several requests' work into shared flow/HiFT batches (the Triton ``token2wav``
@@ -100,8 +131,7 @@ class LocalToken2Wav:
         self.model = model
         self.idle_timeout_s = idle_timeout_s
         self.max_batch = max_batch
-        self._last_step: dict[str, float] = {}
-        self._lock = threading.Lock()
+        self._clock = SessionClock()
 
     @property
     def open_sessions(self) -> int:
@@ -138,7 +168,7 @@ class LocalToken2Wav:
                 results[index] = output if isinstance(output, Exception) else _numpy(
                     output if work.stream is None else output.audio[0])
                 if work.stream is not None:
-                    self._touch(work.stream)
+                    self._clock.stepped(work.stream.request_id, work.stream.closed)
         return results
 
     def _plan(self, call: Token2WavCall):
@@ -153,26 +183,16 @@ class LocalToken2Wav:
         try:
             return stream.plan_step(list(call.tokens), call.token_offset, call.finalize)
         finally:
-            self._touch(stream)  # a failed plan closes the stream
-
-    def _touch(self, stream) -> None:
-        with self._lock:
-            if stream.closed:
-                self._last_step.pop(stream.request_id, None)
-            else:
-                self._last_step[stream.request_id] = time.monotonic()
+            self._clock.stepped(stream.request_id, stream.closed)  # a failed plan closes the stream
 
     def cancel(self, request_id: str) -> None:
-        with self._lock:
-            self._last_step.pop(request_id, None)
+        self._clock.forget(request_id)
         if request_id in self.model.open_stream_ids:
             self.model.get_stream(request_id).close()
 
     def close_idle(self) -> list[str]:
         """Close sessions whose last step is older than the idle timeout; returns their ids."""
-        deadline = time.monotonic() - self.idle_timeout_s
-        with self._lock:
-            stale = [rid for rid, last in self._last_step.items() if last < deadline]
+        stale = self._clock.idle(self.idle_timeout_s)
         for rid in stale:
             self.cancel(rid)
         return stale

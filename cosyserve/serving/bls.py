@@ -28,6 +28,7 @@ Speech tokens come from one of:
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from contextlib import closing
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -168,6 +169,27 @@ class TritonToken2Wav:
         return _exec("token2wav", inputs, "waveform", request_id)
 
 
+@dataclass
+class TTSInputs:
+    """The inputs common to the cosyvoice2 and cosyvoice2_dit models, checked."""
+
+    request_id: str  # unique even when clients reuse ids: it keys the LLM request and the token2wav session
+    target_text: str
+    reference_wav: np.ndarray | None
+    reference_text: str | None
+    speaker_id: str | None
+    limits: TokenLimits
+
+
+def parse_tts_inputs(request, limits: TokenLimits, max_text_chars: int) -> TTSInputs:
+    """Read and check a BLS request's text, voice and token-limit inputs (the voice is resolved by the caller)."""
+    target_text = validate_text(optional_text(request, "target_text"), "target_text", max_text_chars)
+    wav = reference_wav(request) if optional_input(request, "reference_wav") is not None else None
+    return TTSInputs(f"{request.request_id() or 'tts'}-{uuid.uuid4().hex[:12]}", target_text, wav,
+                     optional_text(request, "reference_text"), optional_text(request, "speaker_id"),
+                     limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens")))
+
+
 class CosyVoice2BLS:
     """Requests are handled one at a time per instance, inside ``execute``, on the request thread
     only: every ``pb_utils`` call of this stub comes from one thread. Concurrency comes from
@@ -206,13 +228,9 @@ class CosyVoice2BLS:
         return [self._offline(request) for request in requests]
 
     def _parse(self, request) -> TTSRequest:
-        target_text = validate_text(optional_text(request, "target_text"), "target_text", self.pipeline.max_text_chars)
-        wav = reference_wav(request) if optional_input(request, "reference_wav") is not None else None
-        voice = self.voices.resolve(wav, optional_text(request, "reference_text"), optional_text(request, "speaker_id"))
-        limits = self.limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens"))
-        # Unique even when clients reuse ids: it keys the LLM request and the token2wav session.
-        request_id = f"{request.request_id() or 'tts'}-{uuid.uuid4().hex[:12]}"
-        return TTSRequest(request_id, target_text, voice, limits)
+        f = parse_tts_inputs(request, self.limits, self.pipeline.max_text_chars)
+        voice = self.voices.resolve(f.reference_wav, f.reference_text, f.speaker_id)
+        return TTSRequest(f.request_id, f.target_text, voice, f.limits)
 
     def _stream(self, request) -> None:
         sender = request.get_response_sender()

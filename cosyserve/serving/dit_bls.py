@@ -21,7 +21,6 @@ streams one response per chunk then a final flag; false answers once (offline to
 
 from __future__ import annotations
 
-import uuid
 from contextlib import closing
 from pathlib import Path
 from typing import Sequence
@@ -33,12 +32,11 @@ import triton_python_backend_utils as pb_utils
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import SPEECH_TOKEN_OFFSET
 from ..pipeline.local import SPK2INFO
-from ..pipeline.tts import DEFAULT_MAX_TOKENS, TokenLimits, VoiceResolver, validate_text
-from .bls import RemoteSpeechTokenizer, openai_speech_tokens
+from ..pipeline.tts import DEFAULT_MAX_TOKENS, TokenLimits, VoiceResolver
+from .bls import RemoteSpeechTokenizer, openai_speech_tokens, parse_tts_inputs
 from .dit_pipeline import DitTTSPipeline, DitTTSRequest, SkipSpeakerEmbedding, dit_request
 from .dit_runtime import SpeakerRef
-from .triton_utils import (FINAL, error_response, model_parameters, optional_input, optional_scalar, optional_text,
-                           raise_response_error, reference_wav, required_parameter, tensor)
+from .triton_utils import FINAL, error_response, model_parameters, raise_response_error, required_parameter, tensor
 
 TOKEN2WAV_DIT = "token2wav_dit"
 
@@ -103,14 +101,9 @@ class CosyVoice2DitBLS:
         return [self._offline(request) for request in requests]
 
     def _parse(self, request) -> DitTTSRequest:
-        target_text = validate_text(optional_text(request, "target_text"), "target_text", self.pipeline.max_text_chars)
-        wav = reference_wav(request) if optional_input(request, "reference_wav") is not None else None
-        limits = self.limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens"))
-        # Unique even when clients reuse ids: it keys the LLM request and the token2wav_dit stream.
-        request_id = f"{request.request_id() or 'tts'}-{uuid.uuid4().hex[:12]}"
-        return dit_request(self.voices, request_id, target_text, reference_wav16=wav,
-                           reference_text=optional_text(request, "reference_text"),
-                           speaker_id=optional_text(request, "speaker_id"), limits=limits)
+        f = parse_tts_inputs(request, self.limits, self.pipeline.max_text_chars)
+        return dit_request(self.voices, f.request_id, f.target_text, reference_wav16=f.reference_wav,
+                           reference_text=f.reference_text, speaker_id=f.speaker_id, limits=f.limits)
 
     def _stream(self, request) -> None:
         sender = request.get_response_sender()

@@ -17,7 +17,6 @@ and what the scripts call in-process. It adds to :class:`~cosyserve.token2wav.di
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..errors import InvalidInputError
 from ..frontend import SpeakerEncoder, SpeakerRegistry, SpeechTokenizer, build_prompt_features
-from ..pipeline.local import STREAM_IDLE_TIMEOUT_S, resolve_device
+from ..pipeline.local import STREAM_IDLE_TIMEOUT_S, SessionClock, resolve_device
 from ..token2wav.dit import (DEFAULT_MAX_SPEAKERS, DitToken2Wav, OfflineRequest, SpeakerPrompt, load_dit_token2wav,
                              speaker_key)
 
@@ -66,8 +65,8 @@ class DitToken2WavService:
         self.registry = registry
         self.idle_timeout_s = idle_timeout_s
         self._prompts: OrderedDict[str, SpeakerPrompt] = OrderedDict()
-        self._last_step: dict[str, float] = {}
-        self._lock = threading.Lock()
+        self._clock = SessionClock()
+        self._lock = threading.Lock()  # guards _prompts
 
     @property
     def open_stream_ids(self) -> list[str]:
@@ -126,16 +125,11 @@ class DitToken2WavService:
         try:
             return stream.step(list(tokens), finalize).numpy()
         finally:  # the stream closes itself after its final chunk and on errors
-            with self._lock:
-                if stream.closed:
-                    self._last_step.pop(request_id, None)
-                else:
-                    self._last_step[request_id] = time.monotonic()
+            self._clock.stepped(request_id, stream.closed)
 
     def cancel(self, request_id: str) -> bool:
         """Close stream ``request_id``; False if none was open."""
-        with self._lock:
-            self._last_step.pop(request_id, None)
+        self._clock.forget(request_id)
         if request_id not in self.model.open_stream_ids:
             return False
         try:
@@ -146,9 +140,7 @@ class DitToken2WavService:
 
     def close_idle(self) -> list[str]:
         """Close the streams without a chunk for ``idle_timeout_s``; returns their ids."""
-        deadline = time.monotonic() - self.idle_timeout_s
-        with self._lock:
-            stale = [rid for rid, last in self._last_step.items() if last < deadline]
+        stale = self._clock.idle(self.idle_timeout_s)
         for rid in stale:
             self.cancel(rid)
         return stale
@@ -157,7 +149,7 @@ class DitToken2WavService:
         self.model.close()
         with self._lock:
             self._prompts.clear()
-            self._last_step.clear()
+        self._clock.clear()
 
 
 def load_dit_service(model_dir: str | Path, device: str | torch.device = "auto", *,
