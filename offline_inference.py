@@ -34,7 +34,7 @@ from cosyserve.errors import CosyServeError, InvalidInputError
 from cosyserve.lengths import FixedLength
 from cosyserve.pipeline.offline import (BACKENDS, DTYPES, OfflineConfig, OfflineTTS, Timers, build_report,
                                         format_report_md, synthesize_items, write_reports)
-from cosyserve.token2wav.cosyvoice2 import Token2WavOptions
+from cosyserve.token2wav.cosyvoice2 import DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,6 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llm-dtype", choices=sorted(DTYPES), help="LLM dtype (default bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="token2wav: replay CUDA graphs of the flow's ODE loop (not of HiFT: one-off lengths)")
+    p.add_argument("--precapture-frames", type=int, default=DEFAULT_PRECAPTURE_FRAMES,
+                   help="with --cuda-graphs: capture the flow graphs of inputs up to this many mel frames "
+                        "(prompt + target, 50 per second) for up to --token2wav-batch-size utterances before "
+                        "synthesising; 0: capture shapes the second time they are seen")
+    p.add_argument("--compile-flow", action="store_true",
+                   help="token2wav: torch.compile the flow estimator (needs a C compiler; Triton on CUDA)")
     p.add_argument("--speaker-id", help="use this registered voice (spk2info.pt) for every utterance instead of "
                                         "its prompt audio/text (no prompt audio is read)")
     p.add_argument("--fixed-tokens-per-second", type=float,
@@ -85,7 +91,10 @@ def config_from_args(args) -> OfflineConfig:
         llm_options["base_url"] = args.openai_base_url
     return OfflineConfig(backend=args.backend, device=args.device, dtype=args.dtype, llm_dtype=args.llm_dtype,
                          batch_size=args.batch_size, token2wav_batch_size=args.token2wav_batch_size,
-                         token2wav_options=Token2WavOptions(cuda_graphs=args.cuda_graphs, hift_graphs=False),
+                         token2wav_options=Token2WavOptions(
+                             cuda_graphs=args.cuda_graphs, compile=args.compile_flow,
+                             precapture_frames=args.precapture_frames if args.cuda_graphs else 0,
+                             precapture_batch=args.token2wav_batch_size, precapture_streaming=False),
                          fixed_length=fixed,
                          speaker_id=args.speaker_id, seed=args.seed, llm_options=llm_options)
 

@@ -55,6 +55,8 @@ MIN_TOKENS=${MIN_TOKENS:-0}                   # and at least (benchmarks on rand
 TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-16}   # also the flow/HiFT batch of token2wav
 TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # auto (fp16 on CUDA, fp32 on CPU) | float16 | bfloat16 | float32
 TOKEN2WAV_CUDA_GRAPHS=${TOKEN2WAV_CUDA_GRAPHS:-auto}   # auto (on with CUDA) | true | false
+TOKEN2WAV_PRECAPTURE_FRAMES=${TOKEN2WAV_PRECAPTURE_FRAMES:-auto}  # auto (1500 with graphs) | N mel frames | 0 (lazy)
+TOKEN2WAV_COMPILE=${TOKEN2WAV_COMPILE:-false}  # true: torch.compile the flow estimator
 TOKEN2WAV_INCREMENTAL_STREAM=${TOKEN2WAV_INCREMENTAL_STREAM:-false}  # true: streaming steps cost only their new frames
 MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
 HTTP_PORT=${HTTP_PORT:-8000}
@@ -199,7 +201,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   done
   fill() { "$PY" "$repo_root/scripts/fill_template.py" -i "$1" "$2"; }
   common="model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS,device:$DEVICE"
-  fill "$MODEL_REPO/token2wav/config.pbtxt" "$common,token2wav_dtype:$TOKEN2WAV_DTYPE,token2wav_cuda_graphs:$TOKEN2WAV_CUDA_GRAPHS,token2wav_incremental_stream:$TOKEN2WAV_INCREMENTAL_STREAM"
+  fill "$MODEL_REPO/token2wav/config.pbtxt" "$common,token2wav_dtype:$TOKEN2WAV_DTYPE,token2wav_cuda_graphs:$TOKEN2WAV_CUDA_GRAPHS,token2wav_incremental_stream:$TOKEN2WAV_INCREMENTAL_STREAM,token2wav_precapture_frames:$TOKEN2WAV_PRECAPTURE_FRAMES,token2wav_compile:$TOKEN2WAV_COMPILE"
   fill "$MODEL_REPO/audio_tokenizer/config.pbtxt" "$common"
   fill "$MODEL_REPO/speaker_embedding/config.pbtxt" "$common"
   if [ "$triton_llm" = llm ]; then

@@ -45,7 +45,8 @@ def template_values(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_i
               "max_queue_delay_microseconds": "0", "device": "cpu"}
     return {
         "token2wav": {**common, "token2wav_dtype": "auto", "token2wav_cuda_graphs": "auto",
-                      "token2wav_incremental_stream": "false"},
+                      "token2wav_incremental_stream": "false", "token2wav_precapture_frames": "auto",
+                      "token2wav_compile": "false"},
         "audio_tokenizer": common, "speaker_embedding": common,
         "llm": {**common, "llm_dir": f"{models_dir}/cosyvoice2_llm", "llm_engine": "torch"},
         "cosyvoice2": {"model_dir": common["model_dir"], "triton_max_batch_size": str(max_batch_size),

@@ -276,3 +276,34 @@ def test_padded_hift_decomposition_equals_inference(t2w):
 def test_cuda_graphs_need_a_cuda_device(parts):
     with pytest.raises(InvalidInputError, match="CUDA"):
         _model(parts, Token2WavOptions(cuda_graphs=True))
+
+
+def test_frame_buckets_are_few_and_bound_the_padding():
+    from cosyserve.token2wav.graphs import frame_bucket, frame_buckets
+
+    buckets = frame_buckets(1500, 50)
+    assert buckets[:8] == list(range(50, 401, 50)) and buckets[-1] >= 1500 and len(buckets) == 14
+    for frames in range(1, 1501):
+        bucket = frame_bucket(frames, 50)
+        assert bucket in buckets and frames <= bucket <= max(frames + 49, 1.25 * frames + 50)
+    assert frame_bucket(15000, 50) == 15000  # capped at the noise buffer
+
+
+def test_compiled_estimator_equals_eager(t2w):
+    """torch.compile of the estimator (dynamic shapes) gives the eager mel for two lengths, both attention kinds."""
+    pytest.importorskip("torch._inductor")
+    flow = t2w.flow
+    compiled = FlowSampler(flow.decoder, compile=True)
+    for streaming, finalize in ((True, False), (False, True)):
+        for n in (23, 40):
+            c = flow.batch_conditions([_tokens(n, 0)[None]], [_prompt(0)["prompt_tokens"][None]],
+                                      [_prompt(0)["prompt_feat"]], [_prompt(0)["embedding"][None]],
+                                      streaming=streaming, finalize=finalize)
+            assert _rel(compiled(c, streaming), FlowSampler(flow.decoder)(c, streaming)) < MEL_REL
+
+
+def test_precapture_needs_cuda_graphs(parts):
+    with pytest.raises(InvalidInputError, match="precapture_frames needs cuda_graphs"):
+        _model(parts, Token2WavOptions(precapture_frames=100))
+    with pytest.raises(InvalidInputError, match="needs cuda_graphs"):
+        FlowSampler(_model(parts).flow.decoder).precapture(1, 100)

@@ -395,3 +395,31 @@ def test_run_sh_stage2_fills_the_same_templates(models_dir, tmp_path):
                             bls_instances=BLS_INSTANCES)
     for model in template_values(models_dir, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_instances=BLS_INSTANCES):
         assert (repo / model / "config.pbtxt").read_text() == (ours / model / "config.pbtxt").read_text(), model
+
+
+def test_front_end_models_count_clip_cache_hits(idle_server):
+    """A clip sent twice to a front-end model is computed once; the metrics say so, per model."""
+    import urllib.request
+
+    from cosyserve.bundle import synthetic_prompt_wave
+
+    def lookups() -> dict[tuple[str, str], float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{idle_server.metrics_port}/metrics", timeout=10).read()
+        counts = {}
+        for line in text.decode().splitlines():
+            if line.startswith("cosyserve_clip_cache_"):
+                outcome = line.split("{")[0].removeprefix("cosyserve_clip_cache_").removesuffix("_total")
+                counts[(line.split('model="')[1].split('"')[0], outcome)] = float(line.split()[-1])
+        return counts
+
+    wav = synthetic_prompt_wave(seed=31).astype(np.float32).reshape(1, -1)
+    client = grpcclient.InferenceServerClient(idle_server.grpc_url)
+    before = lookups()
+    for model in ("audio_tokenizer", "speaker_embedding"):
+        outputs = [client.infer(model, [grpc_input("reference_wav", wav)]) for _ in range(2)]
+        first, second = (o.as_numpy(o.get_response().outputs[0].name) for o in outputs)
+        assert np.array_equal(first, second)
+    after = lookups()
+    for model in ("audio_tokenizer", "speaker_embedding"):
+        assert after[(model, "misses")] - before.get((model, "misses"), 0) == 1
+        assert after[(model, "hits")] - before.get((model, "hits"), 0) == 1

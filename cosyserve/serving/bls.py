@@ -44,9 +44,9 @@ from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, re
 from ..pipeline.tts import (DEFAULT_MAX_TOKENS, DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice,
                             VoiceResolver, validate_text)
 from ..trtllm.request import TritonLLMInputs, resolve_protocol
-from .triton_utils import (FINAL, FinishedResponseIterators, error_response, model_parameters, optional_input,
-                           optional_scalar, optional_text, raise_response_error, reference_wav, required_parameter,
-                           tensor)
+from .triton_utils import (FINAL, FinishedResponseIterators, error_response, limit_torch_threads, model_parameters,
+                           optional_input, optional_scalar, optional_text, raise_response_error, reference_wav,
+                           required_parameter, tensor)
 
 
 def _bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str], request_id: str = ""):
@@ -200,8 +200,7 @@ class CosyVoice2BLS:
         from transformers import AutoTokenizer
 
         params = model_parameters(config)
-        # Dozens of instances share the host's cores; each needs little CPU (prompt mel, resampling).
-        torch.set_num_threads(int(params.get("torch_threads") or 1))
+        limit_torch_threads(params)  # dozens of instances; each needs little CPU (prompt mel, resampling)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
         self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), RemoteSpeakerEncoder())

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
 from ..frontend.speakers import SpeakerRegistry
@@ -36,7 +35,8 @@ from ..pipeline.tts import DEFAULT_MAX_TOKENS, TokenLimits, VoiceResolver
 from .bls import RemoteSpeechTokenizer, openai_speech_tokens, parse_tts_inputs
 from .dit_pipeline import DitTTSPipeline, DitTTSRequest, SkipSpeakerEmbedding, dit_request
 from .dit_runtime import SpeakerRef
-from .triton_utils import FINAL, error_response, model_parameters, raise_response_error, required_parameter, tensor
+from .triton_utils import (FINAL, error_response, limit_torch_threads, model_parameters, raise_response_error,
+                           required_parameter, tensor)
 
 TOKEN2WAV_DIT = "token2wav_dit"
 
@@ -81,7 +81,7 @@ class CosyVoice2DitBLS:
         from transformers import AutoTokenizer
 
         params = model_parameters(config)
-        torch.set_num_threads(int(params.get("torch_threads") or 1))  # as the cosyvoice2 BLS: many light instances
+        limit_torch_threads(params)  # as the cosyvoice2 BLS: many light instances
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
         self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), SkipSpeakerEmbedding())

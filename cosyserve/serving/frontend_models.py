@@ -8,6 +8,7 @@
 Audio is validated like any prompt (finite, not silent, 0.5-30 s). Each model keeps its
 results for the last ``clip_cache_size`` distinct clips (parameter, default 256): every BLS
 instance asks these shared models, so a voice reused across requests is computed once.
+Metrics: ``cosyserve_clip_cache_hits_total``, ``cosyserve_clip_cache_misses_total``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..llm.prompt import SPEECH_TOKEN_OFFSET
 from ..pipeline.local import resolve_device
 from ..pipeline.tts import DEFAULT_FEATURE_CACHE_SIZE as DEFAULT_CLIP_CACHE_SIZE
-from .triton_utils import model_parameters, reference_wav, required_parameter, respond_each, tensor
+from .triton_utils import (Metric, limit_torch_threads, model_parameters, reference_wav, required_parameter,
+                           respond_each, tensor)
 
 
 class _FrontendModel:
@@ -30,13 +32,23 @@ class _FrontendModel:
 
     def __init__(self, config: dict, onnx_file: str, wrapper):
         params = model_parameters(config)
+        limit_torch_threads(params)  # onnxruntime runs the model on its own thread; torch only checks audio
         device = resolve_device(params.get("device") or "auto")
         providers = None if device.type == "cuda" else ["CPUExecutionProvider"]
         self.onnx_model = wrapper(Path(required_parameter(params, "model_dir")) / onnx_file, providers)
         self.cache: ClipCache[np.ndarray] = ClipCache(int(params.get("clip_cache_size") or DEFAULT_CLIP_CACHE_SIZE))
+        self.cache_lookups = {outcome: Metric(f"cosyserve_clip_cache_{outcome}_total",
+                                              f"reference clips found ({outcome}) in the model's clip cache",
+                                              config["name"], kind="counter") for outcome in ("hits", "misses")}
+        self._counted = {"hits": 0, "misses": 0}
 
     def execute(self, requests) -> list:
-        return respond_each(requests, self._run)
+        responses = respond_each(requests, self._run)
+        for outcome, metric in self.cache_lookups.items():
+            total = getattr(self.cache, outcome)
+            metric.increment(total - self._counted[outcome])
+            self._counted[outcome] = total
+        return responses
 
     def close(self) -> None:
         """Nothing to release (the ONNX session goes with the process)."""

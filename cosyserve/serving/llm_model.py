@@ -53,8 +53,8 @@ from ..llm.sampling import SamplingParams
 from ..llm.stream import TokenStream
 from ..pipeline.local import SPK2INFO, register_voice_prefixes, resolve_device
 from ..trtllm.request import check_embedding_bias, check_stop_words, embedding_bias, request_seed
-from .triton_utils import (FINAL, Metric, error_response, model_parameters, optional_input, optional_scalar,
-                           required_input, required_parameter, tensor)
+from .triton_utils import (FINAL, Metric, error_response, limit_torch_threads, model_parameters, optional_input,
+                           optional_scalar, required_input, required_parameter, tensor)
 
 DEFAULT_OUTPUT_LEN = 750
 # A send only waits for the server to hand the response on (to a gRPC stream, or to the calling
@@ -86,6 +86,7 @@ class LLMModel:
         params = model_parameters(config)
         llm_dir = Path(required_parameter(params, "llm_dir"))
         device = resolve_device(params.get("device") or "auto")
+        limit_torch_threads(params, 1 if device.type == "cuda" else None)
         self.backend = create_backend(params.get("llm_backend") or "torch", llm_dir, device)
         self.head_bias = embedding_bias(llm_dir).numpy()  # what a TensorRT-LLM caller's embedding_bias must be
         if params.get("model_dir"):  # registered voices: precompute their prompt prefixes

@@ -23,19 +23,21 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidInputError
-from ..pipeline.local import STREAM_IDLE_TIMEOUT_S
+from ..pipeline.local import STREAM_IDLE_TIMEOUT_S, resolve_device
 from ..token2wav.dit import DEFAULT_MAX_SPEAKERS
 from .dit_runtime import DitToken2WavService, SpeakerRef, load_dit_service
 from .token2wav_model import _raw_tokens
-from .triton_utils import (Metric, model_parameters, optional_input, optional_scalar, optional_text, reference_wav,
-                           required_input, required_parameter, respond_each, tensor)
+from .triton_utils import (Metric, limit_torch_threads, model_parameters, optional_input, optional_scalar,
+                           optional_text, reference_wav, required_input, required_parameter, respond_each, tensor)
 
 
 class Token2WavDitModel:
     def __init__(self, config: dict):
         params = model_parameters(config)
+        device = resolve_device(params.get("device") or "auto")
+        limit_torch_threads(params, 1 if device.type == "cuda" else None)
         self.service: DitToken2WavService = load_dit_service(
-            Path(required_parameter(params, "model_dir")), params.get("device") or "auto",
+            Path(required_parameter(params, "model_dir")), device,
             spk2info=params.get("spk2info") or None,
             max_speakers=int(params.get("max_speakers") or DEFAULT_MAX_SPEAKERS),
             idle_timeout_s=float(params.get("stream_idle_timeout_s") or STREAM_IDLE_TIMEOUT_S))

@@ -27,9 +27,9 @@ from ..llm.backends import resolve_device_dtype
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from ..pipeline.local import SPK2INFO, STREAM_IDLE_TIMEOUT_S, LocalToken2Wav, Token2WavCall, resolve_device
 from ..pipeline.tts import DEFAULT_SPEAKER, Voice
-from ..token2wav.cosyvoice2 import Token2WavOptions, load_token2wav
-from .triton_utils import (Metric, error_response, model_parameters, optional_input, optional_scalar, parse_flag,
-                           required_input, required_parameter, tensor)
+from ..token2wav.cosyvoice2 import DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, load_token2wav
+from .triton_utils import (Metric, error_response, limit_torch_threads, model_parameters, optional_input,
+                           optional_scalar, parse_flag, required_input, required_parameter, tensor)
 
 PROMPT_INPUTS = ("prompt_speech_tokens", "prompt_speech_feat", "prompt_spk_embedding")
 
@@ -40,7 +40,9 @@ class Token2WavModel:
 
     Parameters (all optional but ``model_dir``): ``device``; ``dtype`` of the flow (default fp16
     on CUDA, fp32 on CPU; HiFT stays fp32); ``cuda_graphs`` (default on CUDA: replay the flow's
-    ODE loop and streaming HiFT from CUDA graphs); ``incremental_stream`` (default off: streaming
+    ODE loop from CUDA graphs); ``precapture_frames`` (default 1500 with graphs: capture every
+    flow graph for ``max_batch`` requests of up to that many frames at load, 0: lazily);
+    ``compile`` (default off: torch.compile the flow estimator); ``incremental_stream`` (default off: streaming
     steps compute only their new frames, at ~115 MB of state per second of audio per stream);
     ``max_batch`` (units per flow batch, default 16); ``stream_idle_timeout_s``.
     """
@@ -50,14 +52,21 @@ class Token2WavModel:
         model_dir = Path(required_parameter(params, "model_dir"))
         device = resolve_device(params.get("device") or "auto")
         on_cuda = device.type == "cuda"
+        limit_torch_threads(params, 1 if on_cuda else None)
         dtype_name = params.get("dtype") or "auto"
         dtype = ((torch.float16 if on_cuda else torch.float32) if dtype_name == "auto"
                  else resolve_device_dtype(device, dtype_name)[1])
-        options = Token2WavOptions(cuda_graphs=parse_flag(params.get("cuda_graphs") or "auto", on_cuda),
-                                   incremental_stream=parse_flag(params.get("incremental_stream") or "auto", False))
+        cuda_graphs = parse_flag(params.get("cuda_graphs") or "auto", on_cuda)
+        max_batch = int(params.get("max_batch") or 16)
+        precapture = params.get("precapture_frames") or "auto"
+        options = Token2WavOptions(
+            cuda_graphs=cuda_graphs, compile=parse_flag(params.get("compile") or "auto", False),
+            precapture_frames=(DEFAULT_PRECAPTURE_FRAMES if cuda_graphs else 0) if precapture == "auto" else int(precapture),
+            precapture_batch=max_batch,
+            incremental_stream=parse_flag(params.get("incremental_stream") or "auto", False))
         idle_timeout = float(params.get("stream_idle_timeout_s") or STREAM_IDLE_TIMEOUT_S)
         self.token2wav = LocalToken2Wav(load_token2wav(model_dir, device, dtype, options), idle_timeout,
-                                        max_batch=int(params.get("max_batch") or 16))
+                                        max_batch=max_batch)
         speaker = SpeakerRegistry.load(model_dir / SPK2INFO).get(DEFAULT_SPEAKER)
         self.default_voice = Voice(speaker.prompt_text, speaker.features, speaker.speaker_id)
         self.open_streams = Metric("cosyserve_token2wav_open_streams", "token2wav streaming sessions open",

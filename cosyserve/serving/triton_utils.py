@@ -32,6 +32,22 @@ def model_parameters(config: dict) -> dict[str, str]:
     return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
 
 
+def limit_torch_threads(params: dict[str, str], default: int | None = 1) -> None:
+    """Set this model process's torch CPU threads: the ``torch_threads`` parameter, else ``default``
+    (None: torch's own, one per core).
+
+    Every Triton model is its own process on the same cores, and with torch's default each one
+    runs a worker per core: in a 16-stream benchmark on a 16-core host the two front-end models
+    held 13 cores, starving the threads that launch GPU work. Models whose heavy work is on a
+    GPU, or in onnxruntime with its own thread, keep one.
+    """
+    threads = int(params.get("torch_threads") or 0) or default
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def required_parameter(params: dict[str, str], key: str) -> str:
     if not params.get(key):
         raise ValueError(f"model parameter {key!r} is missing or empty in config.pbtxt")

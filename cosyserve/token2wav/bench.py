@@ -1,10 +1,12 @@
 """Benchmark helpers shared by ``token2wav.py`` (offline) and ``streaming_inference.py`` (streams).
 
-A *variant* is one way of running token2wav, written ``dtype[+graphs|+flowgraphs][+incremental][+batchN]``:
-``fp32``, ``fp16+graphs``, ``fp16+graphs+batch16``... (flow dtype, :class:`Token2WavOptions`:
-CUDA graphs of flow and HiFT or of the flow only, incremental streaming flow; and how many
-requests share a batch). Variants with graphs get a second untimed warm-up run, since a shape is
-captured the second time it is seen. Offline runs synthesise utterances ``batch`` at a time with
+A *variant* is one way of running token2wav, written
+``dtype[+graphs|+flowgraphs][+precapture][+compile][+incremental][+batchN]``: ``fp32``,
+``fp16+flowgraphs``, ``fp16+flowgraphs+precapture+batch16``... (flow dtype, :class:`Token2WavOptions`:
+CUDA graphs of flow and HiFT or of the flow only, flow graphs captured at load for up to
+:data:`~.cosyvoice2.DEFAULT_PRECAPTURE_FRAMES` frames, compiled estimator, incremental streaming flow; and how many
+requests share a batch). Variants with graphs captured lazily get a second untimed warm-up run,
+since a shape is captured the second time it is seen. Offline runs synthesise utterances ``batch`` at a time with
 :meth:`CosyVoice2Token2Wav.offline_batch`. Streaming runs play ``concurrency`` listeners at once,
 each stepping its stream chunk by chunk as soon as the previous piece is back (tokens are all there
 from the start, or arrive at ``token_rate`` per second), directly or through a
@@ -28,7 +30,8 @@ from ..errors import InvalidInputError
 from ..frontend.prompt import PromptFeatures
 from ..pipeline.schedule import Chunk, plan_chunks
 from .batching import Token2WavBatcher
-from .cosyvoice2 import CosyVoice2Token2Wav, OfflineRequest, Token2WavOptions, load_token2wav
+from .cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, CosyVoice2Token2Wav, OfflineRequest, Token2WavOptions,
+                         load_token2wav)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 STRATEGIES = ("exponential", "equal")
@@ -40,7 +43,9 @@ LOOKAHEAD = 3
 class Variant:
     dtype: str = "fp32"
     cuda_graphs: bool = False
-    hift_graphs: bool = True
+    hift_graphs: bool = False
+    precapture: bool = False
+    compile: bool = False
     incremental: bool = False
     batch: int = 1
 
@@ -54,28 +59,31 @@ class Variant:
         for flag in flags:
             if flag in ("graphs", "flowgraphs"):
                 fields.update(cuda_graphs=True, hift_graphs=flag == "graphs")
-            elif flag == "incremental":
-                fields["incremental"] = True
+            elif flag in ("incremental", "precapture", "compile"):
+                fields[flag] = True
             elif flag.startswith("batch") and flag[5:].isdigit() and int(flag[5:]) >= 1:
                 fields["batch"] = int(flag[5:])
             else:
-                raise InvalidInputError(
-                    f"variant {spec!r}: unknown part {flag!r} (graphs, flowgraphs, incremental, batchN)")
+                raise InvalidInputError(f"variant {spec!r}: unknown part {flag!r} "
+                                        "(graphs, flowgraphs, precapture, compile, incremental, batchN)")
+        if fields.get("precapture") and not fields.get("cuda_graphs"):
+            raise InvalidInputError(f"variant {spec!r}: precapture needs graphs or flowgraphs")
         return cls(**fields)
 
     @property
     def name(self) -> str:
         graphs = ("graphs" if self.hift_graphs else "flowgraphs") if self.cuda_graphs else None
-        return "+".join([self.dtype] + [graphs] * bool(graphs) + ["incremental"] * self.incremental
-                        + ([f"batch{self.batch}"] if self.batch > 1 else []))
+        flags = [graphs] * bool(graphs) + [f for f in ("precapture", "compile", "incremental") if getattr(self, f)]
+        return "+".join([self.dtype] + flags + ([f"batch{self.batch}"] if self.batch > 1 else []))
 
     @property
     def warmups(self) -> int:
-        return 2 if self.cuda_graphs else 1
+        return 2 if self.cuda_graphs and not self.precapture else 1
 
     def load(self, model_dir: str | Path, device: str | torch.device) -> CosyVoice2Token2Wav:
-        options = Token2WavOptions(cuda_graphs=self.cuda_graphs, hift_graphs=self.hift_graphs,
-                                   incremental_stream=self.incremental)
+        options = Token2WavOptions(cuda_graphs=self.cuda_graphs, hift_graphs=self.hift_graphs, compile=self.compile,
+                                   precapture_frames=DEFAULT_PRECAPTURE_FRAMES if self.precapture else 0,
+                                   precapture_batch=self.batch, incremental_stream=self.incremental)
         return load_token2wav(model_dir, device, DTYPES[self.dtype], options)
 
 

@@ -14,8 +14,9 @@ Work of several requests runs packed together through :meth:`CosyVoice2Token2Wav
 (offline requests and streaming steps alike; :mod:`.batching` schedules it): one flow batch per
 (streaming, finalize) kind, one HiFT batch per mel shape; each result equals the request run
 alone up to float rounding. :class:`Token2WavOptions` holds the opt-in speed-ups (all off by
-default, which keeps the reference computation): CUDA graphs (:mod:`.graphs`) and the
-incremental streaming flow (:class:`~cosyserve.models.flow.FlowStream`).
+default, which keeps the reference computation): CUDA graphs captured ahead of time
+(:mod:`.graphs`), a compiled estimator, and the incremental streaming flow
+(:class:`~cosyserve.models.flow.FlowStream`).
 """
 
 from __future__ import annotations
@@ -36,22 +37,36 @@ from .graphs import FlowSampler, HiftRunner
 from .vocoder_stream import HiftStream, SineNoiseProvider, VocoderCall, VocoderChunk
 
 
+# Frames a server captures flow graphs for by default: a 10 s prompt with 20 s of target speech.
+DEFAULT_PRECAPTURE_FRAMES = 1500
+
+
 @dataclass(frozen=True)
 class Token2WavOptions:
     """Opt-in speed-ups; the defaults reproduce the reference computation.
 
-    ``cuda_graphs``: replay the flow's Euler loop (padded to multiples of ``bucket_frames``
-    frames, batch to a power of two) and, with ``hift_graphs``, HiFT's network (exact shapes) from
-    CUDA graphs (:mod:`.graphs`); CUDA devices only. HiFT graphs pay off when shapes repeat
-    (streaming chunks), not for offline utterances of one-off lengths. ``incremental_stream``: non-final streaming steps
-    compute only their new frames (:class:`FlowStream`; same output up to rounding, but the
+    ``cuda_graphs``: replay the flow's Euler loop (padded to a frame bucket, batch to a power of
+    two) from CUDA graphs (:mod:`.graphs`); CUDA devices only. ``precapture_frames`` (> 0, with
+    graphs): capture every flow graph for up to ``precapture_batch`` requests of up to that many
+    frames (prompt + target) when the model is built, so that no request runs eagerly or waits
+    for a capture (about a minute at start-up for 1500 frames and batch 16); with
+    ``precapture_streaming`` False only the non-streaming (offline) graphs. ``hift_graphs``: also
+    replay HiFT's network, keyed by exact shapes; it pays off only when shapes repeat (off by
+    default: HiFT is a small share of a chunk, and new shapes cost captures). ``compile``: run
+    the flow estimator through ``torch.compile`` (needs a C compiler and, on CUDA, Triton; the
+    first call of each attention kind compiles). ``incremental_stream``: non-final streaming
+    steps compute only their new frames (:class:`FlowStream`; same output up to rounding, but the
     stream holds per-frame state, ~115 MB per second of audio for the released model in fp16).
     ``tensorrt_plan`` / ``tensorrt_streaming_plan``: run the estimator from TensorRT plans
     (:mod:`.tensorrt`; non-streaming / streaming attention), CUDA only, not with ``cuda_graphs``.
     """
 
     cuda_graphs: bool = False
-    hift_graphs: bool = True
+    hift_graphs: bool = False
+    compile: bool = False
+    precapture_frames: int = 0
+    precapture_batch: int = 16
+    precapture_streaming: bool = True
     incremental_stream: bool = False
     bucket_frames: int = 50
     max_graphs: int = 256
@@ -86,7 +101,7 @@ class OfflineRequest:
 class _Work:
     """One unit of :meth:`CosyVoice2Token2Wav.run_batch`: validated tokens and where its mel goes."""
 
-    tokens: torch.Tensor  # (1, n) on the device
+    tokens: torch.Tensor  # (1, n) on the CPU
     prompt: _Prompt
     finalize: bool
     streaming: bool
@@ -124,8 +139,15 @@ class CosyVoice2Token2Wav:
                                                                       True: self.options.tensorrt_streaming_plan})
         self.hift = hift.to(device=self.device).eval()
         options = self.options
-        self.sampler = FlowSampler(self.flow.decoder, cuda_graphs=options.cuda_graphs,
+        if options.compile and options.tensorrt:
+            raise InvalidInputError("choose compile or a TensorRT estimator plan, not both")
+        self.sampler = FlowSampler(self.flow.decoder, cuda_graphs=options.cuda_graphs, compile=options.compile,
                                    bucket_frames=options.bucket_frames, max_graphs=options.max_graphs)
+        if options.precapture_frames > 0:
+            if not options.cuda_graphs:
+                raise InvalidInputError("precapture_frames needs cuda_graphs")
+            self.sampler.precapture(options.precapture_batch, options.precapture_frames,
+                                    (True, False) if options.precapture_streaming else (False,))
         self.vocoder = HiftRunner(self.hift, cuda_graphs=options.cuda_graphs and options.hift_graphs,
                                   max_graphs=options.max_graphs)
         self.sample_rate = self.hift.cfg.sampling_rate
@@ -295,7 +317,7 @@ class CosyVoice2Token2Wav:
     # ----- validation -----
 
     def _tokens(self, value: Any, name: str) -> torch.Tensor:
-        """Speech-token ids as a (1, n) long tensor on the device; ids must lie in [0, vocab_size)."""
+        """Speech-token ids as a (1, n) long CPU tensor; ids must lie in [0, vocab_size)."""
         tokens = torch.as_tensor(value) if not isinstance(value, torch.Tensor) else value
         if tokens.numel() == 0:
             tokens = tokens.long()  # an empty list parses as float
@@ -312,7 +334,8 @@ class CosyVoice2Token2Wav:
                 f"{name} has ids in [{int(tokens.min())}, {int(tokens.max())}]; raw speech-token ids must lie in "
                 f"[0, {vocab}) (LLM ids must be shifted back before token2wav)"
             )
-        return tokens.to(self.device, torch.long)[None]
+        # Kept on the CPU: the flow checks ids again, which on the device would wait for queued GPU work.
+        return tokens.to("cpu", torch.long)[None]
 
     def _prompt(self, prompt_tokens: Any, prompt_feat: Any, embedding: Any) -> _Prompt:
         tokens = self._tokens(prompt_tokens, "prompt_tokens")

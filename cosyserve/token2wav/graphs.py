@@ -7,17 +7,21 @@ element-wise ops. A CUDA graph captures such a sequence once per input shape and
 one launch.
 
 * :class:`FlowSampler`: the CFM Euler loop over :class:`~cosyserve.models.flow.FlowConditions`.
-  Graphs replay fixed shapes, so requests are padded on the right to a multiple of
-  ``bucket_frames`` frames and the batch to a power of two (copies of row 0). That is exact up to
-  rounding: the estimator's convolutions are causal, padded frames are zeroed before each of them
-  and hidden as attention keys (the same rule that makes mixed-length batches exact).
+  Graphs replay fixed shapes, so requests are padded on the right to a frame bucket
+  (:func:`frame_bucket`: multiples of ``bucket_frames`` up to 8 of them, then about 25 % apart)
+  and the batch to a power of two (copies of row 0). That is exact up to rounding: the
+  estimator's convolutions are causal, padded frames are zeroed before each of them and hidden as
+  attention keys (the same rule that makes mixed-length batches exact). Bounded shapes let a
+  server capture every graph it will need at start-up (:meth:`FlowSampler.precapture`), so no
+  request pays for an eager run or a capture. The estimator may be ``torch.compile``-d
+  (dynamic shapes, one compilation per attention kind): fewer, fused kernels per step.
 * :class:`HiftRunner`: HiFT with injected source noise. HiFT is not causal (centred
   convolutions, reflect padding), so its graphs are keyed by the exact frame count (rows, which
   never interact, are padded to a power of two), and only its network (``predict_spectrum``) is
   captured: ``torch.istft`` checks its window on the host, a device sync that a graph cannot contain.
 
-A shape is captured the second time it is seen (``capture_after``); a one-off shape runs eagerly,
-since capturing costs about three runs. All graphs of a cache share one memory pool: replays are
+Shapes not captured in advance are captured the second time they are seen (``capture_after``); a
+one-off shape runs eagerly, since capturing costs about three runs. All graphs of a cache share one memory pool: replays are
 serialised, inputs are copied in and outputs cloned out around each replay, so one graph's
 temporaries may overlap another's.
 """
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +54,9 @@ class GraphCache:
     """``fn(*tensors) -> tuple of tensors`` replayed from a CUDA graph per input shape (LRU, ``max_graphs``).
 
     ``fn`` must be a pure function of its inputs' values with no host synchronisation. Shapes seen
-    at most ``capture_after`` times run eagerly. Thread-safe (calls are serialised).
+    at most ``capture_after`` times run eagerly. A capture is preceded by ``warmup`` eager runs
+    the first time (library handles, plans), one run later (the new side stream's workspaces).
+    Thread-safe (calls are serialised).
     """
 
     def __init__(self, fn: TensorFn, *, max_graphs: int = 64, capture_after: int = 1, warmup: int = 2):
@@ -71,7 +77,7 @@ class GraphCache:
 
     @torch.inference_mode()
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        key = tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
+        key = self._key(inputs)
         with self._lock:
             entry = self._graphs.get(key)
             if entry is None:
@@ -81,10 +87,26 @@ class GraphCache:
                 entry = self._capture(key, inputs)
             else:
                 self._graphs.move_to_end(key)
-            for static, value in zip(entry.inputs, inputs):
-                static.copy_(value)
-            entry.graph.replay()
-            return tuple(out.clone() for out in entry.outputs)
+            return self._replay(entry, inputs)
+
+    @staticmethod
+    def _key(inputs: tuple[torch.Tensor, ...]) -> tuple:
+        return tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
+
+    @torch.inference_mode()
+    def capture(self, *inputs: torch.Tensor) -> None:
+        """Capture the graph of these input shapes now (no-op if it exists); the values only warm up."""
+        key = self._key(inputs)
+        with self._lock:
+            if key not in self._graphs:
+                self._capture(key, inputs)
+
+    @staticmethod
+    def _replay(entry: _Graph, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        for static, value in zip(entry.inputs, inputs):
+            static.copy_(value)
+        entry.graph.replay()
+        return tuple(out.clone() for out in entry.outputs)
 
     def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...]) -> _Graph:
         device = inputs[0].device
@@ -94,7 +116,7 @@ class GraphCache:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up: library handles, cuDNN/cuFFT plans, lazy allocations
-            for _ in range(self.warmup):
+            for _ in range(self.warmup if not self._graphs else 1):
                 self.fn(*static)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
@@ -111,6 +133,30 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+# Frame buckets: multiples of the step up to FINE_BUCKETS of them, then each about GROWTH x the last.
+FINE_BUCKETS = 8
+GROWTH = 1.25
+
+
+def frame_bucket(frames: int, step: int = 50) -> int:
+    """The padded length of a ``frames``-frame flow input: a multiple of ``step``, at most ~25 %
+    (or one step) above ``frames``, from a small set of lengths; capped at the noise buffer."""
+    bucket = _round_up(max(frames, 1), step)
+    if bucket > FINE_BUCKETS * step:
+        bucket = FINE_BUCKETS * step
+        while bucket < frames:
+            bucket = _round_up(int(bucket * GROWTH), step)
+    return min(bucket, NOISE_FRAMES)
+
+
+def frame_buckets(max_frames: int, step: int = 50) -> list[int]:
+    """Every bucket a request of up to ``max_frames`` frames can fall in, ascending."""
+    buckets = [frame_bucket(step, step)]
+    while buckets[-1] < min(max_frames, NOISE_FRAMES):
+        buckets.append(frame_bucket(buckets[-1] + 1, step))
+    return buckets
+
+
 def _next_power_of_two(value: int) -> int:
     return 1 << (value - 1).bit_length()
 
@@ -123,18 +169,23 @@ def _pad_rows(v: torch.Tensor, rows: int) -> torch.Tensor:
 class FlowSampler:
     """The flow's Euler loop: ``(conditions, streaming) -> x (B, 80, T)``, eager or from CUDA graphs.
 
-    Eager without ``cuda_graphs`` and ``pad``: exactly ``CausalConditionalCFM.forward``.
+    Eager without ``cuda_graphs``, ``pad`` and ``compile``: exactly ``CausalConditionalCFM.forward``.
     ``pad`` (implied by ``cuda_graphs``) runs the padded shapes; on its own it only serves tests.
+    ``compile``: the estimator goes through ``torch.compile`` (dynamic shapes), with or without graphs.
     """
 
     def __init__(self, decoder: CausalConditionalCFM, *, cuda_graphs: bool = False, pad: bool = False,
-                 bucket_frames: int = 50, max_graphs: int = 64, n_timesteps: int = N_TIMESTEPS):
+                 compile: bool = False, bucket_frames: int = 50, max_graphs: int = 64,
+                 n_timesteps: int = N_TIMESTEPS):
         if bucket_frames < 1:
             raise InvalidInputError(f"bucket_frames must be >= 1, got {bucket_frames}")
         self.decoder = decoder
         self.pad = pad or cuda_graphs
+        self.cuda_graphs = cuda_graphs
         self.bucket_frames = bucket_frames
         self.n_timesteps = n_timesteps
+        # One estimator call per Euler step; compiled once per attention kind (streaming or not).
+        self.estimator = torch.compile(decoder.estimator, dynamic=True) if compile else None
         loops = {streaming: self._loop(streaming) for streaming in (False, True)}
         self._run: dict[bool, TensorFn] = (
             {s: GraphCache(fn, max_graphs=max_graphs) for s, fn in loops.items()} if cuda_graphs else loops)
@@ -142,17 +193,38 @@ class FlowSampler:
     def _loop(self, streaming: bool) -> TensorFn:
         def euler(z, mask, mu, spks, cond):
             for _, x in self.decoder.euler_steps(z, mask, mu, spks, cond, streaming=streaming,
-                                                 n_timesteps=self.n_timesteps):
+                                                 n_timesteps=self.n_timesteps, estimator=self.estimator):
                 pass
             return (x,)
         return euler
 
+    @property
+    def num_graphs(self) -> int:
+        return sum(run.num_graphs for run in self._run.values()) if self.cuda_graphs else 0
+
+    @torch.inference_mode()
+    def precapture(self, max_batch: int, max_frames: int, streaming: Sequence[bool] = (True, False)) -> int:
+        """Capture the graphs of every padded shape up to ``max_batch`` requests of ``max_frames``
+        frames, for these attention kinds; returns how many graphs there are. Needs ``cuda_graphs``."""
+        if not self.cuda_graphs:
+            raise InvalidInputError("precapture needs cuda_graphs")
+        param = next(self.decoder.estimator.parameters())
+        rows_all = [1 << k for k in range(_next_power_of_two(max(1, max_batch)).bit_length())]
+        for kind in streaming:
+            for rows in rows_all:
+                for frames in frame_buckets(max_frames, self.bucket_frames):
+                    z = fixed_noise(frames, param.device, param.dtype).expand(rows, -1, -1)
+                    mu = torch.zeros_like(z)
+                    self._run[kind].capture(z, torch.ones_like(z[:, :1]), mu, mu[:, :, 0], mu)
+        return self.num_graphs
+
     @torch.inference_mode()
     def __call__(self, c: FlowConditions, streaming: bool) -> torch.Tensor:
         if not self.pad:
-            return self.decoder(c.mu, c.mask, c.spks, c.cond, streaming=streaming, n_timesteps=self.n_timesteps)
+            z = fixed_noise(c.mu.size(2), c.mu.device, c.mu.dtype).expand(c.mu.size(0), -1, -1)
+            return self._run[streaming](z, c.mask, c.mu, c.spks, c.cond)[0]
         batch, frames = c.mu.size(0), c.mu.size(2)
-        rows, padded = _next_power_of_two(batch), min(_round_up(frames, self.bucket_frames), NOISE_FRAMES)
+        rows, padded = _next_power_of_two(batch), frame_bucket(frames, self.bucket_frames)
 
         def fit(v: torch.Tensor) -> torch.Tensor:
             if v.dim() == 3:

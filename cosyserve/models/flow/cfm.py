@@ -10,7 +10,7 @@ and cond zeroed).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -77,26 +77,33 @@ class CausalConditionalCFM(nn.Module):
 
     def velocity(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
                  spks: torch.Tensor, cond: torch.Tensor, *, streaming: bool,
-                 window: StreamWindow | None = None) -> torch.Tensor:
-        """Guided velocity (1 + r) * v_cond - r * v_uncond at time t."""
-        out = self.estimator(*self.guidance_batch(x, mask, mu, t, spks, cond), streaming=streaming, window=window)
+                 window: StreamWindow | None = None, estimator: Callable | None = None) -> torch.Tensor:
+        """Guided velocity (1 + r) * v_cond - r * v_uncond at time t.
+
+        ``estimator``: a drop-in for ``self.estimator`` (a compiled version of it).
+        """
+        estimator = self.estimator if estimator is None else estimator
+        out = estimator(*self.guidance_batch(x, mask, mu, t, spks, cond), streaming=streaming, window=window)
         conditional, unconditional = out.chunk(2)
         return (1.0 + self.cfg_rate) * conditional - self.cfg_rate * unconditional
 
     def euler_steps(self, z: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
                     cond: torch.Tensor, *, streaming: bool, n_timesteps: int = N_TIMESTEPS,
-                    windows: Sequence[StreamWindow] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                    windows: Sequence[StreamWindow] | None = None,
+                    estimator: Callable | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield (t passed to the estimator, state after the step) for each Euler step from z.
 
         t accumulates dt (rather than reading the grid) exactly like upstream, so the t values
         differ from the grid in the last bits. ``windows``: one stream window per step (each
-        step's estimator pass has its own cached state), for an incremental stream.
+        step's estimator pass has its own cached state), for an incremental stream. ``estimator``
+        as in :meth:`velocity`.
         """
         t_span = self.time_span(n_timesteps, mu.device, mu.dtype)
         x, t, dt = z, t_span[0], t_span[1] - t_span[0]
         for step in range(1, n_timesteps + 1):
             window = None if windows is None else windows[step - 1]
-            x = x + dt * self.velocity(x, mask, mu, t, spks, cond, streaming=streaming, window=window)
+            x = x + dt * self.velocity(x, mask, mu, t, spks, cond, streaming=streaming, window=window,
+                                       estimator=estimator)
             yield t, x
             t = t + dt
             if step < n_timesteps:
