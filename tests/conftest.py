@@ -25,3 +25,14 @@ def tiny_bundle(tmp_path_factory) -> Path:
     from cosyserve.bundle import make_bundle
 
     return make_bundle(tmp_path_factory.mktemp("bundle"), "tiny", seed=0)
+
+
+@pytest.fixture
+def idle_server(server):
+    """The requesting module's ``server`` (a real tritonserver), checked after the test: no stub
+    crashed, no LLM request or token2wav stream is left. Modules may define their own."""
+    from conftest_triton import assert_server_idle
+
+    log_start = server.log_file.stat().st_size
+    yield server
+    assert_server_idle(server, log_start)

@@ -30,8 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 import tritonclient.grpc as grpcclient
 from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, free_ports, grpc_input, metrics, serve_openai_llm,
-                             serve_repo, server_env,
-                             token_limits)
+                             serve_repo, server_env, stream_tts, token_limits)
 
 pytest.importorskip("pytriton")
 
@@ -124,15 +123,6 @@ def idle_server(server):
     assert server.process.poll() is None, "tritonserver died"
 
 
-def stream_tts(server, inputs: list, model: str = "cosyvoice2_dit") -> list[np.ndarray]:
-    stream = Stream(server.grpc_url)
-    try:
-        stream.send(model, inputs)
-        return [chunk.reshape(-1) for chunk in stream.responses()]
-    finally:
-        stream.close()
-
-
 def reference(wav: np.ndarray, text: str | None = "参考文本") -> list:
     inputs = [grpc_input("reference_wav", wav.reshape(1, -1).astype(np.float32)),
               grpc_input("reference_wav_len", np.array([[wav.size]], np.int32))]
@@ -214,10 +204,10 @@ def test_bad_requests_get_clear_errors_and_the_server_stays_up(idle_server, prom
         assert message in offline_error.value.message(), name
         assert offline_error.value.status() == "StatusCode.INVALID_ARGUMENT", name
         with pytest.raises(InferenceServerException) as stream_error:
-            stream_tts(idle_server, inputs)
+            stream_tts(idle_server, inputs, "cosyvoice2_dit")
         assert message in stream_error.value.message(), name
     assert client.is_server_live() and client.is_model_ready("cosyvoice2_dit")
-    good = stream_tts(idle_server, [grpc_input("target_text", "好"), *reference(prompt)])
+    good = stream_tts(idle_server, [grpc_input("target_text", "好"), *reference(prompt)], "cosyvoice2_dit")
     assert sum(c.size for c in good) == SAMPLES_PER_TOKEN * NUM_TOKENS
 
 
@@ -282,7 +272,7 @@ def test_cancelled_streams_stop_their_llm_requests_and_close_token2wav_streams(i
     while log.read_text().count("went away") - stopped_before < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert log.read_text().count("went away") - stopped_before == 3, "the LLM requests were not stopped"
-    after = stream_tts(idle_server, [grpc_input("target_text", "好")])
+    after = stream_tts(idle_server, [grpc_input("target_text", "好")], "cosyvoice2_dit")
     assert sum(c.size for c in after) == SAMPLES_PER_TOKEN * NUM_TOKENS
 
 

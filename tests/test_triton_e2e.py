@@ -24,7 +24,7 @@ import soundfile as sf
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, assert_server_idle, build_llm_caller_repo,
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_llm_caller_repo,
                              build_model_repo, crash_report, expected_chunk_samples, free_ports, grpc_input, metrics,
                              serve_repo, server_env, stream_tts,
                              template_values, token_limits, wait_until_idle)
@@ -66,14 +66,6 @@ def server(models_dir: Path, tmp_path_factory):
     repo = build_model_repo(models_dir, work / "repo", max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS,
                             bls_instances=BLS_INSTANCES)
     yield from serve_repo(repo, work)
-
-
-@pytest.fixture
-def idle_server(server):
-    """The server, checked after the test: no stub crashed, no LLM request or token2wav stream is left."""
-    log_start = server.log_file.stat().st_size
-    yield server
-    assert_server_idle(server, log_start)
 
 
 def grpc_client(server) -> grpcclient.InferenceServerClient:
