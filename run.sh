@@ -57,6 +57,13 @@ TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # auto (fp16 on CUDA, fp32 on CPU)
 TOKEN2WAV_CUDA_GRAPHS=${TOKEN2WAV_CUDA_GRAPHS:-auto}   # auto (on with CUDA) | true | false
 TOKEN2WAV_PRECAPTURE_FRAMES=${TOKEN2WAV_PRECAPTURE_FRAMES:-auto}  # auto (1500 with graphs) | N mel frames | 0 (lazy)
 TOKEN2WAV_COMPILE=${TOKEN2WAV_COMPILE:-false}  # true: torch.compile the flow estimator
+TOKEN2WAV_HIFT_GRAPHS=${TOKEN2WAV_HIFT_GRAPHS:-auto}   # auto (as the flow's): HiFT graphs of streaming chunk shapes
+# Under MPS: the share (1-100 %) of the GPU's SMs each process may use (empty = all), and the
+# priority of its GPU work (normal | below_normal; empty = normal). Measured in docs/benchmarks.md.
+TOKEN2WAV_MPS_THREAD_PERCENTAGE=${TOKEN2WAV_MPS_THREAD_PERCENTAGE:-}
+LLM_MPS_THREAD_PERCENTAGE=${LLM_MPS_THREAD_PERCENTAGE:-}
+TOKEN2WAV_MPS_PRIORITY=${TOKEN2WAV_MPS_PRIORITY:-}
+LLM_MPS_PRIORITY=${LLM_MPS_PRIORITY:-}
 TOKEN2WAV_INCREMENTAL_STREAM=${TOKEN2WAV_INCREMENTAL_STREAM:-false}  # true: streaming steps cost only their new frames
 MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
 HTTP_PORT=${HTTP_PORT:-8000}
@@ -201,11 +208,11 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   done
   fill() { "$PY" "$repo_root/scripts/fill_template.py" -i "$1" "$2"; }
   common="model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS,device:$DEVICE"
-  fill "$MODEL_REPO/token2wav/config.pbtxt" "$common,token2wav_dtype:$TOKEN2WAV_DTYPE,token2wav_cuda_graphs:$TOKEN2WAV_CUDA_GRAPHS,token2wav_incremental_stream:$TOKEN2WAV_INCREMENTAL_STREAM,token2wav_precapture_frames:$TOKEN2WAV_PRECAPTURE_FRAMES,token2wav_compile:$TOKEN2WAV_COMPILE"
+  fill "$MODEL_REPO/token2wav/config.pbtxt" "$common,token2wav_dtype:$TOKEN2WAV_DTYPE,token2wav_cuda_graphs:$TOKEN2WAV_CUDA_GRAPHS,token2wav_incremental_stream:$TOKEN2WAV_INCREMENTAL_STREAM,token2wav_precapture_frames:$TOKEN2WAV_PRECAPTURE_FRAMES,token2wav_compile:$TOKEN2WAV_COMPILE,token2wav_hift_graphs:$TOKEN2WAV_HIFT_GRAPHS,mps_thread_percentage:$TOKEN2WAV_MPS_THREAD_PERCENTAGE,mps_priority:$TOKEN2WAV_MPS_PRIORITY"
   fill "$MODEL_REPO/audio_tokenizer/config.pbtxt" "$common"
   fill "$MODEL_REPO/speaker_embedding/config.pbtxt" "$common"
   if [ "$triton_llm" = llm ]; then
-    fill "$MODEL_REPO/llm/config.pbtxt" "$common,llm_dir:$MODELS_DIR/cosyvoice2_llm,llm_engine:$LLM_ENGINE"
+    fill "$MODEL_REPO/llm/config.pbtxt" "$common,llm_dir:$MODELS_DIR/cosyvoice2_llm,llm_engine:$LLM_ENGINE,mps_thread_percentage:$LLM_MPS_THREAD_PERCENTAGE,mps_priority:$LLM_MPS_PRIORITY"
   elif [ "$triton_llm" = tensorrt_llm ]; then
     # decoupled always: the BLS streams from the LLM model in both modes (one response when not streaming)
     fill "$MODEL_REPO/tensorrt_llm/config.pbtxt" "triton_backend:tensorrtllm,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,decoupled_mode:True,max_beam_width:1,engine_dir:$TRT_ENGINE_DIR,max_tokens_in_paged_kv_cache:$TRT_KV_CACHE_TOKENS,max_attention_window_size:$TRT_KV_CACHE_TOKENS,kv_cache_free_gpu_mem_fraction:0.5,exclude_input_in_output:True,enable_kv_cache_reuse:False,batching_strategy:inflight_fused_batching,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS,encoder_input_features_data_type:TYPE_FP16,logits_datatype:TYPE_FP32"

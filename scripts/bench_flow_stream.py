@@ -68,7 +68,7 @@ def main() -> int:
     inputs = [t.to(device) for t in (prompt, feat.to(dtype), embedding.to(dtype))]
 
     # Warm-up (allocator, kernels) on a short request.
-    flow.inference(tokens[:, :2 * lookahead], *inputs, streaming=True, finalize=False, n_timesteps=1)
+    flow.inference(tokens[:, :2 * lookahead].to(device), *inputs, streaming=True, finalize=False, n_timesteps=1)
     stream = flow.open_stream(*inputs, n_timesteps=args.steps)
     print(f"flow {args.config} on {device} {args.dtype}, {args.steps} Euler steps, prompt {args.prompt_tokens} tokens, "
           f"{torch.get_num_threads()} CPU threads")

@@ -22,6 +22,7 @@ For each ``--variant NAME:KEY=VAL,...`` (default: ``ours``, no overrides):
    same seeded per-item draws as offline_inference.py; 960 samples a token at 24 kHz). Streaming
    uses the decoupled ``cosyvoice2``; offline uses ``cosyvoice2_offline``, the non-decoupled twin
    run.sh serves next to it (or ``cosyvoice2`` itself when a variant sets DECOUPLED_MODE=False).
+   The server's ``cosyserve_*`` Prometheus counters are read before and after each level's run.
 4. The server is stopped.
 
 Then each ``--offline-inference NAME:ARGS`` runs offline_inference.py on the same manifest, fixed
@@ -30,7 +31,8 @@ benchmark set like seed-tts' wenetspeech4tts split is written first: 26 prompts 
 speech-like 16 kHz audio with Chinese prompt and target texts of plausible lengths.
 
 Writes ``<out-dir>/bench.json``, ``bench.md`` (header: date, GPU, command line, git commit; the
-level table; the offline_inference table; Triton's per-model compute time per level; the targets)
+level table; the offline_inference table; Triton's per-model compute time per level; the server-side
+breakdown from the cosyserve_* counters per level; the targets)
 and ``bench.png`` (needs matplotlib; ``--no-plot`` skips it). Exit status 1 when a level, a
 variant or an offline run failed, or any request failed; missed targets alone do not fail.
 """
@@ -40,7 +42,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import http.client
 import json
+import math
 import os
 import random
 import re
@@ -49,6 +53,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -370,6 +375,105 @@ def compute_by_group(triton_stats: dict, wall_s: float) -> dict[str, dict]:
             for name, g in groups.items()}
 
 
+METRIC_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
+
+
+def _labels_end(text: str) -> int | None:
+    """The index just past the ``{...}`` label set ``text`` starts with (quoted label values may hold
+    ``}``, commas, spaces and escaped quotes); None when it is not closed."""
+    quoted = escaped = False
+    for i, ch in enumerate(text):
+        if escaped:
+            escaped = False
+        elif quoted and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "}" and not quoted:
+            return i + 1
+    return None
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """The ``cosyserve_*`` samples of a Prometheus text page, each name's value summed over its label
+    sets (a model's instances, models sharing a metric); other metrics, malformed lines and non-finite
+    values are skipped."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        name = METRIC_NAME.match(line)  # None for "# HELP/TYPE" and blank lines
+        if name is None or not name.group().startswith("cosyserve_"):
+            continue
+        rest = line[name.end():]
+        if rest.startswith("{"):
+            end = _labels_end(rest)
+            if end is None:
+                continue
+            rest = rest[end:]
+        fields = rest.split()  # value [timestamp]
+        try:
+            value = float(fields[0])
+        except (IndexError, ValueError):
+            continue
+        if math.isfinite(value):
+            totals[name.group()] = totals.get(name.group(), 0.0) + value
+    return totals
+
+
+def scrape_metrics(port: int, host: str = "localhost", timeout: float = 5.0) -> dict[str, float]:
+    """The server's ``cosyserve_*`` metrics (``parse_prometheus``); {} and a warning when the page
+    cannot be read, so that a metrics hiccup costs the breakdown, not the benchmark."""
+    url = f"http://{host}:{port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            text = response.read().decode("utf-8", errors="replace")
+    except (OSError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
+        print(f"warning: could not read {url}: {e}", file=sys.stderr, flush=True)
+        return {}
+    return parse_prometheus(text)
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each counter (``*_total``) in both scrapes grew by; {} when either scrape is empty."""
+    return {name: after[name] - before[name] for name in after if name.endswith("_total") and name in before}
+
+
+def server_breakdown(row: dict) -> dict | None:
+    """Where a level's server time went, from its counter deltas: busy = seconds of that work / the
+    level's wall time; flow per call (rows, padding, ms); LLM decode steps (ms, rows). A figure is
+    None when its counters are missing or a denominator is 0; the whole is None without counters."""
+    counters = row.get("server_counters")
+    if not counters:
+        return None
+
+    def counter(name: str) -> float | None:
+        return counters.get(f"cosyserve_{name}_total")
+
+    def ratio(numerator: float | None, denominator: float | None, scale: float = 1.0) -> float | None:
+        return None if numerator is None or not denominator else scale * numerator / denominator
+
+    def difference(minuend: float | None, *subtrahends: float | None) -> float | None:
+        return None if minuend is None or None in subtrahends else minuend - sum(subtrahends)
+
+    wall_s = row.get("wall_s")
+    flow_busy = ratio(counter("token2wav_flow_seconds"), wall_s)
+    hift_busy = ratio(counter("token2wav_hift_seconds"), wall_s)
+    execute_busy = ratio(counter("token2wav_execute_seconds"), wall_s)
+    decode_s = difference(counter("llm_engine_busy_seconds"), counter("llm_prefill_seconds"))
+    return {
+        "flow_busy": flow_busy, "hift_busy": hift_busy, "token2wav_execute_busy": execute_busy,
+        "token2wav_other_busy": difference(execute_busy, flow_busy, hift_busy),
+        "flow_rows_per_call": ratio(counter("token2wav_flow_rows"), counter("token2wav_flow_calls")),
+        "flow_padding": difference(1.0, ratio(counter("token2wav_flow_frames"),
+                                              counter("token2wav_flow_padded_frames"))),
+        "flow_ms_per_call": ratio(counter("token2wav_flow_seconds"), counter("token2wav_flow_calls"), 1000.0),
+        "llm_busy": ratio(counter("llm_engine_busy_seconds"), wall_s),
+        "llm_step_ms": ratio(decode_s, counter("llm_decode_steps"), 1000.0),
+        "llm_rows_per_step": ratio(counter("llm_decode_rows"), counter("llm_decode_steps")),
+        "llm_tokens_per_s": ratio(counter("llm_generated_tokens"), wall_s),
+    }
+
+
 def level_row(variant: str, mode: str, concurrency: int, report: dict) -> dict:
     """The numbers of one level, flat (JSON and table)."""
     def ms(section: str, key: str) -> float | None:
@@ -464,7 +568,12 @@ def measure_levels(args: argparse.Namespace, variant: Variant, repo: Repository,
             command = client_command(args, model, mode, concurrency, requests, manifest, level_dir)
             try:
                 check_alive(server)
-                row = level_row(variant.name, mode, concurrency, run_client(command, level_dir))
+                before = scrape_metrics(args.metrics_port)
+                report = run_client(command, level_dir)
+                after = scrape_metrics(args.metrics_port)
+                row = level_row(variant.name, mode, concurrency, report)
+                row["server_counters"] = counter_deltas(before, after)
+                row["server_breakdown"] = server_breakdown(row)
             except BenchError as e:
                 row = {"variant": variant.name, "mode": mode, "concurrency": concurrency, "model": model,
                        "requests": requests, "failed": requests, "error": str(e)}
@@ -617,6 +726,10 @@ def fmt(value, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def percent(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{100 * fraction:.0f} %"
+
+
 def table(columns: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
@@ -660,12 +773,28 @@ def compute_table(levels: list[dict]) -> str:
         groups = r.get("triton_compute") or {}
         for name in sorted(groups, key=lambda g: (GROUP_ORDER.index(g) if g in GROUP_ORDER else len(GROUP_ORDER), g)):
             g = groups[name]
-            share = "n/a" if g["share"] is None else f"{100 * g['share']:.0f} %"
             rows.append([r["variant"], r["mode"], str(r["concurrency"]), f"{name} ({', '.join(g['models'])})",
                          str(g["executions"]), fmt(g["inferences"] / g["executions"] if g["executions"] else None, 2),
-                         fmt(g["queue_avg_ms"]), fmt(g["compute_s"], 3), fmt(g["busy"], 2), share])
+                         fmt(g["queue_avg_ms"]), fmt(g["compute_s"], 3), fmt(g["busy"], 2),
+                         percent(g["share"])])
     return table(["variant", "mode", "concurrency", "model", "executions", "avg batch", "queue avg ms", "compute s",
                   "busy", "share"], rows)
+
+
+def breakdown_table(levels: list[dict]) -> str:
+    """The levels' ``server_breakdown`` figures; "" when no level has one (no metrics were read)."""
+    rows = []
+    for r in levels:
+        b = r.get("server_breakdown")
+        if b:
+            rows.append([r["variant"], r["mode"], str(r["concurrency"]), percent(b["flow_busy"]),
+                         percent(b["hift_busy"]), percent(b["token2wav_other_busy"]), fmt(b["flow_ms_per_call"]),
+                         fmt(b["flow_rows_per_call"], 2), percent(b["flow_padding"]), percent(b["llm_busy"]),
+                         fmt(b["llm_step_ms"], 2), fmt(b["llm_rows_per_step"], 2), fmt(b["llm_tokens_per_s"], 0)])
+    if not rows:
+        return ""
+    return table(["variant", "mode", "concurrency", "flow busy", "HiFT busy", "token2wav other busy", "flow ms/call",
+                  "flow rows/call", "flow padding", "LLM busy", "LLM step ms", "LLM rows/step", "LLM tokens/s"], rows)
 
 
 def targets_text(results: list[dict]) -> str:
@@ -714,7 +843,15 @@ def markdown(bench: dict) -> str:
               "busy = compute time / wall time of the level (instances busy on average); share = compute time / "
               "compute time of all models but the BLS, whose compute time includes its waits for the others. The "
               "llm model hands each request to its engine thread, so its compute time is the submission only.", "",
-              compute_table(bench["levels"]).rstrip(), "", "## Targets", "", targets_text(bench["targets"]).rstrip()]
+              compute_table(bench["levels"]).rstrip()]
+    breakdown = breakdown_table(bench["levels"])
+    if breakdown:
+        lines += ["", "## Server-side breakdown (Prometheus counters, per level)", "",
+                  "busy = seconds of that work / wall time of the level; flow and HiFT are GPU time measured with "
+                  "CUDA events, token2wav other = token2wav's execute wall time minus both (host work and waits); "
+                  "LLM busy is the wall time of the engine's steps. Under MPS the LLM and token2wav overlap, so the "
+                  "busy figures may sum past 100 %.", "", breakdown.rstrip()]
+    lines += ["", "## Targets", "", targets_text(bench["targets"]).rstrip()]
     return "\n".join(lines) + "\n"
 
 

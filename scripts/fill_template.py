@@ -9,7 +9,7 @@ Same command line as NVIDIA's CosyVoice runtime script. Substitutions are ``key:
 pairs separated by commas; only the first ':' separates key and value (so values such as
 ``http://host:8000`` or ``C:/x`` work); a backslash escapes the next character (``\\,``
 for a comma inside a value). ``max_queue_size`` and ``max_queue_delay_microseconds``
-default to 0, ``llm_protocol`` and ``llm_url`` to empty. It is an error (exit status 1) to
+default to 0, ``llm_protocol``, ``llm_url``, ``mps_thread_percentage`` and ``mps_priority`` to empty. It is an error (exit status 1) to
 name a key that the template does not contain or to leave any ``${...}`` placeholder
 unfilled; nothing is written then.
 """
@@ -22,9 +22,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-# llm_protocol / llm_url of cosyvoice2: empty = by llm_model_name / a Triton LLM model, so repositories
-# filled with the keys of NVIDIA's runtime (which has neither) keep working.
-DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0", "llm_protocol": "", "llm_url": ""}
+# llm_protocol / llm_url of cosyvoice2: empty = by llm_model_name / a Triton LLM model;
+# mps_thread_percentage / mps_priority of llm: empty = no cap, normal priority. So repositories filled with the keys of NVIDIA's
+# runtime (which has none of them) keep working.
+DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0", "llm_protocol": "", "llm_url": "",
+            "mps_thread_percentage": "", "mps_priority": ""}
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 
 

@@ -46,9 +46,11 @@ def template_values(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_i
     return {
         "token2wav": {**common, "token2wav_dtype": "auto", "token2wav_cuda_graphs": "auto",
                       "token2wav_incremental_stream": "false", "token2wav_precapture_frames": "auto",
-                      "token2wav_compile": "false"},
+                      "token2wav_compile": "false", "token2wav_hift_graphs": "auto",
+                      "mps_thread_percentage": "", "mps_priority": ""},
         "audio_tokenizer": common, "speaker_embedding": common,
-        "llm": {**common, "llm_dir": f"{models_dir}/cosyvoice2_llm", "llm_engine": "torch"},
+        "llm": {**common, "llm_dir": f"{models_dir}/cosyvoice2_llm", "llm_engine": "torch",
+                "mps_thread_percentage": "", "mps_priority": ""},
         "cosyvoice2": {"model_dir": common["model_dir"], "triton_max_batch_size": str(max_batch_size),
                        "llm_tokenizer_dir": f"{models_dir}/cosyvoice2_llm",
                        "bls_instance_num": str(bls_instances), "decoupled_mode": str(decoupled),
@@ -119,7 +121,8 @@ class TritonPythonModel:
                     tokens.append(pb_utils.get_output_tensor_by_name(response, "output_ids"))
                     for _ in range(4):  # messages for the stub's utils thread, which then frees this
                         pb_utils.Logger.log_verbose("llm_caller")  # iterator late (not logged by default)
-                assert len(tokens) == 4 and tokens[-1] is None  # 3 tokens, then the final flag alone
+                # 3 tokens (one response each, or fewer carrying several), then the final flag alone
+                assert tokens[-1] is None and sum(t.as_numpy().shape[-1] for t in tokens[:-1]) == 3
                 self.finished.keep(responses)
                 del responses, tokens  # a BLS going on with its work: only the kept reference is left
                 busy_until = time.monotonic() + 0.01  # and allocating while the stub frees it

@@ -1,12 +1,15 @@
 """scripts/bench_triton.py: the synthetic manifest, arguments, repository reading, Triton compute
-shares and target checks without a server; then the whole driver on a real CPU server (tiny bundle)."""
+shares, the Prometheus breakdown and target checks without a server; then the whole driver on a
+real CPU server (tiny bundle)."""
 
 from __future__ import annotations
 
 import argparse
+import http.server
 import importlib.util
 import json
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +158,161 @@ def test_compute_by_group():
     assert groups["llm"]["inferences"] == 8
 
 
+METRICS_PAGE = """\
+# HELP nv_inference_count Number of inferences performed
+# TYPE nv_inference_count counter
+nv_inference_count{model="token2wav",version="1"} 42
+# HELP cosyserve_token2wav_flow_seconds_total flow GPU seconds
+# TYPE cosyserve_token2wav_flow_seconds_total counter
+cosyserve_token2wav_flow_seconds_total{model="token2wav",version="1"} 1.5
+cosyserve_token2wav_flow_seconds_total{model="token2wav_b",note="a, b } c",version="1"} 0.25
+
+cosyserve_llm_generated_tokens_total 1e+06
+cosyserve_llm_decode_steps_total{model="llm",q="say \\"hi\\", }"} 7 1712345678000
+cosyserve_llm_prefill_seconds_total{model="llm"} NaN
+cosyserve_llm_engine_busy_seconds_total{model="llm"} +Inf
+cosyserve_token2wav_open_streams{model="token2wav"} -2
+"""
+
+
+def test_parse_prometheus_sums_cosyserve_samples_over_label_sets():
+    assert bench.parse_prometheus(METRICS_PAGE) == {
+        "cosyserve_token2wav_flow_seconds_total": 1.75,  # two label sets, one with a quoted comma and brace
+        "cosyserve_llm_generated_tokens_total": 1e6,  # no labels
+        "cosyserve_llm_decode_steps_total": 7.0,  # escaped quotes, and a timestamp after the value
+        "cosyserve_token2wav_open_streams": -2.0,
+    }  # nv_* ignored, NaN and +Inf skipped
+    assert bench.parse_prometheus("") == {}
+    assert bench.parse_prometheus('cosyserve_x_total{model="unclosed 3\ncosyserve_y_total\n') == {}
+
+
+def test_counter_deltas():
+    before = {"cosyserve_a_total": 1.0, "cosyserve_b_total": 2.0, "cosyserve_open_streams": 3.0}
+    after = {"cosyserve_a_total": 4.5, "cosyserve_b_total": 2.0, "cosyserve_open_streams": 1.0,
+             "cosyserve_new_total": 9.0}
+    assert bench.counter_deltas(before, after) == {"cosyserve_a_total": 3.5, "cosyserve_b_total": 0.0}
+    assert bench.counter_deltas({}, after) == {} and bench.counter_deltas(before, {}) == {}
+
+
+COUNTERS = {
+    "cosyserve_token2wav_flow_seconds_total": 2.0, "cosyserve_token2wav_hift_seconds_total": 0.5,
+    "cosyserve_token2wav_execute_seconds_total": 3.0, "cosyserve_token2wav_flow_calls_total": 40.0,
+    "cosyserve_token2wav_flow_rows_total": 160.0, "cosyserve_token2wav_flow_frames_total": 750.0,
+    "cosyserve_token2wav_flow_padded_frames_total": 1000.0, "cosyserve_llm_engine_busy_seconds_total": 3.2,
+    "cosyserve_llm_prefill_seconds_total": 0.2, "cosyserve_llm_decode_steps_total": 200.0,
+    "cosyserve_llm_decode_rows_total": 1200.0, "cosyserve_llm_generated_tokens_total": 1250.0,
+}
+
+
+def test_server_breakdown():
+    b = bench.server_breakdown({"wall_s": 4.0, "server_counters": COUNTERS})
+    assert b == pytest.approx({
+        "flow_busy": 0.5, "hift_busy": 0.125, "token2wav_execute_busy": 0.75, "token2wav_other_busy": 0.125,
+        "flow_rows_per_call": 4.0, "flow_padding": 0.25, "flow_ms_per_call": 50.0, "llm_busy": 0.8,
+        "llm_step_ms": 15.0, "llm_rows_per_step": 6.0, "llm_tokens_per_s": 312.5})
+    # an LLM-only server (no token2wav counters), and no flow calls in the level
+    llm_only = {k: v for k, v in COUNTERS.items() if "token2wav" not in k}
+    b = bench.server_breakdown({"wall_s": 4.0, "server_counters": {**llm_only,
+                                                                   "cosyserve_token2wav_flow_calls_total": 0.0}})
+    assert b["llm_step_ms"] == pytest.approx(15.0) and b["llm_busy"] == pytest.approx(0.8)
+    for key in ("flow_busy", "hift_busy", "token2wav_execute_busy", "token2wav_other_busy", "flow_rows_per_call",
+                "flow_padding", "flow_ms_per_call"):
+        assert b[key] is None, key
+    no_prefill = {k: v for k, v in COUNTERS.items() if k != "cosyserve_llm_prefill_seconds_total"}
+    assert bench.server_breakdown({"wall_s": 4.0, "server_counters": no_prefill})["llm_step_ms"] is None
+    zero_wall = bench.server_breakdown({"wall_s": 0.0, "server_counters": COUNTERS})
+    assert all(zero_wall[k] is None for k in ("flow_busy", "hift_busy", "token2wav_execute_busy",
+                                               "token2wav_other_busy", "llm_busy", "llm_tokens_per_s"))
+    assert zero_wall["flow_rows_per_call"] == pytest.approx(4.0)  # not a share of the wall time
+    assert bench.server_breakdown({"wall_s": 4.0, "server_counters": {}}) is None
+    assert bench.server_breakdown({"error": "client crashed"}) is None
+
+
+def test_breakdown_table():
+    row = {"variant": "v", "mode": "streaming", "concurrency": 16, "wall_s": 4.0, "server_counters": COUNTERS}
+    row["server_breakdown"] = bench.server_breakdown(row)
+    text = bench.breakdown_table([row, {"variant": "v", "mode": "offline", "concurrency": 1, "error": "boom"}])
+    lines = text.splitlines()
+    assert lines[0] == ("| variant | mode | concurrency | flow busy | HiFT busy | token2wav other busy | flow ms/call "
+                        "| flow rows/call | flow padding | LLM busy | LLM step ms | LLM rows/step | LLM tokens/s |")
+    assert lines[2:] == ["| v | streaming | 16 | 50 % | 12 % | 12 % | 50.0 | 4.00 | 25 % | 80 % | 15.00 | 6.00 | 312 |"]
+    assert bench.breakdown_table([{**row, "server_breakdown": None}]) == ""
+    assert bench.breakdown_table([]) == ""
+
+
+def _serve(page: bytes, status: int = 200):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status if self.path == "/metrics" else 404)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("status", [200, 500])
+def test_scrape_metrics(status, capsys):
+    server = _serve(METRICS_PAGE.encode(), status)
+    try:
+        values = bench.scrape_metrics(server.server_address[1], host="127.0.0.1")
+    finally:
+        server.shutdown()
+        server.server_close()
+    if status == 200:
+        assert values == bench.parse_prometheus(METRICS_PAGE) and values["cosyserve_llm_decode_steps_total"] == 7.0
+        assert capsys.readouterr().err == ""
+    else:
+        assert values == {}
+        assert capsys.readouterr().err.count("warning: could not read") == 1
+
+
+def test_scrape_metrics_of_a_closed_port(capsys):
+    port, = free_ports(1)
+    assert bench.scrape_metrics(port, host="127.0.0.1", timeout=2.0) == {}
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"warning: could not read http://127.0.0.1:{port}/metrics" in err
+
+
+def test_measure_levels_scrapes_around_measured_levels_only(monkeypatch, tmp_path):
+    events = []
+    scrapes = iter([{"cosyserve_token2wav_flow_seconds_total": 1.0, "cosyserve_llm_generated_tokens_total": 10.0},
+                    {"cosyserve_token2wav_flow_seconds_total": 3.0, "cosyserve_llm_generated_tokens_total": 510.0,
+                     "cosyserve_llm_active_requests": 2.0},
+                    {}, {"cosyserve_token2wav_flow_seconds_total": 5.0}])  # level 2: the first scrape failed
+
+    def scrape(port):
+        events.append(("scrape", port))
+        return next(scrapes)
+
+    def client(command, level_dir):
+        events.append(("client", level_dir.name))
+        return {"model_name": "cosyvoice2", "requests": 2, "failed": 0, "wall_s": 4.0, "audio_s": 8.0, "rtf": 0.5,
+                "per_request": [{"id": "a", "error": None}, {"id": "b", "error": None}]}
+
+    monkeypatch.setattr(bench, "scrape_metrics", scrape)
+    monkeypatch.setattr(bench, "run_client", client)
+    monkeypatch.setattr(bench, "check_alive", lambda server: None)
+    args = argparse.Namespace(modes=["streaming"], warmup_passes=1, concurrency=[1, 2], requests_per_level=2,
+                              metrics_port=9102, grpc_port=9101, fixed_output_seconds=[1.0], tokens_per_second=25.0,
+                              seed=0, request_timeout=10.0)
+    repo = bench.Repository(tmp_path, {"streaming": "cosyvoice2", "offline": None}, {})
+    rows = bench.measure_levels(args, bench.Variant("v"), repo, None, tmp_path / "m.txt", 2, tmp_path)
+    assert events == [("client", "warmup_streaming_0"), ("scrape", 9102), ("client", "streaming_c1"),
+                      ("scrape", 9102), ("scrape", 9102), ("client", "streaming_c2"), ("scrape", 9102)]
+    assert rows[0]["server_counters"] == {"cosyserve_token2wav_flow_seconds_total": 2.0,
+                                          "cosyserve_llm_generated_tokens_total": 500.0}
+    assert rows[0]["server_breakdown"]["flow_busy"] == pytest.approx(0.5)
+    assert rows[0]["server_breakdown"]["llm_tokens_per_s"] == pytest.approx(125.0)
+    assert rows[0]["server_breakdown"]["hift_busy"] is None
+    assert rows[1]["server_counters"] == {} and rows[1]["server_breakdown"] is None
+
+
 def _row(mode, concurrency, **numbers):
     row = {"variant": "v", "mode": mode, "concurrency": concurrency, "failed": 0, "rtf": 0.5, "req_per_s": 1.0,
            "first_chunk_p50_ms": 50.0, "first_chunk_p95_ms": 250.0, "requests_with_underrun": 0}
@@ -213,6 +371,8 @@ def test_driver_end_to_end(tiny_bundle, tmp_path, monkeypatch, capsys):
         # (frontends too, unless every BLS instance had the level's prompts in its feature cache already)
         assert {"bls", "llm", "token2wav"} <= set(row["triton_compute"])
         assert row["triton_compute"]["token2wav"]["compute_s"] > 0
+        assert row["server_counters"]["cosyserve_llm_generated_tokens_total"] > 0  # scraped around the level
+        assert row["server_breakdown"]["llm_tokens_per_s"] > 0
         streaming = row["mode"] == "streaming"
         assert (row["first_chunk_p50_ms"] is not None) == streaming
         assert (row["requests_with_underrun"] is not None) == streaming
@@ -239,6 +399,7 @@ def test_driver_end_to_end(tiny_bundle, tmp_path, monkeypatch, capsys):
     md = (out / "bench.md").read_text(encoding="utf-8")
     assert "| ours | streaming | 1 | 4 | 0 |" in md and "| ours | offline | 2 | 4 | 0 |" in md
     assert "| cpu | " in md and "token2wav (token2wav)" in md and "* GPU: cpu" in md
+    assert "## Server-side breakdown (Prometheus counters, per level)" in md and "| LLM tokens/s |" in md
     assert "## Targets" in md and "first chunk p50 <= 60 ms at concurrency 1 [ours]" in md
     assert md in printed
     png = (out / "bench.png").read_bytes()

@@ -242,3 +242,38 @@ def test_lone_prefill_graph_body_matches_hf(hf, llm_dir):
         while engine.num_active:
             engine.step()
         assert list(stream) == hf.generate(ids, params)
+
+
+def test_token_stream_bursts_hold_every_token_once_and_end_like_iteration():
+    from cosyserve.llm.stream import Finished, TokenStream
+
+    stream = TokenStream("r", on_close=lambda: None)
+    for token in (5, 6, 7):
+        stream.put(token)
+    assert stream.available() == [5, 6, 7]  # all that was queued, in order
+    stream.put(8)
+    stream.put(Finished("stop"))
+    assert stream.available() == [8]  # the end is read ahead but not yet reported
+    with pytest.raises(StopIteration):
+        stream.available()
+    assert stream.finish_reason == "stop" and stream.num_tokens == 4
+
+    failing = TokenStream("f", on_close=lambda: None)
+    failing.put(1)
+    failing.put(Finished("error", RuntimeError("engine failed")))
+    assert failing.available() == [1]
+    with pytest.raises(RuntimeError, match="engine failed"):
+        failing.available()
+
+
+def test_engine_counts_its_steps(llm_dir):
+    engine = LLMEngine(llm_dir, "cpu", max_slots=4, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+    streams = [engine.submit(p, params) for p in PROMPTS[:2]]
+    while engine.num_active:
+        engine.step()
+    assert [len(list(s)) for s in streams] == [6, 6]
+    c = engine.counters
+    # prefill yields each request's first token, then 5 decode steps advance both requests
+    assert (c.prefills, c.decode_steps, c.decode_rows) == (2, 5, 10)
+    assert 0 < c.prefill_s < c.busy_s

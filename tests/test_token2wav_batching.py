@@ -307,3 +307,42 @@ def test_precapture_needs_cuda_graphs(parts):
         _model(parts, Token2WavOptions(precapture_frames=100))
     with pytest.raises(InvalidInputError, match="needs cuda_graphs"):
         FlowSampler(_model(parts).flow.decoder).precapture(1, 100)
+
+
+def test_streaming_vocoder_frames_are_the_non_final_chunk_shapes():
+    from cosyserve.token2wav.cosyvoice2 import streaming_vocoder_frames
+
+    # hops 15, 25, 50, 100, 200 tokens; the first call has no cached frames, the others 8
+    assert streaming_vocoder_frames(750) == (30, 58, 108, 208, 408)
+    assert streaming_vocoder_frames(100) == (30, 58, 108)
+    assert streaming_vocoder_frames(18) == (30,) and streaming_vocoder_frames(17) == ()  # 17: final chunk only
+
+
+def test_hift_precapture_needs_graphs(parts):
+    with pytest.raises(InvalidInputError, match="hift_precapture_frames needs cuda_graphs"):
+        _model(parts, Token2WavOptions(hift_precapture_frames=(30,)))
+    with pytest.raises(InvalidInputError, match="needs cuda_graphs"):
+        HiftRunner(_model(parts).hift).precapture(1, (30,))
+
+
+def test_work_counters_add_up(parts):
+    """Stage times and flow batch fill, as the token2wav model exports them."""
+    model = _model(parts)
+    sampler = FlowSampler(model.flow.decoder, pad=True, bucket_frames=50)
+    model.sampler = sampler
+    requests = [OfflineRequest(_tokens(n, i), **_prompt(i), sine_noise=_zero_noise) for i, n in enumerate([23, 31, 9])]
+    model.offline_batch(requests)
+    frames = [2 * (PROMPTS[i % 3] + n) for i, n in enumerate([23, 31, 9])]
+    assert (sampler.work.calls, sampler.work.rows, sampler.work.frames) == (1, 3, sum(frames))
+    assert sampler.work.padded_frames == 4 * 100  # 3 rows -> 4, 80 frames -> bucket 100
+    assert model.work.flow_s > 0 and model.work.hift_s > 0
+
+
+def test_row_buckets_bound_the_padding():
+    from cosyserve.token2wav.graphs import row_bucket, row_buckets
+
+    assert row_buckets(16) == [1, 2, 4, 6, 8, 12, 16]
+    for rows in range(1, 65):
+        bucket = row_bucket(rows)
+        assert rows <= bucket < 1.5 * rows or rows <= 2
+        assert rows > 16 or rows <= 4 or bucket <= 4 * rows / 3

@@ -415,3 +415,21 @@ def test_front_end_models_count_clip_cache_hits(idle_server):
     for model in ("audio_tokenizer", "speaker_embedding"):
         assert after[(model, "misses")] - before.get((model, "misses"), 0) == 1
         assert after[(model, "hits")] - before.get((model, "hits"), 0) == 1
+
+
+def test_work_counters_say_where_the_time_went(idle_server):
+    """One stream moves the counters bench_triton.py reads: token2wav stage times inside its
+    execute time, flow rows and frames, the LLM engine's steps."""
+    before = metrics(idle_server.metrics_port)
+    chunks = stream_tts(idle_server, [grpc_input("target_text", "你好"), *token_limits(100)])
+    assert len(chunks) == 4  # plan_chunks(100): 3 non-final chunks and the final one
+    after = wait_until_idle(idle_server.metrics_port, timeout_s=10)
+    grew = {name[len("cosyserve_"):]: after[name] - before.get(name, 0.0) for name in after if name.endswith("_total")}
+    assert grew["token2wav_flow_calls_total"] == grew["token2wav_flow_rows_total"] == 4
+    assert grew["token2wav_flow_padded_frames_total"] >= grew["token2wav_flow_frames_total"] > 0
+    assert 0 < grew["token2wav_flow_seconds_total"] + grew["token2wav_hift_seconds_total"] \
+        <= grew["token2wav_execute_seconds_total"]
+    assert grew["llm_generated_tokens_total"] == 100
+    # the first token comes from the prefill, each later one from a decode step (others may share it)
+    assert grew["llm_decode_rows_total"] == 99 and grew["llm_decode_steps_total"] >= 99 / BLS_INSTANCES
+    assert 0 < grew["llm_prefill_seconds_total"] < grew["llm_engine_busy_seconds_total"]

@@ -31,6 +31,7 @@ class TokenStream(Iterator[int]):
         self.finish_reason: str | None = None
         self.num_tokens = 0
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._end: Finished | None = None  # the last event, once read ahead by available()
         self._on_close = on_close
 
     # Producer side (the backend's thread).
@@ -41,7 +42,7 @@ class TokenStream(Iterator[int]):
     def __next__(self) -> int:
         if self.finish_reason is not None:
             raise StopIteration
-        event = self._events.get()
+        event = self._end or self._events.get()
         if isinstance(event, Finished):
             self.finish_reason = event.reason
             if event.error is not None:
@@ -49,6 +50,26 @@ class TokenStream(Iterator[int]):
             raise StopIteration
         self.num_tokens += 1
         return event
+
+    def available(self) -> list[int]:
+        """The next token (blocking for it) and every token already produced behind it.
+
+        Lets a reader that forwards tokens (the Triton ``llm`` model) send one message per
+        burst instead of one per token when it falls behind the engine. Ends (and raises) like
+        iteration: [] is never returned; StopIteration after the last token.
+        """
+        tokens = [next(self)]
+        while self._end is None:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(event, Finished):
+                self._end = event  # reported by the next call
+            else:
+                tokens.append(event)
+        self.num_tokens += len(tokens) - 1
+        return tokens
 
     def close(self) -> None:
         if self.finish_reason is None:

@@ -7,8 +7,9 @@ continuously) and returns; a thread per request streams the engine's tokens back
 response sender (one per request, not one for all: a send that never returns, see below, holds
 up its own request only).
 
-* ``streaming`` true: one response per generated token (``output_ids`` [1, 1, n_new],
-  ``sequence_length`` [1, 1] = n_new), then an empty final response; false: one final response
+* ``streaming`` true: one response per burst of new tokens (``output_ids`` [1, 1, n_new],
+  ``sequence_length`` [1, 1] = n_new; n_new is 1 unless the engine got ahead of the sends, then
+  every token not yet sent), then an empty final response; false: one final response
   with every token. Ids are LLM ids (raw speech token + 151663); the end-of-speech id is not
   returned. The prompt is never echoed (TRT-LLM ``exclude_input_in_output``).
 * ``stop`` true stops the in-flight request with the same request id: that one ends like a
@@ -27,11 +28,15 @@ up its own request only).
 
 Parameters: ``llm_dir`` (HuggingFace-format LLM), ``device`` (auto|cpu|cuda), optional
 ``model_dir`` (its spk2info.pt voices get their ``<|sos|>{prompt_text}`` prefix cached at start-up),
-``llm_backend`` (``torch``, default, or ``hf``) and ``send_timeout_s``.
+``llm_backend`` (``torch``, default, or ``hf``), ``send_timeout_s``, ``mps_thread_percentage`` and
+``mps_priority`` (:func:`~cosyserve.serving.triton_utils.apply_mps_settings`).
 Metrics: ``cosyserve_llm_active_requests`` (requests being streamed),
 ``cosyserve_llm_generated_tokens_total`` and ``cosyserve_llm_tensorrt_llm_requests_total``
 (requests that came in TensorRT-LLM's full form: ``embedding_bias``, ``stop_words_list`` and
-``seed``, all accepted).
+``seed``, all accepted); with the ``torch`` back end also the engine's work
+(:class:`~cosyserve.llm.engine.llm_engine.EngineCounters`, published every second and at each
+request's end): ``cosyserve_llm_engine_busy_seconds_total``, ``cosyserve_llm_prefill_seconds_total``,
+``cosyserve_llm_decode_steps_total``, ``cosyserve_llm_decode_rows_total``.
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ from ..llm.sampling import SamplingParams
 from ..llm.stream import TokenStream
 from ..pipeline.local import SPK2INFO, register_voice_prefixes, resolve_device
 from ..trtllm.request import check_embedding_bias, check_stop_words, embedding_bias, request_seed
-from .triton_utils import (FINAL, Metric, error_response, limit_torch_threads, model_parameters, optional_input,
-                           optional_scalar, required_input, required_parameter, tensor)
+from .triton_utils import (FINAL, Metric, WorkMetrics, error_response, apply_mps_settings, limit_torch_threads,
+                           model_parameters, optional_input, optional_scalar, required_input, required_parameter,
+                           tensor)
 
 DEFAULT_OUTPUT_LEN = 750
 # A send only waits for the server to hand the response on (to a gRPC stream, or to the calling
@@ -84,6 +90,7 @@ class _Generation:
 class LLMModel:
     def __init__(self, config: dict):
         params = model_parameters(config)
+        apply_mps_settings(params)
         llm_dir = Path(required_parameter(params, "llm_dir"))
         device = resolve_device(params.get("device") or "auto")
         limit_torch_threads(params, 1 if device.type == "cuda" else None)
@@ -102,6 +109,14 @@ class LLMModel:
         self.trtllm_requests = Metric("cosyserve_llm_tensorrt_llm_requests_total",
                                       "requests with embedding_bias, stop_words_list and seed (all accepted)",
                                       config["name"], kind="counter")
+        engine = getattr(self.backend, "engine", None)  # the torch back end's LLMEngine
+        self._engine_counters = WorkMetrics(config["name"], {
+            "cosyserve_llm_engine_busy_seconds_total": ("wall time of LLM engine steps", engine.counters, "busy_s"),
+            "cosyserve_llm_prefill_seconds_total": ("wall time of LLM prefills", engine.counters, "prefill_s"),
+            "cosyserve_llm_decode_steps_total": ("LLM decode steps", engine.counters, "decode_steps"),
+            "cosyserve_llm_decode_rows_total": ("requests advanced, summed over decode steps", engine.counters,
+                                                "decode_rows"),
+        }) if engine else None
         self.send_timeout_s = float(params.get("send_timeout_s") or DEFAULT_SEND_TIMEOUT_S)
         self._generations: set[_Generation] = set()
         self._lock = threading.Lock()
@@ -170,14 +185,14 @@ class LLMModel:
         stream, outputs = generation.stream, generation.outputs
         tokens: list[int] = []
         try:
-            for token in _until_stopped(stream):
+            for burst in _until_stopped(stream):
                 if generation.sender.is_cancelled():  # the caller went away
                     stream.close()
                     break
                 if streaming:
-                    generation.send(_ids_response([token], outputs))
+                    generation.send(_ids_response(burst, outputs))
                 else:
-                    tokens.append(token)
+                    tokens.extend(burst)
             generation.send(None if streaming else _ids_response(tokens, outputs), flags=FINAL)
         except Exception as exc:  # an engine failure
             _send_error(generation.send, exc)
@@ -185,8 +200,11 @@ class LLMModel:
             self._release(generation)
 
     def _watch_sends(self) -> None:
-        """Stop the requests whose caller no longer takes responses (their threads stay blocked)."""
+        """Stop the requests whose caller no longer takes responses (their threads stay blocked);
+        publish the engine's counters."""
         while not self._closed.wait(1.0):
+            if self._engine_counters:
+                self._engine_counters.publish()
             deadline = time.monotonic() - self.send_timeout_s
             with self._lock:
                 stuck = [g for g in self._generations if g.sending_since is not None and g.sending_since < deadline]
@@ -204,6 +222,8 @@ class LLMModel:
         generation.stream.close()
         self.generated.increment(generation.stream.num_tokens)
         self.active.increment(-1)
+        if self._engine_counters:
+            self._engine_counters.publish()
 
     def close(self) -> None:
         # Threads still running when the stub tears down crash it: end them first.
@@ -217,10 +237,13 @@ class LLMModel:
 
 
 def _until_stopped(stream):
-    """The stream's tokens; a ``stop`` request ends it like the end of speech, as in TensorRT-LLM."""
+    """The stream's tokens in bursts (one response per burst: under load a response carries every
+    token generated since the last one); a ``stop`` request ends it like the end of speech, as in
+    TensorRT-LLM."""
     try:
-        yield from stream
-    except RequestCancelledError:
+        while True:
+            yield stream.available()
+    except (StopIteration, RequestCancelledError):
         return
 
 

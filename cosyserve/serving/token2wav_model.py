@@ -9,11 +9,16 @@
 * Without ``prompt_*`` inputs the default speaker of ``spk2info.pt`` ("001") is used; otherwise
   all three prompt inputs must be sent (LLM ids for the tokens, fp16 features).
 
-Metric: ``cosyserve_token2wav_open_streams``.
+Metrics: ``cosyserve_token2wav_open_streams``, ``cosyserve_token2wav_batched_units_total`` and,
+for where the time goes, ``cosyserve_token2wav_{flow,hift}_seconds_total`` (device time per stage,
+:class:`~cosyserve.token2wav.cosyvoice2.Token2WavWork`), ``cosyserve_token2wav_execute_seconds_total``
+(wall time inside ``execute``), ``cosyserve_token2wav_flow_{calls,rows,frames,padded_frames}_total``
+(:class:`~cosyserve.token2wav.graphs.FlowWork`: batch fill and padding).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +32,11 @@ from ..llm.backends import resolve_device_dtype
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from ..pipeline.local import SPK2INFO, STREAM_IDLE_TIMEOUT_S, LocalToken2Wav, Token2WavCall, resolve_device
 from ..pipeline.tts import DEFAULT_SPEAKER, Voice
-from ..token2wav.cosyvoice2 import DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, load_token2wav
-from .triton_utils import (Metric, error_response, limit_torch_threads, model_parameters, optional_input,
-                           optional_scalar, parse_flag, required_input, required_parameter, tensor)
+from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, load_token2wav,
+                                    streaming_vocoder_frames)
+from .triton_utils import (Metric, WorkMetrics, error_response, apply_mps_settings, limit_torch_threads,
+                           model_parameters, optional_input, optional_scalar, parse_flag, required_input,
+                           required_parameter, tensor)
 
 PROMPT_INPUTS = ("prompt_speech_tokens", "prompt_speech_feat", "prompt_spk_embedding")
 
@@ -42,13 +49,17 @@ class Token2WavModel:
     on CUDA, fp32 on CPU; HiFT stays fp32); ``cuda_graphs`` (default on CUDA: replay the flow's
     ODE loop from CUDA graphs); ``precapture_frames`` (default 1500 with graphs: capture every
     flow graph for ``max_batch`` requests of up to that many frames at load, 0: lazily);
-    ``compile`` (default off: torch.compile the flow estimator); ``incremental_stream`` (default off: streaming
-    steps compute only their new frames, at ~115 MB of state per second of audio per stream);
-    ``max_batch`` (units per flow batch, default 16); ``stream_idle_timeout_s``.
+    ``hift_graphs`` (default: as ``cuda_graphs``: HiFT graphs of the non-final streaming chunk
+    shapes of the exponential schedule for up to ``hift_max_tokens`` tokens (default 750), captured at load;
+    other shapes run eagerly); ``compile`` (default off: torch.compile the flow estimator);
+    ``incremental_stream`` (default off: streaming steps compute only their new frames, at ~115 MB
+    of state per second of audio per stream); ``max_batch`` (units per flow batch, default 16);
+    ``stream_idle_timeout_s``; ``mps_thread_percentage`` and ``mps_priority`` (see :func:`apply_mps_settings`).
     """
 
     def __init__(self, config: dict):
         params = model_parameters(config)
+        apply_mps_settings(params)
         model_dir = Path(required_parameter(params, "model_dir"))
         device = resolve_device(params.get("device") or "auto")
         on_cuda = device.type == "cuda"
@@ -59,10 +70,12 @@ class Token2WavModel:
         cuda_graphs = parse_flag(params.get("cuda_graphs") or "auto", on_cuda)
         max_batch = int(params.get("max_batch") or 16)
         precapture = params.get("precapture_frames") or "auto"
+        hift_graphs = parse_flag(params.get("hift_graphs") or "auto", cuda_graphs)
+        hift_shapes = streaming_vocoder_frames(int(params.get("hift_max_tokens") or 750)) if hift_graphs else ()
         options = Token2WavOptions(
             cuda_graphs=cuda_graphs, compile=parse_flag(params.get("compile") or "auto", False),
             precapture_frames=(DEFAULT_PRECAPTURE_FRAMES if cuda_graphs else 0) if precapture == "auto" else int(precapture),
-            precapture_batch=max_batch,
+            precapture_batch=max_batch, hift_graphs=hift_graphs, hift_precapture_frames=hift_shapes,
             incremental_stream=parse_flag(params.get("incremental_stream") or "auto", False))
         idle_timeout = float(params.get("stream_idle_timeout_s") or STREAM_IDLE_TIMEOUT_S)
         self.token2wav = LocalToken2Wav(load_token2wav(model_dir, device, dtype, options), idle_timeout,
@@ -73,8 +86,22 @@ class Token2WavModel:
                                    config["name"])
         self.batch_units = Metric("cosyserve_token2wav_batched_units_total",
                                   "token2wav requests run in shared batches", config["name"], kind="counter")
+        model = self.token2wav.model
+        self.work_metrics = WorkMetrics(config["name"], {
+            "cosyserve_token2wav_flow_seconds_total": ("device time of flow batches", model.work, "flow_s"),
+            "cosyserve_token2wav_hift_seconds_total": ("device time of HiFT batches", model.work, "hift_s"),
+            "cosyserve_token2wav_flow_calls_total": ("flow Euler-loop batches", model.sampler.work, "calls"),
+            "cosyserve_token2wav_flow_rows_total": ("requests in flow batches", model.sampler.work, "rows"),
+            "cosyserve_token2wav_flow_frames_total": ("mel frames of requests in flow batches", model.sampler.work,
+                                                      "frames"),
+            "cosyserve_token2wav_flow_padded_frames_total": ("mel frames computed by flow batches, padding included",
+                                                             model.sampler.work, "padded_frames"),
+        })
+        self.execute_seconds = Metric("cosyserve_token2wav_execute_seconds_total",
+                                      "wall time inside execute", config["name"], kind="counter")
 
     def execute(self, requests) -> list:
+        started = time.perf_counter()
         outcomes: list = [None] * len(requests)  # per request: waveform or exception
         calls, call_index = [], []
         for index, request in enumerate(requests):
@@ -93,8 +120,11 @@ class Token2WavModel:
             outcomes[index] = result
         self.batch_units.increment(len(calls))
         self.open_streams.set(self.token2wav.open_sessions)
-        return [error_response(o) if isinstance(o, Exception) else
-                pb_utils.InferenceResponse(output_tensors=[tensor("waveform", o)]) for o in outcomes]
+        self.work_metrics.publish()
+        responses = [error_response(o) if isinstance(o, Exception) else
+                     pb_utils.InferenceResponse(output_tensors=[tensor("waveform", o)]) for o in outcomes]
+        self.execute_seconds.increment(time.perf_counter() - started)
+        return responses
 
     def _call(self, request) -> Token2WavCall | None:
         """The request as a :class:`Token2WavCall`; None for a ``cancel`` request (done here)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import threading
 import traceback
 
@@ -46,6 +47,31 @@ def limit_torch_threads(params: dict[str, str], default: int | None = 1) -> None
         import torch
 
         torch.set_num_threads(threads)
+
+
+MPS_PRIORITIES = {"normal": "0", "below_normal": "1"}  # CUDA_MPS_CLIENT_PRIORITY values
+
+
+def apply_mps_settings(params: dict[str, str]) -> None:
+    """How this model process shares the GPU under CUDA MPS (no effect without MPS):
+    ``mps_thread_percentage`` caps the share of SMs it may use (1-100; empty: all) and
+    ``mps_priority`` (``normal``/``below_normal``; empty: normal) ranks its work against the other
+    processes'. Call before anything touches CUDA: MPS reads ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
+    and ``CUDA_MPS_CLIENT_PRIORITY`` when the process creates its context.
+
+    Under MPS the kernels of the LLM and token2wav processes run side by side and slow each other
+    down (docs/benchmarks.md measures both knobs; neither is set by default).
+    """
+    share = params.get("mps_thread_percentage") or ""
+    if share:
+        if not share.isdigit() or not 1 <= int(share) <= 100:
+            raise ValueError(f"model parameter mps_thread_percentage must be an integer in 1..100, got {share!r}")
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = share
+    priority = params.get("mps_priority") or ""
+    if priority:
+        if priority not in MPS_PRIORITIES:
+            raise ValueError(f"model parameter mps_priority must be one of {sorted(MPS_PRIORITIES)}, got {priority!r}")
+        os.environ["CUDA_MPS_CLIENT_PRIORITY"] = MPS_PRIORITIES[priority]
 
 
 def required_parameter(params: dict[str, str], key: str) -> str:
@@ -223,3 +249,26 @@ class Metric:
     def increment(self, delta: float = 1) -> None:
         with self._lock:
             self._metric.increment(delta)
+
+
+class WorkMetrics:
+    """Running totals kept by plain objects (``attribute`` of ``source``) as Triton counters.
+
+    ``fields``: metric name -> (description, source, attribute). :meth:`publish` adds what each
+    total grew by since the last call, so the objects stay free of Triton (they also serve
+    offline runs and tests). Thread-safe.
+    """
+
+    def __init__(self, model_name: str, fields: dict[str, tuple[str, object, str]]):
+        self._fields = [(Metric(name, text, model_name, kind="counter"), source, attribute)
+                        for name, (text, source, attribute) in fields.items()]
+        self._published = [0] * len(self._fields)
+        self._lock = threading.Lock()
+
+    def publish(self) -> None:
+        with self._lock:
+            for index, (metric, source, attribute) in enumerate(self._fields):
+                value = getattr(source, attribute)
+                if value > self._published[index]:
+                    metric.increment(value - self._published[index])
+                    self._published[index] = value

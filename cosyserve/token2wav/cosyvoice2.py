@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,8 @@ from ..errors import InvalidInputError
 from ..models.flow import CosyVoice2Flow, FlowStream, load_flow
 from ..models.hift import HiFTGenerator, draw_source_noise, load_hift
 from .graphs import FlowSampler, HiftRunner
-from .vocoder_stream import HiftStream, SineNoiseProvider, VocoderCall, VocoderChunk
+from ..pipeline.schedule import plan_chunks
+from .vocoder_stream import MEL_CACHE_FRAMES, HiftStream, SineNoiseProvider, VocoderCall, VocoderChunk
 
 
 # Frames a server captures flow graphs for by default: a 10 s prompt with 20 s of target speech.
@@ -51,8 +53,10 @@ class Token2WavOptions:
     frames (prompt + target) when the model is built, so that no request runs eagerly or waits
     for a capture (about a minute at start-up for 1500 frames and batch 16); with
     ``precapture_streaming`` False only the non-streaming (offline) graphs. ``hift_graphs``: also
-    replay HiFT's network, keyed by exact shapes; it pays off only when shapes repeat (off by
-    default: HiFT is a small share of a chunk, and new shapes cost captures). ``compile``: run
+    replay HiFT's network, keyed by exact shapes; with ``hift_precapture_frames`` (mel frame counts,
+    e.g. :func:`streaming_vocoder_frames`) those shapes are captured for up to ``precapture_batch``
+    rows when the model is built and every other shape runs eagerly, otherwise shapes are captured
+    the second time they are seen (churn when chunk lengths vary). ``compile``: run
     the flow estimator through ``torch.compile`` (needs a C compiler and, on CUDA, Triton; the
     first call of each attention kind compiles). ``incremental_stream``: non-final streaming
     steps compute only their new frames (:class:`FlowStream`; same output up to rounding, but the
@@ -68,6 +72,7 @@ class Token2WavOptions:
     precapture_batch: int = 16
     precapture_streaming: bool = True
     incremental_stream: bool = False
+    hift_precapture_frames: tuple[int, ...] = ()
     bucket_frames: int = 50
     max_graphs: int = 256
     tensorrt_plan: str | Path | None = None
@@ -150,6 +155,11 @@ class CosyVoice2Token2Wav:
                                     (True, False) if options.precapture_streaming else (False,))
         self.vocoder = HiftRunner(self.hift, cuda_graphs=options.cuda_graphs and options.hift_graphs,
                                   max_graphs=options.max_graphs)
+        if options.hift_precapture_frames:
+            if not (options.cuda_graphs and options.hift_graphs):
+                raise InvalidInputError("hift_precapture_frames needs cuda_graphs and hift_graphs")
+            self.vocoder.precapture(options.precapture_batch, options.hift_precapture_frames)
+        self.work = Token2WavWork()
         self.sample_rate = self.hift.cfg.sampling_rate
         self._streams: dict[str, Token2WavStream] = {}
         self._lock = threading.Lock()
@@ -243,10 +253,15 @@ class CosyVoice2Token2Wav:
 
     def _run_batch(self, work: Sequence[_Work]) -> list[torch.Tensor | VocoderChunk]:
         try:
+            clock = _StageClock(self.device)
             mels = self._new_mels(work)
+            flow_done = clock.mark()
             calls = [w.stream._vocoder.prepare(mel, finalize=w.finalize) if w.stream else
                      VocoderCall(mel, None, True, self.hift.hop_length, True) for w, mel in zip(work, mels)]
             outputs = self._vocode(work, calls)
+            hift_done = clock.mark()
+            self.work.flow_s += clock.seconds(clock.start, flow_done)
+            self.work.hift_s += clock.seconds(flow_done, hift_done)
             results = []
             for w, mel, call, output in zip(work, mels, calls, outputs):
                 if w.stream is None:
@@ -445,6 +460,52 @@ class Token2WavStream:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@dataclass
+class Token2WavWork:
+    """Running totals of device time per stage of :meth:`CosyVoice2Token2Wav.run_batch` (metrics).
+
+    On a GPU: CUDA-event time of the stage on the stream, from the end of the previous stage to
+    the stage's last kernel (GPU idle gaps while the host launches eager work included); on the
+    CPU: wall time. ``flow`` is encoder + Euler loop (+ incremental steps), ``hift`` the vocoder.
+    """
+
+    flow_s: float = 0.0
+    hift_s: float = 0.0
+
+
+class _StageClock:
+    """Marks on the device's stream, read once the marked work has finished (no sync in between)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.start = self.mark()
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()  # the caller is about to wait for these results anyway
+        return start.elapsed_time(end) / 1000
+
+
+def streaming_vocoder_frames(max_tokens: int, token_mel_ratio: int = 2, strategy: str = "exponential") -> tuple[int, ...]:
+    """Mel frame counts of the HiFT calls of non-final streaming chunks (cached frames included)
+    for streams of up to ``max_tokens`` tokens: the shapes worth capturing, since every stream
+    repeats them (final chunks have any length)."""
+    chunks = plan_chunks(max_tokens, strategy)
+    frames = []
+    for index, (chunk, following) in enumerate(zip(chunks[:-1], chunks[1:])):
+        new = token_mel_ratio * (following.token_offset - chunk.token_offset)
+        frames.append(new + (MEL_CACHE_FRAMES if index else 0))
+    return tuple(dict.fromkeys(frames))
 
 
 def _float_tensor(value: Any, name: str) -> torch.Tensor:

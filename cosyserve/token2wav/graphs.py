@@ -9,7 +9,7 @@ one launch.
 * :class:`FlowSampler`: the CFM Euler loop over :class:`~cosyserve.models.flow.FlowConditions`.
   Graphs replay fixed shapes, so requests are padded on the right to a frame bucket
   (:func:`frame_bucket`: multiples of ``bucket_frames`` up to 8 of them, then about 25 % apart)
-  and the batch to a power of two (copies of row 0). That is exact up to rounding: the
+  and the batch to a :func:`row_bucket` (copies of row 0). That is exact up to rounding: the
   estimator's convolutions are causal, padded frames are zeroed before each of them and hidden as
   attention keys (the same rule that makes mixed-length batches exact). Bounded shapes let a
   server capture every graph it will need at start-up (:meth:`FlowSampler.precapture`), so no
@@ -21,9 +21,11 @@ one launch.
   captured: ``torch.istft`` checks its window on the host, a device sync that a graph cannot contain.
 
 Shapes not captured in advance are captured the second time they are seen (``capture_after``); a
-one-off shape runs eagerly, since capturing costs about three runs. All graphs of a cache share one memory pool: replays are
-serialised, inputs are copied in and outputs cloned out around each replay, so one graph's
-temporaries may overlap another's.
+one-off shape runs eagerly, since capturing costs about three runs. A runner whose shapes were
+captured in advance (the flow's frame buckets, HiFT's streaming chunk lengths) runs any other
+shape eagerly instead (``capture_after=None``): no capture ever stalls a serving batch. All
+graphs of a cache share one memory pool: replays are serialised, inputs are copied in and
+outputs cloned out around each replay, so one graph's temporaries may overlap another's.
 """
 
 from __future__ import annotations
@@ -54,12 +56,13 @@ class GraphCache:
     """``fn(*tensors) -> tuple of tensors`` replayed from a CUDA graph per input shape (LRU, ``max_graphs``).
 
     ``fn`` must be a pure function of its inputs' values with no host synchronisation. Shapes seen
-    at most ``capture_after`` times run eagerly. A capture is preceded by ``warmup`` eager runs
+    at most ``capture_after`` times run eagerly (``None``: every shape not captured with
+    :meth:`capture` runs eagerly). A capture is preceded by ``warmup`` eager runs
     the first time (library handles, plans), one run later (the new side stream's workspaces).
     Thread-safe (calls are serialised).
     """
 
-    def __init__(self, fn: TensorFn, *, max_graphs: int = 64, capture_after: int = 1, warmup: int = 2):
+    def __init__(self, fn: TensorFn, *, max_graphs: int = 64, capture_after: int | None = 1, warmup: int = 2):
         if max_graphs < 1:
             raise InvalidInputError(f"max_graphs must be >= 1, got {max_graphs}")
         self.fn = fn
@@ -82,7 +85,7 @@ class GraphCache:
             entry = self._graphs.get(key)
             if entry is None:
                 self._seen[key] += 1
-                if self._seen[key] <= self.capture_after:
+                if self.capture_after is None or self._seen[key] <= self.capture_after:
                     return self.fn(*inputs)
                 entry = self._capture(key, inputs)
             else:
@@ -161,9 +164,37 @@ def _next_power_of_two(value: int) -> int:
     return 1 << (value - 1).bit_length()
 
 
+def row_bucket(rows: int) -> int:
+    """The padded batch of ``rows`` flow requests: a power of two, or 1.5 times one from 6 up
+    (6, 12, 24...). Past 4 rows a flow batch is compute-bound, so its time grows with the padded
+    rows: up to 16 rows the extra buckets bound the padding to a third (9 -> 12) instead of
+    nearly as many rows again (5 -> 8, 9 -> 16), for 1.4x as many graphs."""
+    power = _next_power_of_two(max(rows, 1))
+    return power * 3 // 4 if power >= 8 and rows <= power * 3 // 4 else power
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every :func:`row_bucket` of 1..``max_rows`` rows, ascending."""
+    return sorted({row_bucket(rows) for rows in range(1, max(max_rows, 1) + 1)})
+
+
+def _powers_of_two(max_rows: int) -> list[int]:
+    return [1 << k for k in range(_next_power_of_two(max(1, max_rows)).bit_length())]
+
+
 def _pad_rows(v: torch.Tensor, rows: int) -> torch.Tensor:
     """``v`` with copies of its first row appended up to ``rows`` rows (padding rows are discarded)."""
     return torch.cat([v, v[:1].expand(rows - v.size(0), *v.shape[1:])]) if rows > v.size(0) else v
+
+
+@dataclass
+class FlowWork:
+    """Running totals of the rows and frames a :class:`FlowSampler` ran (padding included or not)."""
+
+    calls: int = 0
+    rows: int = 0  # requests
+    frames: int = 0  # their frames (prompt + target), summed over requests
+    padded_frames: int = 0  # frames computed: padded rows x padded length
 
 
 class FlowSampler:
@@ -172,6 +203,7 @@ class FlowSampler:
     Eager without ``cuda_graphs``, ``pad`` and ``compile``: exactly ``CausalConditionalCFM.forward``.
     ``pad`` (implied by ``cuda_graphs``) runs the padded shapes; on its own it only serves tests.
     ``compile``: the estimator goes through ``torch.compile`` (dynamic shapes), with or without graphs.
+    ``work`` counts what was run (metrics: how full the batches were, how much was padding).
     """
 
     def __init__(self, decoder: CausalConditionalCFM, *, cuda_graphs: bool = False, pad: bool = False,
@@ -189,6 +221,7 @@ class FlowSampler:
         loops = {streaming: self._loop(streaming) for streaming in (False, True)}
         self._run: dict[bool, TensorFn] = (
             {s: GraphCache(fn, max_graphs=max_graphs) for s, fn in loops.items()} if cuda_graphs else loops)
+        self.work = FlowWork()
 
     def _loop(self, streaming: bool) -> TensorFn:
         def euler(z, mask, mu, spks, cond):
@@ -205,26 +238,30 @@ class FlowSampler:
     @torch.inference_mode()
     def precapture(self, max_batch: int, max_frames: int, streaming: Sequence[bool] = (True, False)) -> int:
         """Capture the graphs of every padded shape up to ``max_batch`` requests of ``max_frames``
-        frames, for these attention kinds; returns how many graphs there are. Needs ``cuda_graphs``."""
+        frames, for these attention kinds; returns how many graphs there are. Needs ``cuda_graphs``.
+        Longer or bigger batches then run eagerly (captured in advance or not at all)."""
         if not self.cuda_graphs:
             raise InvalidInputError("precapture needs cuda_graphs")
         param = next(self.decoder.estimator.parameters())
-        rows_all = [1 << k for k in range(_next_power_of_two(max(1, max_batch)).bit_length())]
         for kind in streaming:
-            for rows in rows_all:
+            for rows in row_buckets(max_batch):
                 for frames in frame_buckets(max_frames, self.bucket_frames):
                     z = fixed_noise(frames, param.device, param.dtype).expand(rows, -1, -1)
                     mu = torch.zeros_like(z)
                     self._run[kind].capture(z, torch.ones_like(z[:, :1]), mu, mu[:, :, 0], mu)
+            self._run[kind].capture_after = None
         return self.num_graphs
 
     @torch.inference_mode()
     def __call__(self, c: FlowConditions, streaming: bool) -> torch.Tensor:
-        if not self.pad:
-            z = fixed_noise(c.mu.size(2), c.mu.device, c.mu.dtype).expand(c.mu.size(0), -1, -1)
-            return self._run[streaming](z, c.mask, c.mu, c.spks, c.cond)[0]
         batch, frames = c.mu.size(0), c.mu.size(2)
-        rows, padded = _next_power_of_two(batch), frame_bucket(frames, self.bucket_frames)
+        rows, padded = (row_bucket(batch), frame_bucket(frames, self.bucket_frames)) if self.pad else (batch, frames)
+        work = self.work
+        work.calls, work.rows, work.frames = work.calls + 1, work.rows + batch, work.frames + sum(c.frames)
+        work.padded_frames += rows * padded
+        if not self.pad:
+            z = fixed_noise(frames, c.mu.device, c.mu.dtype).expand(batch, -1, -1)
+            return self._run[streaming](z, c.mask, c.mu, c.spks, c.cond)[0]
 
         def fit(v: torch.Tensor) -> torch.Tensor:
             if v.dim() == 3:
@@ -251,6 +288,22 @@ class HiftRunner:
 
     def _spectrum(self, mel: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor]:
         return (self.hift.predict_spectrum(mel, source),)
+
+    @torch.inference_mode()
+    def precapture(self, max_batch: int, frame_counts: Sequence[int]) -> int:
+        """Capture the network's graphs for mels of exactly these frame counts, up to ``max_batch``
+        rows (padded to a power of two); every other shape then runs eagerly. Returns the number
+        of graphs. Needs ``cuda_graphs``."""
+        if not isinstance(self._network, GraphCache):
+            raise InvalidInputError("HiFT precapture needs cuda_graphs")
+        param = self.hift.conv_pre.bias
+        for rows in _powers_of_two(max_batch):
+            for frames in frame_counts:
+                mel = torch.zeros(rows, self.hift.cfg.in_channels, frames, device=param.device, dtype=param.dtype)
+                source = torch.zeros(rows, 1, frames * self.hift.hop_length, device=param.device, dtype=param.dtype)
+                self._network.capture(mel, source)
+        self._network.capture_after = None
+        return self._network.num_graphs
 
     @torch.inference_mode()
     def __call__(self, mel: torch.Tensor, cache_source: torch.Tensor | None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +40,22 @@ class StepStats:
     decoded: int  # requests that got a decode token in this step
 
 
+@dataclass
+class EngineCounters:
+    """Running totals of the engine's work (read them from any thread; written by the stepping one).
+
+    Times are wall clock: a step ends with its sampled tokens on the host, so they include the GPU
+    work and any wait for a GPU shared with other processes (a slower mean decode step under load
+    is contention, not bigger batches: compare with ``decode_rows / decode_steps``).
+    """
+
+    busy_s: float = 0.0  # prefill + decode
+    prefill_s: float = 0.0
+    prefills: int = 0  # requests prefilled
+    decode_steps: int = 0
+    decode_rows: int = 0  # requests advanced, summed over decode steps
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -57,6 +74,7 @@ class LLMEngine:
         self.max_slots, self.max_model_len, self.max_prefill_tokens = max_slots, max_model_len, max_prefill_tokens
         self.runner = ModelRunner(model_dir, device, dtype, max_slots, max_model_len, use_cuda_graphs)
         self.prefixes = PrefixCache(prefix_cache_size)
+        self.counters = EngineCounters()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # index == slot
         # Shared with submitting threads, guarded by _lock.
@@ -157,11 +175,20 @@ class LLMEngine:
             except Exception as exc:  # reported to the caller, the engine goes on
                 future.set_exception(exc)
         self._drop_cancelled()
+        counters, started = self.counters, time.perf_counter()
         prefilled = self._admit_and_prefill()
+        prefilled_at = time.perf_counter()
         decoded = len(self._running)
         if decoded:
             tokens = self.runner.decode(decoded, max(seq.position for seq in self._running))
             self._append_tokens(self._running, tokens)
+        if prefilled:
+            counters.prefills += prefilled
+            counters.prefill_s += prefilled_at - started
+        if decoded:
+            counters.decode_steps += 1
+            counters.decode_rows += decoded
+        counters.busy_s += time.perf_counter() - started
         return StepStats(prefilled, decoded)
 
     def _loop(self) -> None:
