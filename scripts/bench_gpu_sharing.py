@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-MPS_CONTROL = "nvidia-cuda-mps-control"
+from cosyserve.serving.tritonserver import MPS_CONTROL, mps_daemon  # noqa: E402
 
 
 # ----- the two workloads -----------------------------------------------------------------------
@@ -198,17 +198,6 @@ def summary(name: str, result: dict) -> dict:
     return row
 
 
-def mps_daemon(directory: Path) -> dict | None:
-    binary = shutil.which(MPS_CONTROL)
-    if binary is None:
-        return None
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(directory / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(directory / "log")}
-    for path in env.values():
-        Path(path).mkdir(parents=True, exist_ok=True)
-    full = {**os.environ, **env}
-    return full if subprocess.run([binary, "-d"], env=full).returncode == 0 else None
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models-dir", type=Path, required=True, help="holds CosyVoice2-0.5B/ and cosyvoice2_llm/")
@@ -241,12 +230,9 @@ def main() -> int:
                             ("one process, flow stream at high priority", {"flow_first": True})):
             rows.append(summary(name, finish(child(args, "together", work / "t.json", **extra), work / "t.json", 600)))
         rows.append(summary("two processes, time-sliced", two_processes(args, work, None)))
-        env = None if args.no_mps else mps_daemon(work / "mps")
-        if env is not None:
-            try:
-                rows.append(summary("two processes, MPS", two_processes(args, work, env)))
-            finally:
-                subprocess.run([shutil.which(MPS_CONTROL)], input="quit\n", env=env, text=True)
+        if not args.no_mps and shutil.which(MPS_CONTROL):
+            with mps_daemon(work / "mps") as mps_env:
+                rows.append(summary("two processes, MPS", two_processes(args, work, {**os.environ, **mps_env})))
 
     def pair(value) -> str:
         return "" if value is None else f"{value[0]:.2f} / {value[1]:.2f}"

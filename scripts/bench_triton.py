@@ -65,12 +65,12 @@ sys.path.insert(0, str(REPO_ROOT))
 from cosyserve import clients  # noqa: E402
 from cosyserve.lengths import FixedLength  # noqa: E402
 from cosyserve.pipeline.schedule import TOKEN_RATE  # noqa: E402
-from cosyserve.serving.tritonserver import TritonServer, TritonServerError, log_report, start_server  # noqa: E402
+from cosyserve.serving.tritonserver import (MPS_CONTROL, TritonServer, TritonServerError, log_report,  # noqa: E402
+                                            mps_daemon, start_server)
 
 MODES = ("streaming", "offline")
 WARMUP_CONCURRENCY = 16
 MIN_REQUESTS_PER_LEVEL = 26  # the size of the reference's wenetspeech4tts benchmark split
-MPS_CONTROL = "nvidia-cuda-mps-control"
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # variant/run names become directory names
 
@@ -289,25 +289,6 @@ def read_repository(repo: Path) -> Repository:
     return Repository(repo, {"streaming": "cosyvoice2" if streaming else None, "offline": offline}, instances)
 
 
-@contextmanager
-def mps_daemon(directory: Path) -> Iterator[dict[str, str]]:
-    """A CUDA MPS control daemon for one server; yields the environment its clients need."""
-    binary = shutil.which(MPS_CONTROL)
-    if binary is None:
-        raise BenchError(f"MPS=1 needs {MPS_CONTROL} on PATH (NVIDIA driver utilities); not found")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(directory / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(directory / "log")}
-    for path in env.values():
-        Path(path).mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, **env}
-    started = subprocess.run([binary, "-d"], env=full_env, capture_output=True, text=True)
-    if started.returncode:
-        raise BenchError(f"{MPS_CONTROL} -d failed (exit {started.returncode}): {started.stderr.strip()}")
-    try:
-        yield env
-    finally:
-        subprocess.run([binary], input="quit\n", env=full_env, capture_output=True, text=True)
-
-
 # --- levels -----------------------------------------------------------------------------------
 
 
@@ -519,21 +500,21 @@ def run_variant(args: argparse.Namespace, variant: Variant, manifest: Path, item
         if instances and max(args.concurrency) > instances:
             print(f"[{variant.name}] note: {repo.models[mode]} has {instances} BLS instances (each serves one request "
                   f"at a time): levels above {instances} queue at the BLS", flush=True)
-    with mps_daemon(variant_dir / "mps") if variant.mps else _no_mps() as mps_env:
-        env = {**os.environ, **variant.env, **mps_env}
-        print(f"[{variant.name}] starting tritonserver ...", flush=True)
-        started = time.perf_counter()
-        try:
+    try:
+        with mps_daemon(variant_dir / "mps") if variant.mps else _no_mps() as mps_env:
+            env = {**os.environ, **variant.env, **mps_env}
+            print(f"[{variant.name}] starting tritonserver ...", flush=True)
+            started = time.perf_counter()
             server = start_server(repo.path, http_port=args.http_port, grpc_port=args.grpc_port,
                                   metrics_port=args.metrics_port, log_file=variant_dir / "tritonserver.log",
                                   timeout=args.server_start_timeout, env=env, die_with_parent=True)
-        except TritonServerError as e:
-            raise BenchError(f"variant {variant.name}: {e}") from None
-        facts["server_start_s"] = time.perf_counter() - started
-        try:
-            rows = measure_levels(args, variant, repo, server, manifest, items_used, variant_dir)
-        finally:
-            server.stop()
+            facts["server_start_s"] = time.perf_counter() - started
+            try:
+                rows = measure_levels(args, variant, repo, server, manifest, items_used, variant_dir)
+            finally:
+                server.stop()
+    except TritonServerError as e:  # the MPS daemon or the server did not start
+        raise BenchError(f"variant {variant.name}: {e}") from None
     return rows, facts
 
 

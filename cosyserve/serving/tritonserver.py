@@ -53,9 +53,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 
 LOG_TAIL_LINES = 40
@@ -294,6 +295,31 @@ def start_server(
         server.stop(timeout=10.0)
         raise
     return server
+
+
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+@contextmanager
+def mps_daemon(directory: Path) -> Iterator[dict[str, str]]:
+    """A CUDA MPS control daemon of its own (pipes and logs under ``directory``), quit on exit;
+    yields the environment variables its clients need. Benchmarks use it to run one server, or
+    one set of processes, under MPS without touching a system-wide daemon (``run.sh`` stage 3
+    manages the daemon of a deployment)."""
+    binary = shutil.which(MPS_CONTROL)
+    if binary is None:
+        raise TritonServerError(f"CUDA MPS needs {MPS_CONTROL} on PATH (NVIDIA driver utilities); not found")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(directory / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(directory / "log")}
+    for path in env.values():
+        Path(path).mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **env}
+    started = subprocess.run([binary, "-d"], env=full_env, capture_output=True, text=True)
+    if started.returncode:
+        raise TritonServerError(f"{MPS_CONTROL} -d failed (exit {started.returncode}): {started.stderr.strip()}")
+    try:
+        yield env
+    finally:
+        subprocess.run([binary], input="quit\n", env=full_env, capture_output=True, text=True)
 
 
 def _check_ports_free(ports: Mapping[str, int]) -> None:
