@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from cosyserve.bundle.dit import tiny_dit_config
 from cosyserve.config import dump_hyperpyyaml, load_hyperpyyaml
 from cosyserve.config import Tagged
 from cosyserve.errors import InvalidInputError, ModelLoadError
 from cosyserve.models.dit.cfm import EstimatorCache
-from cosyserve.models.dit.config import DitEncoderConfig, DitEstimatorConfig, DitFlowConfig
+from cosyserve.models.dit.config import DitFlowConfig
 from cosyserve.models.dit.flow import DitFlow, load_dit_flow
 from cosyserve.models.hift import HiftConfig, HiFTGenerator
 from cosyserve.token2wav.dit import (
@@ -32,19 +33,14 @@ PARITY_DIR = Path(os.environ.get("COSYSERVE_PARITY_DIR", Path(__file__).resolve(
 HOP = 480
 
 
-def tiny_config() -> DitFlowConfig:
-    return DitFlowConfig(
-        input_size=32,
-        encoder=DitEncoderConfig(input_size=32, output_size=32, attention_heads=2, linear_units=64,
-                                 num_blocks=1, num_up_blocks=1),
-        estimator=DitEstimatorConfig(hidden_size=32, depth=2, num_heads=2, head_dim=16),
-    )
+TINY = tiny_dit_config()
+EMBED = TINY.encoder.input_size  # width of the speech-token embeddings the encoder takes
 
 
 @pytest.fixture(scope="module")
 def flow() -> DitFlow:
     torch.manual_seed(0)
-    return DitFlow(tiny_config()).eval()
+    return DitFlow(TINY).eval()
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +129,8 @@ def test_estimator_chunk_without_cache_equals_full(flow):
     full = est(x, torch.ones(2, 1, 12), mu, t, spks, cond)
     chunk, _, att = est.forward_chunk(x, mu, t, spks, cond, *est.empty_caches(2, x.device, x.dtype))
     torch.testing.assert_close(chunk, full, atol=1e-5, rtol=0)
-    assert att.shape == (2, 2, 2, 12, 32)
+    est_cfg = TINY.estimator
+    assert att.shape == (est_cfg.depth, 2, est_cfg.num_heads, 12, 2 * est_cfg.head_dim)
 
 
 @torch.inference_mode()
@@ -164,7 +161,7 @@ def test_estimator_padding_does_not_reach_valid_frames(flow):
 @torch.inference_mode()
 def test_encoder_batch_is_per_item(flow):
     g = torch.Generator().manual_seed(6)
-    emb = torch.randn(2, 11, 32, generator=g)
+    emb = torch.randn(2, 11, EMBED, generator=g)
     lens = torch.tensor([11, 6])
     out, mask = flow.encoder(emb, lens)
     alone, _ = flow.encoder(emb[1:, :6], lens[1:])
@@ -174,7 +171,7 @@ def test_encoder_batch_is_per_item(flow):
 
 @torch.inference_mode()
 def test_encoder_single_last_chunk_equals_full_sequence(flow):
-    emb = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(7))
+    emb = torch.randn(1, 9, EMBED, generator=torch.Generator().manual_seed(7))
     full, _ = flow.encoder(emb, torch.tensor([9]))
     chunk, cache = flow.encoder.forward_chunk(emb, True, flow.encoder.empty_cache(emb.device, emb.dtype))
     torch.testing.assert_close(chunk, full, atol=1e-5, rtol=0)
@@ -186,11 +183,12 @@ def test_encoder_rejects_short_or_overlong_chunks(flow):
     enc = flow.encoder
     cache = enc.empty_cache(torch.device("cpu"), torch.float32)
     with pytest.raises(InvalidInputError, match="look-ahead"):
-        enc.forward_chunk(torch.zeros(1, 3, 32), False, cache)
-    long_cache = type(cache)(cache.lookahead, cache.upsample, torch.zeros(1, 1, 2, 2499, 32),
-                             torch.zeros(1, 1, 2, 4998, 32))
+        enc.forward_chunk(torch.zeros(1, 3, EMBED), False, cache)
+    long_frames = lambda att, frames: att.new_zeros(*att.shape[:3], frames, att.shape[4])  # noqa: E731
+    long_cache = type(cache)(cache.lookahead, cache.upsample, long_frames(cache.token_att, 2499),
+                             long_frames(cache.frame_att, 4998))
     with pytest.raises(InvalidInputError, match="too long"):
-        enc.forward_chunk(torch.zeros(1, 5, 32), False, long_cache)
+        enc.forward_chunk(torch.zeros(1, 5, EMBED), False, long_cache)
 
 
 # ---------------------------------------------------------------------------------- trimming

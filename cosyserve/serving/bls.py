@@ -1,15 +1,9 @@
 """The ``cosyvoice2`` Triton model (Python BLS): text (+ voice) -> 24 kHz waveform.
 
-Inputs (all ``[1, ...]``): ``target_text`` BYTES; optional ``reference_wav`` FP32 (16 kHz) with
-``reference_wav_len`` INT32 and ``reference_text`` BYTES (zero-shot voice), or ``speaker_id``
-BYTES (a voice of spk2info.pt); neither = the default speaker "001". Optional ``max_tokens`` /
-``min_tokens`` INT32 override the template's speech-token limits for one request.
-Output: ``waveform`` FP32.
-
-``decoupled`` true streams chunks (ChunkScheduler, template parameter ``streaming_strategy``),
-then a final flag; false answers once. The orchestration is :class:`~cosyserve.pipeline.tts.TTSPipeline`;
-this module only supplies its back ends as BLS requests to the ``audio_tokenizer``,
-``speaker_embedding``, LLM and ``token2wav`` models.
+Inputs, outputs and responses: :mod:`cosyserve.serving.bls_base`. Streaming chunks follow
+ChunkScheduler (template parameter ``streaming_strategy``). The orchestration is
+:class:`~cosyserve.pipeline.tts.TTSPipeline`; this module only supplies its back ends as BLS
+requests to the ``audio_tokenizer``, ``speaker_embedding``, LLM and ``token2wav`` models.
 
 Speech tokens come from one of:
 
@@ -27,10 +21,6 @@ Speech tokens come from one of:
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass
-from contextlib import closing
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -38,57 +28,21 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..frontend.speakers import SpeakerRegistry
-from ..llm.backends import create_backend
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
-from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, register_voice_prefixes
-from ..pipeline.tts import (DEFAULT_MAX_TOKENS, DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice,
-                            VoiceResolver, validate_text)
+from ..pipeline.local import REFERENCE_SAMPLING
+from ..pipeline.tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice
 from ..trtllm.request import TritonLLMInputs, resolve_protocol
-from .triton_utils import (FINAL, FinishedResponseIterators, error_response, limit_torch_threads, model_parameters,
-                           optional_input, optional_scalar, optional_text, raise_response_error, reference_wav,
-                           required_parameter, tensor)
-
-
-def _bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str], request_id: str = ""):
-    return pb_utils.InferenceRequest(model_name=model_name, requested_output_names=outputs, request_id=request_id,
-                                     inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
-
-
-def _exec(model_name: str, inputs: dict[str, np.ndarray], output: str, request_id: str = "") -> np.ndarray:
-    """One BLS call; returns ``output`` without its batch dimension."""
-    response = _bls(model_name, inputs, [output], request_id).exec()
-    raise_response_error(response, model_name)
-    return pb_utils.get_output_tensor_by_name(response, output).as_numpy()[0]
-
-
-class RemoteSpeechTokenizer:
-    """``tokenize(wav16)`` through the ``audio_tokenizer`` model."""
-
-    def tokenize(self, wav16: torch.Tensor) -> torch.Tensor:
-        wav = wav16.numpy().astype(np.float32)[None]
-        inputs = {"reference_wav": wav, "reference_wav_len": np.array([[wav.shape[1]]], np.int32)}
-        ids = _exec("audio_tokenizer", inputs, "prompt_speech_tokens")
-        return torch.from_numpy(ids.astype(np.int32) - SPEECH_TOKEN_OFFSET)
+from .bls_base import TTSBLS, TTSInputs, bls_request, call_model, openai_speech_tokens
+from .triton_utils import FinishedResponseIterators, raise_response_error
 
 
 class RemoteSpeakerEncoder:
     """``embed(wav16)`` through the ``speaker_embedding`` model (fp16 on the wire)."""
 
     def embed(self, wav16: torch.Tensor) -> torch.Tensor:
-        embedding = _exec("speaker_embedding", {"reference_wav": wav16.numpy().astype(np.float32)[None]},
-                          "prompt_spk_embedding")
+        embedding = call_model("speaker_embedding", {"reference_wav": wav16.numpy().astype(np.float32)[None]},
+                               "prompt_spk_embedding")
         return torch.from_numpy(embedding.astype(np.float32))
-
-
-def openai_speech_tokens(params: dict[str, str], tokenizer_dir: str, tokenizer, registry: SpeakerRegistry
-                         ) -> LocalSpeechTokens:
-    """Speech tokens from the OpenAI-compatible server at parameter ``llm_url`` (model id: parameter
-    ``llm_model``, empty = the first the server lists), with the registered voices' prefixes warmed
-    there. Its ``backend`` reads each stream on a thread of its own; close it when unloading."""
-    backend = create_backend("openai", tokenizer_dir, base_url=required_parameter(params, "llm_url"),
-                             model=params.get("llm_model") or None)
-    register_voice_prefixes(backend, tokenizer, registry)
-    return LocalSpeechTokens(backend, REFERENCE_SAMPLING)
 
 
 class TritonSpeechTokens:
@@ -109,7 +63,7 @@ class TritonSpeechTokens:
 
     def generate(self, prompt_ids: list[int], request_id: str, limits: TokenLimits) -> Iterator[Sequence[int]]:
         inputs = self.inputs.generate(prompt_ids, limits.max_tokens, limits.min_tokens)
-        responses = _bls(self.model_name, inputs, ["output_ids", "sequence_length"], request_id).exec(decoupled=True)
+        responses = bls_request(self.model_name, inputs, ["output_ids", "sequence_length"], request_id).exec(decoupled=True)
         self._unfinished[request_id] = responses
         return self._speech_tokens(request_id, responses)
 
@@ -131,7 +85,7 @@ class TritonSpeechTokens:
 
     def cancel(self, request_id: str) -> None:
         """Stop the request, then read what it still sends (up to its final response)."""
-        stop_responses = _bls(self.model_name, self.inputs.stop(), ["output_ids"], request_id).exec(decoupled=True)
+        stop_responses = bls_request(self.model_name, self.inputs.stop(), ["output_ids"], request_id).exec(decoupled=True)
         for response in stop_responses:
             if response.has_error():
                 pb_utils.Logger.log_warn(f"stopping LLM request {request_id}: {response.error().message()}")
@@ -166,98 +120,32 @@ class TritonToken2Wav:
             inputs["prompt_speech_tokens"] = f.speech_tokens.numpy().astype(np.int32)[None] + SPEECH_TOKEN_OFFSET
             inputs["prompt_speech_feat"] = f.speech_feat.numpy().astype(np.float16)[None]
             inputs["prompt_spk_embedding"] = f.embedding.numpy().astype(np.float16)[None]
-        return _exec("token2wav", inputs, "waveform", request_id)
+        return call_model("token2wav", inputs, "waveform", request_id)
 
 
-@dataclass
-class TTSInputs:
-    """The inputs common to the cosyvoice2 and cosyvoice2_dit models, checked."""
+class CosyVoice2BLS(TTSBLS):
+    """The CosyVoice2 pipeline: speech tokens from a Triton LLM model or an OpenAI-compatible server,
+    audio from the ``token2wav`` model."""
 
-    request_id: str  # unique even when clients reuse ids: it keys the LLM request and the token2wav session
-    target_text: str
-    reference_wav: np.ndarray | None
-    reference_text: str | None
-    speaker_id: str | None
-    limits: TokenLimits
-
-
-def parse_tts_inputs(request, limits: TokenLimits, max_text_chars: int) -> TTSInputs:
-    """Read and check a BLS request's text, voice and token-limit inputs (the voice is resolved by the caller)."""
-    target_text = validate_text(optional_text(request, "target_text"), "target_text", max_text_chars)
-    wav = reference_wav(request) if optional_input(request, "reference_wav") is not None else None
-    return TTSInputs(f"{request.request_id() or 'tts'}-{uuid.uuid4().hex[:12]}", target_text, wav,
-                     optional_text(request, "reference_text"), optional_text(request, "speaker_id"),
-                     limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens")))
-
-
-class CosyVoice2BLS:
-    """Requests are handled one at a time per instance, inside ``execute``, on the request thread
-    only: every ``pb_utils`` call of this stub comes from one thread. Concurrency comes from
-    ``bls_instance_num`` instances, and the LLM batches across all of them.
-    """
-
-    def __init__(self, config: dict):
-        from transformers import AutoTokenizer
-
-        params = model_parameters(config)
-        limit_torch_threads(params)  # dozens of instances; each needs little CPU (prompt mel, resampling)
-        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
-        self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), RemoteSpeakerEncoder())
-        self.limits = TokenLimits(int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
-                                  int(params.get("min_tokens") or 0))
-        tokenizer_dir = required_parameter(params, "llm_tokenizer_dir")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    def speech_tokens(self, params: dict[str, str], tokenizer_dir: str, tokenizer, registry: SpeakerRegistry):
         if params.get("llm_url"):
-            self.llm = openai_speech_tokens(params, tokenizer_dir, tokenizer, registry)
-        else:
-            model_name = params.get("llm_model_name") or "llm"
-            protocol = resolve_protocol(params.get("llm_protocol"), model_name)
-            # the tensorrt_llm protocol's embedding_bias is the head bias of this (HuggingFace) directory
-            self.llm = TritonSpeechTokens(model_name, TritonLLMInputs(protocol, REFERENCE_SAMPLING, self.decoupled,
-                                                                      tokenizer_dir))
-        self.pipeline = TTSPipeline(tokenizer, self.llm, TritonToken2Wav(),
-                                    strategy=params.get("streaming_strategy") or "exponential")
+            return openai_speech_tokens(params, tokenizer_dir, tokenizer, registry)
+        model_name = params.get("llm_model_name") or "llm"
+        protocol = resolve_protocol(params.get("llm_protocol"), model_name)
+        # the tensorrt_llm protocol's embedding_bias is the head bias of this (HuggingFace) directory
+        return TritonSpeechTokens(model_name, TritonLLMInputs(protocol, REFERENCE_SAMPLING, self.decoupled,
+                                                              tokenizer_dir))
 
-    def execute(self, requests):
-        if self.decoupled:
-            for request in requests:
-                self._stream(request)
-            return None
-        return [self._offline(request) for request in requests]
+    def speaker_encoder(self) -> RemoteSpeakerEncoder:
+        return RemoteSpeakerEncoder()
 
-    def _parse(self, request) -> TTSRequest:
-        f = parse_tts_inputs(request, self.limits, self.pipeline.max_text_chars)
-        voice = self.voices.resolve(f.reference_wav, f.reference_text, f.speaker_id)
-        return TTSRequest(f.request_id, f.target_text, voice, f.limits)
+    def build_pipeline(self, tokenizer, strategy: str) -> TTSPipeline:
+        return TTSPipeline(tokenizer, self.llm, TritonToken2Wav(), strategy=strategy)
 
-    def _stream(self, request) -> None:
-        sender = request.get_response_sender()
-        last = None  # the final response: nothing more, or the error
-        try:
-            # closed here, on an error too: its clean-up makes BLS calls, which only work inside execute
-            with closing(self.pipeline.stream(self._parse(request), sender.is_cancelled)) as chunks:
-                for chunk in chunks:
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", chunk)]))
-        except Exception as exc:
-            last = error_response(exc)
-        self._release_finished(sender.is_cancelled)  # before the final flag closes the sender
-        sender.send(last, flags=FINAL)
+    def build_request(self, inputs: TTSInputs) -> TTSRequest:
+        voice = self.voices.resolve(inputs.reference_wav, inputs.reference_text, inputs.speaker_id)
+        return TTSRequest(inputs.request_id, inputs.target_text, voice, inputs.limits)
 
-    def _offline(self, request):
-        try:
-            waveform = self.pipeline.synthesize(self._parse(request), request.is_cancelled)
-            response = pb_utils.InferenceResponse(output_tensors=[tensor("waveform", waveform)])
-        except Exception as exc:
-            response = error_response(exc)
-        self._release_finished(request.is_cancelled)
-        return response
-
-    def _release_finished(self, is_cancelled) -> None:
+    def release_finished(self, is_cancelled) -> None:
         if isinstance(self.llm, TritonSpeechTokens):
             self.llm.finished.release(is_cancelled)
-
-    def close(self) -> None:
-        """Requests finish inside execute; only an OpenAI backend has threads (idle ones) to stop."""
-        if isinstance(self.llm, LocalSpeechTokens):
-            self.llm.backend.close()

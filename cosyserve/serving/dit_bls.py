@@ -1,9 +1,6 @@
 """The ``cosyvoice2_dit`` Triton model (Python BLS): text (+ voice) -> 24 kHz waveform with the DiT token2wav.
 
-Inputs as ``cosyvoice2`` (all ``[1, ...]``): ``target_text`` BYTES; optional ``reference_wav`` FP32
-(16 kHz) + ``reference_wav_len`` INT32 + ``reference_text`` BYTES, or ``speaker_id`` BYTES (a voice
-of spk2info.pt), or neither (the default speaker "001"); optional ``max_tokens`` / ``min_tokens``
-INT32 overriding the template's speech-token limits. Output: ``waveform`` FP32.
+Inputs, outputs and responses as ``cosyvoice2``: :mod:`cosyserve.serving.bls_base`.
 
 Back ends (:class:`~cosyserve.serving.dit_pipeline.DitTTSPipeline` does the orchestration):
 
@@ -15,28 +12,21 @@ Back ends (:class:`~cosyserve.serving.dit_pipeline.DitTTSPipeline` does the orch
   ``priority`` = chunk index + 1; Triton 2.51 does not take it as the scheduling priority (its
   verbose log shows priority 10 for every such request), so it is not sent here.
 
-Chunk schedule: parameter ``streaming_strategy`` (``exponential`` | ``equal``). ``decoupled`` true
-streams one response per chunk then a final flag; false answers once (offline token2wav).
+Chunk schedule: parameter ``streaming_strategy`` (``exponential`` | ``equal``); offline requests use
+the offline token2wav.
 """
 
 from __future__ import annotations
 
-from contextlib import closing
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import triton_python_backend_utils as pb_utils
 
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import SPEECH_TOKEN_OFFSET
-from ..pipeline.local import SPK2INFO
-from ..pipeline.tts import DEFAULT_MAX_TOKENS, TokenLimits, VoiceResolver
-from .bls import RemoteSpeechTokenizer, openai_speech_tokens, parse_tts_inputs
+from .bls_base import TTSBLS, TTSInputs, call_model, openai_speech_tokens
 from .dit_pipeline import DitTTSPipeline, DitTTSRequest, SkipSpeakerEmbedding, dit_request
 from .dit_runtime import SpeakerRef
-from .triton_utils import (FINAL, error_response, limit_torch_threads, model_parameters, raise_response_error,
-                           required_parameter, tensor)
 
 TOKEN2WAV_DIT = "token2wav_dit"
 
@@ -62,66 +52,22 @@ class TritonDitToken2Wav:
         elif speaker is not None:
             inputs["reference_wav"] = speaker.wav16.astype(np.float32).reshape(1, -1)
             inputs["reference_wav_len"] = np.array([[speaker.wav16.size]], np.int32)
-        request = pb_utils.InferenceRequest(
-            model_name=TOKEN2WAV_DIT, requested_output_names=["waveform"], request_id=request_id,
-            inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
-        response = request.exec()
-        raise_response_error(response, TOKEN2WAV_DIT)
-        return pb_utils.get_output_tensor_by_name(response, "waveform").as_numpy()[0]
+        return call_model(TOKEN2WAV_DIT, inputs, "waveform", request_id)
 
 
-class CosyVoice2DitBLS:
-    """Requests are handled one at a time per instance, inside ``execute`` (the threading that
-    Triton's Python stub survives, see :class:`~cosyserve.serving.bls.CosyVoice2BLS`); concurrency
-    comes from ``bls_instance_num`` instances, and the LLM server batches across all of them. The
-    LLM stream is read by the OpenAI backend's own thread, so tokens keep coming while a chunk is
-    voiced."""
+class CosyVoice2DitBLS(TTSBLS):
+    """Speech tokens from an OpenAI-compatible server (read by the OpenAI backend's own thread, so
+    tokens keep coming while a chunk is voiced), audio from the ``token2wav_dit`` model."""
 
-    def __init__(self, config: dict):
-        from transformers import AutoTokenizer
+    def speech_tokens(self, params: dict[str, str], tokenizer_dir: str, tokenizer, registry: SpeakerRegistry):
+        return openai_speech_tokens(params, tokenizer_dir, tokenizer, registry)
 
-        params = model_parameters(config)
-        limit_torch_threads(params)  # as the cosyvoice2 BLS: many light instances
-        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
-        self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), SkipSpeakerEmbedding())
-        self.limits = TokenLimits(int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
-                                  int(params.get("min_tokens") or 0))
-        tokenizer_dir = required_parameter(params, "llm_tokenizer_dir")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.llm = openai_speech_tokens(params, tokenizer_dir, tokenizer, registry)
-        self.pipeline = DitTTSPipeline(tokenizer, self.llm, TritonDitToken2Wav(),
-                                       strategy=params.get("streaming_strategy") or "exponential")
+    def speaker_encoder(self) -> SkipSpeakerEmbedding:
+        return SkipSpeakerEmbedding()
 
-    def execute(self, requests):
-        if self.decoupled:
-            for request in requests:
-                self._stream(request)
-            return None
-        return [self._offline(request) for request in requests]
+    def build_pipeline(self, tokenizer, strategy: str) -> DitTTSPipeline:
+        return DitTTSPipeline(tokenizer, self.llm, TritonDitToken2Wav(), strategy=strategy)
 
-    def _parse(self, request) -> DitTTSRequest:
-        f = parse_tts_inputs(request, self.limits, self.pipeline.max_text_chars)
-        return dit_request(self.voices, f.request_id, f.target_text, reference_wav16=f.reference_wav,
-                           reference_text=f.reference_text, speaker_id=f.speaker_id, limits=f.limits)
-
-    def _stream(self, request) -> None:
-        sender = request.get_response_sender()
-        try:
-            # closed here, on an error too: its clean-up calls token2wav_dit, which only works inside execute
-            with closing(self.pipeline.stream(self._parse(request), sender.is_cancelled)) as chunks:
-                for chunk in chunks:
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", chunk)]))
-            sender.send(flags=FINAL)
-        except Exception as exc:
-            sender.send(error_response(exc), flags=FINAL)
-
-    def _offline(self, request):
-        try:
-            waveform = self.pipeline.synthesize(self._parse(request), request.is_cancelled)
-            return pb_utils.InferenceResponse(output_tensors=[tensor("waveform", waveform)])
-        except Exception as exc:
-            return error_response(exc)
-
-    def close(self) -> None:
-        self.llm.backend.close()
+    def build_request(self, inputs: TTSInputs) -> DitTTSRequest:
+        return dit_request(self.voices, inputs.request_id, inputs.target_text, reference_wav16=inputs.reference_wav,
+                           reference_text=inputs.reference_text, speaker_id=inputs.speaker_id, limits=inputs.limits)

@@ -1,0 +1,173 @@
+"""What the ``cosyvoice2`` and ``cosyvoice2_dit`` Triton models (Python BLS) share.
+
+Both take the same inputs (all ``[1, ...]``): ``target_text`` BYTES; optional ``reference_wav``
+FP32 (16 kHz) with ``reference_wav_len`` INT32 and ``reference_text`` BYTES (zero-shot voice), or
+``speaker_id`` BYTES (a voice of spk2info.pt); neither = the default speaker "001". Optional
+``max_tokens`` / ``min_tokens`` INT32 override the template's speech-token limits for one request.
+Output: ``waveform`` FP32. ``decoupled`` true streams one response per chunk, then an empty one
+with the final flag (or the error with it); false answers once.
+
+:class:`TTSBLS` does the Triton side (parameters, request parsing, responses); a subclass names
+the speech-token source, the speaker encoder and the pipeline it drives
+(:mod:`cosyserve.serving.bls`, :mod:`cosyserve.serving.dit_bls`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from ..frontend.speakers import SpeakerRegistry
+from ..llm.backends import create_backend
+from ..llm.prompt import SPEECH_TOKEN_OFFSET
+from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, register_voice_prefixes
+from ..pipeline.tts import DEFAULT_MAX_TOKENS, TokenLimits, VoiceResolver, validate_text
+from .triton_utils import (FINAL, error_response, limit_torch_threads, model_parameters, optional_input,
+                           optional_scalar, optional_text, raise_response_error, reference_wav, required_parameter,
+                           tensor)
+
+
+def bls_request(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str], request_id: str = ""):
+    return pb_utils.InferenceRequest(model_name=model_name, requested_output_names=outputs, request_id=request_id,
+                                     inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
+
+
+def call_model(model_name: str, inputs: dict[str, np.ndarray], output: str, request_id: str = "") -> np.ndarray:
+    """One BLS call; returns ``output`` without its batch dimension."""
+    response = bls_request(model_name, inputs, [output], request_id).exec()
+    raise_response_error(response, model_name)
+    return pb_utils.get_output_tensor_by_name(response, output).as_numpy()[0]
+
+
+class RemoteSpeechTokenizer:
+    """``tokenize(wav16)`` through the ``audio_tokenizer`` model."""
+
+    def tokenize(self, wav16: torch.Tensor) -> torch.Tensor:
+        wav = wav16.numpy().astype(np.float32)[None]
+        inputs = {"reference_wav": wav, "reference_wav_len": np.array([[wav.shape[1]]], np.int32)}
+        ids = call_model("audio_tokenizer", inputs, "prompt_speech_tokens")
+        return torch.from_numpy(ids.astype(np.int32) - SPEECH_TOKEN_OFFSET)
+
+
+def openai_speech_tokens(params: dict[str, str], tokenizer_dir: str, tokenizer, registry: SpeakerRegistry
+                         ) -> LocalSpeechTokens:
+    """Speech tokens from the OpenAI-compatible server at parameter ``llm_url`` (model id: parameter
+    ``llm_model``, empty = the first the server lists), with the registered voices' prefixes warmed
+    there. Its ``backend`` reads each stream on a thread of its own; close it when unloading."""
+    backend = create_backend("openai", tokenizer_dir, base_url=required_parameter(params, "llm_url"),
+                             model=params.get("llm_model") or None)
+    register_voice_prefixes(backend, tokenizer, registry)
+    return LocalSpeechTokens(backend, REFERENCE_SAMPLING)
+
+
+@dataclass
+class TTSInputs:
+    """The inputs common to the cosyvoice2 and cosyvoice2_dit models, checked."""
+
+    request_id: str  # unique even when clients reuse ids: it keys the LLM request and the token2wav session
+    target_text: str
+    reference_wav: np.ndarray | None
+    reference_text: str | None
+    speaker_id: str | None
+    limits: TokenLimits
+
+
+def parse_tts_inputs(request, limits: TokenLimits, max_text_chars: int) -> TTSInputs:
+    """Read and check a BLS request's text, voice and token-limit inputs (the voice is resolved by the caller)."""
+    target_text = validate_text(optional_text(request, "target_text"), "target_text", max_text_chars)
+    wav = reference_wav(request) if optional_input(request, "reference_wav") is not None else None
+    return TTSInputs(f"{request.request_id() or 'tts'}-{uuid.uuid4().hex[:12]}", target_text, wav,
+                     optional_text(request, "reference_text"), optional_text(request, "speaker_id"),
+                     limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens")))
+
+
+class TTSBLS(ABC):
+    """A text-to-speech BLS model over a pipeline with ``stream``, ``synthesize`` and ``max_text_chars``.
+
+    Requests are handled one at a time per instance, inside ``execute``, on the request thread
+    only: every ``pb_utils`` call of this stub comes from one thread. Concurrency comes from
+    ``bls_instance_num`` instances, and the LLM batches across all of them.
+
+    Subclasses supply :meth:`speech_tokens` (the LLM), :meth:`speaker_encoder`, :meth:`build_pipeline`
+    and :meth:`build_request`; :meth:`release_finished` is where one whose back ends keep BLS
+    response iterators lets go of them.
+    """
+
+    def __init__(self, config: dict):
+        from transformers import AutoTokenizer
+
+        params = model_parameters(config)
+        limit_torch_threads(params)  # dozens of instances; each needs little CPU (prompt mel, resampling)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
+        self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), self.speaker_encoder())
+        self.limits = TokenLimits(int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
+                                  int(params.get("min_tokens") or 0))
+        tokenizer_dir = required_parameter(params, "llm_tokenizer_dir")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.llm = self.speech_tokens(params, tokenizer_dir, tokenizer, registry)
+        self.pipeline = self.build_pipeline(tokenizer, params.get("streaming_strategy") or "exponential")
+
+    @abstractmethod
+    def speech_tokens(self, params: dict[str, str], tokenizer_dir: str, tokenizer, registry: SpeakerRegistry):
+        """The pipeline's :class:`~cosyserve.pipeline.tts.SpeechTokenSource`."""
+
+    @abstractmethod
+    def speaker_encoder(self):
+        """What :class:`~cosyserve.pipeline.tts.VoiceResolver` embeds a reference clip with."""
+
+    @abstractmethod
+    def build_pipeline(self, tokenizer, strategy: str):
+        """The pipeline (``stream``, ``synthesize``, ``max_text_chars``) over :attr:`llm`."""
+
+    @abstractmethod
+    def build_request(self, inputs: TTSInputs) -> Any:
+        """The pipeline's request for these checked inputs (the voice resolved here)."""
+
+    def release_finished(self, is_cancelled) -> None:
+        """Called before a request's last response is sent, while it is still open."""
+
+    def execute(self, requests):
+        if self.decoupled:
+            for request in requests:
+                self._stream(request)
+            return None
+        return [self._offline(request) for request in requests]
+
+    def _parse(self, request):
+        return self.build_request(parse_tts_inputs(request, self.limits, self.pipeline.max_text_chars))
+
+    def _stream(self, request) -> None:
+        sender = request.get_response_sender()
+        last = None  # the final response: nothing more, or the error
+        try:
+            # closed here, on an error too: its clean-up makes BLS calls, which only work inside execute
+            with closing(self.pipeline.stream(self._parse(request), sender.is_cancelled)) as chunks:
+                for chunk in chunks:
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", chunk)]))
+        except Exception as exc:
+            last = error_response(exc)
+        self.release_finished(sender.is_cancelled)  # before the final flag closes the sender
+        sender.send(last, flags=FINAL)
+
+    def _offline(self, request):
+        try:
+            waveform = self.pipeline.synthesize(self._parse(request), request.is_cancelled)
+            response = pb_utils.InferenceResponse(output_tensors=[tensor("waveform", waveform)])
+        except Exception as exc:
+            response = error_response(exc)
+        self.release_finished(request.is_cancelled)
+        return response
+
+    def close(self) -> None:
+        """Requests finish inside execute; only an OpenAI backend has threads (idle ones) to stop."""
+        if isinstance(self.llm, LocalSpeechTokens):
+            self.llm.backend.close()
