@@ -33,9 +33,9 @@ import tritonclient.grpc as grpcclient
 from tqdm import tqdm
 from tritonclient.utils import InferenceServerException
 
-from cosyserve import clients
+from cosyserve import clients, data
 from cosyserve.errors import InvalidInputError
-from cosyserve.lengths import FixedLength
+from cosyserve.data import FixedLength
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,20 +74,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load_items(args: argparse.Namespace) -> tuple[str, list[clients.Utterance]]:
+def load_items(args: argparse.Namespace) -> tuple[str, list[data.Utterance]]:
     """(run name, the requests to send). The manifest wins over the dataset default."""
     if args.reference_audio:
         name, items = Path(args.reference_audio).stem, [
-            clients.Utterance("test", args.reference_text, args.reference_audio, args.target_text)]
+            data.Utterance("test", args.reference_text, args.reference_audio, args.target_text)]
     elif args.manifest_path:
-        name, items = Path(args.manifest_path).stem, clients.load_manifest(args.manifest_path)
+        name, items = Path(args.manifest_path).stem, data.load_manifest(args.manifest_path)
     else:
-        name, items = args.split_name, clients.load_hf_dataset(args.huggingface_dataset, args.split_name)
+        name, items = args.split_name, data.load_hf_dataset(args.huggingface_dataset, args.split_name)
     fixed = fixed_length(args)
     if fixed:  # drawn per item before repeating: a repeat has its item's length
-        items = clients.with_fixed_lengths(items, fixed)
+        items = data.with_fixed_lengths(items, fixed)
     if args.num_requests is not None:
-        items = clients.repeat_items(items, args.num_requests)
+        items = data.repeat_items(items, args.num_requests)
     return name, items
 
 
@@ -105,7 +105,7 @@ class Task:
         self.send_reference = args.use_spk2info_cache.lower() != "true"
         self.run_request = clients.run_streaming if args.mode == "streaming" else clients.run_offline
 
-    def __call__(self, items: list[clients.Utterance]) -> list[clients.RequestResult]:
+    def __call__(self, items: list[data.Utterance]) -> list[clients.RequestResult]:
         args = self.args
         client = grpcclient.InferenceServerClient(f"{args.server_addr}:{args.server_port}")
         results = []
@@ -116,10 +116,10 @@ class Task:
             client.close()
         return results
 
-    def one(self, client, item: clients.Utterance) -> clients.RequestResult:
+    def one(self, client, item: data.Utterance) -> clients.RequestResult:
         args = self.args
         try:
-            waveform = clients.load_reference_audio(item.reference_audio) if self.send_reference else None
+            waveform = data.load_reference_audio(item.reference_audio) if self.send_reference else None
             inputs = clients.build_inputs(grpcclient, waveform, item.reference_text, item.target_text,
                                           args.speaker_id, max_tokens=item.speech_tokens,
                                           min_tokens=item.speech_tokens)
@@ -160,7 +160,7 @@ def main() -> int:
         return 2
     stats_before = admin.get_inference_statistics(model_name="", as_json=True)
 
-    shares = clients.split_round_robin(items, args.num_tasks)
+    shares = data.split_round_robin(items, args.num_tasks)
     with tqdm(total=len(items), desc=f"{args.mode} x{len(shares)}", unit="req") as progress:
         task = Task(args, progress, threading.Lock())
         start = time.perf_counter()

@@ -18,7 +18,7 @@ import soundfile as sf
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from cosyserve import clients
+from cosyserve import clients, data
 from cosyserve.errors import InvalidInputError
 
 
@@ -42,7 +42,7 @@ def main() -> int:
     url = args.server_url or f"{args.server_addr}:{args.server_port}"
     url = url.removeprefix("http://")
     try:
-        waveform = clients.load_reference_audio(args.reference_audio)
+        waveform = data.load_reference_audio(args.reference_audio)
         inputs = clients.build_inputs(httpclient, waveform, args.reference_text, args.target_text, args.speaker_id)
     except InvalidInputError as e:
         print(f"error: {e}", file=sys.stderr)

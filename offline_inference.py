@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from cosyserve import clients
+from cosyserve import data
 from cosyserve.errors import CosyServeError, InvalidInputError
-from cosyserve.lengths import FixedLength
+from cosyserve.data import FixedLength
 from cosyserve.pipeline.offline import (BACKENDS, DTYPES, OfflineConfig, OfflineTTS, Timers, build_report,
                                         format_report_md, synthesize_items, write_reports)
 from cosyserve.token2wav.cosyvoice2 import DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions
@@ -40,9 +40,9 @@ from cosyserve.token2wav.cosyvoice2 import DEFAULT_PRECAPTURE_FRAMES, Token2WavO
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", type=Path, required=True, help="bundle root: CosyVoice2-0.5B/ and cosyvoice2_llm/")
-    data = p.add_mutually_exclusive_group(required=True)
-    data.add_argument("--manifest-path", type=Path, help="lines utt|prompt_text|prompt_wav|target_text")
-    data.add_argument("--huggingface-dataset", help="e.g. yuekai/seed_tts_cosy2 (needs the `datasets` package)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--manifest-path", type=Path, help="lines utt|prompt_text|prompt_wav|target_text")
+    source.add_argument("--huggingface-dataset", help="e.g. yuekai/seed_tts_cosy2 (needs the `datasets` package)")
     p.add_argument("--split-name", default="wenetspeech4tts", help="dataset split")
     p.add_argument("--max-items", type=int, help="only the first N utterances")
     p.add_argument("--output-dir", type=Path, required=True)
@@ -99,11 +99,11 @@ def config_from_args(args) -> OfflineConfig:
                          speaker_id=args.speaker_id, seed=args.seed, llm_options=llm_options)
 
 
-def load_items(args) -> list[clients.Utterance]:
+def load_items(args) -> list[data.Utterance]:
     if args.manifest_path:
-        items = clients.load_manifest(args.manifest_path)
+        items = data.load_manifest(args.manifest_path)
     else:
-        items = clients.load_hf_dataset(args.huggingface_dataset, args.split_name)
+        items = data.load_hf_dataset(args.huggingface_dataset, args.split_name)
     if args.max_items is not None:
         if args.max_items < 1:
             raise InvalidInputError(f"--max-items must be >= 1, got {args.max_items}")

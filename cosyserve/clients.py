@@ -13,9 +13,8 @@ Wire protocol of the ``cosyvoice2`` Triton model (same as NVIDIA's CosyVoice run
   chunk when the model is decoupled (streaming)
 
 Besides building requests, this module runs one request (offline or streaming, with the
-synchronous tritonclient so that chunk arrival times are taken in the gRPC callback), loads
-benchmark items (manifest file or HuggingFace dataset; repeated to a request count, with fixed
-lengths for random-weight bundles), and turns per-request timings into the benchmark numbers:
+synchronous tritonclient so that chunk arrival times are taken in the gRPC callback) and turns
+per-request timings into the benchmark numbers (the items come from :mod:`cosyserve.data`):
 latency percentiles, real-time factor, playback underruns and Triton's per-model statistics for
 the run.
 """
@@ -25,127 +24,15 @@ from __future__ import annotations
 import queue
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from .errors import InvalidInputError
-from .lengths import FixedLength
 
 OUTPUT_SAMPLE_RATE = 24000
 PERCENTILES = (50, 90, 95, 99)
-
-
-# --- benchmark items ------------------------------------------------------------------------
-
-
-@dataclass
-class Utterance:
-    """One synthesis request: ``reference_audio`` is a file path or ``{"array", "sampling_rate"}``.
-
-    ``speech_tokens``: make exactly this many speech tokens (sent as ``max_tokens = min_tokens``);
-    None leaves the lengths to the server.
-    """
-
-    id: str
-    reference_text: str
-    reference_audio: Any
-    target_text: str
-    speech_tokens: int | None = None
-
-
-def load_manifest(path: str | Path) -> list[Utterance]:
-    """Read ``utt|prompt_text|prompt_wav|target_text`` lines (blank lines skipped).
-
-    ``utt`` may be a path: its stem is the id (and the output wav's name). Relative
-    ``prompt_wav`` paths are relative to the manifest's directory.
-    """
-    path = Path(path)
-    items = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        fields = line.split("|")
-        if len(fields) != 4:
-            raise InvalidInputError(
-                f"{path}:{number}: expected 4 '|'-separated fields utt|prompt_text|prompt_wav|target_text, "
-                f"got {len(fields)}"
-            )
-        utt, prompt_text, prompt_wav, target_text = (f.strip() for f in fields)
-        items.append(Utterance(Path(utt).stem, prompt_text, str(path.parent / prompt_wav), target_text))
-    return _checked_unique(items, str(path))
-
-
-def load_hf_dataset(name: str, split: str) -> list[Utterance]:
-    """Items of a HuggingFace dataset with ``id, prompt_text, prompt_audio, target_text`` columns
-    (e.g. ``yuekai/seed_tts_cosy2``)."""
-    try:
-        import datasets
-    except ImportError as e:
-        raise InvalidInputError(
-            f"--huggingface-dataset needs the `datasets` package ({e}); pip install datasets, "
-            "or pass --manifest-path"
-        ) from None
-    dataset = datasets.load_dataset(name, split=split, trust_remote_code=True)
-    items = [Utterance(str(row["id"]), row["prompt_text"], row["prompt_audio"], row["target_text"]) for row in dataset]
-    return _checked_unique(items, f"{name}[{split}]")
-
-
-def _checked_unique(items: list[Utterance], source: str) -> list[Utterance]:
-    seen = set()
-    for item in items:
-        if item.id in seen:  # outputs are written as <id>.wav: a repeat would overwrite one
-            raise InvalidInputError(f"{source}: utterance id {item.id!r} appears more than once")
-        seen.add(item.id)
-    if not items:
-        raise InvalidInputError(f"{source}: no utterances")
-    return items
-
-
-def repeat_items(items: Sequence[Utterance], num_requests: int) -> list[Utterance]:
-    """``num_requests`` requests cycling through ``items``; the k-th pass's ids get ``_r<k>``
-    (k from 0), so every request has its own id (and output wav)."""
-    if num_requests < 1:
-        raise InvalidInputError(f"number of requests must be >= 1, got {num_requests}")
-    return [replace(items[i % len(items)], id=f"{items[i % len(items)].id}_r{i // len(items)}")
-            for i in range(num_requests)]
-
-
-def with_fixed_lengths(items: Sequence[Utterance], fixed: FixedLength) -> list[Utterance]:
-    """``items`` with ``speech_tokens`` from ``fixed``'s draws, one per item in order."""
-    if fixed.seconds is None:
-        raise InvalidInputError("fixed lengths for requests need the seconds (one value or lo hi)")
-    return [replace(item, speech_tokens=fixed.tokens(seconds)) for item, seconds in zip(items, fixed.draws(len(items)))]
-
-
-def split_round_robin(items: Sequence[Utterance], num_tasks: int) -> list[list[Utterance]]:
-    """Deal ``items`` to ``min(num_tasks, len(items))`` tasks (each runs its share in order)."""
-    if num_tasks < 1:
-        raise InvalidInputError(f"number of tasks must be >= 1, got {num_tasks}")
-    num_tasks = min(num_tasks, len(items))
-    return [list(items[i::num_tasks]) for i in range(num_tasks)]
-
-
-def load_reference_audio(source: Any) -> np.ndarray:
-    """The prompt as the server takes it: mono float32 at 16 kHz.
-
-    ``source`` is a file path, ``{"array", "sampling_rate"}`` (HuggingFace datasets < 4) or an
-    audio decoder with ``get_all_samples()`` (datasets >= 4). Checked and resampled by
-    :mod:`cosyserve.audio.io` with the server's rules (rate >= 16 kHz, 0.5-30 s, not silent),
-    so a bad prompt fails here with InvalidInputError instead of at the server.
-    """
-    from .audio.io import prompt_audio_from_array, read_audio  # torch: imported only when needed
-
-    if hasattr(source, "get_all_samples"):
-        samples = source.get_all_samples()
-        wav, rate = samples.data, samples.sample_rate  # (channels, samples)
-    elif isinstance(source, Mapping):
-        wav, rate = np.asarray(source["array"], dtype=np.float32), int(source["sampling_rate"])
-    else:
-        wav, rate = read_audio(source)
-    return prompt_audio_from_array(wav, rate).wav16.numpy()
 
 
 # --- requests ----------------------------------------------------------------------------

@@ -62,9 +62,9 @@ from typing import Callable, Iterator
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from cosyserve import clients  # noqa: E402
-from cosyserve.lengths import FixedLength  # noqa: E402
-from cosyserve.pipeline.schedule import TOKEN_RATE  # noqa: E402
+from cosyserve import data  # noqa: E402
+from cosyserve.data import FixedLength  # noqa: E402
+from cosyserve.schedule import TOKEN_RATE  # noqa: E402
 from cosyserve.serving.tritonserver import (MPS_CONTROL, TritonServer, TritonServerError, log_report,  # noqa: E402
                                             mps_daemon, start_server)
 
@@ -886,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     manifest = args.manifest or write_synthetic_manifest(args.out_dir / "manifest", args.num_prompts, args.seed)
-    items = clients.load_manifest(manifest)
+    items = data.load_manifest(manifest)
     # the items the levels send: warmed up once each
     items_used = min(len(items), max(requests_per_level(args, c) for c in args.concurrency))
     header = {

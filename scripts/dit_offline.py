@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cosyserve import clients  # noqa: E402
+from cosyserve import data  # noqa: E402
 from cosyserve.errors import CosyServeError  # noqa: E402
 from cosyserve.frontend import SpeakerRegistry  # noqa: E402
 from cosyserve.llm.backends import create_backend  # noqa: E402
@@ -67,8 +67,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, args.concurrency)))
     from transformers import AutoTokenizer
 
-    items = (clients.load_manifest(args.manifest_path) if args.manifest_path
-             else clients.load_hf_dataset(args.huggingface_dataset, args.split_name))
+    items = (data.load_manifest(args.manifest_path) if args.manifest_path
+             else data.load_hf_dataset(args.huggingface_dataset, args.split_name))
     device = resolve_device(args.device)
     llm_dir = args.models_dir / LLM_DIR
     service = load_dit_service(args.dit_model_dir or args.models_dir / "Step-Audio-2-mini" / "token2wav", device)
@@ -81,9 +81,9 @@ def main(argv=None) -> int:
     limits = TokenLimits(args.max_tokens, min(args.min_tokens, args.max_tokens))
     args.output_dir.mkdir(parents=True, exist_ok=True)
 
-    def synthesize(item: clients.Utterance) -> float:
+    def synthesize(item: data.Utterance) -> float:
         request = dit_request(voices, uuid.uuid4().hex, item.target_text, limits=limits,
-                              reference_wav16=clients.load_reference_audio(item.reference_audio),
+                              reference_wav16=data.load_reference_audio(item.reference_audio),
                               reference_text=item.reference_text)
         audio = pipeline.synthesize(request)
         sf.write(args.output_dir / f"{item.id}.wav", audio, SAMPLE_RATE)

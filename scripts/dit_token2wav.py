@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cosyserve.audio.io import TOKENIZER_SAMPLE_RATE, load_prompt_audio  # noqa: E402
 from cosyserve.pipeline.tts import DEFAULT_SPEAKER  # noqa: E402
 from cosyserve.serving.dit_runtime import DitToken2WavService, SpeakerRef, load_dit_service  # noqa: E402
-from cosyserve.token2wav.dit import STRATEGIES, plan_stream_chunks  # noqa: E402
+from cosyserve.schedule import DIT_STRATEGIES, plan_stream_chunks  # noqa: E402
 
 SAMPLE_RATE = 24000
 
@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     who.add_argument("--spk2info", type=Path, help="a spk2info.pt; the voice is --speaker-id")
     p.add_argument("--speaker-id", default=DEFAULT_SPEAKER)
     p.add_argument("--mode", choices=("offline", "streaming"), default="streaming")
-    p.add_argument("--strategy", choices=STRATEGIES, default="exponential", help="streaming chunk schedule")
+    p.add_argument("--strategy", choices=DIT_STRATEGIES, default="exponential", help="streaming chunk schedule")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (the flow runs in fp16 on CUDA)")
     p.add_argument("--runs", type=int, default=1, help="timed runs per length (after one warm-up)")
     p.add_argument("--output", type=Path, help="write the (last) waveform here")

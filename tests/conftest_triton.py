@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from cosyserve.pipeline.schedule import plan_chunks
+from cosyserve.schedule import plan_chunks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLES_PER_TOKEN = 960

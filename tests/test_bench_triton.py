@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cosyserve import clients
+from cosyserve import data
 from cosyserve.audio.io import MAX_PROMPT_SECONDS, MIN_PROMPT_SECONDS
-from cosyserve.lengths import FixedLength
+from cosyserve.data import FixedLength
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest_triton import free_ports  # noqa: E402
@@ -42,14 +42,14 @@ bench = _load_driver()
 
 def test_synthetic_manifest_is_a_valid_seeded_benchmark_set(tmp_path):
     manifest = bench.write_synthetic_manifest(tmp_path / "a", count=26, seed=0)
-    items = clients.load_manifest(manifest)
+    items = data.load_manifest(manifest)
     assert len(items) == 26 and len({i.reference_audio for i in items}) == 26
     for item in items:
         info = sf.info(item.reference_audio)
         assert info.samplerate == 16000 and info.channels == 1
         assert 3.0 <= info.duration <= 8.0
         assert MIN_PROMPT_SECONDS <= info.duration <= MAX_PROMPT_SECONDS
-        wav = clients.load_reference_audio(item.reference_audio)  # the server's checks: rate, length, not silent
+        wav = data.load_reference_audio(item.reference_audio)  # the server's checks: rate, length, not silent
         assert wav.size == info.frames
         # about 4.5 characters a second of prompt; targets of 18-45 characters (+ punctuation)
         prompt_chars = sum(ch in bench.CHARACTERS for ch in item.reference_text)

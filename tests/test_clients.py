@@ -11,9 +11,9 @@ import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from cosyserve import clients
+from cosyserve import clients, data
 from cosyserve.errors import InvalidInputError
-from cosyserve.lengths import FixedLength
+from cosyserve.data import FixedLength
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,9 +29,9 @@ def test_manifest_parsing(tmp_path):
         "utt2|prompt two|/abs/p2.wav|target two\n",
         encoding="utf-8",
     )
-    items = clients.load_manifest(manifest)
+    items = data.load_manifest(manifest)
     assert [i.id for i in items] == ["utt1", "utt2"]
-    assert items[0] == clients.Utterance("utt1", "你好，世界。", str(tmp_path / "wavs" / "p1.wav"), "今天天气很好。")
+    assert items[0] == data.Utterance("utt1", "你好，世界。", str(tmp_path / "wavs" / "p1.wav"), "今天天气很好。")
     assert items[1].reference_audio == "/abs/p2.wav"
 
 
@@ -45,39 +45,39 @@ def test_manifest_errors(tmp_path, content, message):
     manifest = tmp_path / "list.txt"
     manifest.write_text(content)
     with pytest.raises(InvalidInputError, match=message):
-        clients.load_manifest(manifest)
+        data.load_manifest(manifest)
 
 
 def test_split_round_robin():
-    items = [clients.Utterance(str(i), "", "", "t") for i in range(5)]
-    shares = clients.split_round_robin(items, 2)
+    items = [data.Utterance(str(i), "", "", "t") for i in range(5)]
+    shares = data.split_round_robin(items, 2)
     assert [[i.id for i in s] for s in shares] == [["0", "2", "4"], ["1", "3"]]
-    assert len(clients.split_round_robin(items, 9)) == 5
+    assert len(data.split_round_robin(items, 9)) == 5
     with pytest.raises(InvalidInputError):
-        clients.split_round_robin(items, 0)
+        data.split_round_robin(items, 0)
 
 
 def test_repeat_items_cycles_with_unique_ids():
-    items = [clients.Utterance(str(i), "", "", "t", speech_tokens=10 * i) for i in range(3)]
-    requests = clients.repeat_items(items, 7)
+    items = [data.Utterance(str(i), "", "", "t", speech_tokens=10 * i) for i in range(3)]
+    requests = data.repeat_items(items, 7)
     assert [r.id for r in requests] == ["0_r0", "1_r0", "2_r0", "0_r1", "1_r1", "2_r1", "0_r2"]
     assert [r.speech_tokens for r in requests] == [0, 10, 20, 0, 10, 20, 0]
-    assert [r.id for r in clients.repeat_items(items, 2)] == ["0_r0", "1_r0"]
+    assert [r.id for r in data.repeat_items(items, 2)] == ["0_r0", "1_r0"]
     assert items[0].id == "0"  # the items themselves are left alone
     with pytest.raises(InvalidInputError, match="number of requests must be >= 1"):
-        clients.repeat_items(items, 0)
+        data.repeat_items(items, 0)
 
 
 def test_fixed_lengths_are_the_offline_draws_per_item():
-    items = [clients.Utterance(str(i), "", "", "t") for i in range(26)]
+    items = [data.Utterance(str(i), "", "", "t") for i in range(26)]
     fixed = FixedLength(25, (4.0, 10.0), seed=3)
-    lengths = [i.speech_tokens for i in clients.with_fixed_lengths(items, fixed)]
+    lengths = [i.speech_tokens for i in data.with_fixed_lengths(items, fixed)]
     assert lengths == [round(25 * s) for s in fixed.draws(26)]  # what offline_inference.py generates
     assert 100 <= min(lengths) < max(lengths) <= 250
-    assert lengths != [i.speech_tokens for i in clients.with_fixed_lengths(items, FixedLength(25, (4.0, 10.0), 4))]
-    assert {i.speech_tokens for i in clients.with_fixed_lengths(items, FixedLength(12.5, (2.0,)))} == {25}
+    assert lengths != [i.speech_tokens for i in data.with_fixed_lengths(items, FixedLength(25, (4.0, 10.0), 4))]
+    assert {i.speech_tokens for i in data.with_fixed_lengths(items, FixedLength(12.5, (2.0,)))} == {25}
     with pytest.raises(InvalidInputError, match="need the seconds"):
-        clients.with_fixed_lengths(items, FixedLength(25, None))
+        data.with_fixed_lengths(items, FixedLength(25, None))
 
 
 def test_client_grpc_requests_without_torch(tmp_path):
@@ -103,14 +103,14 @@ def test_reference_audio_mono_and_resampled(tmp_path):
     t = np.arange(24000) / 24000
     stereo = np.stack([np.sin(2 * np.pi * 440 * t), np.zeros_like(t)], axis=1).astype(np.float32) * 0.5
     sf.write(tmp_path / "s.wav", stereo, 24000, subtype="FLOAT")
-    audio = clients.load_reference_audio(tmp_path / "s.wav")
+    audio = data.load_reference_audio(tmp_path / "s.wav")
     assert audio.dtype == np.float32 and audio.shape == (16000,)
     # mono mix halves the amplitude (0.25); the 440 Hz tone survives resampling
     assert abs(np.abs(audio[1000:-1000]).max() - 0.25) < 0.01
     spectrum = np.abs(np.fft.rfft(audio))
     assert np.argmax(spectrum) == 440  # 1 s at 16 kHz: bin k = k Hz
 
-    native = clients.load_reference_audio({"array": np.full(8000, 0.5), "sampling_rate": 16000})
+    native = data.load_reference_audio({"array": np.full(8000, 0.5), "sampling_rate": 16000})
     np.testing.assert_allclose(native, np.full(8000, 0.5, dtype=np.float32), atol=1e-6)
 
 
@@ -123,7 +123,7 @@ def test_reference_audio_from_datasets_decoder():
         def get_all_samples(self):
             return Samples()
 
-    audio = clients.load_reference_audio(Decoder())
+    audio = data.load_reference_audio(Decoder())
     assert audio.shape == (16000,) and abs(audio[8000] - 0.3) < 1e-6
 
 
@@ -136,7 +136,7 @@ def test_reference_audio_from_datasets_decoder():
 ])
 def test_reference_audio_errors(tmp_path, source, message):
     with pytest.raises(InvalidInputError, match=message):
-        clients.load_reference_audio(tmp_path / source if isinstance(source, str) else source)
+        data.load_reference_audio(tmp_path / source if isinstance(source, str) else source)
 
 
 # --- request tensors ----------------------------------------------------------------------

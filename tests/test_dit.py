@@ -17,15 +17,8 @@ from cosyserve.models.dit.cfm import EstimatorCache
 from cosyserve.models.dit.config import DitFlowConfig
 from cosyserve.models.dit.flow import DitFlow, load_dit_flow
 from cosyserve.models.hift import HiftConfig, HiFTGenerator
-from cosyserve.token2wav.dit import (
-    DitChunkScheduler,
-    DitToken2Wav,
-    OfflineRequest,
-    SpeakerPrompt,
-    TokenChunk,
-    plan_stream_chunks,
-    speaker_key,
-)
+from cosyserve.schedule import DitChunkScheduler, TokenChunk, plan_stream_chunks
+from cosyserve.token2wav.dit import DitToken2Wav, OfflineRequest, SpeakerPrompt, speaker_key
 
 torch.set_num_threads(1)
 

@@ -36,7 +36,7 @@ pytest.importorskip("pytriton")
 
 from cosyserve.errors import InvalidInputError, RequestCancelledError  # noqa: E402
 from cosyserve.llm.prompt import SPEECH_TOKEN_OFFSET  # noqa: E402
-from cosyserve.token2wav.dit import plan_stream_chunks  # noqa: E402
+from cosyserve.schedule import plan_stream_chunks  # noqa: E402
 
 NUM_TOKENS = 40  # MAX_TOKENS = MIN_TOKENS in stage 2
 HELD_BACK = 3840  # HiFT overlap withheld by a non-final chunk (8 mel frames x 480)

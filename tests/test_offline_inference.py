@@ -14,7 +14,7 @@ import torch
 
 from cosyserve.errors import InvalidInputError
 from cosyserve.frontend.prompt import PromptFeatures
-from cosyserve.lengths import FixedLength
+from cosyserve.data import FixedLength
 from cosyserve.pipeline.offline import estimate_seconds, spoken_characters
 from cosyserve.pipeline.tts import Voice
 

@@ -18,7 +18,7 @@ import torch
 from conftest_triton import SAMPLES_PER_TOKEN, expected_chunk_samples
 from cosyserve.errors import InvalidInputError, RequestCancelledError
 from cosyserve.llm.prompt import SOS_ID, SPEECH_TOKEN_OFFSET, TASK_ID
-from cosyserve.pipeline.schedule import plan_chunks
+from cosyserve.schedule import plan_chunks
 from cosyserve.pipeline.tts import TokenLimits, TTSPipeline, TTSRequest, Voice, validate_text
 
 VOICE = Voice("提示文本。", SimpleNamespace(speech_tokens=torch.tensor([5, 6, 7], dtype=torch.int32)))

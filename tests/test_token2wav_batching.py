@@ -11,7 +11,7 @@ import torch
 from cosyserve.errors import InvalidInputError
 from cosyserve.models.flow import EncoderConfig, EstimatorConfig, FlowConfig, flow_from_state_dict, random_flow_state_dict
 from cosyserve.models.hift import HiFTGenerator, HiftConfig
-from cosyserve.pipeline.schedule import plan_chunks
+from cosyserve.schedule import plan_chunks
 from cosyserve.token2wav.batching import Token2WavBatcher
 from cosyserve.token2wav.cosyvoice2 import CosyVoice2Token2Wav, OfflineRequest, Token2WavOptions
 from cosyserve.token2wav.graphs import FlowSampler, HiftRunner

@@ -33,12 +33,8 @@ from cosyserve.models.dit.encoder_v2 import relative_position_table
 from cosyserve.models.dit.flow import DitFlow, load_dit_flow_state_dict
 from cosyserve.models.hift import HiftConfig, load_hift
 from cosyserve.parity import CaseResult, check, compare
-from cosyserve.token2wav.dit import (
-    DitToken2Wav,
-    OfflineRequest,
-    SpeakerPrompt,
-    plan_stream_chunks,
-)
+from cosyserve.schedule import plan_stream_chunks
+from cosyserve.token2wav.dit import DitToken2Wav, OfflineRequest, SpeakerPrompt
 from cosyserve.token2wav.vocoder_stream import HiftStream
 
 SUITE = "dit"

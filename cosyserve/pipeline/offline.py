@@ -9,7 +9,7 @@ are sorted by length first so batches pad little). Three timers (front-end, LLM,
 to the total; writing files is not timed. RTF = total time / seconds of audio.
 
 Benchmarks on random weights need realistic lengths (a random LLM rarely samples the end of
-speech): with :class:`~cosyserve.lengths.FixedLength` every utterance generates exactly
+speech): with :class:`~cosyserve.data.FixedLength` every utterance generates exactly
 ``round(rate x seconds)`` tokens (``min_tokens = max_tokens``, at most ``MAX_SPEECH_TOKENS``), the
 seconds being given (one value, or a seeded uniform draw per utterance between two values) or
 estimated from the text (:func:`estimate_seconds`).
@@ -32,17 +32,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..clients import Utterance, load_reference_audio
+from ..data import FixedLength, Utterance, load_reference_audio
 from ..errors import InvalidInputError
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..frontend.speakers import SpeakerRegistry
-from ..lengths import FixedLength
 from ..llm.backends import BackendUnavailableError, create_backend
 from ..llm.prompt import MAX_SPEECH_TOKENS
+from ..schedule import TOKEN_RATE
 from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, load_token2wav
 from .local import (COSYVOICE2_DIR, LLM_DIR, REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, LocalToken2Wav,
                     register_voice_prefixes, resolve_device)
-from .schedule import TOKEN_RATE
 from .tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, Voice, VoiceResolver
 
 BACKENDS = ("torch", "hf", "trtllm", "vllm", "openai")

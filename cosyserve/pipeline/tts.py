@@ -7,12 +7,12 @@ runs inside the Triton BLS model (both reached through BLS requests, see
 called directly, for ``offline_inference.py`` and the tests).
 
 Streaming: everything happens on the calling thread, which reads the LLM's pieces as they come
-and synthesises a chunk as soon as :class:`~cosyserve.pipeline.schedule.ChunkScheduler` allows
+and synthesises a chunk as soon as :class:`~cosyserve.schedule.ChunkScheduler` allows
 (as the reference BLS does). Generation and synthesis still overlap: every back end buffers
 tokens on its own side (the engine's thread, the ``llm`` Triton model), so the LLM goes on while
 a chunk is voiced. Inside Triton this keeps every ``pb_utils`` call of a BLS stub on its
 request thread. Ready chunks are emitted after each piece, so the
-chunk sequence for ``n`` tokens is exactly :func:`~cosyserve.pipeline.schedule.plan_chunks`
+chunk sequence for ``n`` tokens is exactly :func:`~cosyserve.schedule.plan_chunks`
 ``(n)`` with the exponential strategy, however fast the LLM is. Whenever a request ends early
 (cancelled, error), the LLM request is cancelled (which also releases what it holds) and the
 token2wav session closed.
@@ -30,7 +30,7 @@ from ..clip_cache import ClipCache
 from ..errors import InvalidInputError, RequestCancelledError
 from ..frontend.prompt import PromptFeatures, build_prompt_features
 from ..llm.prompt import MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, build_prompt_ids
-from .schedule import ChunkScheduler
+from ..schedule import ChunkScheduler
 
 MAX_TEXT_CHARS = 1000
 DEFAULT_MAX_TOKENS = 750  # the reference BLS's request_output_len

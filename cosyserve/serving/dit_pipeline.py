@@ -10,7 +10,7 @@ It differs from :class:`~cosyserve.pipeline.tts.TTSPipeline` (CosyVoice2 flow) w
 deployment differs: chunks carry only the *new* tokens (+3 look-ahead), the token2wav keeps the
 request's caches keyed by request id, the speaker travels as a reference clip or speaker id (the
 token2wav derives its prompt features itself), and the schedule is
-:class:`~cosyserve.token2wav.dit.DitChunkScheduler` (``exponential`` or ``equal``).
+:class:`~cosyserve.schedule.DitChunkScheduler` (``exponential`` or ``equal``).
 
 Streaming consumes the LLM's token iterator directly: back ends buffer tokens on their own
 thread, so generation goes on while a chunk is voiced. Whenever a request ends early (client
@@ -29,7 +29,7 @@ from ..errors import RequestCancelledError
 from ..llm.prompt import build_prompt_ids
 from ..pipeline.tts import (MAX_TEXT_CHARS, SpeechTokenSource, TokenLimits, Voice, VoiceResolver, never_cancelled,
                             validate_text)
-from ..token2wav.dit import DitChunkScheduler, TokenChunk
+from ..schedule import DitChunkScheduler, TokenChunk
 from .dit_runtime import SpeakerRef
 
 

@@ -28,7 +28,7 @@ import torch
 from ..clients import latency_stats, playback_underruns
 from ..errors import InvalidInputError
 from ..frontend.prompt import PromptFeatures
-from ..pipeline.schedule import Chunk, plan_chunks
+from ..schedule import Chunk, plan_chunks
 from .batching import Token2WavBatcher
 from .cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, CosyVoice2Token2Wav, OfflineRequest, Token2WavOptions,
                          load_token2wav)

@@ -35,7 +35,7 @@ from ..errors import InvalidInputError
 from ..models.flow import CosyVoice2Flow, FlowStream, load_flow
 from ..models.hift import HiFTGenerator, draw_source_noise, load_hift
 from .graphs import FlowSampler, HiftRunner
-from ..pipeline.schedule import plan_chunks
+from ..schedule import plan_chunks
 from .vocoder_stream import MEL_CACHE_FRAMES, HiftStream, SineNoiseProvider, VocoderCall, VocoderChunk
 
 

@@ -15,8 +15,7 @@ Reproduces NVIDIA's ``token2wav_dit`` runtime:
   last 100 entries, and HiFT runs through :class:`HiftStream` (8-frame overlap, cross-fade).
   Per-request state is released on the last chunk, on any error and on :meth:`DitStream.close`.
 
-The BLS-side chunk schedule (:class:`DitChunkScheduler`) sends tokens [offset, offset+hop+3)
-whenever hop+3 are pending; hop = 15, then 25·2^j ("exponential") or stays 15 ("equal").
+The BLS-side chunk schedule is :class:`~cosyserve.schedule.DitChunkScheduler`.
 """
 
 from __future__ import annotations
@@ -38,61 +37,6 @@ from .vocoder_stream import HiftStream, SineNoiseProvider, VocoderChunk
 
 ESTIMATOR_CACHE_KEEP = 100  # oldest estimator-cache entries kept besides the first P
 DEFAULT_MAX_SPEAKERS = 8  # each real-size speaker cache holds ~0.6 MiB (fp16) per prompt frame
-
-# ---------------------------------------------------------------------------------- schedule
-STRATEGIES = ("exponential", "equal")
-FIRST_HOP = 15
-EXPONENTIAL_BASE_HOP = 25
-
-
-@dataclass(frozen=True)
-class TokenChunk:
-    """Tokens [start, end) of the request's speech-token sequence; ``last`` = finalize."""
-
-    start: int
-    end: int
-    last: bool
-
-
-def chunk_hop(strategy: str, chunks_sent: int, first_hop: int = FIRST_HOP) -> int:
-    """New tokens voiced by the next chunk after ``chunks_sent`` chunks (§3.7 of the spec)."""
-    if strategy not in STRATEGIES:
-        raise InvalidInputError(f"unknown chunk strategy {strategy!r}; choose one of {STRATEGIES}")
-    if chunks_sent == 0 or strategy == "equal":
-        return first_hop
-    return EXPONENTIAL_BASE_HOP * 2 ** (chunks_sent - 1)
-
-
-class DitChunkScheduler:
-    """Incremental chunking of a growing token stream (the DiT BLS sends only new tokens)."""
-
-    def __init__(self, strategy: str = "exponential", lookahead: int = 3, first_hop: int = FIRST_HOP):
-        chunk_hop(strategy, 0)  # validates the strategy
-        self.strategy, self.lookahead, self.first_hop = strategy, lookahead, first_hop
-        self.offset = 0
-        self.chunks_sent = 0
-
-    def ready(self, available: int) -> list[TokenChunk]:
-        """Every chunk that can be sent now that ``available`` tokens exist."""
-        chunks = []
-        while True:
-            hop = chunk_hop(self.strategy, self.chunks_sent, self.first_hop)
-            if available - self.offset < hop + self.lookahead:
-                return chunks
-            chunks.append(TokenChunk(self.offset, self.offset + hop + self.lookahead, False))
-            self.offset += hop
-            self.chunks_sent += 1
-
-    def finish(self, total: int) -> TokenChunk:
-        """The last chunk once the token stream has ended: [offset, total)."""
-        return TokenChunk(self.offset, total, True)
-
-
-def plan_stream_chunks(total_tokens: int, strategy: str = "exponential", lookahead: int = 3) -> list[TokenChunk]:
-    """The chunks of a stream whose ``total_tokens`` are all known in advance."""
-    scheduler = DitChunkScheduler(strategy, lookahead)
-    return scheduler.ready(total_tokens) + [scheduler.finish(total_tokens)]
-
 
 # ---------------------------------------------------------------------------------- inputs
 @dataclass(frozen=True)

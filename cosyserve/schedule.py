@@ -1,7 +1,9 @@
-"""When to hand speech tokens to token2wav while the LLM is still generating.
+"""When to hand speech tokens to token2wav while the LLM is still generating: the chunk schedules
+of both pipelines (torch-free, below token2wav and the pipelines that use them).
 
-The reference BLS emits a chunk whenever ``pending >= hop + lookahead`` tokens are waiting:
-the first hop is 15 tokens (+3 look-ahead tokens the flow needs to see), then
+**CosyVoice2** (:class:`ChunkScheduler`, the reference BLS's): a chunk is emitted whenever
+``pending >= hop + lookahead`` tokens are waiting: the first hop is 15 tokens (+3 look-ahead
+tokens the flow needs to see), then
 
 * ``exponential``: hops of 25 * 2**i tokens (25, 50, 100, ...): the first chunk arrives fast
   and later chunks are larger, so the vocoder keeps ahead of playback with fewer calls;
@@ -9,7 +11,12 @@ the first hop is 15 tokens (+3 look-ahead tokens the flow needs to see), then
   playback buffer it grows to swallow everything pending, with a small one it stays at the
   minimum hop so audio keeps flowing.
 
-The final call always passes every token with ``finalize=True``.
+Each chunk passes every token so far (the flow recomputes from ``token_offset``); the final call
+always passes every token with ``finalize=True``.
+
+**DiT** (:class:`DitChunkScheduler`, NVIDIA's ``cosyvoice2_dit`` BLS): each chunk carries only
+the *new* tokens [offset, offset+hop+3), sent whenever hop+3 are pending; hop = 15, then 25·2^j
+(``exponential``) or stays 15 (``equal``).
 """
 
 from __future__ import annotations
@@ -17,9 +24,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..errors import InvalidInputError
+from .errors import InvalidInputError
 
-STRATEGIES = ("exponential", "time_based")
+STRATEGIES = ("exponential", "time_based")  # CosyVoice2's
 TOKEN_RATE = 25  # speech tokens per second of audio
 
 
@@ -101,3 +108,58 @@ def plan_chunks(total_tokens: int, strategy: str = "exponential", first_hop: int
         chunks.append(chunk)
     chunks.append(scheduler.final_chunk(total_tokens))
     return chunks
+
+
+# ---------------------------------------------------------------------------------- DiT
+DIT_STRATEGIES = ("exponential", "equal")
+DIT_FIRST_HOP = 15
+EXPONENTIAL_BASE_HOP = 25
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Tokens [start, end) of the request's speech-token sequence; ``last`` = finalize."""
+
+    start: int
+    end: int
+    last: bool
+
+
+def dit_chunk_hop(strategy: str, chunks_sent: int, first_hop: int = DIT_FIRST_HOP) -> int:
+    """New tokens voiced by the next chunk after ``chunks_sent`` chunks (§3.7 of the spec)."""
+    if strategy not in DIT_STRATEGIES:
+        raise InvalidInputError(f"unknown chunk strategy {strategy!r}; choose one of {DIT_STRATEGIES}")
+    if chunks_sent == 0 or strategy == "equal":
+        return first_hop
+    return EXPONENTIAL_BASE_HOP * 2 ** (chunks_sent - 1)
+
+
+class DitChunkScheduler:
+    """Incremental chunking of a growing token stream (the DiT BLS sends only new tokens)."""
+
+    def __init__(self, strategy: str = "exponential", lookahead: int = 3, first_hop: int = DIT_FIRST_HOP):
+        dit_chunk_hop(strategy, 0)  # validates the strategy
+        self.strategy, self.lookahead, self.first_hop = strategy, lookahead, first_hop
+        self.offset = 0
+        self.chunks_sent = 0
+
+    def ready(self, available: int) -> list[TokenChunk]:
+        """Every chunk that can be sent now that ``available`` tokens exist."""
+        chunks = []
+        while True:
+            hop = dit_chunk_hop(self.strategy, self.chunks_sent, self.first_hop)
+            if available - self.offset < hop + self.lookahead:
+                return chunks
+            chunks.append(TokenChunk(self.offset, self.offset + hop + self.lookahead, False))
+            self.offset += hop
+            self.chunks_sent += 1
+
+    def finish(self, total: int) -> TokenChunk:
+        """The last chunk once the token stream has ended: [offset, total)."""
+        return TokenChunk(self.offset, total, True)
+
+
+def plan_stream_chunks(total_tokens: int, strategy: str = "exponential", lookahead: int = 3) -> list[TokenChunk]:
+    """The chunks of a stream whose ``total_tokens`` are all known in advance."""
+    scheduler = DitChunkScheduler(strategy, lookahead)
+    return scheduler.ready(total_tokens) + [scheduler.finish(total_tokens)]
