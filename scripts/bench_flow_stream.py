@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from cosyserve.models.flow import CosyVoice2Flow, FlowConfig  # noqa: E402
+from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, FlowStream  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -69,7 +69,7 @@ def main() -> int:
 
     # Warm-up (allocator, kernels) on a short request.
     flow.inference(tokens[:, :2 * lookahead].to(device), *inputs, streaming=True, finalize=False, n_timesteps=1)
-    stream = flow.open_stream(*inputs, n_timesteps=args.steps)
+    stream = FlowStream(flow, *inputs, n_timesteps=args.steps)
     print(f"flow {args.config} on {device} {args.dtype}, {args.steps} Euler steps, prompt {args.prompt_tokens} tokens, "
           f"{torch.get_num_threads()} CPU threads")
     print(f"{'chunk':>5} {'tokens':>6} {'frames':>6} {'new':>4} {'window':>6} {'incr ms':>9} {'full ms':>9} "

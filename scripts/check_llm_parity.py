@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from cosyserve.llm.parity_check import run_parity  # noqa: E402
+from cosyserve.parity.llm_engine import run_parity  # noqa: E402
 from cosyserve.parity import format_table  # noqa: E402
 
 

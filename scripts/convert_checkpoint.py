@@ -6,12 +6,12 @@
 
 ``--converter tensorrt_llm`` uses TensorRT-LLM's own Qwen conversion
 (``QWenForCausalLM.from_hugging_face``, one rank at a time); ``cosyserve`` uses this package's
-mapping (cosyserve/trtllm/convert.py, no TensorRT-LLM needed, e.g. to prepare a checkpoint on a
+mapping (cosyserve/llm/trtllm/convert.py, no TensorRT-LLM needed, e.g. to prepare a checkpoint on a
 machine without a GPU); ``auto`` (default) picks TensorRT-LLM when it can be imported. Either
 way the result is then checked against the HuggingFace weights (vocabulary embedding, head rows
 and tensor-parallel padding, config fields) and the head bias is validated: TensorRT-LLM's Qwen
 head has no bias, so the bias is applied per request from the HuggingFace directory
-(cosyserve/trtllm/request.py), which must therefore stay available at serving time.
+(cosyserve/llm/trtllm/request.py), which must therefore stay available at serving time.
 
 Exit status: 0 done, 1 bad input or model files, 2 TensorRT-LLM required but not installed.
 """
@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cosyserve.errors import CosyServeError  # noqa: E402
-from cosyserve.llm.backends import BackendUnavailableError  # noqa: E402
-from cosyserve.trtllm import require_tensorrt_llm  # noqa: E402
-from cosyserve.trtllm.convert import read_hf_config, resolve_dtype, verify_checkpoint, write_checkpoint  # noqa: E402
+from cosyserve.llm.base import BackendUnavailableError  # noqa: E402
+from cosyserve.llm.trtllm import require_tensorrt_llm  # noqa: E402
+from cosyserve.llm.trtllm.convert import read_hf_config, resolve_dtype, verify_checkpoint, write_checkpoint  # noqa: E402
 
 
 def convert_with_tensorrt_llm(model_dir: Path, output_dir: Path, dtype: str, tp_size: int) -> None:

@@ -30,9 +30,10 @@ from cosyserve import data  # noqa: E402
 from cosyserve.errors import CosyServeError  # noqa: E402
 from cosyserve.frontend import SpeakerRegistry  # noqa: E402
 from cosyserve.llm.backends import create_backend  # noqa: E402
-from cosyserve.pipeline.local import (COSYVOICE2_DIR, LLM_DIR, REFERENCE_SAMPLING, SPK2INFO,  # noqa: E402
-                                      LocalSpeechTokens, resolve_device)
+from cosyserve.llm.sampling import REFERENCE_SAMPLING  # noqa: E402
+from cosyserve.pipeline.local import LocalSpeechTokens  # noqa: E402
 from cosyserve.pipeline.tts import TokenLimits, VoiceResolver  # noqa: E402
+from cosyserve.runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO, resolve_device  # noqa: E402
 from cosyserve.serving.dit_pipeline import DitTTSPipeline, SkipSpeakerEmbedding, dit_request  # noqa: E402
 from cosyserve.serving.dit_runtime import load_dit_service  # noqa: E402
 

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cosyserve.errors import CosyServeError  # noqa: E402
-from cosyserve.llm.backends import BackendUnavailableError  # noqa: E402
+from cosyserve.llm.base import BackendUnavailableError  # noqa: E402
 from cosyserve.llm.prompt import build_prompt_ids  # noqa: E402
 from cosyserve.llm.sampling import SamplingParams  # noqa: E402
 

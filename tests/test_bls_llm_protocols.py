@@ -34,8 +34,8 @@ from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_model_r
                              stream_tts, token_limits, wait_until_idle)
 from cosyserve.errors import InvalidInputError
 from cosyserve.llm.prompt import EOS_IDS, SOS_ID, SPEECH_TOKEN_OFFSET, TASK_ID
-from cosyserve.pipeline.local import REFERENCE_SAMPLING
-from cosyserve.trtllm.request import (MASKED_LOGIT, TritonLLMInputs, check_embedding_bias, check_stop_words,
+from cosyserve.llm.sampling import REFERENCE_SAMPLING
+from cosyserve.llm.trtllm.request import (MASKED_LOGIT, TritonLLMInputs, check_embedding_bias, check_stop_words,
                                       decode_stop_words, embedding_bias, request_seed, resolve_protocol,
                                       triton_stop_words_list)
 

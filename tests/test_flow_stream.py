@@ -15,6 +15,7 @@ from cosyserve.models.flow import (
     EncoderConfig,
     EstimatorConfig,
     FlowConfig,
+    FlowStream,
     flow_from_state_dict,
     random_flow_state_dict,
 )
@@ -56,7 +57,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _run_schedule(flow: CosyVoice2Flow, prompt: tuple, tokens: torch.Tensor, schedule: list[int],
                   final: int | None, streaming_final: bool = False) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """Step a stream through ``schedule`` (then finalize with ``final`` tokens); return (tokens, got, full re-run)."""
-    stream = flow.open_stream(*prompt, streaming_final=streaming_final)
+    stream = FlowStream(flow, *prompt, streaming_final=streaming_final)
     results = []
     for count, finalize in [(n, False) for n in schedule] + ([(final, True)] if final else []):
         done = stream.frames_returned
@@ -127,7 +128,7 @@ def test_unaligned_chunk_sizes_and_left_chunk_limit():
 def test_window_and_state_stay_bounded(tiny_flow: CosyVoice2Flow):
     """Each chunk recomputes at most its new frames plus one open estimator block; state grows linearly."""
     prompt, tokens = _prompt(20), _tokens(400)
-    stream = tiny_flow.open_stream(*prompt)
+    stream = FlowStream(tiny_flow, *prompt)
     block = tiny_flow.cfg.estimator.static_chunk_size
     sizes = []
     for count in range(28, 400, 25):
@@ -150,7 +151,7 @@ def test_stream_reproduces_reference_chunks(parity_dir: Path):
     flow = flow_from_state_dict(cfg, torch.load(fixtures / "flow_tiny.pt", weights_only=True), "flow_tiny.pt")
     io = load_file(fixtures / "flow_tiny_io.safetensors")
     chunks = json.loads((fixtures / "fixture_meta.json").read_text())["flow_io"]["chunks"]
-    stream = flow.open_stream(io["prompt_token"], io["prompt_feat"], io["embedding"])
+    stream = FlowStream(flow, io["prompt_token"], io["prompt_feat"], io["embedding"])
     for i, chunk in enumerate(chunks):
         done = stream.frames_returned
         got = stream.step(io["token"][:, :chunk["num_tokens"]], finalize=chunk["finalize"])
@@ -161,7 +162,7 @@ def test_stream_reproduces_reference_chunks(parity_dir: Path):
 
 def test_bad_steps(tiny_flow: CosyVoice2Flow):
     prompt, tokens = _prompt(20), _tokens(60)
-    stream = tiny_flow.open_stream(*prompt)
+    stream = FlowStream(tiny_flow, *prompt)
     stream.step(tokens[:, :18], finalize=False)
     other = tokens.clone()
     other[0, 2] += 1
@@ -181,6 +182,6 @@ def test_bad_steps(tiny_flow: CosyVoice2Flow):
     with pytest.raises(InvalidInputError, match="closed"):
         stream.step(tokens, finalize=True)
     with pytest.raises(InvalidInputError, match="prompt_feat"):
-        tiny_flow.open_stream(prompt[0], prompt[1][:, :-1], prompt[2])
+        FlowStream(tiny_flow, prompt[0], prompt[1][:, :-1], prompt[2])
     with pytest.raises(InvalidInputError, match="batch size"):
-        tiny_flow.open_stream(torch.cat([prompt[0]] * 2), torch.cat([prompt[1]] * 2), torch.cat([prompt[2]] * 2))
+        FlowStream(tiny_flow, torch.cat([prompt[0]] * 2), torch.cat([prompt[1]] * 2), torch.cat([prompt[2]] * 2))

@@ -231,7 +231,8 @@ def test_cancel_and_register_prefix_against_the_server(served):
 
 
 def test_backend_registry_creates_it(served):
-    from cosyserve.llm.backends import BackendUnavailableError, create_backend
+    from cosyserve.llm.backends import create_backend
+    from cosyserve.llm.base import BackendUnavailableError
 
     _, _, url = served
     try:

@@ -21,13 +21,13 @@ from safetensors.torch import load_file, save_file
 
 from cosyserve.bundle.llm import write_llm_bundle
 from cosyserve.errors import InvalidInputError, ModelLoadError, RequestCancelledError
-from cosyserve.llm.backends import BackendUnavailableError
+from cosyserve.llm.base import BackendUnavailableError
 from cosyserve.llm.prompt import EOS_IDS, OUTPUT_WINDOW_SIZE, OUTPUT_WINDOW_START, SOS_ID, SPEECH_TOKEN_OFFSET
 from cosyserve.llm.sampling import SamplingParams
 from cosyserve.llm.trtllm_backend import TrtllmBackend, sampling_config_kwargs, stop_kwargs
-from cosyserve.trtllm.convert import (
+from cosyserve.llm.trtllm.convert import (
     pad_rows, padded_vocab_size, rank_weights, read_hf_config, resolve_dtype, verify_checkpoint, write_checkpoint)
-from cosyserve.trtllm.request import MASKED_LOGIT, embedding_bias, triton_stop_words_list
+from cosyserve.llm.trtllm.request import MASKED_LOGIT, embedding_bias, triton_stop_words_list
 
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = slice(OUTPUT_WINDOW_START, OUTPUT_WINDOW_START + OUTPUT_WINDOW_SIZE)

@@ -22,10 +22,9 @@ import numpy as np
 import torch
 
 from ..config import Tagged, dump_hyperpyyaml
+from ..runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO
 
 SIZES = ("tiny", "real")
-COSYVOICE2_DIR = "CosyVoice2-0.5B"
-LLM_DIR = "cosyvoice2_llm"
 ASSETS_DIR = "assets"
 DEFAULT_SPEAKER_ID = "001"
 # The prompt text shipped with the synthetic prompt; any text works with random weights.
@@ -104,7 +103,7 @@ def make_cosyvoice2_dir(out_dir: Path, size: str, seed: int) -> Path:
     )
     registry = SpeakerRegistry()
     registry.add(DEFAULT_SPEAKER_ID, features, prompt_text=PROMPT_TEXT)
-    registry.save(model_dir / "spk2info.pt")
+    registry.save(model_dir / SPK2INFO)
     return model_dir
 
 
@@ -137,5 +136,8 @@ def make_bundle(out_dir: str | Path, size: str = "tiny", seed: int = 0, parts: t
     if "dit" in parts:
         from .dit import make_dit_dir
 
-        make_dit_dir(out_dir, size, seed + 20)
+        cosyvoice2_dir = out_dir / COSYVOICE2_DIR
+        if not (cosyvoice2_dir / "campplus.onnx").exists():  # the DiT's front-end models are these
+            make_cosyvoice2_dir(out_dir, size, seed + 20)
+        make_dit_dir(out_dir, size, seed + 20, cosyvoice2_dir)
     return out_dir

@@ -25,11 +25,10 @@ def tiny_dit_config() -> DitFlowConfig:
     )
 
 
-def make_dit_dir(out_dir: Path, size: str, seed: int) -> Path:
+def make_dit_dir(out_dir: Path, size: str, seed: int, cosyvoice2_dir: Path) -> Path:
     """Write ``Step-Audio-2-mini/token2wav/``: flow.yaml, flow.pt, hift.pt and the two ONNX
-    front-end models (the released directory names the tokenizer ``speech_tokenizer_v2_25hz.onnx``)."""
-    from . import COSYVOICE2_DIR, make_cosyvoice2_dir
-
+    front-end models, copied from ``cosyvoice2_dir`` (they are the same files as CosyVoice2's; the
+    released directory names the tokenizer ``speech_tokenizer_v2_25hz.onnx``)."""
     model_dir = out_dir / DIT_DIR
     model_dir.mkdir(parents=True, exist_ok=True)
     cfg = tiny_dit_config() if size == "tiny" else DitFlowConfig.real()
@@ -39,10 +38,6 @@ def make_dit_dir(out_dir: Path, size: str, seed: int) -> Path:
     torch.manual_seed(seed + 1)
     hift_cfg = HiftConfig.tiny() if size == "tiny" else HiftConfig.real()
     torch.save(HiFTGenerator(hift_cfg).state_dict(), model_dir / "hift.pt")
-    # The front-end models are the same files as CosyVoice2's.
-    cosyvoice2_dir = out_dir / COSYVOICE2_DIR
-    if not (cosyvoice2_dir / "campplus.onnx").exists():
-        make_cosyvoice2_dir(out_dir, size, seed)
     shutil.copyfile(cosyvoice2_dir / "campplus.onnx", model_dir / "campplus.onnx")
     shutil.copyfile(cosyvoice2_dir / "speech_tokenizer_v2.onnx", model_dir / "speech_tokenizer_v2_25hz.onnx")
     return model_dir

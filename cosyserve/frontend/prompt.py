@@ -29,6 +29,21 @@ class PromptFeatures:
     embedding: torch.Tensor  # float32 (192,), raw CAM++ output
 
 
+@dataclass(frozen=True)
+class Voice:
+    """Who speaks: the prompt the LLM continues and the features token2wav is conditioned on.
+
+    ``features`` holds raw speech tokens 0..6560, the prompt mel (2P, 80) and the speaker
+    embedding (192,). ``speaker_id`` names a registered voice
+    (spk2info.pt); it lets back ends reuse what they cache per voice (LLM prefix, default
+    speaker inside token2wav).
+    """
+
+    prompt_text: str
+    features: PromptFeatures
+    speaker_id: str | None = None
+
+
 def prompt_mel(wav24: torch.Tensor) -> torch.Tensor:
     """24 kHz prompt waveform ``(N,)`` -> log-mel ``(N // 480, 80)`` (time-major)."""
     return matcha_mel_spectrogram(wav24).transpose(0, 1).contiguous()

@@ -8,7 +8,8 @@
             ...  # raw speech tokens 0..6560
 """
 
-from .backends import BACKENDS, BackendUnavailableError, LLMBackend, create_backend
+from .backends import BACKENDS, create_backend
+from .base import BackendUnavailableError, LLMBackend
 from .prompt import EOS_IDS, SPEECH_TOKEN_OFFSET, build_prefix_ids, build_prompt_ids
 from .sampling import SamplingParams
 from .stream import TokenStream

@@ -20,7 +20,8 @@ from safetensors import safe_open
 from torch import nn
 
 from ..errors import InvalidInputError, ModelLoadError
-from .backends import LLMBackend, resolve_device_dtype
+from ..runtime import resolve_device_dtype
+from .base import LLMBackend
 from .models.loader import checkpoint_files
 from .prompt import NUM_SPEECH_TOKENS, OUTPUT_WINDOW_SIZE, OUTPUT_WINDOW_START, validate_prompt_ids
 from .sampling import Sampler, SamplingParams, random_seed

@@ -41,7 +41,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..errors import CosyServeError, InvalidInputError
-from .backends import LLMBackend
+from .base import LLMBackend
 from .prompt import NUM_SPEECH_TOKENS, TOKENIZER_SIZE, validate_prompt_ids
 from .sampling import SamplingParams, random_seed
 from .stream import Finished, TokenStream, cancelled_error

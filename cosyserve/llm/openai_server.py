@@ -24,7 +24,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from ..errors import InvalidInputError
-from .backends import LLMBackend, create_backend
+from .backends import create_backend
+from .base import LLMBackend
 from .prompt import speech_token_string
 from .sampling import SamplingParams
 from .stream import TokenStream

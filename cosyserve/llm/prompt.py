@@ -100,6 +100,14 @@ def build_prefix_ids(tokenizer, prompt_text: str) -> list[int]:
     return _encode(tokenizer, SOS + prompt_text)
 
 
+def register_voice_prefixes(backend, text_tokenizer, registry) -> None:
+    """Precompute in ``backend`` the LLM KV of every voice of ``registry`` (a
+    :class:`~cosyserve.frontend.speakers.SpeakerRegistry`): its ``<|sos|>{prompt_text}``."""
+    for speaker_id in registry.ids():
+        prompt_text = registry.get(speaker_id).prompt_text
+        backend.register_prefix(f"voice:{speaker_id}", build_prefix_ids(text_tokenizer, prompt_text))
+
+
 def length_bounds(tokenizer, target_text: str, max_cap: int = MAX_SPEECH_TOKENS) -> tuple[int, int]:
     """(min_tokens, max_tokens) for ``target_text``: 2x..20x its token count, capped at ``max_cap``."""
     num_text_tokens = len(_encode(tokenizer, target_text))

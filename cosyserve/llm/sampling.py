@@ -89,6 +89,11 @@ class SamplingParams:
             fail(f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
 
+# The reference BLS's request to TensorRT-LLM (llm_layout.md §4); TRT-LLM has no RAS.
+REFERENCE_SAMPLING = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.1,
+                                    seed=42, ras=False)
+
+
 def random_seed() -> int:
     return secrets.randbits(63)
 

@@ -4,7 +4,7 @@
 
 ``model_dir`` is the HuggingFace LLM directory, as for every backend: the engine has no head
 bias (TensorRT-LLM's Qwen ``lm_head`` has none), so every request carries it as
-``embedding_bias`` read from there (:mod:`cosyserve.trtllm.request`). ``engine_dir`` is the
+``embedding_bias`` read from there (:mod:`cosyserve.llm.trtllm.request`). ``engine_dir`` is the
 engine. The engine is loaded with ``ModelRunnerCpp.from_dir``, but requests go to the runner's
 executor directly: ``ModelRunnerCpp.generate`` waits on responses for its own batch only, so
 concurrent callers would take each other's responses. One thread here awaits all responses and
@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidInputError, ModelLoadError
-from ..trtllm import require_tensorrt_llm
-from ..trtllm.request import END_ID, NEVER_SAMPLED_ID, STOP_WORDS, embedding_bias
-from .backends import LLMBackend, resolve_device_dtype
+from .trtllm import require_tensorrt_llm
+from .trtllm.request import END_ID, NEVER_SAMPLED_ID, STOP_WORDS, embedding_bias
+from ..runtime import resolve_device_dtype
+from .base import LLMBackend
 from .prompt import EOS_IDS, NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET, validate_prompt_ids
 from .sampling import SamplingParams, random_seed
 from .stream import Finished, TokenStream, cancelled_error

@@ -3,7 +3,8 @@
 A fixture directory is recognised by its files (see ``SUITES``); each suite module exposes
 ``detect(fixture_dir) -> bool`` and ``run(fixture_dir) -> list[CaseResult]``. The same code
 backs ``scripts/check_parity.py`` and the test suite, so any directory in one of these formats
-can be checked, not only the shared one.
+can be checked, not only the shared one. (:mod:`.llm_engine` is no fixture suite: it compares the
+LLM back ends with each other, for ``scripts/check_llm_parity.py``.)
 """
 
 from __future__ import annotations

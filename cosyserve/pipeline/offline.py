@@ -36,12 +36,15 @@ from ..data import FixedLength, Utterance, load_reference_audio
 from ..errors import InvalidInputError
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..frontend.speakers import SpeakerRegistry
-from ..llm.backends import BackendUnavailableError, create_backend
-from ..llm.prompt import MAX_SPEECH_TOKENS
+from ..llm.backends import create_backend
+from ..llm.base import BackendUnavailableError
+from ..llm.prompt import MAX_SPEECH_TOKENS, register_voice_prefixes
+from ..llm.sampling import REFERENCE_SAMPLING
+from ..runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO, resolve_device
 from ..schedule import TOKEN_RATE
 from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, load_token2wav
-from .local import (COSYVOICE2_DIR, LLM_DIR, REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, LocalToken2Wav,
-                    register_voice_prefixes, resolve_device)
+from ..token2wav.sessions import LocalToken2Wav
+from .local import LocalSpeechTokens
 from .tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, Voice, VoiceResolver
 
 BACKENDS = ("torch", "hf", "trtllm", "vllm", "openai")

@@ -28,7 +28,7 @@ import numpy as np
 from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..clip_cache import ClipCache
 from ..errors import InvalidInputError, RequestCancelledError
-from ..frontend.prompt import PromptFeatures, build_prompt_features
+from ..frontend.prompt import PromptFeatures, Voice, build_prompt_features
 from ..llm.prompt import MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, build_prompt_ids
 from ..schedule import ChunkScheduler
 
@@ -36,21 +36,6 @@ MAX_TEXT_CHARS = 1000
 DEFAULT_MAX_TOKENS = 750  # the reference BLS's request_output_len
 DEFAULT_SPEAKER = "001"  # the cached speaker used when a request names no voice
 DEFAULT_FEATURE_CACHE_SIZE = 256  # reference clips whose prompt features are kept (VoiceResolver)
-
-
-@dataclass(frozen=True)
-class Voice:
-    """Who speaks: the prompt the LLM continues and the features token2wav is conditioned on.
-
-    ``features`` holds raw speech tokens 0..6560, the prompt mel (2P, 80) and the speaker
-    embedding (192,). ``speaker_id`` names a registered voice
-    (spk2info.pt); it lets back ends reuse what they cache per voice (LLM prefix, default
-    speaker inside token2wav).
-    """
-
-    prompt_text: str
-    features: PromptFeatures
-    speaker_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ Speech tokens come from one of:
 
 * a Triton LLM model with TensorRT-LLM's tensor interface, named by parameter ``llm_model_name``
   (``llm``, this package's; ``tensorrt_llm``, NVIDIA's). Parameter ``llm_protocol`` says what its
-  requests carry (:class:`~cosyserve.trtllm.request.TritonLLMInputs`): ``tensorrt_llm`` adds the
+  requests carry (:class:`~cosyserve.llm.trtllm.request.TritonLLMInputs`): ``tensorrt_llm`` adds the
   head bias as ``embedding_bias``, the stop words and ``seed``, which a TensorRT-LLM engine needs;
   ``cosyserve`` leaves them out; empty = ``tensorrt_llm`` for the model of that name, else
   ``cosyserve``. The ``llm`` model accepts both, so the BLS runs unchanged against either name.
@@ -29,9 +29,9 @@ import triton_python_backend_utils as pb_utils
 
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
-from ..pipeline.local import REFERENCE_SAMPLING
+from ..llm.sampling import REFERENCE_SAMPLING
 from ..pipeline.tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice
-from ..trtllm.request import TritonLLMInputs, resolve_protocol
+from ..llm.trtllm.request import TritonLLMInputs, resolve_protocol
 from .bls_base import TTSBLS, TTSInputs, bls_request, call_model, openai_speech_tokens
 from .triton_utils import FinishedResponseIterators, raise_response_error
 

@@ -27,9 +27,11 @@ import triton_python_backend_utils as pb_utils
 
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.backends import create_backend
-from ..llm.prompt import SPEECH_TOKEN_OFFSET
-from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, register_voice_prefixes
+from ..llm.prompt import SPEECH_TOKEN_OFFSET, register_voice_prefixes
+from ..llm.sampling import REFERENCE_SAMPLING
+from ..pipeline.local import LocalSpeechTokens
 from ..pipeline.tts import DEFAULT_MAX_TOKENS, TokenLimits, VoiceResolver, validate_text
+from ..runtime import SPK2INFO
 from .triton_utils import (FINAL, error_response, limit_torch_threads, model_parameters, optional_input,
                            optional_scalar, optional_text, raise_response_error, reference_wav, required_parameter,
                            tensor)

@@ -28,9 +28,10 @@ import torch
 from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..errors import InvalidInputError
 from ..frontend import SpeakerEncoder, SpeakerRegistry, SpeechTokenizer, build_prompt_features
-from ..pipeline.local import STREAM_IDLE_TIMEOUT_S, SessionClock, resolve_device
+from ..runtime import STREAM_IDLE_TIMEOUT_S, resolve_device
 from ..token2wav.dit import (DEFAULT_MAX_SPEAKERS, DitToken2Wav, OfflineRequest, SpeakerPrompt, load_dit_token2wav,
                              speaker_key)
+from ..token2wav.sessions import SessionClock
 
 DIT_TOKENIZER_ONNX = "speech_tokenizer_v2_25hz.onnx"
 DIT_SPEAKER_ONNX = "campplus.onnx"

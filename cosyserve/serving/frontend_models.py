@@ -21,8 +21,8 @@ from ..audio.io import TOKENIZER_SAMPLE_RATE, validate_waveform
 from ..clip_cache import ClipCache
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..llm.prompt import SPEECH_TOKEN_OFFSET
-from ..pipeline.local import resolve_device
 from ..pipeline.tts import DEFAULT_FEATURE_CACHE_SIZE as DEFAULT_CLIP_CACHE_SIZE
+from ..runtime import resolve_device
 from .triton_utils import (Metric, limit_torch_threads, model_parameters, reference_wav, required_parameter,
                            respond_each, tensor)
 

@@ -22,7 +22,7 @@ up its own request only).
   ``seed`` or ``random_seed`` (its older name; equal when both are sent), ``min_tokens``,
   ``request_output_len``; absent ones take TRT-LLM's defaults.
 * What a TensorRT-LLM engine needs and this one has built in is accepted and checked (see
-  :mod:`cosyserve.trtllm.request`): ``embedding_bias`` ``[1, vocab]`` must be the head bias of
+  :mod:`cosyserve.llm.trtllm.request`): ``embedding_bias`` ``[1, vocab]`` must be the head bias of
   ``llm_dir`` (which the engine applies anyway) or zeros; ``stop_words_list`` with ``end_id``
   must be the three end-of-speech ids, at which the engine always stops.
 
@@ -53,11 +53,11 @@ import triton_python_backend_utils as pb_utils
 
 from ..errors import InvalidInputError, RequestCancelledError
 from ..llm.backends import create_backend
-from ..llm.prompt import EOS_IDS, SPEECH_TOKEN_OFFSET
+from ..llm.prompt import EOS_IDS, SPEECH_TOKEN_OFFSET, register_voice_prefixes
 from ..llm.sampling import SamplingParams
 from ..llm.stream import TokenStream
-from ..pipeline.local import SPK2INFO, register_voice_prefixes, resolve_device
-from ..trtllm.request import check_embedding_bias, check_stop_words, embedding_bias, request_seed
+from ..runtime import SPK2INFO, resolve_device
+from ..llm.trtllm.request import check_embedding_bias, check_stop_words, embedding_bias, request_seed
 from .triton_utils import (FINAL, Metric, WorkMetrics, error_response, apply_mps_settings, limit_torch_threads,
                            model_parameters, optional_input, optional_scalar, required_input, required_parameter,
                            tensor)

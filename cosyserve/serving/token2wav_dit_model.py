@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidInputError
-from ..pipeline.local import STREAM_IDLE_TIMEOUT_S, resolve_device
+from ..runtime import STREAM_IDLE_TIMEOUT_S, resolve_device
 from ..token2wav.dit import DEFAULT_MAX_SPEAKERS
 from .dit_runtime import DitToken2WavService, SpeakerRef, load_dit_service
 from .token2wav_model import _raw_tokens

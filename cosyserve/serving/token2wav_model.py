@@ -28,12 +28,12 @@ import triton_python_backend_utils as pb_utils
 from ..errors import InvalidInputError
 from ..frontend.prompt import PromptFeatures
 from ..frontend.speakers import SpeakerRegistry
-from ..llm.backends import resolve_device_dtype
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
-from ..pipeline.local import SPK2INFO, STREAM_IDLE_TIMEOUT_S, LocalToken2Wav, Token2WavCall, resolve_device
 from ..pipeline.tts import DEFAULT_SPEAKER, Voice
+from ..runtime import SPK2INFO, STREAM_IDLE_TIMEOUT_S, resolve_device, resolve_device_dtype
 from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, load_token2wav,
                                     streaming_vocoder_frames)
+from ..token2wav.sessions import LocalToken2Wav, Token2WavCall
 from .triton_utils import (Metric, WorkMetrics, error_response, apply_mps_settings, limit_torch_threads,
                            model_parameters, optional_input, optional_scalar, parse_flag, required_input,
                            required_parameter, tensor)

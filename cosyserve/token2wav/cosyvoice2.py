@@ -203,7 +203,7 @@ class CosyVoice2Token2Wav:
             if request_id in self._streams:
                 raise InvalidInputError(f"a token2wav stream for request id {request_id!r} is already open")
             vocoder = HiftStream(self.hift, generator=generator, sine_noise=sine_noise)
-            flow_stream = (self.flow.open_stream(prompt.tokens, prompt.feat, prompt.embedding)
+            flow_stream = (FlowStream(self.flow, prompt.tokens, prompt.feat, prompt.embedding)
                            if self.options.incremental_stream else None)
             stream = Token2WavStream(self, request_id, prompt, vocoder, flow_stream)
             self._streams[request_id] = stream

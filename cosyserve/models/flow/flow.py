@@ -5,8 +5,8 @@ upstream (no flow cache). Streaming calls use block-causal masks; non-final stre
 (``finalize=False``) hold back the last ``pre_lookahead_len`` tokens as look-ahead context, so
 they produce no frames. :meth:`CosyVoice2Flow.inference_batch` runs requests of different
 lengths together (right padding + masks; each result equals the request run alone), and
-:meth:`CosyVoice2Flow.open_stream` starts an incremental stream that computes only each chunk's
-new frames (:mod:`.stream`).
+:class:`~.stream.FlowStream` is an incremental stream over it that computes only each chunk's
+new frames.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from .cache import StreamWindow
 from .cfm import N_TIMESTEPS, NOISE_FRAMES, CausalConditionalCFM
 from .config import FlowConfig
 from .encoder import UpsampleConformerEncoder
-from .stream import FlowStream
 
 CONFIG_FILE = "cosyvoice2.yaml"
 WEIGHTS_FILE = "flow.pt"
@@ -165,24 +164,13 @@ class CosyVoice2Flow(nn.Module):
     def _sample(self, c: FlowConditions, streaming: bool, n_timesteps: int) -> torch.Tensor:
         return self.decoder(c.mu, c.mask, c.spks, c.cond, streaming=streaming, n_timesteps=n_timesteps)
 
-    def open_stream(self, prompt_token: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor, *,
-                    streaming_final: bool = False, n_timesteps: int = N_TIMESTEPS) -> FlowStream:
-        """Start an incremental streaming session for one request (see :class:`.stream.FlowStream`).
-
-        prompt_token (1, P), prompt_feat (1, 2P, 80), embedding (1, 192). The final step runs
-        non-streaming over everything, like upstream, unless ``streaming_final``.
-        """
-        self._check_prompt(prompt_token, prompt_feat, embedding, batch=1)
-        return FlowStream(self, prompt_token, prompt_feat, embedding, streaming_final=streaming_final,
-                          n_timesteps=n_timesteps)
-
     def _check_inputs(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
                       embedding: torch.Tensor, finalize: bool) -> None:
-        self._check_ids("token", token)
-        self._check_prompt(prompt_token, prompt_feat, embedding, batch=token.size(0))
-        self._check_length(prompt_token.size(1), token.size(1), finalize)
+        self.check_ids("token", token)
+        self.check_prompt(prompt_token, prompt_feat, embedding, batch=token.size(0))
+        self.check_length(prompt_token.size(1), token.size(1), finalize)
 
-    def _check_ids(self, name: str, value: torch.Tensor) -> None:
+    def check_ids(self, name: str, value: torch.Tensor) -> None:
         if not isinstance(value, torch.Tensor) or value.dim() != 2:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise InvalidInputError(f"flow {name} must be a 2-D tensor, got {shape}")
@@ -193,10 +181,10 @@ class CosyVoice2Flow(nn.Module):
                 f"flow {name} has id {int(value.max())}; speech-token ids must be below {self.cfg.vocab_size}"
             )
 
-    def _check_prompt(self, prompt_token: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
+    def check_prompt(self, prompt_token: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
                       batch: int) -> None:
         cfg = self.cfg
-        self._check_ids("prompt_token", prompt_token)
+        self.check_ids("prompt_token", prompt_token)
         for name, value, ndim in (("prompt_feat", prompt_feat, 3), ("embedding", embedding, 2)):
             if not isinstance(value, torch.Tensor) or value.dim() != ndim:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -218,7 +206,7 @@ class CosyVoice2Flow(nn.Module):
                 f"{expected_feat}, got {tuple(prompt_feat.shape)}"
             )
 
-    def _check_length(self, prompt_tokens: int, target_tokens: int, finalize: bool) -> None:
+    def check_length(self, prompt_tokens: int, target_tokens: int, finalize: bool) -> None:
         cfg = self.cfg
         if target_tokens == 0:
             raise InvalidInputError("flow token is empty; at least one target speech token is required")

@@ -41,28 +41,26 @@ upstream's non-streaming final chunk.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ...errors import InvalidInputError
 from .cache import FrameBuffer, StreamWindow, state_bytes
 from .cfm import N_TIMESTEPS, fixed_noise
-
-if TYPE_CHECKING:
-    from .flow import CosyVoice2Flow
+from .flow import CosyVoice2Flow
 
 
 class FlowStream:
     """One request's incremental streaming flow (batch 1). Not thread-safe; one step at a time.
 
-    Created by :meth:`CosyVoice2Flow.open_stream`. Each :meth:`step` takes all target tokens so
-    far and returns the mel of the frames not returned before. The stream closes itself after
+    prompt_token (1, P), prompt_feat (1, 2P, 80), embedding (1, 192). Each :meth:`step` takes all
+    target tokens so far and returns the mel of the frames not returned before. The final step
+    runs non-streaming over everything, like upstream, unless ``streaming_final``. The stream closes itself after
     the final step and when a step fails after validation (its state may be inconsistent).
     """
 
     def __init__(self, flow: CosyVoice2Flow, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
                  embedding: torch.Tensor, *, streaming_final: bool = False, n_timesteps: int = N_TIMESTEPS) -> None:
+        flow.check_prompt(prompt_token, prompt_feat, embedding, batch=1)
         weight = flow.spk_embed_affine_layer.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.flow = flow
@@ -128,11 +126,11 @@ class FlowStream:
     def _validated(self, tokens_so_far: torch.Tensor, finalize: bool) -> torch.Tensor:
         """Check tokens_so_far; return it on the model's device."""
         flow, seen = self.flow, self._target.size(1)
-        flow._check_ids("tokens_so_far", tokens_so_far)
+        flow.check_ids("tokens_so_far", tokens_so_far)
         if tokens_so_far.size(0) != 1:
             raise InvalidInputError(f"a flow stream serves one request: tokens_so_far must be (1, n), "
                                     f"got {tuple(tokens_so_far.shape)}")
-        flow._check_length(self._prompt_token.size(1), tokens_so_far.size(1), finalize)
+        flow.check_length(self._prompt_token.size(1), tokens_so_far.size(1), finalize)
         tokens = tokens_so_far.to(self.device, torch.long)
         if tokens.size(1) < seen or not torch.equal(tokens[:, :seen], self._target):
             raise InvalidInputError(f"tokens_so_far must extend the {seen} tokens of the previous step")

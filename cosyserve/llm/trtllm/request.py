@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ..errors import InvalidInputError, ModelLoadError
-from ..llm.models.loader import checkpoint_files
-from ..llm.prompt import EOS_IDS, OUTPUT_WINDOW_SIZE, OUTPUT_WINDOW_START, SOS_ID
-from ..llm.sampling import SamplingParams
+from ...errors import InvalidInputError, ModelLoadError
+from ..models.loader import checkpoint_files
+from ..prompt import EOS_IDS, OUTPUT_WINDOW_SIZE, OUTPUT_WINDOW_START, SOS_ID
+from ..sampling import SamplingParams
 
 # Stands in for the bias's -inf rows: exp() of it underflows to exactly 0 like -inf, while
 # arithmetic on it (penalties, temperature, max-subtraction) can never produce NaN.
@@ -170,7 +170,7 @@ def check_embedding_bias(bias: np.ndarray, head_bias: np.ndarray) -> None:
     if not (np.allclose(bias[kept], head_bias[kept], rtol=BIAS_TOLERANCE, atol=BIAS_TOLERANCE)
             and (bias[~kept] <= MASKED_LOGIT).all()):
         raise InvalidInputError("embedding_bias is neither zeros nor the lm_head bias of this model's checkpoint "
-                                "(cosyserve.trtllm.request.embedding_bias); this engine applies that bias itself "
+                                "(cosyserve.llm.trtllm.request.embedding_bias); this engine applies that bias itself "
                                 "and cannot add another: was the caller given another model's directory?")
 
 

@@ -19,7 +19,7 @@ tensor-parallel rank. For ``QWenForCausalLM`` (``qwen_type`` qwen2) the tensors 
 
 The head bias is not part of the checkpoint: TensorRT-LLM's Qwen ``lm_head`` has no bias and its
 loader drops a provided ``lm_head.bias`` (with only a warning), so it is sent with every request
-(:mod:`cosyserve.trtllm.request`). The converters check it is there and well-formed.
+(:mod:`cosyserve.llm.trtllm.request`). The converters check it is there and well-formed.
 
 ``write_checkpoint`` is this package's own converter (used when TensorRT-LLM is not importable,
 and by the tests); ``verify_checkpoint`` checks a checkpoint written by either converter against
@@ -35,10 +35,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..errors import InvalidInputError, ModelLoadError
-from ..llm.models.config import Qwen2Config
-from ..llm.models.loader import read_checkpoint
-from ..llm.prompt import TOKENIZER_SIZE
+from ...errors import InvalidInputError, ModelLoadError
+from ..models.config import Qwen2Config
+from ..models.loader import read_checkpoint
+from ..prompt import TOKENIZER_SIZE
 from .request import lm_head_bias, read_tensor
 
 ARCHITECTURE = "Qwen2ForCausalLM"

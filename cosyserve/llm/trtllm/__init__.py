@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..llm.backends import BackendUnavailableError
+from ..base import BackendUnavailableError
 
 TRTLLM_INSTALL_HINT = (
     "Install TensorRT-LLM on a Linux machine with an NVIDIA GPU: either run inside NVIDIA's container "

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from ..parity import CaseResult, check, compare
-from .backends import create_backend, resolve_device_dtype
-from .prompt import OUTPUT_WINDOW_SIZE, OUTPUT_WINDOW_START, build_prompt_ids
-from .sampling import SamplingParams
+from ..llm.backends import create_backend
+from ..llm.prompt import OUTPUT_WINDOW_SIZE, OUTPUT_WINDOW_START, build_prompt_ids
+from ..llm.sampling import SamplingParams
+from ..runtime import resolve_device_dtype
+from . import CaseResult, check, compare
 
 SUITE = "llm"
 WINDOW = slice(OUTPUT_WINDOW_START, OUTPUT_WINDOW_START + OUTPUT_WINDOW_SIZE)

@@ -1,0 +1,38 @@
+"""What every entry point shares, and nothing more (a leaf: loading one model must not import
+another's stack): the bundle's directory layout, the device and dtype to run on, how long an idle
+stream is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import InvalidInputError
+
+COSYVOICE2_DIR = "CosyVoice2-0.5B"
+LLM_DIR = "cosyvoice2_llm"
+SPK2INFO = "spk2info.pt"
+STREAM_IDLE_TIMEOUT_S = 600.0
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """``auto`` = CUDA when available, else CPU; ``cpu``, ``cuda``, ``cuda:N`` as given."""
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} was requested but CUDA is not available")
+    return device
+
+
+def resolve_device_dtype(device: str | torch.device, dtype: torch.dtype | str | None) -> tuple[torch.device, torch.dtype]:
+    """Default dtype: bfloat16 on GPU, float32 on CPU; dtype names like "bf16" are accepted."""
+    device = torch.device(device)
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise InvalidInputError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    return device, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
