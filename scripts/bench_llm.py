@@ -164,10 +164,10 @@ def profile_decode(engine: LLMEngine, batch: int) -> str:
 
     kv_len = engine.runner.length_buckets[1]
     with torch.inference_mode():
-        engine.runner._decode_step(batch, kv_len)
+        engine.runner.decode_step(batch, kv_len)
         sync(engine.runner.device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.runner._decode_step(batch, kv_len)
+            engine.runner.decode_step(batch, kv_len)
             sync(engine.runner.device)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time for e in events) / 1e3

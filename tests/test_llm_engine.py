@@ -233,7 +233,7 @@ def test_lone_prefill_graph_body_matches_hf(hf, llm_dir):
     # The body captured on GPU for a lone request's prefill (with prefix-cache hits too), run eagerly.
     engine = LLMEngine(llm_dir, max_slots=2, max_model_len=256)
     runner = engine.runner
-    runner.prefill_graphs = {(t, kv): _EagerGraph(runner._prefill_step, (t, kv))
+    runner.prefill_graphs = {(t, kv): _EagerGraph(runner.prefill_step, (t, kv))
                              for t in runner.prefill_buckets for kv in runner.length_buckets if kv >= t}
     engine.register_prefix("voice", PROMPTS[1][:12])
     params = SamplingParams.greedy(max_tokens=8)

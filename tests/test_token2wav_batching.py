@@ -333,9 +333,9 @@ def test_work_counters_add_up(parts):
     requests = [OfflineRequest(_tokens(n, i), **_prompt(i), sine_noise=_zero_noise) for i, n in enumerate([23, 31, 9])]
     model.offline_batch(requests)
     frames = [2 * (PROMPTS[i % 3] + n) for i, n in enumerate([23, 31, 9])]
-    assert (sampler.work.calls, sampler.work.rows, sampler.work.frames) == (1, 3, sum(frames))
-    assert sampler.work.padded_frames == 4 * 100  # 3 rows -> 4, 80 frames -> bucket 100
-    assert model.work.flow_s > 0 and model.work.hift_s > 0
+    assert (sampler.counters.calls, sampler.counters.rows, sampler.counters.frames) == (1, 3, sum(frames))
+    assert sampler.counters.padded_frames == 4 * 100  # 3 rows -> 4, 80 frames -> bucket 100
+    assert model.counters.flow_s > 0 and model.counters.hift_s > 0
 
 
 def test_row_buckets_bound_the_padding():

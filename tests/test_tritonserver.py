@@ -64,9 +64,9 @@ def test_bundled_stub_needs_numpy_below_2(monkeypatch, numpy_version, fails):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: numpy_version)
     if fails:
         with pytest.raises(ts.TritonServerError, match=r"numpy<2"):
-            ts._check_numpy_for_bundled_stub()
+            ts.check_numpy_for_bundled_stub()
     else:
-        ts._check_numpy_for_bundled_stub()
+        ts.check_numpy_for_bundled_stub()
 
 
 def test_http_identity(server):

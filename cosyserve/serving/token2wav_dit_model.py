@@ -26,9 +26,9 @@ from ..errors import InvalidInputError
 from ..runtime import STREAM_IDLE_TIMEOUT_S, resolve_device
 from ..token2wav.dit import DEFAULT_MAX_SPEAKERS
 from .dit_runtime import DitToken2WavService, SpeakerRef, load_dit_service
-from .token2wav_model import _raw_tokens
 from .triton_utils import (Metric, limit_torch_threads, model_parameters, optional_input, optional_scalar,
-                           optional_text, reference_wav, required_input, required_parameter, respond_each, tensor)
+                           optional_text, raw_speech_tokens, reference_wav, required_input, required_parameter,
+                           respond_each, tensor)
 
 
 class Token2WavDitModel:
@@ -64,7 +64,7 @@ class Token2WavDitModel:
         if optional_scalar(request, "cancel"):
             self.service.cancel(request_id)
             return np.zeros(0, np.float32)
-        tokens = _raw_tokens(required_input(request, "target_speech_tokens"), "target_speech_tokens")
+        tokens = raw_speech_tokens(required_input(request, "target_speech_tokens"), "target_speech_tokens")
         speaker = _speaker(request)
         finalize = optional_scalar(request, "finalize")
         if finalize is None:

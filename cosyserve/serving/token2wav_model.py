@@ -11,9 +11,9 @@
 
 Metrics: ``cosyserve_token2wav_open_streams``, ``cosyserve_token2wav_batched_units_total`` and,
 for where the time goes, ``cosyserve_token2wav_{flow,hift}_seconds_total`` (device time per stage,
-:class:`~cosyserve.token2wav.cosyvoice2.Token2WavWork`), ``cosyserve_token2wav_execute_seconds_total``
+:class:`~cosyserve.token2wav.cosyvoice2.Token2WavCounters`), ``cosyserve_token2wav_execute_seconds_total``
 (wall time inside ``execute``), ``cosyserve_token2wav_flow_{calls,rows,frames,padded_frames}_total``
-(:class:`~cosyserve.token2wav.graphs.FlowWork`: batch fill and padding).
+(:class:`~cosyserve.token2wav.graphs.FlowCounters`: batch fill and padding).
 """
 
 from __future__ import annotations
@@ -28,15 +28,14 @@ import triton_python_backend_utils as pb_utils
 from ..errors import InvalidInputError
 from ..frontend.prompt import PromptFeatures
 from ..frontend.speakers import SpeakerRegistry
-from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from ..pipeline.tts import DEFAULT_SPEAKER, Voice
 from ..runtime import SPK2INFO, STREAM_IDLE_TIMEOUT_S, resolve_device, resolve_device_dtype
 from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, load_token2wav,
                                     streaming_vocoder_frames)
 from ..token2wav.sessions import LocalToken2Wav, Token2WavCall
 from .triton_utils import (Metric, WorkMetrics, error_response, apply_mps_settings, limit_torch_threads,
-                           model_parameters, optional_input, optional_scalar, parse_flag, required_input,
-                           required_parameter, tensor)
+                           model_parameters, optional_input, optional_scalar, parse_flag, raw_speech_tokens,
+                           required_input, required_parameter, tensor)
 
 PROMPT_INPUTS = ("prompt_speech_tokens", "prompt_speech_feat", "prompt_spk_embedding")
 
@@ -88,14 +87,14 @@ class Token2WavModel:
                                   "token2wav requests run in shared batches", config["name"], kind="counter")
         model = self.token2wav.model
         self.work_metrics = WorkMetrics(config["name"], {
-            "cosyserve_token2wav_flow_seconds_total": ("device time of flow batches", model.work, "flow_s"),
-            "cosyserve_token2wav_hift_seconds_total": ("device time of HiFT batches", model.work, "hift_s"),
-            "cosyserve_token2wav_flow_calls_total": ("flow Euler-loop batches", model.sampler.work, "calls"),
-            "cosyserve_token2wav_flow_rows_total": ("requests in flow batches", model.sampler.work, "rows"),
-            "cosyserve_token2wav_flow_frames_total": ("mel frames of requests in flow batches", model.sampler.work,
+            "cosyserve_token2wav_flow_seconds_total": ("device time of flow batches", model.counters, "flow_s"),
+            "cosyserve_token2wav_hift_seconds_total": ("device time of HiFT batches", model.counters, "hift_s"),
+            "cosyserve_token2wav_flow_calls_total": ("flow Euler-loop batches", model.sampler.counters, "calls"),
+            "cosyserve_token2wav_flow_rows_total": ("requests in flow batches", model.sampler.counters, "rows"),
+            "cosyserve_token2wav_flow_frames_total": ("mel frames of requests in flow batches", model.sampler.counters,
                                                       "frames"),
             "cosyserve_token2wav_flow_padded_frames_total": ("mel frames computed by flow batches, padding included",
-                                                             model.sampler.work, "padded_frames"),
+                                                             model.sampler.counters, "padded_frames"),
         })
         self.execute_seconds = Metric("cosyserve_token2wav_execute_seconds_total",
                                       "wall time inside execute", config["name"], kind="counter")
@@ -132,7 +131,7 @@ class Token2WavModel:
         if optional_scalar(request, "cancel"):
             self.token2wav.cancel(request_id)
             return None
-        tokens = _raw_tokens(required_input(request, "target_speech_tokens"), "target_speech_tokens")
+        tokens = raw_speech_tokens(required_input(request, "target_speech_tokens"), "target_speech_tokens")
         voice = self._voice(request)
         token_offset = optional_scalar(request, "token_offset")
         if token_offset is None:
@@ -153,7 +152,7 @@ class Token2WavModel:
             raise InvalidInputError(f"got {sent} but not the others: {list(PROMPT_INPUTS)} go together "
                                     "(or send none of them for the default speaker)")
         features = PromptFeatures(
-            speech_tokens=torch.from_numpy(_raw_tokens(prompt["prompt_speech_tokens"], "prompt_speech_tokens")),
+            speech_tokens=torch.from_numpy(raw_speech_tokens(prompt["prompt_speech_tokens"], "prompt_speech_tokens")),
             speech_feat=torch.from_numpy(prompt["prompt_speech_feat"].astype(np.float32)),
             embedding=torch.from_numpy(prompt["prompt_spk_embedding"].astype(np.float32).reshape(-1)),
         )
@@ -162,12 +161,3 @@ class Token2WavModel:
     def close(self) -> None:
         self.token2wav.model.close_all()
 
-
-def _raw_tokens(llm_ids: np.ndarray, name: str) -> np.ndarray:
-    """LLM ids (151663 + k) -> raw speech tokens k (int32)."""
-    ids = llm_ids.reshape(-1).astype(np.int64)
-    last = SPEECH_TOKEN_OFFSET + NUM_SPEECH_TOKENS - 1
-    if ids.size and (ids.min() < SPEECH_TOKEN_OFFSET or ids.max() > last):
-        raise InvalidInputError(f"{name} holds ids {ids.min()}..{ids.max()}; speech tokens are sent as LLM ids "
-                                f"{SPEECH_TOKEN_OFFSET}..{last}")
-    return (ids - SPEECH_TOKEN_OFFSET).astype(np.int32)

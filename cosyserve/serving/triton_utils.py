@@ -17,6 +17,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..errors import InvalidInputError, RequestCancelledError
+from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -163,6 +164,16 @@ def respond_each(requests, run) -> list:
         except Exception as exc:
             responses.append(error_response(exc))
     return responses
+
+
+def raw_speech_tokens(llm_ids: np.ndarray, name: str) -> np.ndarray:
+    """Speech tokens as they travel between models, LLM ids (151663 + k) -> raw speech tokens k (int32)."""
+    ids = llm_ids.reshape(-1).astype(np.int64)
+    last = SPEECH_TOKEN_OFFSET + NUM_SPEECH_TOKENS - 1
+    if ids.size and (ids.min() < SPEECH_TOKEN_OFFSET or ids.max() > last):
+        raise InvalidInputError(f"{name} holds ids {ids.min()}..{ids.max()}; speech tokens are sent as LLM ids "
+                                f"{SPEECH_TOKEN_OFFSET}..{last}")
+    return (ids - SPEECH_TOKEN_OFFSET).astype(np.int32)
 
 
 def reference_wav(request) -> np.ndarray:

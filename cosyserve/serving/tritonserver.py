@@ -110,7 +110,7 @@ def bundled_installation() -> TritonInstallation:
     # Wheel installs keep the bundled shared libraries next to the package; editable ones inside it.
     wheel_libs = package_dir.parent / "nvidia_pytriton.libs"
     libs = wheel_libs if wheel_libs.is_dir() else dist / "external_libs"
-    _check_numpy_for_bundled_stub()
+    check_numpy_for_bundled_stub()
     return TritonInstallation(
         binary=binary,
         backend_directory=_python_backend_directory(dist),
@@ -119,7 +119,7 @@ def bundled_installation() -> TritonInstallation:
     )
 
 
-def _check_numpy_for_bundled_stub() -> None:
+def check_numpy_for_bundled_stub() -> None:
     """Fail fast where the bundled stub would crash at the first request (see the module docstring)."""
     spec = importlib.util.find_spec("numpy")
     if spec is None:

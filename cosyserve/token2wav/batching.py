@@ -28,14 +28,14 @@ from typing import Any
 import torch
 
 from ..errors import InvalidInputError
-from .cosyvoice2 import CosyVoice2Token2Wav, OfflineRequest, Token2WavStream, _Work
+from .cosyvoice2 import BatchItem, CosyVoice2Token2Wav, OfflineRequest, Token2WavStream
 
 
 @dataclass(order=True)
 class _Pending:
     deadline: float
     order: int
-    work: _Work = field(compare=False)
+    work: BatchItem = field(compare=False)
     future: Future = field(compare=False)
 
 
@@ -93,7 +93,7 @@ class Token2WavBatcher:
             self._pending_streams.add(stream)
         return self._push(work, deadline)
 
-    def _push(self, work: _Work, deadline: float) -> Future:
+    def _push(self, work: BatchItem, deadline: float) -> Future:
         future: Future = Future()
         with self._cond:
             if self._closed:
@@ -135,7 +135,7 @@ class Token2WavBatcher:
             p.future.set_result(audio)
         return len(batch)
 
-    def _settle(self, work: _Work, now: float = 0.0, seconds: float = 0.0) -> None:
+    def _settle(self, work: BatchItem, now: float = 0.0, seconds: float = 0.0) -> None:
         """A unit finished: update its stream's playback, forget streams that ended."""
         stream = work.stream
         if stream is None:

@@ -103,7 +103,7 @@ class OfflineRequest:
 
 
 @dataclass
-class _Work:
+class BatchItem:
     """One unit of :meth:`CosyVoice2Token2Wav.run_batch`: validated tokens and where its mel goes."""
 
     tokens: torch.Tensor  # (1, n) on the CPU
@@ -159,7 +159,7 @@ class CosyVoice2Token2Wav:
             if not (options.cuda_graphs and options.hift_graphs):
                 raise InvalidInputError("hift_precapture_frames needs cuda_graphs and hift_graphs")
             self.vocoder.precapture(options.precapture_batch, options.hift_precapture_frames)
-        self.work = Token2WavWork()
+        self.counters = Token2WavCounters()
         self.sample_rate = self.hift.cfg.sampling_rate
         self._streams: dict[str, Token2WavStream] = {}
         self._lock = threading.Lock()
@@ -182,13 +182,13 @@ class CosyVoice2Token2Wav:
         """:meth:`offline` of several requests in one flow batch (HiFT batched per equal length)."""
         return self.run_batch([self.offline_work(r) for r in requests])
 
-    def offline_work(self, request: OfflineRequest) -> _Work:
+    def offline_work(self, request: OfflineRequest) -> BatchItem:
         """Validate an offline request into a unit of :meth:`run_batch`."""
         prompt = self._prompt(request.prompt_tokens, request.prompt_feat, request.embedding)
         tokens = self._tokens(request.tokens, "tokens")
         if tokens.shape[1] == 0:
             raise InvalidInputError("tokens is empty; at least one speech token is required")
-        return _Work(tokens, prompt, finalize=True, streaming=False, skip_frames=0, stream=None,
+        return BatchItem(tokens, prompt, finalize=True, streaming=False, skip_frames=0, stream=None,
                      generator=request.generator, sine_noise=request.sine_noise)
 
     # ----- streaming -----
@@ -242,7 +242,7 @@ class CosyVoice2Token2Wav:
     # ----- batched execution -----
 
     @torch.inference_mode()
-    def run_batch(self, work: Sequence[_Work]) -> list[torch.Tensor | VocoderChunk]:
+    def run_batch(self, work: Sequence[BatchItem]) -> list[torch.Tensor | VocoderChunk]:
         """Run validated units (:meth:`offline_work`, :meth:`Token2WavStream.plan_step`) packed together.
 
         Returns, per unit, the offline waveform (N,) float32 on the CPU, or the streaming step's
@@ -251,7 +251,7 @@ class CosyVoice2Token2Wav:
         with self._run_lock:
             return self._run_batch(work)
 
-    def _run_batch(self, work: Sequence[_Work]) -> list[torch.Tensor | VocoderChunk]:
+    def _run_batch(self, work: Sequence[BatchItem]) -> list[torch.Tensor | VocoderChunk]:
         try:
             clock = _StageClock(self.device)
             mels = self._new_mels(work)
@@ -260,8 +260,8 @@ class CosyVoice2Token2Wav:
                      VocoderCall(mel, None, True, self.hift.hop_length, True) for w, mel in zip(work, mels)]
             outputs = self._vocode(work, calls)
             hift_done = clock.mark()
-            self.work.flow_s += clock.seconds(clock.start, flow_done)
-            self.work.hift_s += clock.seconds(flow_done, hift_done)
+            self.counters.flow_s += clock.seconds(clock.start, flow_done)
+            self.counters.hift_s += clock.seconds(flow_done, hift_done)
             results = []
             for w, mel, call, output in zip(work, mels, calls, outputs):
                 if w.stream is None:
@@ -275,7 +275,7 @@ class CosyVoice2Token2Wav:
                     w.stream.close()
             raise
 
-    def _new_mels(self, work: Sequence[_Work]) -> list[torch.Tensor]:
+    def _new_mels(self, work: Sequence[BatchItem]) -> list[torch.Tensor]:
         """Each unit's not yet voiced mel (1, 80, f) float32: one flow batch per (streaming, finalize)."""
         mels: list[torch.Tensor | None] = [None] * len(work)
         groups: dict[tuple[bool, bool], list[int]] = {}
@@ -293,7 +293,7 @@ class CosyVoice2Token2Wav:
                 mels[i] = mel[:, :, work[i].skip_frames:]
         return mels
 
-    def _vocode(self, work: Sequence[_Work], calls: Sequence[VocoderCall]) -> list[tuple | None]:
+    def _vocode(self, work: Sequence[BatchItem], calls: Sequence[VocoderCall]) -> list[tuple | None]:
         """HiFT (speech, source) of each needed call (None otherwise), batched per (frames, cached samples).
 
         Noise is drawn per unit in order, as the unbatched calls would draw it; the random initial
@@ -405,7 +405,7 @@ class Token2WavStream:
         """:meth:`step` returning the vocoder call's details (mel given to HiFT, raw output...)."""
         return self.owner.run_batch([self.plan_step(tokens_so_far, token_offset, finalize)])[0]
 
-    def plan_step(self, tokens_so_far: Any, token_offset: int, finalize: bool) -> _Work:
+    def plan_step(self, tokens_so_far: Any, token_offset: int, finalize: bool) -> BatchItem:
         """Validate a step into a unit of :meth:`CosyVoice2Token2Wav.run_batch` (closes the stream if invalid).
 
         Run it before planning the next step: the check of ``token_offset`` reads the frames voiced so far.
@@ -418,7 +418,7 @@ class Token2WavStream:
             self.close()
             raise
 
-    def _plan(self, tokens_so_far: Any, token_offset: int, finalize: bool) -> _Work:
+    def _plan(self, tokens_so_far: Any, token_offset: int, finalize: bool) -> BatchItem:
         cfg = self.owner.flow.cfg
         tokens = self.owner._tokens(tokens_so_far, "tokens_so_far")
         if isinstance(token_offset, bool) or not isinstance(token_offset, int) or token_offset < 0:
@@ -436,7 +436,7 @@ class Token2WavStream:
                 f"{token_offset + (0 if finalize else cfg.pre_lookahead_len)} tokens"
                 + ("" if finalize else f" (the last {cfg.pre_lookahead_len} are look-ahead only)")
             )
-        return _Work(tokens, self._prompt, finalize=finalize, streaming=not finalize,
+        return BatchItem(tokens, self._prompt, finalize=finalize, streaming=not finalize,
                      skip_frames=token_offset * cfg.token_mel_ratio, stream=self)
 
     def _complete(self, call: VocoderCall, hift_output: tuple | None, new_frames: int, finalize: bool) -> VocoderChunk:
@@ -463,7 +463,7 @@ class Token2WavStream:
 
 
 @dataclass
-class Token2WavWork:
+class Token2WavCounters:
     """Running totals of device time per stage of :meth:`CosyVoice2Token2Wav.run_batch` (metrics).
 
     On a GPU: CUDA-event time of the stage on the stream, from the end of the previous stage to

@@ -188,7 +188,7 @@ def _pad_rows(v: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 @dataclass
-class FlowWork:
+class FlowCounters:
     """Running totals of the rows and frames a :class:`FlowSampler` ran (padding included or not)."""
 
     calls: int = 0
@@ -203,7 +203,7 @@ class FlowSampler:
     Eager without ``cuda_graphs``, ``pad`` and ``compile``: exactly ``CausalConditionalCFM.forward``.
     ``pad`` (implied by ``cuda_graphs``) runs the padded shapes; on its own it only serves tests.
     ``compile``: the estimator goes through ``torch.compile`` (dynamic shapes), with or without graphs.
-    ``work`` counts what was run (metrics: how full the batches were, how much was padding).
+    ``counters`` count what was run (metrics: how full the batches were, how much was padding).
     """
 
     def __init__(self, decoder: CausalConditionalCFM, *, cuda_graphs: bool = False, pad: bool = False,
@@ -221,7 +221,7 @@ class FlowSampler:
         loops = {streaming: self._loop(streaming) for streaming in (False, True)}
         self._run: dict[bool, TensorFn] = (
             {s: GraphCache(fn, max_graphs=max_graphs) for s, fn in loops.items()} if cuda_graphs else loops)
-        self.work = FlowWork()
+        self.counters = FlowCounters()
 
     def _loop(self, streaming: bool) -> TensorFn:
         def euler(z, mask, mu, spks, cond):
@@ -256,9 +256,10 @@ class FlowSampler:
     def __call__(self, c: FlowConditions, streaming: bool) -> torch.Tensor:
         batch, frames = c.mu.size(0), c.mu.size(2)
         rows, padded = (row_bucket(batch), frame_bucket(frames, self.bucket_frames)) if self.pad else (batch, frames)
-        work = self.work
-        work.calls, work.rows, work.frames = work.calls + 1, work.rows + batch, work.frames + sum(c.frames)
-        work.padded_frames += rows * padded
+        counters = self.counters
+        counters.calls, counters.rows = counters.calls + 1, counters.rows + batch
+        counters.frames += sum(c.frames)
+        counters.padded_frames += rows * padded
         if not self.pad:
             z = fixed_noise(frames, c.mu.device, c.mu.dtype).expand(batch, -1, -1)
             return self._run[streaming](z, c.mask, c.mu, c.spks, c.cond)[0]

@@ -1,11 +1,10 @@
-"""Continuous-batching engine: thread-safe submit/cancel, one scheduler step at a time.
+"""Continuous-batching engine: thread-safe submit/cancel, one step at a time.
 
 Each :meth:`LLMEngine.step` (called by the background thread, or by the caller when no thread
 was started) does, in order: take new requests and cross-thread calls, drop cancelled requests,
-admit waiting requests into free slots and prefill them as one padded batch (prefix-cache hits
-start after the cached tokens), then run one decode step for every running request. Running
-requests always occupy slots 0..n-1: a request that leaves is replaced by the last one (its KV
-is moved), so decode batches are contiguous and need no gather.
+prefill the requests the :class:`~.scheduler.Scheduler` admits into free slots as one padded
+batch (prefix-cache hits start after the cached tokens), then run one decode step for every
+running request. The scheduler decides; the engine moves KV, runs the model and delivers tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from ..sampling import SamplingParams, random_seed
 from ..stream import Finished, TokenStream, cancelled_error
 from .model_runner import ModelRunner, PrefillItem
 from .prefix_cache import PrefixCache
+from .scheduler import Scheduler, SlotMove
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -71,12 +70,11 @@ class LLMEngine:
         device = torch.device(device)
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        self.max_slots, self.max_model_len, self.max_prefill_tokens = max_slots, max_model_len, max_prefill_tokens
+        self.max_slots, self.max_model_len = max_slots, max_model_len
         self.runner = ModelRunner(model_dir, device, dtype, max_slots, max_model_len, use_cuda_graphs)
         self.prefixes = PrefixCache(prefix_cache_size)
+        self.scheduler = Scheduler(max_slots, max_prefill_tokens, self.prefixes)
         self.counters = EngineCounters()
-        self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []  # index == slot
         # Shared with submitting threads, guarded by _lock.
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -138,7 +136,7 @@ class LLMEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
 
     @property
     def num_active(self) -> int:
@@ -163,12 +161,12 @@ class LLMEngine:
         for seq in pending:
             self._finish(seq, Finished("cancelled", RequestCancelledError("the engine was closed")))
 
-    # ---- scheduler -------------------------------------------------------------------------
+    # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> StepStats:
         with self._lock:
             new, self._inbox = self._inbox, []
             calls, self._calls = self._calls, []
-        self._waiting.extend(new)
+        self.scheduler.add(new)
         for fn, future in calls:
             try:
                 future.set_result(fn())
@@ -176,12 +174,13 @@ class LLMEngine:
                 future.set_exception(exc)
         self._drop_cancelled()
         counters, started = self.counters, time.perf_counter()
-        prefilled = self._admit_and_prefill()
+        prefilled = self._prefill()
         prefilled_at = time.perf_counter()
-        decoded = len(self._running)
+        running = self.scheduler.running
+        decoded = len(running)
         if decoded:
-            tokens = self.runner.decode(decoded, max(seq.position for seq in self._running))
-            self._append_tokens(self._running, tokens)
+            tokens = self.runner.decode(decoded, max(seq.position for seq in running))
+            self._append_tokens(running, tokens)
         if prefilled:
             counters.prefills += prefilled
             counters.prefill_s += prefilled_at - started
@@ -194,7 +193,7 @@ class LLMEngine:
     def _loop(self) -> None:
         while True:
             with self._wakeup:
-                while not (self._closing or self._inbox or self._calls or self._waiting or self._running):
+                while not (self._closing or self._inbox or self._calls or self.scheduler.has_work):
                     self._wakeup.wait()
                 if self._closing:
                     return
@@ -202,10 +201,8 @@ class LLMEngine:
                 self.step()
             except Exception as exc:  # a failed step fails the requests in flight, not the engine
                 log.exception("LLM engine step failed")
-                for seq in [*self._running, *self._waiting]:
+                for seq in self.scheduler.take_all():
                     self._finish(seq, Finished("error", exc))
-                self._running.clear()
-                self._waiting.clear()
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread between steps (inline when no thread runs)."""
@@ -218,55 +215,35 @@ class LLMEngine:
         return future.result()
 
     def _drop_cancelled(self) -> None:
-        if any(seq.cancelled for seq in self._waiting):
-            for seq in [s for s in self._waiting if s.cancelled]:
-                self._finish(seq, cancelled_error(seq.request_id))
-            self._waiting = deque(s for s in self._waiting if not s.cancelled)
-        cancelled = [seq for seq in self._running if seq.cancelled]
+        cancelled, moves = self.scheduler.take_cancelled()
         for seq in cancelled:
             self._finish(seq, cancelled_error(seq.request_id))
-        self._release(cancelled)
+        self._move(moves)
 
-    def _admit_and_prefill(self) -> int:
-        batch: list[tuple[Sequence, PrefillItem]] = []
-        longest = 0
-        while self._waiting and len(self._running) < self.max_slots:
-            seq = self._waiting[0]
-            prefix, cached = self.prefixes.match(seq.prompt_ids)
-            longest_if_added = max(longest, len(seq.prompt_ids) - cached)
-            if batch and longest_if_added * (len(batch) + 1) > self.max_prefill_tokens:
-                break
-            self._waiting.popleft()
-            longest = longest_if_added
-            seq.slot = len(self._running)
-            self._running.append(seq)
-            if prefix is not None:
-                self.runner.load_prefix(seq.slot, prefix.kv, cached)
-            batch.append((seq, PrefillItem(seq.slot, seq.prompt_ids, cached)))
-        if not batch:
+    def _prefill(self) -> int:
+        admitted = self.scheduler.admit()
+        if not admitted:
             return 0
-        seqs = [seq for seq, _ in batch]
+        for a in admitted:
+            if a.prefix is not None:
+                self.runner.load_prefix(a.seq.slot, a.prefix.kv, a.cached)
+        seqs = [a.seq for a in admitted]
         slots = [seq.slot for seq in seqs]
         self.runner.sampler.set_requests(slots, [s.params for s in seqs], [s.seed for s in seqs],
                                          [s.prompt_window_ids for s in seqs])
-        self._append_tokens(seqs, self.runner.prefill([item for _, item in batch]))
-        return len(batch)
+        self._append_tokens(seqs, self.runner.prefill([PrefillItem(a.seq.slot, a.seq.prompt_ids, a.cached)
+                                                       for a in admitted]))
+        return len(admitted)
 
     def _append_tokens(self, seqs: list[Sequence], tokens: list[int]) -> None:
         finished = [seq for seq, token in zip(seqs, tokens) if seq.append(token)]
         if finished:
             self._forget(finished)
-            self._release(finished)
+            self._move(self.scheduler.release(finished))
 
-    def _release(self, seqs: list[Sequence]) -> None:
-        """Free the slots of ``seqs`` (running), moving the last running requests into the holes."""
-        for seq in sorted(seqs, key=lambda s: s.slot, reverse=True):
-            last = self._running.pop()
-            if last is not seq:
-                self.runner.move_slot(last.slot, seq.slot, last.position + 1)
-                last.slot = seq.slot
-                self._running[seq.slot] = last
-            seq.slot = -1
+    def _move(self, moves: list[SlotMove]) -> None:
+        for move in moves:
+            self.runner.move_slot(move.src, move.dst, move.length)
 
     def _finish(self, seq: Sequence, event: Finished) -> None:
         seq.finish(event)
@@ -278,7 +255,7 @@ class LLMEngine:
                 self._active.pop(seq.request_id, None)
 
     def _score(self, ids: list[int], forced: list[int]) -> torch.Tensor:
-        slot = len(self._running)
+        slot = len(self.scheduler.running)
         if slot >= self.max_slots or len(ids) + len(forced) > self.max_model_len:
             raise InvalidInputError("no free slot or the sequence does not fit max_model_len")
         rows = [self.runner.prefill_logits([PrefillItem(slot, ids, 0)])[0]]

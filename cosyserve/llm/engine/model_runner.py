@@ -118,7 +118,7 @@ class ModelRunner:
         last = torch.tensor(lengths) - 1 + torch.arange(num_seqs) * seq_len
         return self.model.logits(hidden[last.to(**to_device)])
 
-    def _prefill_step(self, seq_len: int, kv_len: int) -> None:
+    def prefill_step(self, seq_len: int, kv_len: int) -> None:
         """Graph body: prefill the request described by the static prefill buffers, sample its first token."""
         ids, positions, write_slots = self.prefill_tokens[:, :seq_len]
         slot, last, length = self.prefill_request[0:1], self.prefill_request[1:2], self.prefill_request[2:3]
@@ -161,7 +161,7 @@ class ModelRunner:
         meta = DecodeMetadata(self.rows[:batch], positions, bias)
         return self.model.logits(self.model(ids, positions, self.kv, meta))
 
-    def _decode_step(self, batch: int, kv_len: int) -> None:
+    def decode_step(self, batch: int, kv_len: int) -> None:
         """Graph body: one token for slots 0..batch-1 (no host sync)."""
         tokens = self.sampler.sample(self._decode_logits(batch, kv_len), self.rows[:batch])
         self.out_tokens[:batch] = tokens
@@ -180,7 +180,7 @@ class ModelRunner:
         if graph is not None:
             graph.replay()
         else:
-            self._decode_step(*shape)
+            self.decode_step(*shape)
         return self.out_tokens[:num_rows].tolist()
 
     @torch.inference_mode()
@@ -196,9 +196,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        shapes = [(self.prefill_graphs, self._prefill_step, (seq_len, kv_len))
+        shapes = [(self.prefill_graphs, self.prefill_step, (seq_len, kv_len))
                   for seq_len in self.prefill_buckets for kv_len in self.length_buckets if kv_len >= seq_len]
-        shapes += [(self.decode_graphs, self._decode_step, (batch, kv_len))
+        shapes += [(self.decode_graphs, self.decode_step, (batch, kv_len))
                    for batch in self.batch_buckets for kv_len in self.length_buckets]
         pool = None
         # Largest first, so smaller graphs fit in the memory the pool already holds.
