@@ -208,6 +208,8 @@ def plot(levels: list[dict], path: Path, rates: list[dict] = ()) -> None:
                     rate_ax.plot([r[key] for r in mode_rows], [r["req_per_s"] for r in mode_rows], style,
                                  label=f"{variant} {mode}")
         loads = sorted({r[key] for r in ok})
+        if key == "rate" and loads:  # what the server would reach by keeping up
+            rate_ax.plot(loads, loads, ":", color="gray", label="arrival rate")
         for ax, (title, unit) in zip((first_ax, underrun_ax, rate_ax), PANELS):
             ax.set_xscale("log", base=2)
             if loads:
