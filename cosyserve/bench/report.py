@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .targets import targets_text
 
+
 def fmt(value, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
@@ -29,12 +30,13 @@ RATE_COLUMNS = ["variant", "mode", "rate req/s", "requests", "failed", "offered 
                 "underrun stall s", "sender late max ms"]
 
 
-def load(row: dict) -> str:
+def load_cell(row: dict) -> str:
     """A row's load: its concurrency (closed loop) or its arrival rate in req/s (open loop)."""
     return f"{row['concurrency'] if 'concurrency' in row else row['rate']:g}"
 
 
 def load_label(row: dict) -> str:
+    """The load in words, for progress lines: "x16" or "at 5 req/s"."""
     return f"x{row['concurrency']}" if "concurrency" in row else f"at {row['rate']:g} req/s"
 
 
@@ -48,19 +50,19 @@ def _latency_cells(r: dict) -> list[str]:
 
 
 def _error_cells(r: dict, columns: list[str]) -> list[str]:
-    return [r["variant"], r["mode"], load(r), str(r["requests"]), "ERROR"] + ["n/a"] * (len(columns) - 5)
+    return [r["variant"], r["mode"], load_cell(r), str(r["requests"]), "ERROR"] + ["n/a"] * (len(columns) - 5)
 
 
 def level_table(levels: list[dict]) -> str:
     rows = [_error_cells(r, LEVEL_COLUMNS) if r.get("error") else
-            [r["variant"], r["mode"], load(r), str(r["requests"]), str(r["failed"]), fmt(r["req_per_s"], 2),
+            [r["variant"], r["mode"], load_cell(r), str(r["requests"]), str(r["failed"]), fmt(r["req_per_s"], 2),
              *_latency_cells(r)] for r in levels]
     return table(LEVEL_COLUMNS, rows)
 
 
 def rate_table(rates: list[dict]) -> str:
     rows = [_error_cells(r, RATE_COLUMNS) if r.get("error") else
-            [r["variant"], r["mode"], load(r), str(r["requests"]), str(r["failed"]), fmt(r["offered_req_per_s"], 2),
+            [r["variant"], r["mode"], load_cell(r), str(r["requests"]), str(r["failed"]), fmt(r["offered_req_per_s"], 2),
              fmt(r["req_per_s"], 2), str(r["peak_in_flight"]), *_latency_cells(r), fmt(r["start_lag_max_ms"])]
             for r in rates]
     return table(RATE_COLUMNS, rows)
@@ -84,7 +86,7 @@ def compute_table(levels: list[dict], load_column: str = "concurrency") -> str:
         groups = r.get("triton_compute") or {}
         for name in sorted(groups, key=lambda g: (GROUP_ORDER.index(g) if g in GROUP_ORDER else len(GROUP_ORDER), g)):
             g = groups[name]
-            rows.append([r["variant"], r["mode"], load(r), f"{name} ({', '.join(g['models'])})",
+            rows.append([r["variant"], r["mode"], load_cell(r), f"{name} ({', '.join(g['models'])})",
                          str(g["executions"]), fmt(g["inferences"] / g["executions"] if g["executions"] else None, 2),
                          fmt(g["queue_avg_ms"]), fmt(g["compute_s"], 3), fmt(g["busy"], 2),
                          percent(g["share"])])
@@ -98,7 +100,7 @@ def breakdown_table(levels: list[dict], load_column: str = "concurrency") -> str
     for r in levels:
         b = r.get("server_breakdown")
         if b:
-            rows.append([r["variant"], r["mode"], load(r), percent(b["flow_busy"]),
+            rows.append([r["variant"], r["mode"], load_cell(r), percent(b["flow_busy"]),
                          percent(b["hift_busy"]), percent(b["token2wav_other_busy"]), fmt(b["flow_ms_per_call"]),
                          fmt(b["flow_rows_per_call"], 2), percent(b["flow_padding"]), percent(b["llm_busy"]),
                          fmt(b["llm_step_ms"], 2), fmt(b["llm_rows_per_step"], 2), fmt(b["llm_tokens_per_s"], 0)])
