@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+
 def model_group(name: str) -> str:
     """Triton model -> the part of the pipeline it is (BLS, LLM, token2wav, front-ends)."""
     if name.startswith("cosyvoice2"):

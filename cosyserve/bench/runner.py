@@ -101,6 +101,13 @@ def arrivals_per_rate(args: argparse.Namespace, rate: float) -> list[float]:
     return poisson_arrivals(rate, args.seed, count=max(MIN_REQUESTS_PER_LEVEL, count))
 
 
+def rate_length(args: argparse.Namespace) -> str:
+    """How long each rate runs, in words (without ``--requests-per-rate``)."""
+    if args.seconds_per_rate:
+        return f"the arrivals of {args.seconds_per_rate:g} s"
+    return f"the arrivals of {SECONDS_PER_RATE:g} s, at least {MIN_REQUESTS_PER_LEVEL}"
+
+
 # --- model repository, server -------------------------------------------------------------------
 
 
@@ -381,7 +388,6 @@ def run_offline_inference(args: argparse.Namespace, run: OfflineRun, manifest: P
     return row
 
 
-
 # --- the whole run ----------------------------------------------------------------------------
 
 
@@ -401,10 +407,7 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
         "seed": args.seed, "warmup_passes": args.warmup_passes, "warmup_concurrency": WARMUP_CONCURRENCY,
         "requests_per_level": args.requests_per_level or
         f"max({MIN_REQUESTS_PER_LEVEL}, 2 x concurrency)", "rates": args.rates,
-        "requests_per_rate": args.requests_per_rate or (f"the arrivals of {args.seconds_per_rate:g} s"
-                                                        if args.seconds_per_rate else
-                                                        f"the arrivals of {SECONDS_PER_RATE:g} s, at least "
-                                                        f"{MIN_REQUESTS_PER_LEVEL}"),
+        "requests_per_rate": args.requests_per_rate or rate_length(args),
     }
     levels, rates, variants = [], [], []
     for variant in args.variants:

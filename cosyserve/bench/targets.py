@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+
 @dataclass(frozen=True)
 class Target:
     text: str
