@@ -7,7 +7,9 @@
 Items come from ``--reference-audio`` (one request), else ``--manifest-path`` (lines
 ``utt|prompt_text|prompt_wav|target_text``), else ``--huggingface-dataset``/``--split-name``.
 Each of the ``--num-tasks`` tasks (threads, one client each) sends its share of the items one
-after another (``--num-requests N`` cycles the items to N requests). ``--mode streaming`` needs
+after another (``--num-requests N`` cycles the items to N requests); with ``--arrival-rate R``
+the requests instead arrive open loop, at seeded Poisson times (``--seed``) at R per second,
+each on a thread of its own however many are still in flight. ``--mode streaming`` needs
 the model to be decoupled: audio arrives in chunks on a gRPC stream and the chunk arrival times
 give first/second-chunk latencies and playback underruns. On random-weight bundles, which never
 end speech by themselves, ``--fixed-output-seconds 4 10`` fixes every request's length (sent as
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import queue
 import sys
 import threading
 import time
@@ -34,6 +37,7 @@ from tqdm import tqdm
 from tritonclient.utils import InferenceServerException
 
 from cosyserve import clients, data
+from cosyserve.bench.openloop import poisson_arrivals, run_open_loop
 from cosyserve.errors import InvalidInputError
 from cosyserve.data import FixedLength
 
@@ -46,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=["offline", "streaming"], default="offline",
                         help="streaming needs a decoupled model (decoupled_mode:True)")
     parser.add_argument("--num-tasks", type=int, default=1, help="concurrent requests")
+    parser.add_argument("--arrival-rate", type=float, metavar="R",
+                        help="open loop instead of --num-tasks: Poisson arrivals at R requests per second")
     parser.add_argument("--reference-audio", help="a single request: prompt wav (overrides the item sources)")
     parser.add_argument("--reference-text", default="", help="with --reference-audio: its transcript")
     parser.add_argument("--target-text", default="", help="with --reference-audio: the text to synthesise")
@@ -69,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "item in item order (as offline_inference.py draws them)")
     parser.add_argument("--tokens-per-second", type=float, default=25.0,
                         help="RATE of --fixed-output-seconds (speech tokens per second of audio)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the --fixed-output-seconds draws")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --fixed-output-seconds draws and arrivals")
     parser.add_argument("--compute-wer", action="store_true", help="not supported here (accepted for compatibility)")
     return parser.parse_args(argv)
 
@@ -98,7 +104,8 @@ def fixed_length(args: argparse.Namespace) -> FixedLength | None:
 
 
 class Task:
-    """One concurrent sender: its own client, its share of the items, sequentially."""
+    """One concurrent sender: its own client, its share of the items, sequentially (``one`` sends
+    one item on a given client)."""
 
     def __init__(self, args: argparse.Namespace, progress: tqdm, lock: threading.Lock):
         self.args, self.progress, self.lock = args, progress, lock
@@ -139,6 +146,29 @@ class Task:
         return result
 
 
+class ClientPool:
+    """gRPC clients for open-loop requests: a client carries one stream at a time, so a request takes
+    an idle one, or a new one when all are busy."""
+
+    def __init__(self, url: str):
+        self.url, self.idle, self.clients = url, queue.SimpleQueue(), []
+
+    def send(self, task: Task, item: data.Utterance) -> clients.RequestResult:
+        try:
+            client = self.idle.get_nowait()
+        except queue.Empty:
+            client = grpcclient.InferenceServerClient(self.url)
+            self.clients.append(client)
+        try:
+            return task.one(client, item)
+        finally:
+            self.idle.put(client)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
 def main() -> int:
     args = parse_args()
     if args.compute_wer:
@@ -160,13 +190,26 @@ def main() -> int:
         return 2
     stats_before = admin.get_inference_statistics(model_name="", as_json=True)
 
-    shares = data.split_round_robin(items, args.num_tasks)
-    with tqdm(total=len(items), desc=f"{args.mode} x{len(shares)}", unit="req") as progress:
-        task = Task(args, progress, threading.Lock())
-        start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=len(shares)) as pool:
-            results = [r for share in pool.map(task, shares) for r in share]
-        wall_s = time.perf_counter() - start
+    open_loop = None
+    if args.arrival_rate:
+        arrivals = poisson_arrivals(args.arrival_rate, args.seed, count=len(items))
+        with tqdm(total=len(items), desc=f"{args.mode} at {args.arrival_rate:g}/s", unit="req") as progress:
+            task, pool = Task(args, progress, threading.Lock()), ClientPool(url)
+            try:
+                run = run_open_loop(arrivals, lambda i: pool.send(task, items[i]))
+            finally:
+                pool.close()
+        results, wall_s, num_tasks = run.results, run.wall_s, None
+        open_loop = run.summary(arrivals, args.arrival_rate)
+    else:
+        shares = data.split_round_robin(items, args.num_tasks)
+        with tqdm(total=len(items), desc=f"{args.mode} x{len(shares)}", unit="req") as progress:
+            task = Task(args, progress, threading.Lock())
+            start = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+                results = [r for share in pool.map(task, shares) for r in share]
+            wall_s = time.perf_counter() - start
+        num_tasks = len(shares)
 
     summary = clients.summarize(results, wall_s, args.mode)
     triton_stats = clients.stats_delta(stats_before, admin.get_inference_statistics(model_name="", as_json=True))
@@ -182,7 +225,8 @@ def main() -> int:
     (args.log_dir / f"model_config-{name}.json").write_text(json.dumps(model_config, indent=2))
     if args.json_report:
         fixed = fixed_length(args)
-        report = {**summary, "model_name": args.model_name, "num_tasks": len(shares), "server": url,
+        report = {**summary, "model_name": args.model_name, "num_tasks": num_tasks, "open_loop": open_loop,
+                  "server": url,
                   "fixed_length": dataclasses.asdict(fixed) if fixed else None,
                   "requested_speech_tokens": {item.id: item.speech_tokens for item in items} if fixed else None,
                   "per_request": [r.to_dict() for r in results], "triton_stats": triton_stats}

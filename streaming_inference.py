@@ -27,8 +27,8 @@ import traceback
 
 import torch
 
-from cosyserve.token2wav.bench import (STRATEGIES, TOKEN_RATE, add_common_args, markdown_table, parse_variants,
-                                       prompt_features, rel_l2, run_streams, utterance_tokens)
+from cosyserve.bench.token2wav import (STRATEGIES, TOKEN_RATE, add_common_args, markdown_table, parse_variants,
+                                      prompt_features, rel_l2, run_streams, utterance_tokens)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from cosyserve.token2wav.bench import (add_common_args, markdown_table, median, parse_variants, prompt_features,
-                                       rel_l2, run_offline, utterance_tokens)
+from cosyserve.bench.token2wav import (add_common_args, markdown_table, median, parse_variants, prompt_features,
+                                      rel_l2, run_offline, utterance_tokens)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from cosyserve.bench.prometheus import read_metrics
 from cosyserve.schedule import plan_chunks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -200,9 +201,8 @@ def expected_chunk_samples(num_tokens: int) -> list[int]:
 
 
 def metrics(port: int) -> dict[str, float]:
-    """cosyserve_* metrics from Triton's Prometheus endpoint (label-less keys: one model each)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith("cosyserve_")}
+    """cosyserve_* metrics from Triton's Prometheus endpoint, each summed over its label sets."""
+    return read_metrics(port, host="127.0.0.1")
 
 
 def wait_until_idle(port: int, timeout_s: float = 20.0) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""scripts/bench_triton.py: the synthetic manifest, arguments, repository reading, Triton compute
+"""scripts/bench_triton.py and cosyserve.bench: the synthetic manifest, arguments, repository reading, Triton compute
 shares, the Prometheus breakdown and target checks without a server; then the whole driver on a
 real CPU server (tiny bundle)."""
 
@@ -18,6 +18,7 @@ import soundfile as sf
 
 from cosyserve import data
 from cosyserve.audio.io import MAX_PROMPT_SECONDS, MIN_PROMPT_SECONDS
+from cosyserve.bench import breakdown, openloop, prometheus, report, runner, targets, workload
 from cosyserve.data import FixedLength
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,7 +30,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def _load_driver():
     spec = importlib.util.spec_from_file_location("bench_triton", REPO_ROOT / "scripts" / "bench_triton.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -41,7 +41,7 @@ bench = _load_driver()
 
 
 def test_synthetic_manifest_is_a_valid_seeded_benchmark_set(tmp_path):
-    manifest = bench.write_synthetic_manifest(tmp_path / "a", count=26, seed=0)
+    manifest = workload.write_synthetic_manifest(tmp_path / "a", count=26, seed=0)
     items = data.load_manifest(manifest)
     assert len(items) == 26 and len({i.reference_audio for i in items}) == 26
     for item in items:
@@ -52,29 +52,29 @@ def test_synthetic_manifest_is_a_valid_seeded_benchmark_set(tmp_path):
         wav = data.load_reference_audio(item.reference_audio)  # the server's checks: rate, length, not silent
         assert wav.size == info.frames
         # about 4.5 characters a second of prompt; targets of 18-45 characters (+ punctuation)
-        prompt_chars = sum(ch in bench.CHARACTERS for ch in item.reference_text)
+        prompt_chars = sum(ch in workload.CHARACTERS for ch in item.reference_text)
         assert abs(prompt_chars - 4.5 * info.duration) <= 1
-        target_chars = sum(ch in bench.CHARACTERS for ch in item.target_text)
+        target_chars = sum(ch in workload.CHARACTERS for ch in item.target_text)
         assert 18 <= target_chars <= 45 and item.target_text.endswith("。")
     durations = [sf.info(i.reference_audio).duration for i in items]
     assert max(durations) - min(durations) > 2.0  # drawn, not constant
-    again = bench.write_synthetic_manifest(tmp_path / "b", count=26, seed=0)
+    again = workload.write_synthetic_manifest(tmp_path / "b", count=26, seed=0)
     assert again.read_text(encoding="utf-8") == manifest.read_text(encoding="utf-8")
     np.testing.assert_array_equal(sf.read(tmp_path / "a" / "wavs" / "prompt_005.wav")[0],
                                   sf.read(tmp_path / "b" / "wavs" / "prompt_005.wav")[0])
-    other = bench.write_synthetic_manifest(tmp_path / "c", count=26, seed=1)
+    other = workload.write_synthetic_manifest(tmp_path / "c", count=26, seed=1)
     assert other.read_text(encoding="utf-8") != manifest.read_text(encoding="utf-8")
 
 
 def test_variant_and_offline_run_parsing():
-    assert bench.parse_variant("ours") == bench.Variant("ours", {}, False)
-    variant = bench.parse_variant("mps16:BLS_INSTANCE_NUM=16,TOKEN2WAV_CUDA_GRAPHS=false,MPS=1")
-    assert variant == bench.Variant("mps16", {"BLS_INSTANCE_NUM": "16", "TOKEN2WAV_CUDA_GRAPHS": "false"}, True)
+    assert runner.parse_variant("ours") == runner.Variant("ours", {}, False)
+    variant = runner.parse_variant("mps16:BLS_INSTANCE_NUM=16,TOKEN2WAV_CUDA_GRAPHS=false,MPS=1")
+    assert variant == runner.Variant("mps16", {"BLS_INSTANCE_NUM": "16", "TOKEN2WAV_CUDA_GRAPHS": "false"}, True)
     for bad in ("a b:X=1", "v:X", "v:1X=2", "v:MPS=yes", ":X=1"):
         with pytest.raises(argparse.ArgumentTypeError):
-            bench.parse_variant(bad)
-    run = bench.parse_offline_run("torch:--backend torch --batch-size 16 --cuda-graphs")
-    assert run == bench.OfflineRun("torch", ["--backend", "torch", "--batch-size", "16", "--cuda-graphs"])
+            runner.parse_variant(bad)
+    run = runner.parse_offline_run("torch:--backend torch --batch-size 16 --cuda-graphs")
+    assert run == runner.OfflineRun("torch", ["--backend", "torch", "--batch-size", "16", "--cuda-graphs"])
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -113,8 +113,8 @@ def test_missing_matplotlib_fails_before_benchmarking(capsys, monkeypatch, tmp_p
 
 def test_requests_per_level_default():
     args = argparse.Namespace(requests_per_level=None)
-    assert [bench.requests_per_level(args, c) for c in (1, 16, 32, 64)] == [26, 32, 64, 128]
-    assert bench.requests_per_level(argparse.Namespace(requests_per_level=5), 64) == 5
+    assert [runner.requests_per_level(args, c) for c in (1, 16, 32, 64)] == [26, 32, 64, 128]
+    assert runner.requests_per_level(argparse.Namespace(requests_per_level=5), 64) == 5
 
 
 def _config(repo: Path, name: str, decoupled: str, count: int) -> None:
@@ -127,13 +127,13 @@ def _config(repo: Path, name: str, decoupled: str, count: int) -> None:
 def test_read_repository_finds_the_model_of_each_mode(tmp_path):
     _config(tmp_path / "twin", "cosyvoice2", "True", 4)
     _config(tmp_path / "twin", "cosyvoice2_offline", "False", 16)
-    twin = bench.read_repository(tmp_path / "twin")
+    twin = runner.read_repository(tmp_path / "twin")
     assert twin.models == {"streaming": "cosyvoice2", "offline": "cosyvoice2_offline"}
     assert twin.bls_instances == {"cosyvoice2": 4, "cosyvoice2_offline": 16}
     _config(tmp_path / "offline", "cosyvoice2", "False", 2)
-    assert bench.read_repository(tmp_path / "offline").models == {"streaming": None, "offline": "cosyvoice2"}
-    with pytest.raises(bench.BenchError, match="no cosyvoice2 model"):
-        bench.read_repository(tmp_path / "empty")
+    assert runner.read_repository(tmp_path / "offline").models == {"streaming": None, "offline": "cosyvoice2"}
+    with pytest.raises(runner.BenchError, match="no cosyvoice2 model"):
+        runner.read_repository(tmp_path / "empty")
 
 
 def test_compute_by_group():
@@ -148,7 +148,7 @@ def test_compute_by_group():
                              model("token2wav", 2_000_000_000, 2_000_000, 2),
                              model("audio_tokenizer", 500_000_000, 0, 1),
                              model("speaker_embedding", 500_000_000, 0, 1)]}
-    groups = bench.compute_by_group(stats, wall_s=4.0)
+    groups = breakdown.compute_by_group(stats, wall_s=4.0)
     assert set(groups) == {"bls", "llm", "token2wav", "frontends"}
     assert groups["bls"]["share"] is None and groups["bls"]["busy"] == pytest.approx(2.0)
     assert groups["bls"]["queue_avg_ms"] == pytest.approx(1.0)
@@ -176,22 +176,22 @@ cosyserve_token2wav_open_streams{model="token2wav"} -2
 
 
 def test_parse_prometheus_sums_cosyserve_samples_over_label_sets():
-    assert bench.parse_prometheus(METRICS_PAGE) == {
+    assert prometheus.parse_prometheus(METRICS_PAGE) == {
         "cosyserve_token2wav_flow_seconds_total": 1.75,  # two label sets, one with a quoted comma and brace
         "cosyserve_llm_generated_tokens_total": 1e6,  # no labels
         "cosyserve_llm_decode_steps_total": 7.0,  # escaped quotes, and a timestamp after the value
         "cosyserve_token2wav_open_streams": -2.0,
     }  # nv_* ignored, NaN and +Inf skipped
-    assert bench.parse_prometheus("") == {}
-    assert bench.parse_prometheus('cosyserve_x_total{model="unclosed 3\ncosyserve_y_total\n') == {}
+    assert prometheus.parse_prometheus("") == {}
+    assert prometheus.parse_prometheus('cosyserve_x_total{model="unclosed 3\ncosyserve_y_total\n') == {}
 
 
 def test_counter_deltas():
     before = {"cosyserve_a_total": 1.0, "cosyserve_b_total": 2.0, "cosyserve_open_streams": 3.0}
     after = {"cosyserve_a_total": 4.5, "cosyserve_b_total": 2.0, "cosyserve_open_streams": 1.0,
              "cosyserve_new_total": 9.0}
-    assert bench.counter_deltas(before, after) == {"cosyserve_a_total": 3.5, "cosyserve_b_total": 0.0}
-    assert bench.counter_deltas({}, after) == {} and bench.counter_deltas(before, {}) == {}
+    assert prometheus.counter_deltas(before, after) == {"cosyserve_a_total": 3.5, "cosyserve_b_total": 0.0}
+    assert prometheus.counter_deltas({}, after) == {} and prometheus.counter_deltas(before, {}) == {}
 
 
 COUNTERS = {
@@ -205,39 +205,39 @@ COUNTERS = {
 
 
 def test_server_breakdown():
-    b = bench.server_breakdown({"wall_s": 4.0, "server_counters": COUNTERS})
+    b = breakdown.server_breakdown({"wall_s": 4.0, "server_counters": COUNTERS})
     assert b == pytest.approx({
         "flow_busy": 0.5, "hift_busy": 0.125, "token2wav_execute_busy": 0.75, "token2wav_other_busy": 0.125,
         "flow_rows_per_call": 4.0, "flow_padding": 0.25, "flow_ms_per_call": 50.0, "llm_busy": 0.8,
         "llm_step_ms": 15.0, "llm_rows_per_step": 6.0, "llm_tokens_per_s": 312.5})
     # an LLM-only server (no token2wav counters), and no flow calls in the level
     llm_only = {k: v for k, v in COUNTERS.items() if "token2wav" not in k}
-    b = bench.server_breakdown({"wall_s": 4.0, "server_counters": {**llm_only,
+    b = breakdown.server_breakdown({"wall_s": 4.0, "server_counters": {**llm_only,
                                                                    "cosyserve_token2wav_flow_calls_total": 0.0}})
     assert b["llm_step_ms"] == pytest.approx(15.0) and b["llm_busy"] == pytest.approx(0.8)
     for key in ("flow_busy", "hift_busy", "token2wav_execute_busy", "token2wav_other_busy", "flow_rows_per_call",
                 "flow_padding", "flow_ms_per_call"):
         assert b[key] is None, key
     no_prefill = {k: v for k, v in COUNTERS.items() if k != "cosyserve_llm_prefill_seconds_total"}
-    assert bench.server_breakdown({"wall_s": 4.0, "server_counters": no_prefill})["llm_step_ms"] is None
-    zero_wall = bench.server_breakdown({"wall_s": 0.0, "server_counters": COUNTERS})
+    assert breakdown.server_breakdown({"wall_s": 4.0, "server_counters": no_prefill})["llm_step_ms"] is None
+    zero_wall = breakdown.server_breakdown({"wall_s": 0.0, "server_counters": COUNTERS})
     assert all(zero_wall[k] is None for k in ("flow_busy", "hift_busy", "token2wav_execute_busy",
                                                "token2wav_other_busy", "llm_busy", "llm_tokens_per_s"))
     assert zero_wall["flow_rows_per_call"] == pytest.approx(4.0)  # not a share of the wall time
-    assert bench.server_breakdown({"wall_s": 4.0, "server_counters": {}}) is None
-    assert bench.server_breakdown({"error": "client crashed"}) is None
+    assert breakdown.server_breakdown({"wall_s": 4.0, "server_counters": {}}) is None
+    assert breakdown.server_breakdown({"error": "client crashed"}) is None
 
 
 def test_breakdown_table():
     row = {"variant": "v", "mode": "streaming", "concurrency": 16, "wall_s": 4.0, "server_counters": COUNTERS}
-    row["server_breakdown"] = bench.server_breakdown(row)
-    text = bench.breakdown_table([row, {"variant": "v", "mode": "offline", "concurrency": 1, "error": "boom"}])
+    row["server_breakdown"] = breakdown.server_breakdown(row)
+    text = report.breakdown_table([row, {"variant": "v", "mode": "offline", "concurrency": 1, "error": "boom"}])
     lines = text.splitlines()
     assert lines[0] == ("| variant | mode | concurrency | flow busy | HiFT busy | token2wav other busy | flow ms/call "
                         "| flow rows/call | flow padding | LLM busy | LLM step ms | LLM rows/step | LLM tokens/s |")
     assert lines[2:] == ["| v | streaming | 16 | 50 % | 12 % | 12 % | 50.0 | 4.00 | 25 % | 80 % | 15.00 | 6.00 | 312 |"]
-    assert bench.breakdown_table([{**row, "server_breakdown": None}]) == ""
-    assert bench.breakdown_table([]) == ""
+    assert report.breakdown_table([{**row, "server_breakdown": None}]) == ""
+    assert report.breakdown_table([]) == ""
 
 
 def _serve(page: bytes, status: int = 200):
@@ -260,12 +260,12 @@ def _serve(page: bytes, status: int = 200):
 def test_scrape_metrics(status, capsys):
     server = _serve(METRICS_PAGE.encode(), status)
     try:
-        values = bench.scrape_metrics(server.server_address[1], host="127.0.0.1")
+        values = prometheus.scrape_metrics(server.server_address[1], host="127.0.0.1")
     finally:
         server.shutdown()
         server.server_close()
     if status == 200:
-        assert values == bench.parse_prometheus(METRICS_PAGE) and values["cosyserve_llm_decode_steps_total"] == 7.0
+        assert values == prometheus.parse_prometheus(METRICS_PAGE) and values["cosyserve_llm_decode_steps_total"] == 7.0
         assert capsys.readouterr().err == ""
     else:
         assert values == {}
@@ -274,7 +274,7 @@ def test_scrape_metrics(status, capsys):
 
 def test_scrape_metrics_of_a_closed_port(capsys):
     port, = free_ports(1)
-    assert bench.scrape_metrics(port, host="127.0.0.1", timeout=2.0) == {}
+    assert prometheus.scrape_metrics(port, host="127.0.0.1", timeout=2.0) == {}
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"warning: could not read http://127.0.0.1:{port}/metrics" in err
 
@@ -295,14 +295,14 @@ def test_measure_levels_scrapes_around_measured_levels_only(monkeypatch, tmp_pat
         return {"model_name": "cosyvoice2", "requests": 2, "failed": 0, "wall_s": 4.0, "audio_s": 8.0, "rtf": 0.5,
                 "per_request": [{"id": "a", "error": None}, {"id": "b", "error": None}]}
 
-    monkeypatch.setattr(bench, "scrape_metrics", scrape)
-    monkeypatch.setattr(bench, "run_client", client)
-    monkeypatch.setattr(bench, "check_alive", lambda server: None)
+    monkeypatch.setattr(runner, "scrape_metrics", scrape)
+    monkeypatch.setattr(runner, "run_client", client)
+    monkeypatch.setattr(runner, "check_alive", lambda server: None)
     args = argparse.Namespace(modes=["streaming"], warmup_passes=1, concurrency=[1, 2], requests_per_level=2,
                               metrics_port=9102, grpc_port=9101, fixed_output_seconds=[1.0], tokens_per_second=25.0,
                               seed=0, request_timeout=10.0)
-    repo = bench.Repository(tmp_path, {"streaming": "cosyvoice2", "offline": None}, {})
-    rows = bench.measure_levels(args, bench.Variant("v"), repo, None, tmp_path / "m.txt", 2, tmp_path)
+    repo = runner.Repository(tmp_path, {"streaming": "cosyvoice2", "offline": None}, {})
+    rows = runner.measure_levels(args, runner.Variant("v"), repo, None, tmp_path / "m.txt", 2, tmp_path)
     assert events == [("client", "warmup_streaming_0"), ("scrape", 9102), ("client", "streaming_c1"),
                       ("scrape", 9102), ("scrape", 9102), ("client", "streaming_c2"), ("scrape", 9102)]
     assert rows[0]["server_counters"] == {"cosyserve_token2wav_flow_seconds_total": 2.0,
@@ -325,20 +325,21 @@ def test_targets():
               _row("streaming", 64, failed=1), _row("offline", 16, rtf=0.012, requests_with_underrun=None)]
     offline_runs = [{"name": "torch", "batch_size": 16, "rtf": 0.005}, {"name": "hf", "batch_size": 16, "rtf": 0.7},
                     {"name": "b8", "batch_size": 8, "rtf": 0.001}, {"name": "bad", "error": "boom"}]
-    results = bench.check_targets(levels, [{"name": "v"}], offline_runs)
-    verdicts = [(bench.verdict(r["passed"]), r["subject"]) for r in results]
+    results = targets.check_targets(levels, [{"name": "v"}], offline_runs)
+    verdicts = [(targets.verdict(r["passed"]), r["subject"]) for r in results]
     assert verdicts == [("PASS", "v"), ("PASS", "v"), ("PASS", "v"), ("MISS", "v"), ("MISS", "v"),
                         ("PASS", "torch"), ("MISS", "hf")]
     assert results[2]["measured"] == "17.00 req/s at concurrency 16"  # 32 is faster but had an underrun
-    slow = bench.check_targets([_row("streaming", 1, first_chunk_p50_ms=61.0)], [{"name": "v"}], [])
-    assert [bench.verdict(r["passed"]) for r in slow] == ["MISS", "NOT RUN", "MISS", "NOT RUN", "NOT RUN", "NOT RUN"]
-    assert "PASS: first chunk p50 <= 60 ms at concurrency 1 [v]: p50 59.0 ms" in bench.targets_text(results)
+    slow = targets.check_targets([_row("streaming", 1, first_chunk_p50_ms=61.0)], [{"name": "v"}], [])
+    assert [targets.verdict(r["passed"]) for r in slow] == ["MISS", "NOT RUN", "MISS", "NOT RUN", "NOT RUN", "NOT RUN"]
+    assert "PASS: first chunk p50 <= 60 ms at concurrency 1 [v]: p50 59.0 ms" in targets.targets_text(results)
 
 
 # --- the driver end to end on a CPU server -----------------------------------------------------
 
 SECONDS = (0.8, 1.2)  # 20-30 speech tokens per item
 PROMPTS, REQUESTS = 3, 4  # the 4th request repeats the first item
+RATE_REQUESTS = 3  # open loop at 4 req/s, in both modes
 
 
 def test_driver_end_to_end(tiny_bundle, tmp_path, monkeypatch, capsys):
@@ -352,6 +353,7 @@ def test_driver_end_to_end(tiny_bundle, tmp_path, monkeypatch, capsys):
             "--modes", "streaming", "offline", "--fixed-output-seconds", *map(str, SECONDS), "--seed", "3",
             "--requests-per-level", str(REQUESTS), "--num-prompts", str(PROMPTS), "--variant", "ours:DEVICE=cpu",
             "--offline-inference", "cpu:--device cpu --batch-size 2 --threads 1",
+            "--rates", "4", "--requests-per-rate", str(RATE_REQUESTS),
             "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     assert bench.main(argv) == 0
     printed = capsys.readouterr().out
@@ -404,3 +406,19 @@ def test_driver_end_to_end(tiny_bundle, tmp_path, monkeypatch, capsys):
     assert md in printed
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+    # the open loop: the same accounting per rate, the client's seeded arrivals
+    rates = result["open_loop"]
+    assert [(r["mode"], r["rate"], r["model"]) for r in rates] == [("streaming", 4.0, "cosyvoice2"),
+                                                                    ("offline", 4.0, "cosyvoice2_offline")]
+    rate_s = sum(tokens[i] for i in range(RATE_REQUESTS)) / 25
+    for row in rates:
+        assert row["requests"] == RATE_REQUESTS and row["failed"] == 0 and not row["errors"]
+        assert row["audio_s"] == pytest.approx(rate_s, abs=1e-9) and row["req_per_s"] > 0
+        assert 1 <= row["peak_in_flight"] <= RATE_REQUESTS
+        assert row["server_counters"]["cosyserve_llm_generated_tokens_total"] > 0
+        assert (row["requests_with_underrun"] is not None) == (row["mode"] == "streaming")
+        report = json.loads(Path(row["report"]).read_text(encoding="utf-8"))
+        assert report["open_loop"]["arrivals_s"] == openloop.poisson_arrivals(4.0, 3, count=RATE_REQUESTS)
+    assert "## Open-loop rates" in md and "| ours | streaming | 4 | 3 | 0 |" in md
+    assert result["header"]["rates"] == [4.0] and "at 4 req/s" in printed

@@ -7,8 +7,7 @@ to ``x.y`` too. A package's ``__init__`` is the module of the package's own name
 
 The rule: a module imports only modules of its own layer or of the layers below it, and no chain
 of imports leads back to where it started. A module's layer is that of its top-level name under
-``cosyserve`` (``cosyserve.llm.engine.sequence`` -> ``llm``), unless ``MODULE_LAYERS`` places it
-otherwise. The layers, lowest first:
+``cosyserve`` (``cosyserve.llm.engine.sequence`` -> ``llm``). The layers, lowest first:
 
 0. leaves: ``errors``, ``config``, ``runtime`` (bundle layout, device helpers), ``schedule`` (chunk
    schedules), ``clip_cache`` and the root ``cosyserve`` package;
@@ -39,11 +38,6 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"pipeline"}),
     frozenset({"serving", "api", "bench", "clients", "bundle", "download", "parity"}),
 )
-# Modules whose layer is not their top-level name's.
-MODULE_LAYERS = {
-    "token2wav.bench": "bench",  # benchmark code: it measures token2wav and reports client-side statistics
-}
-
 
 def package_modules() -> dict[str, tuple[Path, bool]]:
     """Dotted name under ``cosyserve`` ("" for the root) -> (file, is a package ``__init__``)."""
@@ -94,7 +88,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def layer_of(module: str) -> int:
-    name = MODULE_LAYERS.get(module, module.partition(".")[0])
+    name = module.partition(".")[0]
     for rank, names in enumerate(LAYERS):
         if name in names:
             return rank

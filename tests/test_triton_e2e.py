@@ -115,6 +115,29 @@ def test_grpc_client(idle_server, models_dir, tmp_path, mode):
     assert (tmp_path / "log" / "utt0.wav").is_file()
 
 
+def test_grpc_client_open_loop(idle_server, models_dir, tmp_path):
+    """``--arrival-rate``: the requests start at the seeded Poisson arrival times, whatever is in
+    flight, each on a client of its own or an idle one; every number of a streaming run per request."""
+    from cosyserve.bench.openloop import poisson_arrivals
+
+    manifest = write_manifest(tmp_path / "manifest.txt", models_dir, 3)
+    report = tmp_path / "report.json"
+    run_script("client_grpc.py", "--server-port", str(idle_server.grpc_port), "--model-name", "cosyvoice2",
+               "--mode", "streaming", "--arrival-rate", "4", "--num-requests", "4", "--seed", "5",
+               "--manifest-path", str(manifest), "--log-dir", str(tmp_path / "log"), "--json-report", str(report),
+               "--log-interval", "0")
+    summary = json.loads(report.read_text())
+    assert summary["requests"] == 4 and summary["failed"] == 0 and summary["num_tasks"] is None
+    open_loop = summary["open_loop"]
+    assert open_loop["arrival_rate"] == 4.0 and open_loop["arrivals_s"] == poisson_arrivals(4.0, 5, count=4)
+    assert 1 <= open_loop["peak_in_flight"] <= 4 and open_loop["start_lag_max_ms"] < 500
+    assert summary["wall_s"] >= open_loop["arrivals_s"][-1]
+    assert summary["first_chunk_latency"]["count"] == 4 and "requests_with_underrun" in summary["underruns"]
+    for result in summary["per_request"]:
+        assert [round(d * 24000) for d in result["chunk_durations_s"]] == expected_chunk_samples(NUM_TOKENS)
+    assert sorted(r["id"] for r in summary["per_request"]) == ["utt0_r0", "utt0_r1", "utt1_r0", "utt2_r0"]
+
+
 def test_http_client(idle_server, models_dir, tmp_path):
     out = tmp_path / "out.wav"
     run_script("client_http.py", "--server-port", str(idle_server.http_port), "--model-name", "cosyvoice2_offline",
@@ -391,18 +414,13 @@ def test_run_sh_stage2_fills_the_same_templates(models_dir, tmp_path):
 
 def test_front_end_models_count_clip_cache_hits(idle_server):
     """A clip sent twice to a front-end model is computed once; the metrics say so, per model."""
-    import urllib.request
-
+    from cosyserve.bench.prometheus import cosyserve_samples, read_page
     from cosyserve.bundle import synthetic_prompt_wave
 
     def lookups() -> dict[tuple[str, str], float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{idle_server.metrics_port}/metrics", timeout=10).read()
-        counts = {}
-        for line in text.decode().splitlines():
-            if line.startswith("cosyserve_clip_cache_"):
-                outcome = line.split("{")[0].removeprefix("cosyserve_clip_cache_").removesuffix("_total")
-                counts[(line.split('model="')[1].split('"')[0], outcome)] = float(line.split()[-1])
-        return counts
+        page = read_page(idle_server.metrics_port, host="127.0.0.1")
+        return {(s.labels["model"], s.name.removeprefix("cosyserve_clip_cache_").removesuffix("_total")): s.value
+                for s in cosyserve_samples(page) if s.name.startswith("cosyserve_clip_cache_")}
 
     wav = synthetic_prompt_wave(seed=31).astype(np.float32).reshape(1, -1)
     client = grpcclient.InferenceServerClient(idle_server.grpc_url)

@@ -4,7 +4,7 @@ A *variant* is one way of running token2wav, written
 ``dtype[+graphs|+flowgraphs][+precapture][+compile][+incremental][+batchN]``: ``fp32``,
 ``fp16+flowgraphs``, ``fp16+flowgraphs+precapture+batch16``... (flow dtype, :class:`Token2WavOptions`:
 CUDA graphs of flow and HiFT or of the flow only, flow graphs captured at load for up to
-:data:`~.cosyvoice2.DEFAULT_PRECAPTURE_FRAMES` frames, compiled estimator, incremental streaming flow; and how many
+:data:`DEFAULT_PRECAPTURE_FRAMES` frames, compiled estimator, incremental streaming flow; and how many
 requests share a batch). Variants with graphs captured lazily get a second untimed warm-up run,
 since a shape is captured the second time it is seen. Offline runs synthesise utterances ``batch`` at a time with
 :meth:`CosyVoice2Token2Wav.offline_batch`. Streaming runs play ``concurrency`` listeners at once,
@@ -29,9 +29,9 @@ from ..clients import latency_stats, playback_underruns
 from ..errors import InvalidInputError
 from ..frontend.prompt import PromptFeatures
 from ..schedule import Chunk, plan_chunks
-from .batching import Token2WavBatcher
-from .cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, CosyVoice2Token2Wav, OfflineRequest, Token2WavOptions,
-                         load_token2wav)
+from ..token2wav.batching import Token2WavBatcher
+from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, CosyVoice2Token2Wav, OfflineRequest, Token2WavOptions,
+                                    load_token2wav)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 STRATEGIES = ("exponential", "equal")

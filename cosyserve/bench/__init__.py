@@ -1,0 +1,17 @@
+"""Benchmarks: the top layer, beside :mod:`cosyserve.serving`.
+
+It may import serving, pipeline and everything below; only scripts and tests import it.
+
+* :mod:`.prometheus` – the server's ``cosyserve_*`` metrics from its Prometheus page;
+* :mod:`.workload` – the synthetic prompt set (seed-tts' wenetspeech4tts split, in shape);
+* :mod:`.openloop` – Poisson arrivals and a sender that keeps to them;
+* :mod:`.runner` – one benchmark of Triton server variants: build, serve, measure levels and rates;
+* :mod:`.breakdown` – where a level's time went: Triton statistics and the server's counters;
+* :mod:`.targets` – the performance targets and their checks;
+* :mod:`.report` – tables, ``bench.md`` and ``bench.png``;
+* :mod:`.token2wav` – the in-process token2wav benchmarks (``token2wav.py``, ``streaming_inference.py``).
+"""
+
+
+class BenchError(RuntimeError):
+    """A variant, level or offline run could not be measured (the message says why)."""
