@@ -298,6 +298,17 @@ class FusedEstimator:
                             self._cast(attn.to_out[0].bias), self._ln(block.norm3), self._cast(ff[0].proj.weight),
                             self._cast(ff[0].proj.bias), self._cast(ff[2].weight), self._cast(ff[2].bias))
 
+    def packed_weights(self) -> list[torch.Tensor]:
+        """Every tensor the step reads as weights (GEMM matrices, biases, LayerNorm affines)."""
+        tensors = []
+        for res, blocks, conv in self._stages:
+            for c in (res.block1, res.block2) + (() if conv is None else (conv,)):
+                tensors += [c.weight, c.bias, *(c.ln or ())]
+            tensors += [res.res, res.res_bias]
+            for b in blocks:
+                tensors += [*b.ln1, b.qkv, b.out, b.out_bias, *b.ln3, b.ff1, b.ff1_bias, b.ff2, b.ff2_bias]
+        return tensors + [self._final.weight, self._final.bias, *self._final.ln, *self._proj]
+
     # -- per-step inputs ----------------------------------------------------------------------
     @torch.no_grad()
     def time_bias(self, t: torch.Tensor) -> torch.Tensor:

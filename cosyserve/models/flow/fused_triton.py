@@ -181,7 +181,7 @@ def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT
 
 @triton.jit
 def _cfg_euler_kernel(
-    a_ptr, a_sr, a_si, w_ptr, bias_ptr, valid_ptr, dt_ptr,
+    a_ptr, a_sr, a_si, w_ptr, bias_ptr, valid_ptr, dt_ptr, dt_sr,
     x_ptr, x_sr, x_si, x_out_ptr, x_out_sr, x_out_si, v_ptr, v_sr, v_si,
     PAIRS, FRAMES, K, N, cfg_rate,
     UPDATE_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -213,7 +213,7 @@ def _cfg_euler_kernel(
     uncond = tl.where(keep, uncond + bias, 0.0)
     velocity = (1.0 + cfg_rate) * cond - cfg_rate * uncond
     ok = row_ok[:, None] & col_ok[None, :]
-    dt = tl.load(dt_ptr + r, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    dt = tl.load(dt_ptr + r * dt_sr, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     x_cond = x_ptr + r[:, None] * x_sr + i[:, None] * x_si + rn[None, :]
     x_next = tl.load(x_cond, mask=ok, other=0.0).to(tl.float32) + dt * velocity
     tl.store(v_ptr + r[:, None] * v_sr + i[:, None] * v_si + rn[None, :], velocity.to(v_ptr.dtype.element_ty), mask=ok)
@@ -231,7 +231,7 @@ def cfg_euler(a, w, bias, valid, dt, x, x_out, velocity, cfg_rate: float, update
     block_m = 32 if pairs * frames <= 1024 else 64
     grid = (triton.cdiv(pairs * frames, block_m),)
     _cfg_euler_kernel[grid](
-        a, *_strides(a), w, bias, valid, dt, x, *_strides(x), x_out, *_strides(x_out), velocity, *_strides(velocity),
+        a, *_strides(a), w, bias, valid, dt, dt.stride(0), x, *_strides(x), x_out, *_strides(x_out), velocity, *_strides(velocity),
         pairs, frames, k, n, cfg_rate,
         UPDATE_INPUT=update_input, BLOCK_M=block_m, BLOCK_N=triton.next_power_of_2(n), BLOCK_K=64 if k >= 64 else 32, num_warps=4, num_stages=3,
     )
