@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -290,22 +291,24 @@ def run(dtypes: list[str], cases: tuple[Case, ...] = CASES, old_path: bool = Tru
         flops = step_flops(reference, shape.rows) * case.steps
         nbytes = step_bytes(reference, shape.rows, 2) * case.steps
         del shape
-        if old_path:
-            eager = _EagerCase(cfm16, case, seed)
-            kernels, busy, top = count_kernels(eager.run)
-            rows_out.append(Row(case.name, "old fp16 (eager, graph)", graph_ms(eager.run), kernels, busy, flops,
-                                nbytes))
-            log(f"{case.name} old: top kernels {top[:6]}")
-            del eager
-        for name, fused in fused_by_dtype.items():
-            work = _FusedCase(fused, case, seed)
-            kernels, busy, top = count_kernels(work.run)
-            rows_out.append(Row(case.name, f"fused {name}", graph_ms(work.run), kernels, busy, flops, nbytes))
-            log(f"{case.name} fused {name}: top kernels {top[:8]}")
-            del work
-        torch.cuda.empty_cache()
+        paths = ([("old fp16 (eager, graph)", lambda: _EagerCase(cfm16, case, seed))] if old_path else []) + \
+            [(f"fused {name}", lambda fused=fused: _FusedCase(fused, case, seed))
+             for name, fused in fused_by_dtype.items()]
+        for path, make in paths:
+            try:
+                work = make()
+                kernels, busy, top = count_kernels(work.run)
+                rows_out.append(Row(case.name, path, graph_ms(work.run), kernels, busy, flops, nbytes))
+                log(f"{case.name} / {path}: top kernels (name, count, us) {top}")
+            except Exception:  # one failing path must not hide the others' numbers
+                log(f"{case.name} / {path} FAILED:\n{traceback.format_exc()}")
+            work = None
+            torch.cuda.empty_cache()
     for name in dtypes:
-        accuracies[name] = accuracy(cfm32, DTYPES[name], seed + 100)
+        try:
+            accuracies[name] = accuracy(cfm32, DTYPES[name], seed + 100)
+        except Exception:
+            log(f"accuracy {name} FAILED:\n{traceback.format_exc()}")
     return ceilings, rows_out, accuracies
 
 
