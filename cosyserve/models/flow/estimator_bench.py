@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from .cache import StreamWindow
 from .cfm import CausalConditionalCFM
@@ -237,6 +238,25 @@ class _FusedCase:
                                  self.time_biases[:self.case.steps])
 
 
+def old_path_accuracy(cfm32: CausalConditionalCFM, seed: int) -> tuple[float, float]:
+    """The same two figures as :func:`accuracy` for the eager estimator in fp16 (the rounding it already has)."""
+    cfm16 = copy.deepcopy(cfm32).half()
+    case = Case("acc", 1, 64, 300, True, 1)
+    with torch.inference_mode():
+        ref = _EagerCase(cfm32, case, seed).velocity()
+        got = _EagerCase(cfm16, case, seed).velocity()
+        step_rel = float((got.float() - ref).norm() / ref.norm())
+        x, mu, spks, cond = _random_window(cfm32, 2, 200, ref.device, torch.float32, seed + 1)
+        mask = torch.ones(2, 1, 200, device=ref.device)
+        for _, ref_x in cfm32.euler_steps(x, mask, mu, spks, cond, streaming=False, n_timesteps=10):
+            pass
+        for _, got_x in cfm16.euler_steps(x.half(), mask.half(), mu.half(), spks.half(), cond.half(),
+                                          streaming=False, n_timesteps=10):
+            pass
+        call_rel = float((got_x.float() - ref_x).norm() / ref_x.norm())
+    return step_rel, call_rel
+
+
 def accuracy(cfm32: CausalConditionalCFM, dtype: torch.dtype, seed: int) -> tuple[float, float]:
     """rel-L2 vs eager fp32 on fresh random inputs: (guided velocity of one streaming step of 1
     request x 64 new frames over 300 cached frames, x after a whole offline 10-step call of 2 x 200 frames)."""
@@ -285,6 +305,9 @@ def run(dtypes: list[str], cases: tuple[Case, ...] = CASES, old_path: bool = Tru
     cfm16 = copy.deepcopy(cfm32).half() if old_path else None
     rows_out, accuracies = [], {}
     fused_by_dtype = {name: FusedEstimator(cfm32, dtype=DTYPES[name]) for name in dtypes}
+    if "fp16" in dtypes:  # the same kernels with attention through flash / memory-efficient SDPA, not cuDNN
+        fused_by_dtype["fp16 flash/efficient attn"] = FusedEstimator(
+            cfm32, dtype=torch.float16, attention_backends=[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
     for case in cases:
         reference = next(iter(fused_by_dtype.values()))
         shape = _FusedCase(reference, case, seed)
@@ -306,9 +329,11 @@ def run(dtypes: list[str], cases: tuple[Case, ...] = CASES, old_path: bool = Tru
             torch.cuda.empty_cache()
     for name in dtypes:
         try:
-            accuracies[name] = accuracy(cfm32, DTYPES[name], seed + 100)
+            accuracies[f"fused {name}"] = accuracy(cfm32, DTYPES[name], seed + 100)
         except Exception:
             log(f"accuracy {name} FAILED:\n{traceback.format_exc()}")
+    if old_path:
+        accuracies["old eager fp16"] = old_path_accuracy(cfm32, seed + 100)
     return ceilings, rows_out, accuracies
 
 
@@ -325,6 +350,6 @@ def table(ceilings: Ceilings, rows: list[Row], accuracies: dict, cases: tuple[Ca
                      f"{r.flops / r.ms / 1e9:.0f} | {arith:.3f} / {bw:.3f} / {launch:.3f} | {floor:.3f} | "
                      f"{r.ms / floor:.1f} |")
     for name, (step_rel, call_rel) in accuracies.items():
-        lines.append(f"\nrel-L2 fused {name} vs eager fp32: one streaming step (velocity) {step_rel:.2e}, "
+        lines.append(f"\nrel-L2 {name} vs eager fp32: one streaming step (velocity) {step_rel:.2e}, "
                      f"whole offline call (x) {call_rel:.2e}")
     return "\n".join(lines)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .cache import KeyValueCache
 from .cfm import CausalConditionalCFM
@@ -63,8 +64,9 @@ def fused_linear_reference(a: torch.Tensor, w: torch.Tensor, *, out: torch.Tenso
     ``ln_out`` = (weight, bias, out2) also writes LayerNorm(y) to out2. Outputs may alias inputs
     row for row (``residual`` is ``out``: the residual stream updated in place).
     """
+    a = a.to(w.dtype)
     if taps > 1:
-        left = context if context is not None else a.new_zeros(a.size(0), taps - 1, a.size(2))
+        left = context.to(w.dtype) if context is not None else a.new_zeros(a.size(0), taps - 1, a.size(2))
         padded = torch.cat([left, a], dim=1)
         a = torch.cat([padded[:, tap:tap + a.size(1)] for tap in range(taps)], dim=2)
     y = F.linear(a, w, bias)
@@ -76,7 +78,7 @@ def fused_linear_reference(a: torch.Tensor, w: torch.Tensor, *, out: torch.Tenso
     if row_vector is not None:
         y = y + row_vector[:, None, :]
     if gemm2 is not None:
-        y = y + F.linear(*gemm2)
+        y = y + F.linear(gemm2[0].to(w.dtype), gemm2[1], gemm2[2])
     if residual is not None:
         y = y + residual
     if split is not None:
@@ -206,12 +208,15 @@ class _Workspace:
 
     def __init__(self, rows: int, frames: int, width: int, inner: int, ff: int, out_channels: int,
                  device: torch.device, dtype: torch.dtype) -> None:
-        def empty(*shape: int) -> torch.Tensor:
+        def empty(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
             return torch.empty(*shape, device=device, dtype=dtype)
         self.h = empty(rows, frames, width)  # normalised input of the next GEMM
         self.h1 = empty(rows, frames, width)  # ResNet block1 output / final block output
-        self.stream = (empty(rows, frames, width), empty(rows, frames, width))  # residual streams (ping-pong)
-        self.up_in = empty(rows, frames, 2 * width)  # [mid output ‖ skip]: the up stage's input
+        # The residual streams stay fp32: 56 residual additions rounded to bf16 (8 bits) would
+        # dominate the error; GEMMs read them rounded to the weights' dtype.
+        self.stream = (empty(rows, frames, width, dtype=torch.float32),
+                       empty(rows, frames, width, dtype=torch.float32))  # ping-pong
+        self.up_in = empty(rows, frames, 2 * width, dtype=torch.float32)  # [mid output ‖ skip]: the up stage's input
         self.q = empty(rows, frames, inner)
         self.ff = empty(rows, frames, ff)
         self.x_out = empty(rows // 2, frames, out_channels)
@@ -222,10 +227,12 @@ class FusedEstimator:
     """The guided Euler step of ``cfm``'s estimator over packed rows (see the module docstring).
 
     ``dtype``: compute dtype (default: the estimator's). ``kernels``: "auto" (Triton for fp16/bf16
-    on CUDA, the PyTorch reference otherwise), "triton" or "torch".
+    on CUDA, the PyTorch reference otherwise), "triton" or "torch". ``attention_backends``: the
+    SDPA backends allowed (None: PyTorch's choice).
     """
 
-    def __init__(self, cfm: CausalConditionalCFM, dtype: torch.dtype | None = None, kernels: str = "auto") -> None:
+    def __init__(self, cfm: CausalConditionalCFM, dtype: torch.dtype | None = None, kernels: str = "auto",
+                 attention_backends: Sequence[SDPBackend] | None = None) -> None:
         decoder: CausalConditionalDecoder = cfm.estimator
         first = next(decoder.parameters())
         self.decoder = decoder
@@ -243,6 +250,7 @@ class FusedEstimator:
         else:
             raise ValueError(f"kernels must be auto, triton or torch, got {kernels!r}")
         self.kernels = kernels
+        self.attention_backends = None if attention_backends is None else list(attention_backends)
         attn = decoder.down_blocks[0][1][0].attn1
         self.heads = attn.heads
         self.inner = attn.to_q.out_features
@@ -378,6 +386,9 @@ class FusedEstimator:
             ff = self._stages[0][1][0].ff1.size(0)
             self._workspaces[key] = _Workspace(rows, frames, self.width, self.inner, ff, self.out_channels,
                                                self.device, self.dtype)
+            if self.kernels == "triton":  # before any graph capture
+                from . import fused_triton
+                fused_triton.reserve_row_scratch(self.device, rows * frames, self.width)
         return self._workspaces[key]
 
     # -- the step -----------------------------------------------------------------------------
@@ -442,8 +453,12 @@ class FusedEstimator:
 
         def split_heads(t: torch.Tensor) -> torch.Tensor:
             return t.unflatten(-1, (heads, inner // heads)).transpose(1, 2)
-        out = F.scaled_dot_product_attention(split_heads(q), split_heads(kv[:, :, :inner]),
-                                             split_heads(kv[:, :, inner:]), attn_mask=bias)
+        args = split_heads(q), split_heads(kv[:, :, :inner]), split_heads(kv[:, :, inner:])
+        if self.attention_backends is None:
+            out = F.scaled_dot_product_attention(*args, attn_mask=bias)
+        else:
+            with sdpa_kernel(self.attention_backends):
+                out = F.scaled_dot_product_attention(*args, attn_mask=bias)
         return out.transpose(1, 2).reshape(rows, frames, inner)
 
     def euler(self, rows: StepRows, state: StepState, inp: torch.Tensor, dt: torch.Tensor,

@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 ACT_NONE, ACT_GELU, ACT_MISH = 0, 1, 2
-_RSQRT2 = 0.7071067811865476
+_RSQRT2 = tl.constexpr(0.7071067811865476)
 # Mish = x tanh(softplus(x)) = x u(u+2) / (u(u+2) + 2) with u = exp(x); above this x it is x in fp32.
-_MISH_LINEAR_FROM = 20.0
+_MISH_LINEAR_FROM = tl.constexpr(20.0)
 
 
 @triton.jit
@@ -40,44 +40,14 @@ def _row_layer_norm(acc, col_ok, w_ptr, b_ptr, rn, N, eps):
 
 
 @triton.jit
-def _linear_kernel(
-    a_ptr, a_sr, a_si, ctx_ptr, ctx_sr, ctx_si, w_ptr, bias_ptr,
-    a2_ptr, a2_sr, a2_si, w2_ptr, bias2_ptr,
-    rowvec_ptr, rowvec_sr, valid_ptr,
-    res_ptr, res_sr, res_si, ln_w_ptr, ln_b_ptr,
-    out_ptr, out_sr, out_si, out2_ptr, out2_sr, out2_si, ln2_w_ptr, ln2_b_ptr,
-    M, FRAMES, K, K2, N, N_SPLIT, eps,
-    TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, ACT: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_ROWVEC: tl.constexpr, HAS_GEMM2: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    HAS_LN_OUT: tl.constexpr, HAS_SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    row_ok = rm < M
-    col_ok = rn < N
-    r = rm // FRAMES
-    i = rm % FRAMES
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for tap in tl.static_range(TAPS):
-        src = i - (TAPS - 1) + tap  # frame read by this tap; < 0: from the context before the window
-        new_ok = row_ok & (src >= 0)
-        a_rows = a_ptr + r * a_sr + src * a_si
-        if TAPS > 1:
-            ctx_ok = row_ok & (src < 0)
-            ctx_rows = ctx_ptr + r * ctx_sr + (src + TAPS - 1) * ctx_si
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            k_ok = kk < K
-            a = tl.load(a_rows[:, None] + kk[None, :], mask=new_ok[:, None] & k_ok[None, :], other=0.0)
-            if TAPS > 1:
-                a += tl.load(ctx_rows[:, None] + kk[None, :], mask=ctx_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + rn[None, :] * (TAPS * K) + (tap * K + kk)[:, None],
-                        mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(a, w, acc)
+def _epilogue(acc, acc2, rm, rn, r, i, row_ok, col_ok, bias_ptr, bias2_ptr, rowvec_ptr, rowvec_sr, valid_ptr,
+              res_ptr, res_sr, res_si, ln_w_ptr, ln_b_ptr, out_ptr, out_sr, out_si, out2_ptr, out2_sr, out2_si,
+              ln2_w_ptr, ln2_b_ptr, N, N_SPLIT, eps, tile_start,
+              HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, ACT: tl.constexpr, HAS_MASK: tl.constexpr,
+              HAS_ROWVEC: tl.constexpr, HAS_GEMM2: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              HAS_LN_OUT: tl.constexpr, HAS_SPLIT: tl.constexpr):
+    """acc (and acc2) -> bias, LN, activation, mask, row vector, + acc2, + residual -> out (and out2)."""
+    ok = row_ok[:, None] & col_ok[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_LN:
@@ -92,24 +62,14 @@ def _linear_kernel(
         valid = tl.load(valid_ptr + r, mask=row_ok, other=0)
         acc = tl.where((i < valid)[:, None], acc, 0.0)
     if HAS_ROWVEC:
-        acc += tl.load(rowvec_ptr + r[:, None] * rowvec_sr + rn[None, :],
-                       mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.load(rowvec_ptr + r[:, None] * rowvec_sr + rn[None, :], mask=ok, other=0.0).to(tl.float32)
     if HAS_GEMM2:
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        a2_rows = a2_ptr + r * a2_sr + i * a2_si
-        for k0 in range(0, K2, BLOCK_K):
-            kk = k0 + rk
-            k_ok = kk < K2
-            a = tl.load(a2_rows[:, None] + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w2_ptr + rn[None, :] * K2 + kk[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            acc2 = tl.dot(a, w, acc2)
         acc += acc2 + tl.load(bias2_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_RESIDUAL:
         acc += tl.load(res_ptr + r[:, None] * res_sr + i[:, None] * res_si + rn[None, :],
-                       mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    ok = row_ok[:, None] & col_ok[None, :]
+                       mask=ok, other=0.0).to(tl.float32)
     if HAS_SPLIT:
-        if pid_n * BLOCK_N < N_SPLIT:
+        if tile_start < N_SPLIT:
             tl.store(out_ptr + r[:, None] * out_sr + i[:, None] * out_si + rn[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=ok)
         else:
@@ -124,12 +84,121 @@ def _linear_kernel(
                  normed.to(out2_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _linear_kernel(
+    a_ptr, a_sr, a_si, ctx_ptr, ctx_sr, ctx_si, w_ptr, bias_ptr,
+    a2_ptr, a2_sr, a2_si, w2_ptr, bias2_ptr,
+    rowvec_ptr, rowvec_sr, valid_ptr,
+    res_ptr, res_sr, res_si, ln_w_ptr, ln_b_ptr,
+    out_ptr, out_sr, out_si, out2_ptr, out2_sr, out2_si, ln2_w_ptr, ln2_b_ptr,
+    scratch_ptr, scratch2_ptr, counter_ptr,
+    M, FRAMES, K, K2, N, N_SPLIT, eps,
+    TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, ACT: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_ROWVEC: tl.constexpr, HAS_GEMM2: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HAS_LN_OUT: tl.constexpr, HAS_SPLIT: tl.constexpr, ROW_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr,
+):
+    """ROW_TILES: the row epilogue (LayerNorm) needs whole rows, but the columns are split over
+    several programs for parallelism. Each writes its raw GEMM tile to fp32 scratch; the last
+    program of a row block to finish (an atomic counter) reads the whole rows back and runs the
+    epilogue, then resets the counter for the next launch."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    row_ok = rm < M
+    col_ok = rn < N
+    r = rm // FRAMES
+    i = rm % FRAMES
+    w_type = w_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for tap in tl.static_range(TAPS):
+        src = i - (TAPS - 1) + tap  # frame read by this tap; < 0: from the context before the window
+        new_ok = row_ok & (src >= 0)
+        a_rows = a_ptr + r * a_sr + src * a_si
+        if TAPS > 1:
+            ctx_ok = row_ok & (src < 0)
+            ctx_rows = ctx_ptr + r * ctx_sr + (src + TAPS - 1) * ctx_si
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K
+            a = tl.load(a_rows[:, None] + kk[None, :], mask=new_ok[:, None] & k_ok[None, :], other=0.0).to(w_type)
+            if TAPS > 1:
+                a += tl.load(ctx_rows[:, None] + kk[None, :], mask=ctx_ok[:, None] & k_ok[None, :],
+                             other=0.0).to(w_type)
+            w = tl.load(w_ptr + rn[None, :] * (TAPS * K) + (tap * K + kk)[:, None],
+                        mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, w, acc)
+    acc2 = acc
+    if HAS_GEMM2:
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        a2_rows = a2_ptr + r * a2_sr + i * a2_si
+        for k0 in range(0, K2, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K2
+            a = tl.load(a2_rows[:, None] + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(w_type)
+            w = tl.load(w2_ptr + rn[None, :] * K2 + kk[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            acc2 = tl.dot(a, w, acc2)
+    if ROW_TILES > 1:
+        tile = row_ok[:, None] & col_ok[None, :]
+        tl.store(scratch_ptr + rm[:, None] * N + rn[None, :], acc, mask=tile)
+        if HAS_GEMM2:
+            tl.store(scratch2_ptr + rm[:, None] * N + rn[None, :], acc2, mask=tile)
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + pid_m, 1, sem="acq_rel")
+        if done == ROW_TILES - 1:
+            rf = tl.arange(0, BLOCK_ROW)
+            full = row_ok[:, None] & (rf < N)[None, :]
+            acc = tl.load(scratch_ptr + rm[:, None] * N + rf[None, :], mask=full, other=0.0, cache_modifier=".cg")
+            acc2 = acc
+            if HAS_GEMM2:
+                acc2 = tl.load(scratch2_ptr + rm[:, None] * N + rf[None, :], mask=full, other=0.0,
+                               cache_modifier=".cg")
+            _epilogue(acc, acc2, rm, rf, r, i, row_ok, rf < N, bias_ptr, bias2_ptr, rowvec_ptr, rowvec_sr,
+                      valid_ptr, res_ptr, res_sr, res_si, ln_w_ptr, ln_b_ptr, out_ptr, out_sr, out_si,
+                      out2_ptr, out2_sr, out2_si, ln2_w_ptr, ln2_b_ptr, N, N_SPLIT, eps, 0,
+                      HAS_BIAS, HAS_LN, ACT, HAS_MASK, HAS_ROWVEC, HAS_GEMM2, HAS_RESIDUAL, HAS_LN_OUT, HAS_SPLIT)
+            tl.atomic_xchg(counter_ptr + pid_m, 0)
+    else:
+        _epilogue(acc, acc2, rm, rn, r, i, row_ok, col_ok, bias_ptr, bias2_ptr, rowvec_ptr, rowvec_sr,
+                  valid_ptr, res_ptr, res_sr, res_si, ln_w_ptr, ln_b_ptr, out_ptr, out_sr, out_si,
+                  out2_ptr, out2_sr, out2_si, ln2_w_ptr, ln2_b_ptr, N, N_SPLIT, eps, pid_n * BLOCK_N,
+                  HAS_BIAS, HAS_LN, ACT, HAS_MASK, HAS_ROWVEC, HAS_GEMM2, HAS_RESIDUAL, HAS_LN_OUT, HAS_SPLIT)
+
+
 def _strides(t: torch.Tensor | None) -> tuple[int, int]:
     if t is None:
         return 0, 0
     if t.stride(-1) != 1:
         raise ValueError(f"fused_linear needs unit channel stride, got strides {t.stride()}")
     return t.stride(0), t.stride(1)
+
+
+# Row-epilogue kernels split their columns over programs while fewer row blocks than this exist.
+_FEW_ROW_BLOCKS = 132
+_scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _row_scratch(device: torch.device, elements: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 scratch (2 x elements) and zeroed counters of the split row epilogue, grown on demand.
+
+    Kernels run one after another on the stream, so one buffer serves them all (each launch leaves
+    its counters at zero). Allocate before graph capture: :func:`reserve_row_scratch`.
+    """
+    held = _scratch.get(device)
+    if held is None or held[0].numel() < 2 * elements or held[1].numel() < counters:
+        size = max(2 * elements, 0 if held is None else held[0].numel())
+        count = max(counters, 0 if held is None else held[1].numel())
+        held = (torch.empty(size, device=device, dtype=torch.float32),
+                torch.zeros(count, device=device, dtype=torch.int32))
+        _scratch[device] = held
+    return held
+
+
+def reserve_row_scratch(device: torch.device, rows: int, width: int) -> None:
+    """Allocate the split-epilogue scratch for ``rows`` row-frames of ``width`` channels now (outside a graph)."""
+    _row_scratch(device, rows * width, rows)
 
 
 def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT_NONE, valid=None, row_vector=None,
@@ -139,10 +208,14 @@ def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT
     n = w.size(0)
     m = rows * frames
     full_row = ln is not None or ln_out is not None
+    row_tiles = 1
     if full_row:
         block_n = triton.next_power_of_2(n)
         block_m = 16 if m <= 1024 else 64
         warps = 4 if m <= 1024 else 8
+        if triton.cdiv(m, block_m) < _FEW_ROW_BLOCKS and block_n >= 64:
+            block_n = 32 if m <= 1024 else 64
+            row_tiles = triton.cdiv(n, block_n)
     else:
         block_n = 64 if m <= 1024 else 128
         block_m = 32 if m <= 1024 else 128
@@ -159,6 +232,10 @@ def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT
         out2 = ln_out[2]
     a2, w2, b2 = gemm2 if gemm2 is not None else (None, None, None)
     dummy = w
+    scratch = counters = dummy
+    if row_tiles > 1:
+        buffer, counters = _row_scratch(a.device, m * n, triton.cdiv(m, block_m))
+        scratch = buffer[:m * n]
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _linear_kernel[grid](
         a, *_strides(a), context if context is not None else dummy, *_strides(context), w,
@@ -171,11 +248,13 @@ def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT
         ln[0] if ln is not None else dummy, ln[1] if ln is not None else dummy,
         out, *_strides(out), out2 if out2 is not None else dummy, *_strides(out2),
         ln_out[0] if ln_out is not None else dummy, ln_out[1] if ln_out is not None else dummy,
+        scratch, buffer[m * n:2 * m * n] if row_tiles > 1 else dummy, counters,
         m, frames, k, 0 if a2 is None else a2.size(2), n, n_split, eps,
         TAPS=taps, HAS_BIAS=bias is not None, HAS_LN=ln is not None, ACT=act, HAS_MASK=valid is not None,
         HAS_ROWVEC=row_vector is not None, HAS_GEMM2=gemm2 is not None, HAS_RESIDUAL=residual is not None,
-        HAS_LN_OUT=ln_out is not None, HAS_SPLIT=split is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
+        HAS_LN_OUT=ln_out is not None, HAS_SPLIT=split is not None, ROW_TILES=row_tiles,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_ROW=triton.next_power_of_2(n),
+        num_warps=warps, num_stages=3,
     )
 
 
