@@ -21,12 +21,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated fused dtypes (fp16, bf16)")
     parser.add_argument("--no-old", action="store_true", help="skip the old eager path")
+    parser.add_argument("--attention-variant", action="store_true",
+                        help="also the fp16 fused step with flash / memory-efficient SDPA instead of PyTorch's choice")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
     if unknown := set(dtypes) - set(estimator_bench.DTYPES):
         parser.error(f"unknown dtypes {sorted(unknown)}")
-    ceilings, rows, accuracies = estimator_bench.run(dtypes, old_path=not args.no_old, seed=args.seed)
+    ceilings, rows, accuracies = estimator_bench.run(dtypes, old_path=not args.no_old,
+                                                        attention_variant=args.attention_variant, seed=args.seed)
     print(estimator_bench.table(ceilings, rows, accuracies))
     return 0
 

@@ -292,8 +292,8 @@ def accuracy(cfm32: CausalConditionalCFM, dtype: torch.dtype, seed: int) -> tupl
     return step_rel, call_rel
 
 
-def run(dtypes: list[str], cases: tuple[Case, ...] = CASES, old_path: bool = True, seed: int = 0,
-        log: Callable[[str], None] = print) -> tuple[Ceilings, list[Row], dict]:
+def run(dtypes: list[str], cases: tuple[Case, ...] = CASES, old_path: bool = True, attention_variant: bool = False,
+        seed: int = 0, log: Callable[[str], None] = print) -> tuple[Ceilings, list[Row], dict]:
     """Measure every case on the old path (fp16) and the fused path (each dtype); returns the rows."""
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -305,7 +305,7 @@ def run(dtypes: list[str], cases: tuple[Case, ...] = CASES, old_path: bool = Tru
     cfm16 = copy.deepcopy(cfm32).half() if old_path else None
     rows_out, accuracies = [], {}
     fused_by_dtype = {name: FusedEstimator(cfm32, dtype=DTYPES[name]) for name in dtypes}
-    if "fp16" in dtypes:  # the same kernels with attention through flash / memory-efficient SDPA, not cuDNN
+    if "fp16" in dtypes and attention_variant:  # attention through flash / memory-efficient SDPA, not cuDNN
         fused_by_dtype["fp16 flash/efficient attn"] = FusedEstimator(
             cfm32, dtype=torch.float16, attention_backends=[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
     for case in cases:

@@ -150,12 +150,13 @@ def _linear_kernel(
         if done == ROW_TILES - 1:
             rf = tl.arange(0, BLOCK_ROW)
             full = row_ok[:, None] & (rf < N)[None, :]
-            acc = tl.load(scratch_ptr + rm[:, None] * N + rf[None, :], mask=full, other=0.0, cache_modifier=".cg")
-            acc2 = acc
-            if HAS_GEMM2:
-                acc2 = tl.load(scratch2_ptr + rm[:, None] * N + rf[None, :], mask=full, other=0.0,
+            rows_acc = tl.load(scratch_ptr + rm[:, None] * N + rf[None, :], mask=full, other=0.0,
                                cache_modifier=".cg")
-            _epilogue(acc, acc2, rm, rf, r, i, row_ok, rf < N, bias_ptr, bias2_ptr, rowvec_ptr, rowvec_sr,
+            rows_acc2 = rows_acc
+            if HAS_GEMM2:
+                rows_acc2 = tl.load(scratch2_ptr + rm[:, None] * N + rf[None, :], mask=full, other=0.0,
+                                    cache_modifier=".cg")
+            _epilogue(rows_acc, rows_acc2, rm, rf, r, i, row_ok, rf < N, bias_ptr, bias2_ptr, rowvec_ptr, rowvec_sr,
                       valid_ptr, res_ptr, res_sr, res_si, ln_w_ptr, ln_b_ptr, out_ptr, out_sr, out_si,
                       out2_ptr, out2_sr, out2_si, ln2_w_ptr, ln2_b_ptr, N, N_SPLIT, eps, 0,
                       HAS_BIAS, HAS_LN, ACT, HAS_MASK, HAS_ROWVEC, HAS_GEMM2, HAS_RESIDUAL, HAS_LN_OUT, HAS_SPLIT)
@@ -220,7 +221,15 @@ def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT
         block_n = 64 if m <= 1024 else 128
         block_m = 32 if m <= 1024 else 128
         warps = 4 if m <= 1024 else 8
-    block_k = 64 if min(k, 64 if gemm2 is None else gemm2[0].size(2)) >= 64 else 32
+    # Few rows: a kernel's time is its K loop's chain of memory latencies, so take long K steps.
+    if m <= 1024:
+        block_k, stages = 256, 2
+    elif m <= 4096 and full_row:
+        block_k, stages = 128, 3
+    else:
+        block_k, stages = 64, 3
+    shortest_k = k if gemm2 is None else min(k, gemm2[0].size(2))
+    block_k = min(block_k, max(32, triton.next_power_of_2(shortest_k)))
     out2, n_split = (None, 0)
     if split is not None:
         n_split, out2 = split
@@ -254,7 +263,7 @@ def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT
         HAS_ROWVEC=row_vector is not None, HAS_GEMM2=gemm2 is not None, HAS_RESIDUAL=residual is not None,
         HAS_LN_OUT=ln_out is not None, HAS_SPLIT=split is not None, ROW_TILES=row_tiles,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_ROW=triton.next_power_of_2(n),
-        num_warps=warps, num_stages=3,
+        num_warps=warps, num_stages=stages,
     )
 
 
