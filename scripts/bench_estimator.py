@@ -23,11 +23,14 @@ def main() -> int:
     parser.add_argument("--no-old", action="store_true", help="skip the old eager path")
     parser.add_argument("--attention-variant", action="store_true",
                         help="also the fp16 fused step with flash / memory-efficient SDPA instead of PyTorch's choice")
+    parser.add_argument("--sweep", action="store_true", help="first time each kind of GEMM kernel under several tiles")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
     if unknown := set(dtypes) - set(estimator_bench.DTYPES):
         parser.error(f"unknown dtypes {sorted(unknown)}")
+    if args.sweep:
+        estimator_bench.sweep_linear()
     ceilings, rows, accuracies = estimator_bench.run(dtypes, old_path=not args.no_old,
                                                         attention_variant=args.attention_variant, seed=args.seed)
     print(estimator_bench.table(ceilings, rows, accuracies))

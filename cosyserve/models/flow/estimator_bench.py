@@ -353,3 +353,62 @@ def table(ceilings: Ceilings, rows: list[Row], accuracies: dict, cases: tuple[Ca
         lines.append(f"\nrel-L2 {name} vs eager fp32: one streaming step (velocity) {step_rel:.2e}, "
                      f"whole offline call (x) {call_rel:.2e}")
     return "\n".join(lines)
+
+
+SWEEP_TILES = {
+    "small": {"row": [(16, 256, 64, 4, 3), (16, 256, 256, 4, 2), (16, 256, 128, 8, 3), (16, 32, 256, 4, 2),
+                      (16, 64, 256, 4, 2), (16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 32, 64, 4, 3)],
+              "plain": [(32, 64, 64, 4, 3), (32, 64, 256, 4, 2), (16, 64, 256, 4, 2), (32, 128, 256, 4, 2),
+                        (64, 64, 256, 4, 2), (16, 32, 256, 4, 2), (16, 64, 64, 4, 3)]},
+    "mid": {"row": [(64, 64, 128, 4, 3), (64, 64, 64, 4, 3), (32, 64, 128, 4, 3), (64, 256, 64, 8, 3),
+                    (32, 256, 64, 8, 3), (32, 128, 128, 4, 3), (16, 256, 64, 4, 3)],
+            "plain": [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 4, 3),
+                      (64, 64, 64, 4, 3)]},
+}
+
+
+def sweep_linear(rows_frames: dict[str, tuple[int, int]] | None = None, log: Callable[[str], None] = print) -> None:
+    """Time each kind of fused_linear call of a real-size step (fp16) under several tiles: us per launch
+    in a CUDA graph of 20 launches. For choosing the built-in tiles."""
+    from . import fused_triton
+    device, dtype = torch.device("cuda"), torch.float16
+    rows_frames = rows_frames or {"small": (2, 64), "mid": (32, 64)}
+    for size, (rows, frames) in rows_frames.items():
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def rnd(*shape, dt=dtype):
+            return torch.randn(*shape, device=device, dtype=dt, generator=g) * 0.1
+        m = rows * frames
+        ln = (rnd(256) + 1, rnd(256))
+        stream, h = rnd(rows, frames, 256, dt=torch.float32), rnd(rows, frames, 256)
+        q, kv = rnd(rows, frames, 512), rnd(rows, frames, 1024)
+        ff, attn = rnd(rows, frames, 1024), rnd(rows, frames, 512)
+        valid = torch.full((rows,), frames, device=device, dtype=torch.int32)
+        ctx = rnd(rows, 2, 256)
+        fused_triton.reserve_row_scratch(device, m, 256)
+        calls = {
+            "qkv 256->1536": ("plain", lambda t: fused_triton.fused_linear(h, rnd_w["qkv"], out=q, split=(512, kv),
+                                                                          tile=t)),
+            "out 512->256 +res +LN": ("row", lambda t: fused_triton.fused_linear(
+                attn, rnd_w["out"], out=stream, bias=ln[1], residual=stream, ln_out=(*ln, h), tile=t)),
+            "ff1 256->1024 gelu": ("plain", lambda t: fused_triton.fused_linear(
+                h, rnd_w["ff1"], out=ff, bias=rnd_w["b1024"], act=fused_triton.ACT_GELU, tile=t)),
+            "ff2 1024->256 +res +LN": ("row", lambda t: fused_triton.fused_linear(
+                ff, rnd_w["ff2"], out=stream, bias=ln[1], residual=stream, ln_out=(*ln, h), tile=t)),
+            "resnet conv3 256 +LN mish +1x1 +LN": ("row", lambda t: fused_triton.fused_linear(
+                h, rnd_w["conv"], out=stream, taps=3, context=ctx, bias=ln[1], ln=ln, act=fused_triton.ACT_MISH,
+                valid=valid, gemm2=(h, rnd_w["res"], ln[1]), ln_out=(*ln, q[:, :, :256]), tile=t)),
+        }
+        rnd_w = {"qkv": rnd(1536, 256), "out": rnd(256, 512), "ff1": rnd(1024, 256), "b1024": rnd(1024),
+                 "ff2": rnd(256, 1024), "conv": rnd(256, 768), "res": rnd(256, 256)}
+        for name, (kind, call) in calls.items():
+            results = []
+            for tile in SWEEP_TILES[size][kind]:
+                try:
+                    us = graph_ms(lambda: [call(tile) for _ in range(20)], iters=10) * 1e3 / 20
+                    results.append((round(us, 2), tile))
+                except Exception as error:  # a tile the compiler rejects (resources)
+                    results.append((float("inf"), f"{tile}: {type(error).__name__}"))
+            default = graph_ms(lambda: [call(None) for _ in range(20)], iters=10) * 1e3 / 20
+            log(f"sweep {size} M={m} {name}: default {default:.2f} us; " + ", ".join(
+                f"{us} {tile}" for us, tile in sorted(results, key=lambda x: x[0])))

@@ -203,8 +203,12 @@ def reserve_row_scratch(device: torch.device, rows: int, width: int) -> None:
 
 
 def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT_NONE, valid=None, row_vector=None,
-                 gemm2=None, residual=None, ln_out=None, split=None, eps=1e-5) -> None:
-    """See :func:`cosyserve.models.flow.fused.fused_linear_reference` for the arguments and semantics."""
+                 gemm2=None, residual=None, ln_out=None, split=None, eps=1e-5, tile=None) -> None:
+    """See :func:`cosyserve.models.flow.fused.fused_linear_reference` for the arguments and semantics.
+
+    ``tile``: (block_m, block_n, block_k, warps, stages) instead of the built-in choice (for tuning);
+    a block_n below N with a row epilogue splits the columns over programs.
+    """
     rows, frames, k = a.shape
     n = w.size(0)
     m = rows * frames
@@ -230,6 +234,9 @@ def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT
         block_k, stages = 64, 3
     shortest_k = k if gemm2 is None else min(k, gemm2[0].size(2))
     block_k = min(block_k, max(32, triton.next_power_of_2(shortest_k)))
+    if tile is not None:
+        block_m, block_n, block_k, warps, stages = tile
+        row_tiles = triton.cdiv(n, block_n) if full_row else 1
     out2, n_split = (None, 0)
     if split is not None:
         n_split, out2 = split
