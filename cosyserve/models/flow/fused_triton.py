@@ -176,8 +176,6 @@ def _strides(t: torch.Tensor | None) -> tuple[int, int]:
     return t.stride(0), t.stride(1)
 
 
-# Row-epilogue kernels split their columns over programs while fewer row blocks than this exist.
-_FEW_ROW_BLOCKS = 132
 _scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -212,26 +210,19 @@ def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT
     rows, frames, k = a.shape
     n = w.size(0)
     m = rows * frames
+    # Tiles measured with ``scripts/bench_estimator.py --sweep`` on an H100 (docs/benchmarks.md):
+    # up to 1,024 row-frames, a row epilogue splits its columns over 8 programs and every kernel
+    # takes long K steps; up to 4,096, whole rows in 16-row blocks beat the split.
     full_row = ln is not None or ln_out is not None
-    row_tiles = 1
-    if full_row:
-        block_n = triton.next_power_of_2(n)
-        block_m = 16 if m <= 1024 else 64
-        warps = 4 if m <= 1024 else 8
-        if triton.cdiv(m, block_m) < _FEW_ROW_BLOCKS and block_n >= 64:
-            block_n = 32 if m <= 1024 else 64
-            row_tiles = triton.cdiv(n, block_n)
-    else:
-        block_n = 64 if m <= 1024 else 128
-        block_m = 32 if m <= 1024 else 128
-        warps = 4 if m <= 1024 else 8
-    # Few rows: a kernel's time is its K loop's chain of memory latencies, so take long K steps.
+    row_tiles, block_k, stages = 1, 64, 3
     if m <= 1024:
-        block_k, stages = 256, 2
-    elif m <= 4096 and full_row:
-        block_k, stages = 128, 3
+        block_m, block_n, warps, block_k, stages = (16, 32, 4, 256, 2) if full_row else (32, 64, 4, 256, 2)
+        if full_row:
+            row_tiles = triton.cdiv(n, block_n)
+    elif m <= 4096:
+        block_m, block_n, warps = (16, triton.next_power_of_2(n), 4) if full_row else (64, 128, 4)
     else:
-        block_k, stages = 64, 3
+        block_m, block_n, warps = (64, triton.next_power_of_2(n), 8) if full_row else (128, 128, 8)
     shortest_k = k if gemm2 is None else min(k, gemm2[0].size(2))
     block_k = min(block_k, max(32, triton.next_power_of_2(shortest_k)))
     if tile is not None:
