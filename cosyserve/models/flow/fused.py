@@ -20,7 +20,7 @@ step's x into the input buffer. All buffers are preallocated per (rows, frames),
 whole 10-step call can be captured as one CUDA graph with the context as data.
 
 fp16/bf16 on CUDA run the Triton kernels of :mod:`.fused_triton` (fp32 accumulation, LayerNorm
-statistics and activations in fp32); everything else (CPU, fp32) runs the plain PyTorch reference
+statistics, activations and the residual streams in fp32); everything else (CPU, fp32) runs the plain PyTorch reference
 ops below, which compute the same function layer for layer as the eager estimator.
 """
 
@@ -165,7 +165,7 @@ class StepState:
             cache: KeyValueCache = states[layer]
             length = cache.keys.committed
             for half, buffer in enumerate((cache.keys, cache.values)):
-                frames = buffer._storage[:, :, :length]  # (2, H, L, d)
+                frames = buffer.committed_frames()  # (2, H, L, d)
                 width = frames.size(1) * frames.size(3)
                 kv[index, :length, half * width:(half + 1) * width] = \
                     frames.transpose(1, 2).reshape(len(rows), length, width).to(kv.dtype)
