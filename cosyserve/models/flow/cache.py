@@ -75,6 +75,10 @@ class FrameBuffer:
         self.committed += commit
         return view
 
+    def committed_frames(self) -> torch.Tensor | None:
+        """A view of the committed frames (None before the first call)."""
+        return None if self._storage is None else self._storage.narrow(self.dim, 0, self.committed)
+
     @property
     def nbytes(self) -> int:
         return 0 if self._storage is None else self._storage.numel() * self._storage.element_size()

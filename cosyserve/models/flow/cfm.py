@@ -91,23 +91,30 @@ class CausalConditionalCFM(nn.Module):
                     cond: torch.Tensor, *, streaming: bool, n_timesteps: int = N_TIMESTEPS,
                     windows: Sequence[StreamWindow] | None = None,
                     estimator: Callable | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield (t passed to the estimator, state after the step) for each Euler step from z.
-
-        t accumulates dt (rather than reading the grid) exactly like upstream, so the t values
-        differ from the grid in the last bits. ``windows``: one stream window per step (each
+        """Yield (t passed to the estimator, state after the step) for each Euler step from z
+        (:meth:`euler_schedule`). ``windows``: one stream window per step (each
         step's estimator pass has its own cached state), for an incremental stream. ``estimator``
         as in :meth:`velocity`.
         """
-        t_span = self.time_span(n_timesteps, mu.device, mu.dtype)
-        x, t, dt = z, t_span[0], t_span[1] - t_span[0]
-        for step in range(1, n_timesteps + 1):
-            window = None if windows is None else windows[step - 1]
+        x = z
+        for step, (t, dt) in enumerate(self.euler_schedule(n_timesteps, mu.device, mu.dtype)):
+            window = None if windows is None else windows[step]
             x = x + dt * self.velocity(x, mask, mu, t, spks, cond, streaming=streaming, window=window,
                                        estimator=estimator)
             yield t, x
+
+    def euler_schedule(self, n_timesteps: int, device: torch.device,
+                       dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(t, dt) of each Euler step. t accumulates dt (rather than reading the grid) exactly like
+        upstream, so the t values differ from the grid in the last bits."""
+        t_span = self.time_span(n_timesteps, device, dtype)
+        t, dt, schedule = t_span[0], t_span[1] - t_span[0], []
+        for step in range(1, n_timesteps + 1):
+            schedule.append((t, dt))
             t = t + dt
             if step < n_timesteps:
                 dt = t_span[step + 1] - t
+        return schedule
 
     def forward(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, *,
                 streaming: bool, n_timesteps: int = N_TIMESTEPS, temperature: float = 1.0) -> torch.Tensor:

@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""Estimator Euler step, old (eager) path vs the fused step, with the floor next to each figure (issue 14).
+
+    python scripts/bench_estimator.py                       # fp16 and bf16, all cases, old path too
+    python scripts/bench_estimator.py --dtypes fp16 --no-old
+
+Needs a CUDA device. Real-size random weights (cosyserve.models.flow.estimator_bench has the
+cases, the floors and how each figure is measured).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cosyserve.models.flow import estimator_bench  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated fused dtypes (fp16, bf16)")
+    parser.add_argument("--no-old", action="store_true", help="skip the old eager path")
+    parser.add_argument("--attention-variant", action="store_true",
+                        help="also the fp16 fused step with flash / memory-efficient SDPA instead of PyTorch's choice")
+    parser.add_argument("--sweep", action="store_true", help="first time each kind of GEMM kernel under several tiles")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    dtypes = args.dtypes.split(",")
+    if unknown := set(dtypes) - set(estimator_bench.DTYPES):
+        parser.error(f"unknown dtypes {sorted(unknown)}")
+    if args.sweep:
+        estimator_bench.sweep_linear()
+    ceilings, rows, accuracies = estimator_bench.run(dtypes, old_path=not args.no_old,
+                                                        attention_variant=args.attention_variant, seed=args.seed)
+    print(estimator_bench.table(ceilings, rows, accuracies))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
