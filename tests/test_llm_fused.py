@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from cosyserve.bundle.llm import ensure_llm_bundle
-from cosyserve.llm.engine.model_runner import ModelRunner, PrefillItem
+from cosyserve.llm.engine import decode_bench
+from cosyserve.llm.engine.model_runner import ModelRunner
 from cosyserve.llm.layers import fused
 from cosyserve.llm.layers.attention import DecodeMetadata, attention, decode_bias
 from cosyserve.llm.layers.rotary import RotaryEmbedding
-from cosyserve.llm.sampling import SamplingParams
 
 HEADS, KV_HEADS, HEAD_DIM, MAX_LEN = 14, 2, 64, 160
 
@@ -96,21 +96,19 @@ def test_triton_kernels_on_cuda(dtype, tolerance):
     check_fused_ops("cuda", dtype, tolerance)
 
 
-def greedy_tokens(llm_dir, device: str, dtype: torch.dtype, fused_decode: bool, steps: int = 20) -> list[list[int]]:
+def greedy_tokens(llm_dir, device: str, dtype: torch.dtype, fused_decode: bool) -> list[list[int]]:
     runner = ModelRunner(llm_dir, torch.device(device), dtype, 4, 256, use_cuda_graphs=device != "cpu",
                          fused_decode=fused_decode)
-    runner.sampler.set_requests([0, 1, 2], [SamplingParams.greedy()] * 3, [0, 1, 2], [[], [], []])
-    prompts = [[1] + list(range(100 + 7 * i, 130 + 11 * i)) for i in range(3)]
-    tokens = [runner.prefill([PrefillItem(i, ids, 0) for i, ids in enumerate(prompts)])]
-    for _ in range(steps):
-        tokens.append(runner.decode(3, max(len(p) for p in prompts) + steps))
-    return tokens
+    return decode_bench.greedy_tokens(runner, decode_bench.random_prompts(3, 40, seed=0), steps=20)
 
 
 def test_fused_structure_keeps_greedy_tokens_on_cpu(llm_dir):
     """The fused model structure (fallback ops) against the reference path, fp32 on the CPU."""
     assert not fused.fused_decode_available(torch.device("cpu"), torch.float32)
-    assert greedy_tokens(llm_dir, "cpu", torch.float32, True) == greedy_tokens(llm_dir, "cpu", torch.float32, False)
+    tokens = {path: greedy_tokens(llm_dir, "cpu", torch.float32, on) for path, on in decode_bench.PATHS.items()}
+    assert tokens["fused"] == tokens["reference"]
+    assert len(tokens["fused"]) == 3 and all(len(row) == 21 for row in tokens["fused"])
+    assert decode_bench.greedy_agreement(tokens).startswith("greedy tokens, fused vs reference: 3/3 rows identical")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

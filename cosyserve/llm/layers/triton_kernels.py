@@ -84,7 +84,7 @@ def _decode_attention_kernel(
     head = tl.program_id(1)
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
     dtype = qkv_ptr.dtype.element_ty
-    position = tl.load(positions_ptr + row)
+    position = tl.load(positions_ptr + row).to(tl.int32)
     slot = tl.load(slots_ptr + row)
     dims = tl.arange(0, HEAD_DIM)
     rotated = (dims + HEAD_DIM // 2) % HEAD_DIM
