@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cosyserve.bundle.llm import ensure_llm_bundle  # noqa: E402
-from cosyserve.llm.engine.decode_bench import compare_decode_paths, format_decode_table, greedy_agreement  # noqa: E402
+from cosyserve.llm.engine.decode_bench import (compare_decode_paths, format_decode_table,  # noqa: E402
+                                               greedy_agreement, logits_accuracy)
 from cosyserve.llm.engine.kv_cache import KVCache  # noqa: E402
 from cosyserve.llm.engine.llm_engine import LLMEngine  # noqa: E402
 from cosyserve.llm.engine.model_runner import PrefillItem  # noqa: E402
@@ -215,11 +216,12 @@ def main() -> int:
 
     model_dir = args.model_dir or ensure_llm_bundle("/tmp/cosyserve_llm_real", "real", seed=0)
     if args.decode_paths:
-        figures, tokens = compare_decode_paths(model_dir, device, args.batches, context=mean_context_tokens(args),
+        figures, tokens, logits = compare_decode_paths(model_dir, device, args.batches, context=mean_context_tokens(args),
                                                bandwidth=args.bandwidth)
         for figure in figures:
             print(f"--- {figure.path}, batch {figure.batch}: eager step profile\n{figure.top_kernels}")
         print(greedy_agreement(tokens))
+        print(logits_accuracy(logits))
         print(format_decode_table(figures, DECODE_TARGETS_MS))
         return 0
     start = time.perf_counter()

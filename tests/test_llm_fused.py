@@ -84,9 +84,10 @@ def test_fallbacks_match_reference_in_fp32():
 @pytest.mark.skipif(fused.triton_kernels is None, reason="Triton is not installed")
 def test_triton_kernels_under_the_interpreter():
     """The kernels themselves, run by the Triton interpreter on CPU tensors (fp32 and fp16)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
-                            cwd=Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -111,10 +112,31 @@ def test_fused_structure_keeps_greedy_tokens_on_cpu(llm_dir):
     assert decode_bench.greedy_agreement(tokens).startswith("greedy tokens, fused vs reference: 3/3 rows identical")
 
 
+def test_forced_step_logits_of_both_paths_agree_on_cpu(llm_dir):
+    prompts, inputs = decode_bench.random_prompts(3, 30, seed=3), [5, 600, 6000]
+    logits = {path: decode_bench.forced_step_logits(
+        ModelRunner(llm_dir, torch.device("cpu"), torch.float32, 4, 256, False, fused_decode=on), prompts, inputs)
+        for path, on in {**decode_bench.PATHS, "float32": False}.items()}
+    assert logits["fused"].shape == (3, logits["fused"].shape[1]) and rel_err(logits["fused"], logits["float32"]) < 1e-5
+    assert "argmax = float32's in 3/3 rows" in decode_bench.logits_accuracy(logits)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_kernels_keep_greedy_tokens_on_cuda(llm_dir):
+def test_fused_decode_on_cuda_is_as_accurate_as_the_reference(llm_dir):
+    """bf16 logits of one decode step against float32; and graph replays of the fused step give
+    the eager step's tokens."""
     assert fused.fused_decode_available(torch.device("cuda"), torch.bfloat16)
-    assert greedy_tokens(llm_dir, "cuda", torch.bfloat16, True) == greedy_tokens(llm_dir, "cuda", torch.bfloat16, False)
+    prompts, inputs = decode_bench.random_prompts(3, 30, seed=3), [5, 600, 6000]
+    dtypes = {"reference": torch.bfloat16, "fused": torch.bfloat16, "float32": torch.float32}
+    logits = {path: decode_bench.forced_step_logits(
+        ModelRunner(llm_dir, torch.device("cuda"), dtypes[path], 4, 256, False, fused_decode=path == "fused"),
+        prompts, inputs) for path in dtypes}
+    errors = {path: rel_err(logits[path], logits["float32"]) for path in decode_bench.PATHS}
+    assert errors["fused"] <= 1.5 * errors["reference"] + 1e-3, errors
+    graphs = greedy_tokens(llm_dir, "cuda", torch.bfloat16, True)
+    eager = decode_bench.greedy_tokens(ModelRunner(llm_dir, torch.device("cuda"), torch.bfloat16, 4, 256, False,
+                                                   fused_decode=True), decode_bench.random_prompts(3, 40, seed=0), 20)
+    assert graphs == eager
 
 
 if __name__ == "__main__":  # run by test_triton_kernels_under_the_interpreter with TRITON_INTERPRET=1

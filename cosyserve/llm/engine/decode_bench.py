@@ -4,8 +4,9 @@ For each path and batch size: the time of a decode step replayed as a CUDA graph
 around back-to-back replays), the time of ``ModelRunner.decode`` as the engine calls it (replay +
 reading back the tokens), the kernels one step launches (torch.profiler on the eager step body,
 which is what the graph replays) and their summed GPU time, next to the bandwidth floor
-(weight bytes + KV bytes read and written) / bandwidth. Also a greedy check: the tokens of both
-paths from the same prompts.
+(weight bytes + KV bytes read and written) / bandwidth. Also two accuracy checks: the greedy
+tokens of both paths from the same prompts, and the logits of one decode step on the same inputs
+against a float32 run of the reference path.
 """
 
 from __future__ import annotations
@@ -108,6 +109,28 @@ def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], steps: int) -> 
     return [list(row) for row in zip(*tokens)]
 
 
+def forced_step_logits(runner: ModelRunner, prompts: list[list[int]], inputs: list[int]) -> torch.Tensor:
+    """float32 logits (rows, window) of one eager decode step after the prompts, with ``inputs`` as
+    each row's decode input: the same inputs for every path, whatever each path sampled."""
+    rows = list(range(len(prompts)))
+    runner.sampler.set_requests(rows, [SamplingParams.greedy()] * len(rows), rows, [[]] * len(rows))
+    runner.prefill([PrefillItem(row, ids, 0) for row, ids in enumerate(prompts)])
+    for row, (ids, token) in enumerate(zip(prompts, inputs)):
+        runner.set_decode_input(row, token, len(ids))
+    return runner.decode_logits(len(rows), max(len(ids) for ids in prompts)).float().cpu()
+
+
+def logits_accuracy(logits: dict[str, torch.Tensor]) -> str:
+    """rel-L2 and argmax agreement of each bf16 path against the float32 reference."""
+    exact = logits["float32"]
+    parts = []
+    for path in PATHS:
+        error = float((logits[path] - exact).norm() / exact.norm())
+        agree = int((logits[path].argmax(-1) == exact.argmax(-1)).sum())
+        parts.append(f"{path} rel-L2 {error:.2e}, argmax = float32's in {agree}/{len(exact)} rows")
+    return "one decode step on the same inputs vs float32 reference: " + "; ".join(parts)
+
+
 def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     text = length // 3
@@ -119,10 +142,12 @@ def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
 def compare_decode_paths(model_dir: str | Path, device: torch.device, batches: list[int], context: int = 275,
                          steps: int = 100, repeats: int = 5, greedy_rows: int = 64, greedy_steps: int = 32,
                          max_model_len: int = 1024, bandwidth: float = 3.0e12
-                         ) -> tuple[list[DecodeFigures], dict[str, list[list[int]]]]:
-    """Both paths, one after the other (each runner is freed before the next is built); bf16, graphs."""
-    figures, tokens = [], {}
+                         ) -> tuple[list[DecodeFigures], dict[str, list[list[int]]], dict[str, torch.Tensor]]:
+    """Both paths, one after the other (each runner is freed before the next is built); bf16, graphs.
+    Returns the figures, each path's greedy tokens and each path's (and float32's) forced-step logits."""
+    figures, tokens, logits = [], {}, {}
     prompts = random_prompts(greedy_rows, 150, seed=1)
+    inputs = [random.Random(row).randrange(NUM_SPEECH_TOKENS) for row in range(greedy_rows)]
     for path, fused_decode in PATHS.items():
         runner = ModelRunner(model_dir, device, torch.bfloat16, max(batches + [greedy_rows]), max_model_len,
                              use_cuda_graphs=True, fused_decode=fused_decode)
@@ -138,9 +163,13 @@ def compare_decode_paths(model_dir: str | Path, device: torch.device, batches: l
             figures.append(DecodeFigures(path, batch, replay, spread, call, kernels, kernel_ms,
                                          floor_ms(runner, batch, context, bandwidth), table))
         tokens[path] = greedy_tokens(runner, prompts, greedy_steps)
+        logits[path] = forced_step_logits(runner, prompts, inputs)
         del runner
         torch.cuda.empty_cache()
-    return figures, tokens
+    exact = ModelRunner(model_dir, device, torch.float32, greedy_rows, max_model_len, use_cuda_graphs=False,
+                        fused_decode=False)
+    logits["float32"] = forced_step_logits(exact, prompts, inputs)
+    return figures, tokens, logits
 
 
 def format_decode_table(figures: list[DecodeFigures], targets: dict[int, float]) -> str:

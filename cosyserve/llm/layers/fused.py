@@ -28,8 +28,10 @@ def triton_runs_on(tensor: torch.Tensor) -> bool:
 
 def fused_decode_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fused decode path is the default: CUDA with Triton, in bf16 or fp16 (float32
-    keeps the reference path, which is exact against transformers)."""
-    return triton_kernels is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    keeps the reference path, which is exact against transformers), unless the environment sets
+    ``COSYSERVE_LLM_FUSED_DECODE=0`` (to compare or rule out the kernels in a server)."""
+    return (triton_kernels is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and os.environ.get("COSYSERVE_LLM_FUSED_DECODE", "1") != "0")
 
 
 def rms_norm(residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,7 +62,7 @@ def decode_attention(qkv: torch.Tensor, rope, k_cache: torch.Tensor, v_cache: to
     per row. qkv: (batch, (heads + 2 * kv_heads) * head_dim). Returns (batch, heads * head_dim)."""
     if triton_runs_on(qkv):
         return triton_kernels.decode_attention(qkv, rope.cos, rope.sin, meta.positions, meta.slot_ids,
-                                               k_cache, v_cache, num_heads, scale)
+                                               k_cache, v_cache, num_heads, scale, meta.kv_len)
     batch = qkv.shape[0]
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     qk = rope(qkv[:, : (num_heads + num_kv_heads) * head_dim].view(batch, -1, head_dim),

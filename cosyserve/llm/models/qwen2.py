@@ -7,9 +7,9 @@ products, to keep the kernel count of a decode step low. The head keeps only the
 ``lm_head`` that can have a finite logit (speech tokens and eos), in float32.
 
 With ``fused_decode`` set (the GPU default in bf16/fp16, see :mod:`..layers.fused`), a decode step
-runs eight kernels a layer: qkv projection, one kernel for rotary + cache write + attention,
-o_proj, residual add + RMSNorm, gate/up projection, SiLU * up, down projection, residual add +
-the next RMSNorm. Prefill always runs the reference path.
+runs nine kernels a layer: qkv projection, rotary + cache write + split attention, the
+combination of the splits, o_proj, residual add + RMSNorm, gate/up projection, SiLU * up, down
+projection, residual add + the next RMSNorm. Prefill always runs the reference path.
 """
 
 from __future__ import annotations
