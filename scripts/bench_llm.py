@@ -3,6 +3,7 @@
 
     python scripts/bench_llm.py                      # writes a 'real' random bundle to /tmp first
     python scripts/bench_llm.py --model-dir models/cosyvoice2_llm --skip-hf
+    python scripts/bench_llm.py --decode-paths       # only: reference vs fused decode step
 
 Figures: decode ms/step at several batch sizes (every request: --prompt-len prompt tokens,
 --gen-len generated, ignore_eos, default RAS sampling), prefill of 300 tokens, aggregate tokens/s
@@ -11,6 +12,10 @@ burst, with and without the prefix cache (a registered --prefix-len token prefix
 --long-prompt-len prompt with a --long-prefix-len prefix, where prefill compute matters), and the same
 decode/prefill figures for transformers (generate, greedy). Each figure is printed beside its
 memory-bandwidth floor: (weight bytes + KV bytes) / HBM bandwidth.
+
+--decode-paths instead compares the reference and the fused decode step of the model runner
+(cosyserve.llm.engine.decode_bench): graph-replay and ModelRunner.decode ms/step, kernels per step
+and the floor at each --batches size, then the greedy tokens of both paths.
 """
 
 import argparse
@@ -27,12 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cosyserve.bundle.llm import ensure_llm_bundle  # noqa: E402
+from cosyserve.llm.engine.decode_bench import (compare_decode_paths, format_decode_table,  # noqa: E402
+                                               greedy_agreement, logits_accuracy)
 from cosyserve.llm.engine.kv_cache import KVCache  # noqa: E402
 from cosyserve.llm.engine.llm_engine import LLMEngine  # noqa: E402
 from cosyserve.llm.engine.model_runner import PrefillItem  # noqa: E402
 from cosyserve.llm.prompt import SOS_ID, SPEECH_TOKEN_OFFSET, TASK_ID  # noqa: E402
 from cosyserve.llm.sampling import SamplingParams  # noqa: E402
 
+DECODE_TARGETS_MS = {1: 1.0, 64: 1.6}  # issue 14
 TARGETS = {"decode b1": "<= 2.0", "decode b64": "<= 3.5", "prefill 300": "<= 10", "aggregate 64": ">= 15000"}
 
 
@@ -175,6 +183,10 @@ def profile_decode(engine: LLMEngine, batch: int) -> str:
     return f"eager decode step, batch {batch}, kv_len {kv_len}: {len(events)} kernels, {total:.3f} ms GPU time\n{table}"
 
 
+def mean_context_tokens(args) -> int:
+    return args.prompt_len + args.gen_len // 2
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=None, help="default: a random 'real' bundle in /tmp")
@@ -189,6 +201,8 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print a kernel profile of one decode step")
+    parser.add_argument("--decode-paths", action="store_true",
+                        help="only compare the reference and fused decode steps (floor at --bandwidth)")
     parser.add_argument("--bandwidth", type=float, default=3.35e12, help="HBM bytes/s (H100 SXM: 3.35e12)")
     parser.add_argument("--peak-flops", type=float, default=989e12, help="dense bf16 FLOP/s (H100 SXM: 989e12)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -201,12 +215,21 @@ def main() -> int:
     rng = random.Random(0)
 
     model_dir = args.model_dir or ensure_llm_bundle("/tmp/cosyserve_llm_real", "real", seed=0)
+    if args.decode_paths:
+        figures, tokens, logits = compare_decode_paths(model_dir, device, args.batches, context=mean_context_tokens(args),
+                                               bandwidth=args.bandwidth)
+        for figure in figures:
+            print(f"--- {figure.path}, batch {figure.batch}: eager step profile\n{figure.top_kernels}")
+        print(greedy_agreement(tokens))
+        print(logits_accuracy(logits))
+        print(format_decode_table(figures, DECODE_TARGETS_MS))
+        return 0
     start = time.perf_counter()
     engine = LLMEngine(model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                        max_slots=max(args.batches + [args.streams]), max_model_len=1024, max_prefill_tokens=16384)
     init_s = time.perf_counter() - start
     floors = Floors(engine, args.bandwidth, args.peak_flops)
-    mean_context = args.prompt_len + args.gen_len / 2
+    mean_context = mean_context_tokens(args)
     rows = []  # (figure, measured, unit, floor)
 
     bench_decode(engine, 4, argparse.Namespace(prompt_len=args.prompt_len, gen_len=8), rng)  # warm-up

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..layers.attention import DecodeMetadata, PrefillMetadata, decode_bias
+from ..layers.fused import fused_decode_available
 from ..models.config import Qwen2Config
 from ..models.loader import load_model
 from ..prompt import OUTPUT_WINDOW_START
@@ -52,10 +53,13 @@ def _bucket(buckets: list[int], value: int) -> int:
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_slots: int,
-                 max_model_len: int, use_cuda_graphs: bool):
+                 max_model_len: int, use_cuda_graphs: bool, fused_decode: bool | None = None):
+        """``fused_decode``: decode with the fused kernels of :mod:`..layers.fused`; default where
+        they run as Triton kernels (CUDA, bf16/fp16)."""
         self.device, self.dtype = device, dtype
         self.config = Qwen2Config.from_model_dir(model_dir)
         self.model = load_model(model_dir, device, dtype, max_model_len, self.config)
+        self.model.fused_decode = fused_decode_available(device, dtype) if fused_decode is None else fused_decode
         self.kv = KVCache(self.config, max_slots, max_model_len, device, dtype)
         self.sampler = Sampler(max_slots, device)
         long = dict(dtype=torch.long, device=device)
@@ -157,8 +161,8 @@ class ModelRunner:
     # ---- decode --------------------------------------------------------------------------
     def _decode_logits(self, batch: int, kv_len: int) -> torch.Tensor:
         ids, positions = self.input_ids[:batch], self.positions[:batch]
-        bias = decode_bias(positions, kv_len, self.config.num_kv_heads, self.dtype)
-        meta = DecodeMetadata(self.rows[:batch], positions, bias)
+        bias = None if self.model.fused_decode else decode_bias(positions, kv_len, self.config.num_kv_heads, self.dtype)
+        meta = DecodeMetadata(self.rows[:batch], positions, kv_len, bias)
         return self.model.logits(self.model(ids, positions, self.kv, meta))
 
     def decode_step(self, batch: int, kv_len: int) -> None:

@@ -33,11 +33,10 @@ class DecodeMetadata:
 
     slot_ids: torch.Tensor  # (batch,) = arange(batch)
     positions: torch.Tensor  # (batch,)
-    bias: torch.Tensor  # (batch * kv_heads, 1, kv_len): 0 for visible keys, -inf after the position
-
-    @property
-    def kv_len(self) -> int:
-        return self.bias.shape[-1]
+    kv_len: int  # keys read per row (a bucket >= every position + 1)
+    # (batch * kv_heads, 1, kv_len): 0 for visible keys, -inf after the position. None for the fused
+    # decode kernel, which masks by position itself.
+    bias: torch.Tensor | None
 
 
 def decode_bias(positions: torch.Tensor, kv_len: int, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
