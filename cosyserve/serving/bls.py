@@ -3,7 +3,9 @@
 Inputs (all ``[1, ...]``): ``target_text`` BYTES; optional ``reference_wav`` FP32 (16 kHz) with
 ``reference_wav_len`` INT32 and ``reference_text`` BYTES (zero-shot voice), or ``speaker_id``
 BYTES (a voice of spk2info.pt); neither = the default speaker "001". Optional ``max_tokens`` /
-``min_tokens`` INT32 override the template's speech-token limits for one request.
+``min_tokens`` INT32 override the template's speech-token limits for one request (per segment);
+optional ``text_frontend`` BOOL false sends the text to the LLM as it is (no normalisation, no
+splitting into segments; :mod:`cosyserve.text`). Parameter ``max_text_chars`` bounds the text.
 Output: ``waveform`` FP32.
 
 ``decoupled`` true streams chunks (ChunkScheduler, template parameter ``streaming_strategy``),
@@ -41,8 +43,8 @@ from ..frontend.speakers import SpeakerRegistry
 from ..llm.backends import create_backend
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, register_voice_prefixes
-from ..pipeline.tts import (DEFAULT_MAX_TOKENS, DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice,
-                            VoiceResolver, validate_text)
+from ..pipeline.tts import (DEFAULT_MAX_TOKENS, DEFAULT_SPEAKER, MAX_TEXT_CHARS, TokenLimits, TTSPipeline,
+                            TTSRequest, Voice, VoiceResolver, validate_text)
 from ..trtllm.request import TritonLLMInputs, resolve_protocol
 from .triton_utils import (FINAL, FinishedResponseIterators, error_response, limit_torch_threads, model_parameters,
                            optional_input, optional_scalar, optional_text, raise_response_error, reference_wav,
@@ -179,15 +181,18 @@ class TTSInputs:
     reference_text: str | None
     speaker_id: str | None
     limits: TokenLimits
+    text_frontend: bool
 
 
 def parse_tts_inputs(request, limits: TokenLimits, max_text_chars: int) -> TTSInputs:
     """Read and check a BLS request's text, voice and token-limit inputs (the voice is resolved by the caller)."""
     target_text = validate_text(optional_text(request, "target_text"), "target_text", max_text_chars)
     wav = reference_wav(request) if optional_input(request, "reference_wav") is not None else None
+    text_frontend = optional_scalar(request, "text_frontend")
     return TTSInputs(f"{request.request_id() or 'tts'}-{uuid.uuid4().hex[:12]}", target_text, wav,
                      optional_text(request, "reference_text"), optional_text(request, "speaker_id"),
-                     limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens")))
+                     limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens")),
+                     True if text_frontend is None else bool(text_frontend))
 
 
 class CosyVoice2BLS:
@@ -217,7 +222,8 @@ class CosyVoice2BLS:
             self.llm = TritonSpeechTokens(model_name, TritonLLMInputs(protocol, REFERENCE_SAMPLING, self.decoupled,
                                                                       tokenizer_dir))
         self.pipeline = TTSPipeline(tokenizer, self.llm, TritonToken2Wav(),
-                                    strategy=params.get("streaming_strategy") or "exponential")
+                                    strategy=params.get("streaming_strategy") or "exponential",
+                                    max_text_chars=int(params.get("max_text_chars") or MAX_TEXT_CHARS))
 
     def execute(self, requests):
         if self.decoupled:
@@ -229,7 +235,7 @@ class CosyVoice2BLS:
     def _parse(self, request) -> TTSRequest:
         f = parse_tts_inputs(request, self.limits, self.pipeline.max_text_chars)
         voice = self.voices.resolve(f.reference_wav, f.reference_text, f.speaker_id)
-        return TTSRequest(f.request_id, f.target_text, voice, f.limits)
+        return TTSRequest(f.request_id, f.target_text, voice, f.limits, f.text_frontend)
 
     def _stream(self, request) -> None:
         sender = request.get_response_sender()

@@ -236,7 +236,6 @@ class TextFrontend:
 
     def _bounded(self, segment: str, what: str, why: str) -> str:
         if len(segment) > self.max_segment_chars:
-            raise InvalidInputError(f"{what}: a segment of {len(segment)} characters is longer than the "
-                                    f"{self.max_segment_chars} one LLM prompt takes ({why}): "
-                                    f"{segment[:40]!r}...")
+            raise InvalidInputError(f"{what}: a segment of {len(segment)} characters ({why}); at most "
+                                    f"{self.max_segment_chars} are accepted per LLM prompt: {segment[:40]!r}...")
         return segment
