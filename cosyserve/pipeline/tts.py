@@ -92,6 +92,15 @@ class TTSRequest:
     text_frontend: bool = True  # normalise and split target_text (and a reference clip's transcript)
 
 
+@dataclass(frozen=True)
+class SegmentPrompt:
+    """One segment of a request: its LLM / token2wav request id, its text and its LLM prompt ids."""
+
+    request_id: str
+    text: str
+    ids: list[int]
+
+
 class SpeechTokenSource(Protocol):
     """The LLM: raw speech tokens (0..6560) for a prompt, in pieces as they are generated.
 
@@ -215,15 +224,14 @@ class TTSPipeline:
         return voice.prompt_text if voice.speaker_id is not None else self.text.normalize(voice.prompt_text,
                                                                                              text_frontend)
 
-    def segment_prompts(self, request: TTSRequest) -> Iterator[tuple[str, list[int]]]:
-        """(LLM/token2wav request id, prompt ids) per segment, computed lazily; the text is checked
-        at the first ``next``."""
+    def segment_prompts(self, request: TTSRequest) -> Iterator[SegmentPrompt]:
+        """Each segment's prompt, computed lazily; the text is checked at the first ``next``."""
         prompt_text = None
         for k, segment in enumerate(self.text.segments(request.target_text, request.text_frontend)):
             if prompt_text is None:
                 prompt_text = self.voice_prompt_text(request.voice, request.text_frontend)
-            yield (request.request_id if k == 0 else f"{request.request_id}.{k}",
-                   self.prompt_ids(segment, request.voice, prompt_text))
+            yield SegmentPrompt(request.request_id if k == 0 else f"{request.request_id}.{k}", segment,
+                                self.prompt_ids(segment, request.voice, prompt_text))
 
     def synthesize(self, request: TTSRequest, is_cancelled: Callable[[], bool] = never_cancelled) -> np.ndarray:
         """The whole waveform (float32, 24 kHz) in one piece: the segments' waveforms concatenated.
@@ -236,9 +244,8 @@ class TTSPipeline:
             item = next(prompts, None)
             if item is None:
                 return None
-            rid, ids = item
-            generating[rid] = self.llm.generate(ids, rid, request.limits)
-            return rid
+            generating[item.request_id] = self.llm.generate(item.ids, item.request_id, request.limits)
+            return item.request_id
 
         waves = []
         finished = False
@@ -279,9 +286,8 @@ class TTSPipeline:
                 return
             item = next(prompts, None)
             if item is not None:
-                rid, ids = item
-                generating[rid] = self.llm.generate(ids, rid, request.limits)
-                waiting.append(rid)
+                generating[item.request_id] = self.llm.generate(item.ids, item.request_id, request.limits)
+                waiting.append(item.request_id)
 
         finished = False
         try:
