@@ -289,6 +289,15 @@ def test_text_frontend_switch(text_tokenizer):
     assert [text_tokenizer.decode(p[1:-4]) for p in llm.prompts] == ["提示文本。我有三个苹果。", "提示文本。我有3个苹果。"]
 
 
+def test_a_reference_transcript_is_normalised_a_registered_prompt_is_not(text_tokenizer):
+    llm = FakeLLM()
+    pipeline = make(text_tokenizer, llm)
+    for speaker_id in (None, "001"):
+        voice = Voice("我有3个。", VOICE.features, speaker_id)
+        pipeline.synthesize(TTSRequest("r", "好。", voice, TokenLimits(3, 3)))
+    assert [text_tokenizer.decode(p[1:-4]) for p in llm.prompts] == ["我有三个。好。", "我有3个。好。"]
+
+
 def test_unspeakable_or_too_long_text_fails_before_any_work(text_tokenizer):
     llm, token2wav = FakeLLM(), FakeToken2Wav()
     pipeline = TTSPipeline(text_tokenizer, llm, token2wav, max_text_chars=300)
