@@ -15,7 +15,7 @@ import torch
 from cosyserve.errors import InvalidInputError
 from cosyserve.frontend.prompt import PromptFeatures
 from cosyserve.data import FixedLength
-from cosyserve.pipeline.offline import estimate_seconds, spoken_characters
+from cosyserve.pipeline.offline import estimate_seconds, share_tokens, spoken_characters
 from cosyserve.pipeline.tts import Voice
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,6 +78,24 @@ def test_batch_sizes_do_not_change_the_audio(tiny_bundle, manifest, tmp_path):
     for item in reports[0]["per_item"]:
         a, b = (_read_wav(tmp_path / d / item["wav"]) for d in "ab")
         assert a.size == b.size and np.abs(a - b).max() <= 2 / 32767  # PCM rounding of fp-level differences
+
+
+def test_a_long_text_is_voiced_segment_by_segment_into_one_wav(tiny_bundle, tmp_path):
+    long_text = "一二三四五六七八九十。" * 20  # three segments (77, 77, 66 characters)
+    manifest = tmp_path / "long.txt"
+    manifest.write_text(f"long|unused|unused.wav|{long_text}\n", encoding="utf-8")
+    out = tmp_path / "out"
+    assert _run(tiny_bundle, manifest, out, "--speaker-id", "001", "--fixed-output-seconds", "1.2") == 0
+    (item,) = json.loads((out / "report.json").read_text())["per_item"]
+    assert item["segments"] == 3
+    assert item["speech_tokens"] == 30  # 1.2 s at 25 tokens/s, shared 10/11/9 by the segments' spoken characters
+    assert _read_wav(out / "long.wav").size == 30 * 960
+
+
+def test_share_tokens():
+    assert share_tokens(30, [70, 70, 60]) == [10, 11, 9]
+    assert share_tokens(2, [5, 0, 5]) == [1, 1, 1]  # every segment says something
+    assert sum(share_tokens(1000, [3, 1, 4, 1, 5])) == 1000
 
 
 def test_length_estimate_follows_the_prompt_speaking_rate():

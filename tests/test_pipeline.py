@@ -214,6 +214,101 @@ def test_text_and_limit_validation():
             limits.override(*bad)
 
 
+# ----- long text: segments ---------------------------------------------------------------------
+
+LONG_TEXT = "一二三四五六七八九十。" * 20  # three segments of 77, 77 and 66 characters
+
+
+class LoggingLLM(FakeLLM):
+    def __init__(self, log: list, **kwargs):
+        super().__init__(**kwargs)
+        self.log = log
+
+    def generate(self, prompt_ids, request_id, limits):
+        self.log.append(("generate", request_id))
+        return super().generate(prompt_ids, request_id, limits)
+
+
+class LoggingToken2Wav(FakeToken2Wav):
+    def __init__(self, log: list, **kwargs):
+        super().__init__(**kwargs)
+        self.log = log
+
+    def step(self, request_id, tokens, voice, token_offset, finalize):
+        self.log.append(("step", request_id, len(tokens), token_offset, finalize))
+        return super().step(request_id, tokens, voice, token_offset, finalize)
+
+    def offline(self, request_id, tokens, voice):
+        self.log.append(("offline", request_id, len(tokens)))
+        return super().offline(request_id, tokens, voice)
+
+
+def long_request(n: int, text: str = LONG_TEXT, **kwargs) -> TTSRequest:
+    return TTSRequest("r1", text, VOICE, TokenLimits(n, n), **kwargs)
+
+
+def test_segments_stream_in_order_with_the_next_llm_one_segment_ahead(text_tokenizer):
+    log: list = []
+    llm = LoggingLLM(log)
+    chunks = list(make(text_tokenizer, llm, LoggingToken2Wav(log)).stream(long_request(40)))
+    plan = [(c.num_tokens, c.token_offset, c.finalize) for c in plan_chunks(40)]
+    assert len(chunks) == 3 * len(plan)
+    assert [e[2:] for e in log if e[0] == "step"] == plan * 3
+    assert [text_tokenizer.decode(p[1:-4]) for p in llm.prompts] == [
+        "提示文本。" + s for s in ["一二三四五六七八九十。" * 7] * 2 + ["一二三四五六七八九十。" * 6]]
+    # segment k+1's LLM request starts right after segment k's first chunk, before the rest is voiced
+    first = log.index(("step", "r1", *plan[0]))
+    assert log[:first + 2] == [("generate", "r1"), ("step", "r1", *plan[0]), ("generate", "r1.1")]
+    second = log.index(("step", "r1.1", *plan[0]))
+    assert log[second + 1] == ("generate", "r1.2")
+    assert [e[1] for e in log if e[0] == "step"] == ["r1"] * len(plan) + ["r1.1"] * len(plan) + ["r1.2"] * len(plan)
+
+
+def test_offline_concatenates_the_segments(text_tokenizer):
+    log: list = []
+    audio = make(text_tokenizer, LoggingLLM(log), LoggingToken2Wav(log)).synthesize(long_request(30))
+    assert audio.size == 3 * 30 * SAMPLES_PER_TOKEN
+    # the next LLM request is under way while token2wav voices the current segment
+    assert log == [("generate", "r1"), ("generate", "r1.1"), ("offline", "r1", 30), ("generate", "r1.2"),
+                   ("offline", "r1.1", 30), ("offline", "r1.2", 30)]
+
+
+def test_cancelling_a_long_stream_stops_both_llm_requests(text_tokenizer):
+    llm, token2wav = FakeLLM(delay_s=0.002), FakeToken2Wav()
+    stream = make(text_tokenizer, llm, token2wav).stream(long_request(300))
+    next(stream), next(stream)  # the first chunk is sent before the next segment's LLM request starts
+    stream.close()
+    assert llm.cancelled == ["r1", "r1.1"] and token2wav.cancelled == ["r1"]
+
+
+def test_text_frontend_switch(text_tokenizer):
+    llm = FakeLLM()
+    pipeline = make(text_tokenizer, llm)
+    pipeline.synthesize(long_request(3, "我有3个苹果。"))
+    pipeline.synthesize(long_request(3, "我有3个苹果。", text_frontend=False))
+    assert [text_tokenizer.decode(p[1:-4]) for p in llm.prompts] == ["提示文本。我有三个苹果。", "提示文本。我有3个苹果。"]
+
+
+def test_a_reference_transcript_is_normalised_a_registered_prompt_is_not(text_tokenizer):
+    llm = FakeLLM()
+    pipeline = make(text_tokenizer, llm)
+    for speaker_id in (None, "001"):
+        voice = Voice("我有3个。", VOICE.features, speaker_id)
+        pipeline.synthesize(TTSRequest("r", "好。", voice, TokenLimits(3, 3)))
+    assert [text_tokenizer.decode(p[1:-4]) for p in llm.prompts] == ["我有三个。好。", "我有3个。好。"]
+
+
+def test_unspeakable_or_too_long_text_fails_before_any_work(text_tokenizer):
+    llm, token2wav = FakeLLM(), FakeToken2Wav()
+    pipeline = TTSPipeline(text_tokenizer, llm, token2wav, max_text_chars=300)
+    for text, message in [("😀！", "no speakable characters"), ("好。" * 151, "302 characters; at most 300")]:
+        with pytest.raises(InvalidInputError, match=message):
+            pipeline.synthesize(long_request(3, text))
+        with pytest.raises(InvalidInputError, match=message):
+            list(pipeline.stream(long_request(3, text)))
+    assert llm.prompts == [] and token2wav.steps == [] and token2wav.offline_calls == []
+
+
 # ----- in-process back ends on the tiny bundle -------------------------------------------------
 
 @pytest.fixture(scope="module")

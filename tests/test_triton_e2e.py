@@ -167,6 +167,50 @@ def test_per_request_token_limits_stream_in_planned_chunks(idle_server):
     assert [c.size for c in chunks] == expected_chunk_samples(100)
 
 
+# ----- long text --------------------------------------------------------------------------------
+
+def test_long_text_streams_its_segments_in_order_as_one_stream(idle_server):
+    """Three segments, 20 tokens each: three chunk plans back to back in one stream; the first
+    chunk arrives before the later segments' LLM requests have finished (they start after it)."""
+    text = "一二三四五六七八九十。" * 20 + "最后还有3句话。"  # segments of 77, 77 and 66 + 8 characters
+    before = wait_until_idle(idle_server.metrics_port)["cosyserve_llm_generated_tokens_total"]
+    stream = Stream(idle_server.grpc_url)
+    try:
+        stream.send("cosyvoice2", [grpc_input("target_text", text), *token_limits(20)])
+        result, error = stream.next()
+        assert error is None
+        generated_at_first_chunk = metrics(idle_server.metrics_port)["cosyserve_llm_generated_tokens_total"] - before
+        chunks = [result.as_numpy("waveform").reshape(-1)] + [c.reshape(-1) for c in stream.responses()]
+    finally:
+        stream.close()
+    assert generated_at_first_chunk < 3 * 20
+    assert [c.size for c in chunks] == expected_chunk_samples(20) * 3
+    audio = np.concatenate(chunks)
+    assert audio.size == 3 * 20 * SAMPLES_PER_TOKEN and np.isfinite(audio).all()
+    after = wait_until_idle(idle_server.metrics_port)["cosyserve_llm_generated_tokens_total"]
+    assert after - before == 3 * 20
+    offline = grpc_client(idle_server).infer("cosyvoice2_offline", [grpc_input("target_text", text), *token_limits(20)])
+    assert offline.as_numpy("waveform").size == 3 * 20 * SAMPLES_PER_TOKEN
+
+
+def test_text_front_end_switch_and_errors(idle_server):
+    client = grpc_client(idle_server)
+    off = [grpc_input("text_frontend", np.array([[False]]))]
+    audio = client.infer("cosyvoice2_offline", [grpc_input("target_text", "一二三。" * 30), *off, *token_limits(5)])
+    assert audio.as_numpy("waveform").size == 5 * SAMPLES_PER_TOKEN  # one segment: the text as it is
+    for inputs, message in [
+        ([grpc_input("target_text", "😀！？")], "no speakable characters"),
+        ([grpc_input("target_text", "好。" * 50_001)], "100002 characters; at most 100000"),
+        ([grpc_input("target_text", "一二三。" * 300), *off], "text_frontend off"),
+    ]:
+        for model in ("cosyvoice2", "cosyvoice2_offline"):
+            with pytest.raises(InferenceServerException, match=message):
+                if model == "cosyvoice2":
+                    stream_tts(idle_server, inputs)
+                else:
+                    client.infer(model, inputs)
+
+
 # ----- robustness ------------------------------------------------------------------------------
 
 def _reference(wav: np.ndarray, length: int | None = None, text: str | None = "参考文本") -> list:

@@ -56,9 +56,9 @@ class LocalTTS:
 
     def request(self, target_text: str, *, reference_wav16=None, reference_text: str | None = None,
                 speaker_id: str | None = None, limits: TokenLimits = TokenLimits(),
-                request_id: str | None = None) -> TTSRequest:
+                request_id: str | None = None, text_frontend: bool = True) -> TTSRequest:
         voice = self.voices.resolve(reference_wav16, reference_text, speaker_id)
-        return TTSRequest(request_id or uuid.uuid4().hex, target_text, voice, limits)
+        return TTSRequest(request_id or uuid.uuid4().hex, target_text, voice, limits, text_frontend)
 
     def close(self) -> None:
         self.token2wav.model.close_all()

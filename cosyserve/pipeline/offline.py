@@ -6,18 +6,22 @@ speech tokens with all requests in flight together (the torch engine batches the
 ends take them as they can), then token2wav synthesises them ``token2wav_batch_size`` at a time
 (:meth:`CosyVoice2Token2Wav.offline_batch`: one flow batch, HiFT batched per length; utterances
 are sorted by length first so batches pad little). Three timers (front-end, LLM, token2wav) add up
-to the total; writing files is not timed. RTF = total time / seconds of audio.
+to the total; writing files is not timed. RTF = total time / seconds of audio. A long text is
+normalised and split into segments as the server does (:mod:`cosyserve.text`); each segment is
+one LLM request and one token2wav utterance, and an item's wav is its segments' concatenation.
 
 Benchmarks on random weights need realistic lengths (a random LLM rarely samples the end of
 speech): with :class:`~cosyserve.data.FixedLength` every utterance generates exactly
 ``round(rate x seconds)`` tokens (``min_tokens = max_tokens``, at most ``MAX_SPEECH_TOKENS``), the
 seconds being given (one value, or a seeded uniform draw per utterance between two values) or
-estimated from the text (:func:`estimate_seconds`).
+estimated from the text (:func:`estimate_seconds`), and shared among its segments by their
+spoken characters.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 import unicodedata
@@ -45,7 +49,7 @@ from ..schedule import TOKEN_RATE
 from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, load_token2wav
 from ..token2wav.sessions import LocalToken2Wav
 from .local import LocalSpeechTokens
-from .tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, Voice, VoiceResolver
+from .tts import DEFAULT_SPEAKER, SegmentPrompt, TokenLimits, TTSPipeline, TTSRequest, Voice, VoiceResolver
 
 BACKENDS = ("torch", "hf", "trtllm", "vllm", "openai")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -60,6 +64,13 @@ def spoken_characters(text: str) -> int:
     """Letters and digits: a speaking-rate unit that does not depend on the tokenizer (a CJK
     character is a syllable; within one language, letters are proportional to speech)."""
     return sum(1 for ch in text if unicodedata.category(ch)[0] in "LN")
+
+
+def share_tokens(total: int, weights: Sequence[int]) -> list[int]:
+    """``total`` split in proportion to ``weights`` (rounded cumulatively, so the parts add up), at least 1 each."""
+    weights = [max(w, 1) for w in weights]
+    bounds = [0] + [round(total * c / sum(weights)) for c in itertools.accumulate(weights)]
+    return [max(1, b - a) for a, b in zip(bounds, bounds[1:])]
 
 
 def estimate_seconds(voice: Voice, target_text: str) -> float:
@@ -102,6 +113,7 @@ class ItemResult:
     speech_tokens: int
     audio_s: float
     wav: str
+    segments: int  # of the text, each one LLM request
 
 
 @dataclass
@@ -157,13 +169,15 @@ class OfflineTTS:
             return self.voices.resolve(speaker_id=self.config.speaker_id)
         return self.voices.resolve(load_reference_audio(item.reference_audio), item.reference_text)
 
-    def limits(self, voice: Voice, item: Utterance, seconds: float | None) -> TokenLimits:
+    def segment_limits(self, voice: Voice, item: Utterance, seconds: float | None,
+                       segments: Sequence[SegmentPrompt]) -> list[TokenLimits]:
         fixed = self.config.fixed_length
         if fixed is None:
-            return TokenLimits()
+            return [TokenLimits()] * len(segments)
         tokens = fixed.tokens(seconds if seconds is not None else estimate_seconds(voice, item.target_text))
-        tokens = min(tokens, MAX_SPEECH_TOKENS)
-        return TokenLimits(max_tokens=tokens, min_tokens=tokens)
+        shares = share_tokens(tokens, [spoken_characters(s.text) for s in segments])
+        return [TokenLimits(max_tokens=min(n, MAX_SPEECH_TOKENS), min_tokens=min(n, MAX_SPEECH_TOKENS))
+                for n in shares]
 
     def speech_tokens(self, requests: Sequence[tuple[list[int], TokenLimits]]) -> list[list[int]]:
         """Generate all requests with every one in flight at once."""
@@ -217,21 +231,27 @@ def synthesize_items(tts: OfflineTTS, items: Sequence[Utterance], output_dir: Pa
         batch = items[start:start + tts.config.batch_size]
         began = time.perf_counter()
         voices = [tts.voice(item) for item in batch]
-        requests = [(tts.pipeline.prompt_ids(item.target_text, voice), tts.limits(voice, item, s))
-                    for item, voice, s in zip(batch, voices, seconds[start:start + len(batch)])]
+        segments = [list(tts.pipeline.segment_prompts(TTSRequest(item.id, item.target_text, voice)))
+                    for item, voice in zip(batch, voices)]
+        flat = [(segment, voice, segment_limits)
+                for item, voice, s, item_segments in zip(batch, voices, seconds[start:start + len(batch)], segments)
+                for segment, segment_limits in zip(item_segments, tts.segment_limits(voice, item, s, item_segments))]
         llm_start = time.perf_counter()
-        tokens = tts.speech_tokens(requests)
+        tokens = tts.speech_tokens([(segment.ids, limits) for segment, _, limits in flat])
         t2w_start = time.perf_counter()
-        waves = tts.waveforms([item.id for item in batch], tokens, voices)
+        waves = tts.waveforms([segment.request_id for segment, _, _ in flat], tokens, [voice for _, voice, _ in flat])
         synchronize(tts.device)
         done = time.perf_counter()
         timers.frontend_s += llm_start - began
         timers.llm_s += t2w_start - llm_start
         timers.token2wav_s += done - t2w_start
-        for item, speech, audio in zip(batch, tokens, waves):
+        ends = list(itertools.accumulate(len(item_segments) for item_segments in segments))
+        for item, first, last in zip(batch, [0] + ends[:-1], ends):
+            audio = np.concatenate(waves[first:last])
             path = output_dir / f"{item.id}.wav"
             write_wav(path, audio, tts.token2wav.sample_rate)
-            results.append(ItemResult(item.id, len(speech), audio.size / tts.token2wav.sample_rate, path.name))
+            results.append(ItemResult(item.id, sum(len(t) for t in tokens[first:last]),
+                                      audio.size / tts.token2wav.sample_rate, path.name, last - first))
         if progress:
             progress(len(batch))
     return results

@@ -16,10 +16,20 @@ chunk sequence for ``n`` tokens is exactly :func:`~cosyserve.schedule.plan_chunk
 ``(n)`` with the exponential strategy, however fast the LLM is. Whenever a request ends early
 (cancelled, error), the LLM request is cancelled (which also releases what it holds) and the
 token2wav session closed.
+
+Long text: :class:`~cosyserve.text.TextFrontend` normalises the request text and splits it into
+segments (upstream CosyVoice's rules; ``TTSRequest.text_frontend`` false skips both). Each
+segment is one LLM request and one token2wav session (ids ``<request id>``, ``<request id>.1``,
+...), all with the request's voice. A stream voices them in order, one after the other, as one
+stream; the LLM request of the next segment starts as soon as the current one has sent its first
+chunk (or its LLM has finished), so it generates while the current segment is voiced and the
+first chunk comes as soon as for a one-segment text. Offline, the segments' waveforms are
+concatenated.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -31,8 +41,8 @@ from ..errors import InvalidInputError, RequestCancelledError
 from ..frontend.prompt import PromptFeatures, Voice, build_prompt_features
 from ..llm.prompt import MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, build_prompt_ids
 from ..schedule import ChunkScheduler
+from ..text import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS, TextFrontend
 
-MAX_TEXT_CHARS = 1000
 DEFAULT_MAX_TOKENS = 750  # the reference BLS's request_output_len
 DEFAULT_SPEAKER = "001"  # the cached speaker used when a request names no voice
 DEFAULT_FEATURE_CACHE_SIZE = 256  # reference clips whose prompt features are kept (VoiceResolver)
@@ -63,7 +73,17 @@ class TTSRequest:
     request_id: str  # unique among in-flight requests: keys the LLM request and the token2wav session
     target_text: str
     voice: Voice
-    limits: TokenLimits = field(default_factory=TokenLimits)
+    limits: TokenLimits = field(default_factory=TokenLimits)  # per segment
+    text_frontend: bool = True  # normalise and split target_text (and a reference clip's transcript)
+
+
+@dataclass(frozen=True)
+class SegmentPrompt:
+    """One segment of a request: its LLM / token2wav request id, its text and its LLM prompt ids."""
+
+    request_id: str
+    text: str
+    ids: list[int]
 
 
 class SpeechTokenSource(Protocol):
@@ -90,7 +110,8 @@ class Token2Wav(Protocol):
     def cancel(self, request_id: str) -> None: ...
 
 
-def validate_text(text: str, what: str = "target_text", max_chars: int = MAX_TEXT_CHARS) -> str:
+def validate_text(text: str, what: str = "target_text", max_chars: int = MAX_SEGMENT_CHARS) -> str:
+    """A text that goes into one LLM prompt as it is (a reference transcript, a DiT request's text)."""
     if not isinstance(text, str) or not text.strip():
         raise InvalidInputError(f"{what} is empty; send the text to synthesise (1 to {max_chars} characters)")
     if len(text) > max_chars:
@@ -113,7 +134,7 @@ class VoiceResolver:
     """
 
     def __init__(self, registry: Any, tokenizer: Any, speaker_encoder: Any, *,
-                 default_speaker: str = DEFAULT_SPEAKER, max_text_chars: int = MAX_TEXT_CHARS,
+                 default_speaker: str = DEFAULT_SPEAKER, max_text_chars: int = MAX_SEGMENT_CHARS,
                  feature_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE):
         self.registry = registry
         self.tokenizer = tokenizer
@@ -156,7 +177,8 @@ def never_cancelled() -> bool:
 class TTSPipeline:
     """Text + voice -> 24 kHz waveform, offline (:meth:`synthesize`) or chunk by chunk (:meth:`stream`).
 
-    ``text_tokenizer`` is the LLM's HuggingFace tokenizer (prompt ids, llm_layout.md §3).
+    ``text_tokenizer`` is the LLM's HuggingFace tokenizer (prompt ids, llm_layout.md §3; it also
+    measures English segments). ``max_text_chars`` bounds a request's whole text.
     """
 
     def __init__(self, text_tokenizer: Any, llm: SpeechTokenSource, token2wav: Token2Wav, *,
@@ -166,68 +188,123 @@ class TTSPipeline:
         self.llm = llm
         self.token2wav = token2wav
         self.strategy = strategy
-        self.max_text_chars = max_text_chars
+        self.text = TextFrontend(lambda text: text_tokenizer.encode(text, add_special_tokens=False),
+                                 max_text_chars=max_text_chars)
 
-    def prompt_ids(self, target_text: str, voice: Voice) -> list[int]:
-        """``<|sos|>{prompt_text}{target_text}<|task_id|>`` + the voice's speech tokens as LLM ids."""
-        validate_text(target_text, "target_text", self.max_text_chars)
+    @property
+    def max_text_chars(self) -> int:
+        return self.text.max_text_chars
+
+    def prompt_ids(self, segment: str, voice: Voice, prompt_text: str | None = None) -> list[int]:
+        """``<|sos|>{prompt_text}{segment}<|task_id|>`` + the voice's speech tokens as LLM ids
+        (``prompt_text``: the voice's, or its normalised form from :meth:`voice_prompt_text`)."""
+        validate_text(segment, "target_text", self.text.max_segment_chars)
         tokens = voice.features.speech_tokens
-        return build_prompt_ids(self.text_tokenizer, target_text, voice.prompt_text,
+        return build_prompt_ids(self.text_tokenizer, segment, voice.prompt_text if prompt_text is None else prompt_text,
                                 [int(t) for t in tokens.reshape(-1).tolist()])
 
-    def _start(self, request: TTSRequest) -> Iterator[Sequence[int]]:
-        ids = self.prompt_ids(request.target_text, request.voice)
-        return self.llm.generate(ids, request.request_id, request.limits)
+    def voice_prompt_text(self, voice: Voice, text_frontend: bool = True) -> str:
+        """A reference clip's transcript is normalised as the target text is (upstream does the
+        same); a registered voice's is used as registered, which its cached LLM prefix matches."""
+        return voice.prompt_text if voice.speaker_id is not None else self.text.normalize(voice.prompt_text,
+                                                                                             text_frontend)
+
+    def segment_prompts(self, request: TTSRequest) -> Iterator[SegmentPrompt]:
+        """Each segment's prompt, computed lazily; the text is checked at the first ``next``."""
+        prompt_text = None
+        for k, segment in enumerate(self.text.segments(request.target_text, request.text_frontend)):
+            if prompt_text is None:
+                prompt_text = self.voice_prompt_text(request.voice, request.text_frontend)
+            yield SegmentPrompt(request.request_id if k == 0 else f"{request.request_id}.{k}", segment,
+                                self.prompt_ids(segment, request.voice, prompt_text))
 
     def synthesize(self, request: TTSRequest, is_cancelled: Callable[[], bool] = never_cancelled) -> np.ndarray:
-        """The whole waveform (float32, 24 kHz) in one piece."""
-        pieces = self._start(request)
-        tokens: list[int] = []
+        """The whole waveform (float32, 24 kHz) in one piece: the segments' waveforms concatenated.
+
+        The LLM request of segment k+1 runs while token2wav voices segment k."""
+        prompts = self.segment_prompts(request)
+        generating: dict[str, Iterator[Sequence[int]]] = {}  # started LLM requests not read to their end
+
+        def start_next() -> str | None:
+            item = next(prompts, None)
+            if item is None:
+                return None
+            generating[item.request_id] = self.llm.generate(item.ids, item.request_id, request.limits)
+            return item.request_id
+
+        waves = []
         finished = False
         try:
-            for piece in pieces:
-                tokens.extend(int(t) for t in piece)
+            rid = start_next()
+            while rid is not None:
+                tokens: list[int] = []
+                for piece in generating[rid]:
+                    tokens.extend(int(t) for t in piece)
+                    _raise_if_cancelled(is_cancelled, request.request_id)
+                del generating[rid]
+                next_rid = start_next()
+                _check_tokens(tokens, final=True)
                 _raise_if_cancelled(is_cancelled, request.request_id)
+                waves.append(self.token2wav.offline(rid, tokens, request.voice))
+                rid = next_rid
             finished = True
         finally:
             if not finished:
-                self.llm.cancel(request.request_id)
-        _check_tokens(tokens, final=True)
-        _raise_if_cancelled(is_cancelled, request.request_id)
-        return self.token2wav.offline(request.request_id, tokens, request.voice)
+                for rid in generating:
+                    self.llm.cancel(rid)
+        return waves[0] if len(waves) == 1 else np.concatenate(waves)
 
     def stream(self, request: TTSRequest, is_cancelled: Callable[[], bool] = never_cancelled) -> Iterator[np.ndarray]:
-        """Waveform chunks in order; their concatenation is the utterance.
+        """Waveform chunks in order, segment after segment; their concatenation is the utterance.
 
         Closing the generator early (or an error, or ``is_cancelled()`` turning true) cancels the
-        LLM request and closes the token2wav session.
+        LLM requests under way and closes the open token2wav session.
         """
-        pieces = self._start(request)
-        scheduler = ChunkScheduler(self.strategy)
-        rid, voice = request.request_id, request.voice
-        tokens: list[int] = []
-        llm_done = session_open = finished = False
+        prompts = self.segment_prompts(request)
+        voice = request.voice
+        generating: dict[str, Iterator[Sequence[int]]] = {}  # started LLM requests not read to their end
+        waiting: deque[str] = deque()  # started segments, in order, not voiced yet (at most one ahead)
+        open_session: str | None = None
+
+        def start_next() -> None:
+            if len(waiting) > 1:
+                return
+            item = next(prompts, None)
+            if item is not None:
+                generating[item.request_id] = self.llm.generate(item.ids, item.request_id, request.limits)
+                waiting.append(item.request_id)
+
+        finished = False
         try:
-            for piece in pieces:
-                tokens.extend(int(t) for t in piece)
-                _raise_if_cancelled(is_cancelled, rid)
-                while (chunk := scheduler.next_chunk(len(tokens))) is not None:
-                    part = tokens[:chunk.num_tokens]
-                    _check_tokens(part)
-                    session_open = True
-                    yield self.token2wav.step(rid, part, voice, chunk.token_offset, False)
+            start_next()
+            while waiting:
+                rid = waiting[0]
+                scheduler = ChunkScheduler(self.strategy)
+                tokens: list[int] = []
+                for piece in generating[rid]:
+                    tokens.extend(int(t) for t in piece)
                     _raise_if_cancelled(is_cancelled, rid)
-            llm_done = True
-            _check_tokens(tokens, final=True)
-            final = scheduler.final_chunk(len(tokens))
-            yield self.token2wav.step(rid, tokens, voice, final.token_offset, True)
+                    while (chunk := scheduler.next_chunk(len(tokens))) is not None:
+                        part = tokens[:chunk.num_tokens]
+                        _check_tokens(part)
+                        open_session = rid
+                        yield self.token2wav.step(rid, part, voice, chunk.token_offset, False)
+                        _raise_if_cancelled(is_cancelled, rid)
+                        start_next()
+                del generating[rid]
+                start_next()
+                _check_tokens(tokens, final=True)
+                final = scheduler.final_chunk(len(tokens))
+                yield self.token2wav.step(rid, tokens, voice, final.token_offset, True)
+                open_session = None
+                waiting.popleft()
             finished = True
         finally:
             if not finished:
-                if not llm_done:
+                for rid in generating:
                     self.llm.cancel(rid)
-                if session_open:
-                    self.token2wav.cancel(rid)
+                if open_session is not None:
+                    self.token2wav.cancel(open_session)
 
 
 def _raise_if_cancelled(is_cancelled: Callable[[], bool], request_id: str) -> None:

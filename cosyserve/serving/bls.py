@@ -1,7 +1,9 @@
 """The ``cosyvoice2`` Triton model (Python BLS): text (+ voice) -> 24 kHz waveform.
 
 Inputs, outputs and responses: :mod:`cosyserve.serving.bls_base`. Streaming chunks follow
-ChunkScheduler (template parameter ``streaming_strategy``). The orchestration is
+ChunkScheduler (template parameter ``streaming_strategy``). The text is normalised and split into
+segments (:mod:`cosyserve.text`) unless the optional ``text_frontend`` BOOL input is false;
+parameter ``max_text_chars`` bounds it. The orchestration is
 :class:`~cosyserve.pipeline.tts.TTSPipeline`; this module only supplies its back ends as BLS
 requests to the ``audio_tokenizer``, ``speaker_embedding``, LLM and ``token2wav`` models.
 
@@ -30,7 +32,7 @@ import triton_python_backend_utils as pb_utils
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from ..llm.sampling import REFERENCE_SAMPLING
-from ..pipeline.tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice
+from ..pipeline.tts import DEFAULT_SPEAKER, MAX_TEXT_CHARS, TokenLimits, TTSPipeline, TTSRequest, Voice
 from ..llm.trtllm.request import TritonLLMInputs, resolve_protocol
 from .bls_base import TTSBLS, TTSInputs, bls_request, call_model, openai_speech_tokens
 from .triton_utils import FinishedResponseIterators, raise_response_error
@@ -139,12 +141,13 @@ class CosyVoice2BLS(TTSBLS):
     def speaker_encoder(self) -> RemoteSpeakerEncoder:
         return RemoteSpeakerEncoder()
 
-    def build_pipeline(self, tokenizer, strategy: str) -> TTSPipeline:
-        return TTSPipeline(tokenizer, self.llm, TritonToken2Wav(), strategy=strategy)
+    def build_pipeline(self, tokenizer, params: dict[str, str]) -> TTSPipeline:
+        return TTSPipeline(tokenizer, self.llm, TritonToken2Wav(),
+                           strategy=params.get("streaming_strategy") or "exponential", max_text_chars=int(params.get("max_text_chars") or MAX_TEXT_CHARS))
 
     def build_request(self, inputs: TTSInputs) -> TTSRequest:
         voice = self.voices.resolve(inputs.reference_wav, inputs.reference_text, inputs.speaker_id)
-        return TTSRequest(inputs.request_id, inputs.target_text, voice, inputs.limits)
+        return TTSRequest(inputs.request_id, inputs.target_text, voice, inputs.limits, inputs.text_frontend)
 
     def release_finished(self, is_cancelled) -> None:
         if isinstance(self.llm, TritonSpeechTokens):

@@ -80,15 +80,18 @@ class TTSInputs:
     reference_text: str | None
     speaker_id: str | None
     limits: TokenLimits
+    text_frontend: bool  # optional input ``text_frontend`` (default true): normalise and split the text
 
 
 def parse_tts_inputs(request, limits: TokenLimits, max_text_chars: int) -> TTSInputs:
     """Read and check a BLS request's text, voice and token-limit inputs (the voice is resolved by the caller)."""
     target_text = validate_text(optional_text(request, "target_text"), "target_text", max_text_chars)
     wav = reference_wav(request) if optional_input(request, "reference_wav") is not None else None
+    text_frontend = optional_scalar(request, "text_frontend")
     return TTSInputs(f"{request.request_id() or 'tts'}-{uuid.uuid4().hex[:12]}", target_text, wav,
                      optional_text(request, "reference_text"), optional_text(request, "speaker_id"),
-                     limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens")))
+                     limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens")),
+                     True if text_frontend is None else bool(text_frontend))
 
 
 class TTSBLS(ABC):
@@ -116,7 +119,7 @@ class TTSBLS(ABC):
         tokenizer_dir = required_parameter(params, "llm_tokenizer_dir")
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.llm = self.speech_tokens(params, tokenizer_dir, tokenizer, registry)
-        self.pipeline = self.build_pipeline(tokenizer, params.get("streaming_strategy") or "exponential")
+        self.pipeline = self.build_pipeline(tokenizer, params)
 
     @abstractmethod
     def speech_tokens(self, params: dict[str, str], tokenizer_dir: str, tokenizer, registry: SpeakerRegistry):
@@ -127,8 +130,9 @@ class TTSBLS(ABC):
         """What :class:`~cosyserve.pipeline.tts.VoiceResolver` embeds a reference clip with."""
 
     @abstractmethod
-    def build_pipeline(self, tokenizer, strategy: str):
-        """The pipeline (``stream``, ``synthesize``, ``max_text_chars``) over :attr:`llm`."""
+    def build_pipeline(self, tokenizer, params: dict[str, str]):
+        """The pipeline (``stream``, ``synthesize``, ``max_text_chars``) over :attr:`llm`, configured by the
+        model's parameters (``streaming_strategy``, ...)."""
 
     @abstractmethod
     def build_request(self, inputs: TTSInputs) -> Any:

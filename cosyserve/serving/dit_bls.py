@@ -65,8 +65,9 @@ class CosyVoice2DitBLS(TTSBLS):
     def speaker_encoder(self) -> SkipSpeakerEmbedding:
         return SkipSpeakerEmbedding()
 
-    def build_pipeline(self, tokenizer, strategy: str) -> DitTTSPipeline:
-        return DitTTSPipeline(tokenizer, self.llm, TritonDitToken2Wav(), strategy=strategy)
+    def build_pipeline(self, tokenizer, params: dict[str, str]) -> DitTTSPipeline:
+        return DitTTSPipeline(tokenizer, self.llm, TritonDitToken2Wav(),
+                              strategy=params.get("streaming_strategy") or "exponential")
 
     def build_request(self, inputs: TTSInputs) -> DitTTSRequest:
         return dit_request(self.voices, inputs.request_id, inputs.target_text, reference_wav16=inputs.reference_wav,

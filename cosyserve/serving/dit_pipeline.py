@@ -27,7 +27,7 @@ import torch
 
 from ..errors import RequestCancelledError
 from ..llm.prompt import build_prompt_ids
-from ..pipeline.tts import (MAX_TEXT_CHARS, SpeechTokenSource, TokenLimits, Voice, VoiceResolver, never_cancelled,
+from ..pipeline.tts import (MAX_SEGMENT_CHARS, SpeechTokenSource, TokenLimits, Voice, VoiceResolver, never_cancelled,
                             validate_text)
 from ..schedule import DitChunkScheduler, TokenChunk
 from .dit_runtime import SpeakerRef
@@ -78,7 +78,7 @@ class DitTTSPipeline:
     """Text + voice -> 24 kHz waveform, whole (:meth:`synthesize`) or chunk by chunk (:meth:`stream`)."""
 
     def __init__(self, text_tokenizer: Any, llm: SpeechTokenSource, token2wav: DitToken2WavBackend, *,
-                 strategy: str = "exponential", max_text_chars: int = MAX_TEXT_CHARS):
+                 strategy: str = "exponential", max_text_chars: int = MAX_SEGMENT_CHARS):
         DitChunkScheduler(strategy)  # an unknown strategy fails at start-up, not per request
         self.text_tokenizer = text_tokenizer
         self.llm = llm
