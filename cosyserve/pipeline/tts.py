@@ -29,6 +29,7 @@ from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..clip_cache import ClipCache
 from ..errors import InvalidInputError, RequestCancelledError
 from ..frontend.prompt import PromptFeatures, build_prompt_features
+from ..frontend.voice_store import VoiceStore, is_voice_id
 from ..llm.prompt import MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, build_prompt_ids
 from .schedule import ChunkScheduler
 
@@ -44,13 +45,16 @@ class Voice:
 
     ``features`` holds raw speech tokens 0..6560, the prompt mel (2P, 80) and the speaker
     embedding (192,). ``speaker_id`` names a registered voice
-    (spk2info.pt); it lets back ends reuse what they cache per voice (LLM prefix, default
-    speaker inside token2wav).
+    (spk2info.pt) or a stored one (:class:`~cosyserve.frontend.voice_store.VoiceStore`); it lets
+    back ends reuse what they cache per voice (LLM prefix, default speaker inside token2wav).
+    ``cross_lingual``: the voice has no transcript, so the LLM prompt carries neither prompt text
+    nor prompt speech tokens (CosyVoice2's cross-lingual mode); token2wav still uses the features.
     """
 
     prompt_text: str
     features: PromptFeatures
     speaker_id: str | None = None
+    cross_lingual: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class TTSRequest:
     target_text: str
     voice: Voice
     limits: TokenLimits = field(default_factory=TokenLimits)
+    instruction: str | None = None  # instruct mode: ``{instruction}<|endofprompt|>`` replaces the prompt text
 
 
 class SpeechTokenSource(Protocol):
@@ -116,7 +121,8 @@ def validate_text(text: str, what: str = "target_text", max_chars: int = MAX_TEX
 
 class VoiceResolver:
     """A request's voice inputs -> :class:`Voice`: a reference clip with its transcript, a
-    registered speaker id, or neither (the default speaker, "001" of spk2info.pt).
+    registered speaker id, a voice id of ``store`` (voices uploaded through the HTTP API), or
+    neither (the default speaker, "001" of spk2info.pt).
 
     ``tokenizer``/``speaker_encoder`` only need ``tokenize(wav16)`` / ``embed(wav16)``, so the
     ONNX wrappers (in-process) and BLS calls to the Triton front-end models both fit.
@@ -124,13 +130,15 @@ class VoiceResolver:
     Voice agents send the same reference clip with every request: the prompt features of the
     last ``feature_cache_size`` distinct clips are kept, keyed by a hash of the validated
     16 kHz samples (the features depend on nothing else), so a repeated clip skips the speech
-    tokenizer and the speaker encoder. 0 disables the cache.
+    tokenizer and the speaker encoder. 0 disables the cache. A stored voice's features are
+    computed by the first process that needs them and saved with the voice for all the others.
     """
 
     def __init__(self, registry: Any, tokenizer: Any, speaker_encoder: Any, *,
                  default_speaker: str = DEFAULT_SPEAKER, max_text_chars: int = MAX_TEXT_CHARS,
-                 feature_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE):
+                 feature_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE, store: VoiceStore | None = None):
         self.registry = registry
+        self.store = store
         self.tokenizer = tokenizer
         self.speaker_encoder = speaker_encoder
         self.default_speaker = default_speaker
@@ -151,9 +159,19 @@ class VoiceResolver:
             return Voice(reference_text, self._prompt_features(audio))
         if reference_text:
             raise InvalidInputError("reference_text was given without reference_wav; send both or neither")
+        if speaker_id and speaker_id not in self.registry and self.store is not None and is_voice_id(speaker_id):
+            return self._stored_voice(speaker_id)
         speaker = self.registry.get(speaker_id or self.default_speaker)
         return Voice(speaker.prompt_text, speaker.features, speaker.speaker_id)
 
+    def _stored_voice(self, voice_id: str) -> Voice:
+        stored = self.store.get(voice_id)
+        features = self.store.load_features(voice_id)
+        if features is None:
+            audio = prompt_audio_from_array(self.store.audio16(voice_id), TOKENIZER_SAMPLE_RATE)
+            features = build_prompt_features(audio, self.tokenizer, self.speaker_encoder)
+            self.store.save_features(voice_id, features)
+        return Voice(stored.transcript or "", features, voice_id, cross_lingual=stored.transcript is None)
 
     @property
     def cached_clips(self) -> int:
@@ -183,15 +201,22 @@ class TTSPipeline:
         self.strategy = strategy
         self.max_text_chars = max_text_chars
 
-    def prompt_ids(self, target_text: str, voice: Voice) -> list[int]:
-        """``<|sos|>{prompt_text}{target_text}<|task_id|>`` + the voice's speech tokens as LLM ids."""
+    def prompt_ids(self, target_text: str, voice: Voice, instruction: str | None = None) -> list[int]:
+        """``<|sos|>{prompt_text}{target_text}<|task_id|>`` + the voice's speech tokens as LLM ids;
+        with ``instruction`` ``<|sos|>{instruction}<|endofprompt|>{target_text}<|task_id|>``, for a
+        cross-lingual voice ``<|sos|>{target_text}<|task_id|>`` (llm/prompt.py)."""
         validate_text(target_text, "target_text", self.max_text_chars)
+        if instruction is not None:
+            validate_text(instruction, "instruction", self.max_text_chars)
+            return build_prompt_ids(self.text_tokenizer, target_text, instruction=instruction)
+        if voice.cross_lingual:
+            return build_prompt_ids(self.text_tokenizer, target_text)
         tokens = voice.features.speech_tokens
         return build_prompt_ids(self.text_tokenizer, target_text, voice.prompt_text,
                                 [int(t) for t in tokens.reshape(-1).tolist()])
 
     def _start(self, request: TTSRequest) -> Iterator[Sequence[int]]:
-        ids = self.prompt_ids(request.target_text, request.voice)
+        ids = self.prompt_ids(request.target_text, request.voice, request.instruction)
         return self.llm.generate(ids, request.request_id, request.limits)
 
     def synthesize(self, request: TTSRequest, is_cancelled: Callable[[], bool] = never_cancelled) -> np.ndarray:

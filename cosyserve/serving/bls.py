@@ -2,7 +2,9 @@
 
 Inputs (all ``[1, ...]``): ``target_text`` BYTES; optional ``reference_wav`` FP32 (16 kHz) with
 ``reference_wav_len`` INT32 and ``reference_text`` BYTES (zero-shot voice), or ``speaker_id``
-BYTES (a voice of spk2info.pt); neither = the default speaker "001". Optional ``max_tokens`` /
+BYTES (a voice of spk2info.pt, or one uploaded through the HTTP API into the voice store,
+parameter ``voices_dir``, default ``<model_dir>/voices``); neither = the default speaker "001".
+Optional ``instruction`` BYTES selects CosyVoice2's instruct mode. Optional ``max_tokens`` /
 ``min_tokens`` INT32 override the template's speech-token limits for one request.
 Output: ``waveform`` FP32.
 
@@ -38,6 +40,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..frontend.speakers import SpeakerRegistry
+from ..frontend.voice_store import VOICES_DIR, VoiceStore
 from ..llm.backends import create_backend
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, register_voice_prefixes
@@ -179,6 +182,7 @@ class TTSInputs:
     reference_text: str | None
     speaker_id: str | None
     limits: TokenLimits
+    instruction: str | None = None
 
 
 def parse_tts_inputs(request, limits: TokenLimits, max_text_chars: int) -> TTSInputs:
@@ -187,7 +191,8 @@ def parse_tts_inputs(request, limits: TokenLimits, max_text_chars: int) -> TTSIn
     wav = reference_wav(request) if optional_input(request, "reference_wav") is not None else None
     return TTSInputs(f"{request.request_id() or 'tts'}-{uuid.uuid4().hex[:12]}", target_text, wav,
                      optional_text(request, "reference_text"), optional_text(request, "speaker_id"),
-                     limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens")))
+                     limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens")),
+                     optional_text(request, "instruction"))
 
 
 class CosyVoice2BLS:
@@ -202,8 +207,10 @@ class CosyVoice2BLS:
         params = model_parameters(config)
         limit_torch_threads(params)  # dozens of instances; each needs little CPU (prompt mel, resampling)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
-        self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), RemoteSpeakerEncoder())
+        model_dir = Path(required_parameter(params, "model_dir"))
+        registry = SpeakerRegistry.load(model_dir / SPK2INFO)
+        self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), RemoteSpeakerEncoder(),
+                                    store=VoiceStore(params.get("voices_dir") or model_dir / VOICES_DIR))
         self.limits = TokenLimits(int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
                                   int(params.get("min_tokens") or 0))
         tokenizer_dir = required_parameter(params, "llm_tokenizer_dir")
@@ -229,7 +236,7 @@ class CosyVoice2BLS:
     def _parse(self, request) -> TTSRequest:
         f = parse_tts_inputs(request, self.limits, self.pipeline.max_text_chars)
         voice = self.voices.resolve(f.reference_wav, f.reference_text, f.speaker_id)
-        return TTSRequest(f.request_id, f.target_text, voice, f.limits)
+        return TTSRequest(f.request_id, f.target_text, voice, f.limits, f.instruction)
 
     def _stream(self, request) -> None:
         sender = request.get_response_sender()
