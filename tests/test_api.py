@@ -15,6 +15,8 @@ import base64
 import io
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -24,8 +26,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, _die_with_parent, build_model_repo, free_ports,
-                             serve_repo, server_env, wait_http)
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, _die_with_parent, build_model_repo, copy_of_bundle,
+                             free_ports, serve_repo, server_env, wait_http)
 
 pytest.importorskip("pytriton")
 openai = pytest.importorskip("openai")
@@ -41,13 +43,7 @@ TEXT = "你好，世界。"
 @pytest.fixture(scope="module")
 def models_dir(tiny_bundle: Path, tmp_path_factory) -> Path:
     """The tiny bundle with a model directory of its own (the voice store lives in it)."""
-    import shutil
-
-    out = tmp_path_factory.mktemp("api_models")
-    shutil.copytree(tiny_bundle / "CosyVoice2-0.5B", out / "CosyVoice2-0.5B")
-    for name in ("cosyvoice2_llm", "assets"):
-        (out / name).symlink_to(tiny_bundle / name)
-    return out
+    return copy_of_bundle(tiny_bundle, tmp_path_factory.mktemp("api_models"))
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +277,31 @@ def test_health_and_metrics(api, client):
     assert values['cosyserve_api_speech_seconds_count{response_format="pcm"}'] >= 1
     assert values['cosyserve_api_audio_bytes_total{response_format="pcm"}'] >= 2 * SAMPLES
     assert not math.isnan(values['cosyserve_api_speech_seconds_sum{response_format="pcm"}'])
+
+
+def test_run_sh_stop_ends_the_api_started_in_the_background(server, models_dir, tmp_path):
+    """What run.sh stage 3 and ``run.sh stop`` run: cosyserve.api.service start (returns once
+    /health answers) and stop."""
+    (port,) = free_ports(1)
+    pid_file, log = tmp_path / "api.pid", tmp_path / "api.log"
+    start = subprocess.run(
+        [sys.executable, "-m", "cosyserve.api.service", "start", "--pid-file", str(pid_file), "--log", str(log), "--",
+         "--host", "127.0.0.1", "--port", str(port), "--triton-url", server.grpc_url,
+         "--model-dir", str(models_dir / "CosyVoice2-0.5B"), "--tokenizer-dir", str(models_dir / "cosyvoice2_llm")],
+        cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True, timeout=180)
+    assert start.returncode == 0, start.stdout + start.stderr
+    pid = int(pid_file.read_text())
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as response:
+            assert json.load(response)["status"] == "ok"
+        stop = subprocess.run(["bash", str(REPO_ROOT / "run.sh"), "stop"], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=120, env={**server_env(), "API_PID_FILE": str(pid_file), "OUT_DIR": str(tmp_path),
+                                                "SERVER_PID_FILE": str(tmp_path / "no_triton.pid")})
+        assert stop.returncode == 0 and f"stopped cosyserve API (pid {pid})" in stop.stdout, stop.stdout + stop.stderr
+        assert not pid_file.exists() and not Path(f"/proc/{pid}").exists()
+    finally:
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGTERM)
 
 
 CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
