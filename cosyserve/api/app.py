@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tritonclient.utils import InferenceServerException
 
 from ..errors import InvalidInputError
-from ..frontend.voice_store import UnknownVoiceError, VoiceStore
+from ..frontend.voice_store import VOICES_DIR, UnknownVoiceError, VoiceStore
 from ..pipeline.tts import MAX_TEXT_CHARS
 from .encoding import MEDIA_TYPES, RESPONSE_FORMATS, SAMPLE_RATE, make_encoder
 from .errors import APIError, install_handlers, triton_error
@@ -122,8 +122,29 @@ class BodyLimit:
         await self.app(scope, counting_receive, send)
 
 
+class CountRequests:
+    """ASGI middleware: counts responses by route template and status (pure ASGI, so streamed
+    bodies pass straight through)."""
+
+    def __init__(self, app, counter: Counter):
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                self.counter.labels(getattr(route, "path", "unmatched"), str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
 def create_app(settings: Settings) -> FastAPI:
-    store = VoiceStore(settings.voices_dir or settings.model_dir / "voices")
+    store = VoiceStore(settings.voices_dir or settings.model_dir / VOICES_DIR)
     catalog = VoiceCatalog(settings.model_dir / "spk2info.pt", store)
     metrics = Metrics()
     state: dict = {}
@@ -140,12 +161,7 @@ def create_app(settings: Settings) -> FastAPI:
     install_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountRequests, counter=metrics.requests)
 
     def authenticated(request: Request) -> None:
         if not settings.api_keys:
@@ -212,10 +228,12 @@ def create_app(settings: Settings) -> FastAPI:
                            param="transcript")
         try:
             wav16 = await run_in_threadpool(prompt_wav16, data)
+        except InvalidInputError as exc:
+            raise APIError(400, str(exc), param="audio_sample", code="invalid_audio") from None
+        try:
             voice = await run_in_threadpool(store.create, name, wav16, transcript)
         except InvalidInputError as exc:
-            raise APIError(400, str(exc), param="audio_sample" if "audio" in str(exc) else "name",
-                           code="invalid_voice") from None
+            raise APIError(400, str(exc), param="name") from None
         return catalog.get(voice.id)
 
     @app.get("/v1/audio/voices", dependencies=v1)
@@ -275,11 +293,14 @@ async def _encoded(first, chunks: AsyncIterator, encoder, metrics: Metrics, fmt:
     the server aborts the chunked body, so clients see an incomplete response, not a short one.
     """
     samples = 0
-    async for chunk in _prepend(first, chunks):
-        samples += chunk.size
-        data = encoder.encode(chunk)
-        metrics.bytes_out.labels(fmt).inc(len(data))
-        yield data, chunk.size
+    try:
+        async for chunk in _prepend(first, chunks):
+            samples += chunk.size
+            data = encoder.encode(chunk)
+            metrics.bytes_out.labels(fmt).inc(len(data))
+            yield data, chunk.size
+    finally:
+        await chunks.aclose()  # stops the Triton request if the client went away
     data = encoder.finish()
     metrics.bytes_out.labels(fmt).inc(len(data))
     yield data, 0
