@@ -54,14 +54,14 @@ def server(models_dir: Path, tmp_path_factory):
 
 
 class APIProcess:
-    def __init__(self, server, models_dir: Path, log: Path):
+    def __init__(self, server, models_dir: Path, log: Path, triton_url: str | None = None):
         (self.port,) = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "cosyserve.api", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--triton-url", server.grpc_url, "--model-dir", str(models_dir / "CosyVoice2-0.5B"),
+                 "--triton-url", triton_url or server.grpc_url, "--model-dir", str(models_dir / "CosyVoice2-0.5B"),
                  "--tokenizer-dir", str(models_dir / "cosyvoice2_llm"), "--max-upload-bytes", str(2 * 1024 * 1024)],
                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, preexec_fn=_die_with_parent,
                 env={**server_env(), "API_KEYS": API_KEY})
@@ -146,7 +146,7 @@ def test_streaming_pcm_and_wav(client):
     chunks = []
     with client.audio.speech.with_streaming_response.create(model="tts-1", voice="001", input=TEXT,
                                                             response_format="pcm") as response:
-        assert response.headers["content-type"] == "audio/pcm"
+        assert response.headers["content-type"] == "audio/pcm" and response.headers["x-model"] == "tts-1"
         chunks = list(response.iter_bytes(4096))
     pcm = b"".join(chunks)
     assert len(pcm) == 2 * SAMPLES
@@ -278,6 +278,17 @@ def test_health_and_metrics(api, client):
     assert values['cosyserve_api_speech_seconds_count{response_format="pcm"}'] >= 1
     assert values['cosyserve_api_audio_bytes_total{response_format="pcm"}'] >= 2 * SAMPLES
     assert not math.isnan(values['cosyserve_api_speech_seconds_sum{response_format="pcm"}'])
+
+
+def test_without_triton_health_and_speech_are_503(models_dir, tmp_path):
+    (dead_port,) = free_ports(1)
+    api = APIProcess(None, models_dir, tmp_path / "api.log", triton_url=f"127.0.0.1:{dead_port}")
+    try:
+        assert_error(http(api, "GET", "/health", key=None), 503)
+        assert_error(http(api, "POST", "/v1/audio/speech", json={"model": "tts-1", "input": TEXT, "voice": "001"}), 503)
+        assert http(api, "GET", "/v1/audio/voices").status_code == 200  # what needs no Triton still works
+    finally:
+        api.stop()
 
 
 def test_run_sh_stop_ends_the_api_started_in_the_background(server, models_dir, tmp_path):

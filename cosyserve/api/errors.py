@@ -3,12 +3,15 @@ and how Triton's errors map onto HTTP statuses."""
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tritonclient.utils import InferenceServerException
 
+logger = logging.getLogger("cosyserve.api")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
                500: "server_error", 503: "service_unavailable"}
@@ -68,6 +71,11 @@ def install_handlers(app: FastAPI) -> None:
         param = ".".join(location) or None
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
         return APIError(400, message, param=param, code="invalid_value").response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcclient_aio
@@ -64,6 +65,8 @@ class TritonTTS:
                 if waveform is not None and waveform.size:
                     yield waveform.reshape(-1)
             finished = True
+        except grpc.RpcError as exc:  # the stream itself failed (Triton unreachable, gone): not translated there
+            raise InferenceServerException(msg=exc.details(), status=str(exc.code())) from None
         finally:
             if not finished:
                 responses.cancel()
