@@ -294,6 +294,8 @@ def test_without_triton_health_and_speech_are_503(models_dir, tmp_path):
 def test_run_sh_stop_ends_the_api_started_in_the_background(server, models_dir, tmp_path):
     """What run.sh stage 3 and ``run.sh stop`` run: cosyserve.api.service start (returns once
     /health answers) and stop."""
+    from cosyserve.serving.tritonserver import is_running
+
     (port,) = free_ports(1)
     pid_file, log = tmp_path / "api.pid", tmp_path / "api.log"
     start = subprocess.run(
@@ -310,9 +312,9 @@ def test_run_sh_stop_ends_the_api_started_in_the_background(server, models_dir, 
                               timeout=120, env={**server_env(), "API_PID_FILE": str(pid_file), "OUT_DIR": str(tmp_path),
                                                 "SERVER_PID_FILE": str(tmp_path / "no_triton.pid")})
         assert stop.returncode == 0 and f"stopped cosyserve API (pid {pid})" in stop.stdout, stop.stdout + stop.stderr
-        assert not pid_file.exists() and not Path(f"/proc/{pid}").exists()
+        assert not pid_file.exists() and not is_running(pid)  # gone, or a zombie its new parent has not reaped
     finally:
-        if Path(f"/proc/{pid}").exists():
+        if is_running(pid):
             os.kill(pid, signal.SIGTERM)
 
 
@@ -320,8 +322,9 @@ CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
 
 
 def test_playground_plays_audio_in_a_real_browser(api, tmp_path):
-    """The page at / in headless Chromium (Debian's, driven by Playwright): synthesise, the PCM
-    chunks reach Web Audio, no console errors; a screenshot is left in the test's tmp dir."""
+    """The page at / in headless Chromium (Debian's, driven by Playwright): upload a voice,
+    synthesise with it, the PCM chunks reach Web Audio, no console errors; a screenshot is left
+    in the test's tmp dir."""
     sync_api = pytest.importorskip("playwright.sync_api")
     executable = next((path for path in CHROMIUM if Path(path).exists()), None)
     if executable is None:
@@ -337,7 +340,13 @@ def test_playground_plays_audio_in_a_real_browser(api, tmp_path):
             page.add_init_script(f"localStorage.setItem('cosyserve-key', '{API_KEY}')")
             page.goto(api.url + "/")
             page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
-            page.select_option("#voice", "001")
+            reference = tmp_path / "reference.wav"
+            reference.write_bytes(prompt_wav_bytes())
+            page.fill("#voice-name", "browser voice")
+            page.set_input_files("#voice-file", str(reference))
+            page.fill("#voice-transcript", "这是参考音频。")
+            page.click("#upload")  # the new voice is then selected
+            page.wait_for_function("document.querySelector('#voice').value.startsWith('voice_')")
             page.fill("#text", TEXT)
             page.click("#speak")
             page.wait_for_function("window.playground.done", timeout=120_000)

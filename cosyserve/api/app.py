@@ -29,7 +29,7 @@ from tritonclient.utils import InferenceServerException
 from ..errors import InvalidInputError
 from ..frontend.voice_store import VOICES_DIR, UnknownVoiceError, VoiceStore
 from ..pipeline.tts import MAX_TEXT_CHARS
-from .encoding import MEDIA_TYPES, RESPONSE_FORMATS, SAMPLE_RATE, make_encoder
+from .encoding import MEDIA_TYPES, SAMPLE_RATE, make_encoder
 from .errors import APIError, install_handlers, triton_error
 from .triton import Synthesis, TritonTTS
 from .voices import VoiceCatalog, prompt_wav16
@@ -160,8 +160,7 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="cosyserve speech API", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     install_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES)
-
-    app.add_middleware(CountRequests, counter=metrics.requests)
+    app.add_middleware(CountRequests, counter=metrics.requests)  # outermost: counts the 413s too
 
     def authenticated(request: Request) -> None:
         if not settings.api_keys:

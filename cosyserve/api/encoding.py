@@ -27,7 +27,6 @@ PYAV_FORMATS = {
     "aac": ("adts", "aac", {}),
     "flac": ("flac", "flac", {}),
 }
-RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 MEDIA_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac",
                "wav": "audio/wav", "pcm": "audio/pcm"}
 UNKNOWN_SIZE = 0xFFFFFFFF
