@@ -280,6 +280,24 @@ def test_health_and_metrics(api, client):
     assert not math.isnan(values['cosyserve_api_speech_seconds_sum{response_format="pcm"}'])
 
 
+@pytest.mark.parametrize("message, status, expected", [
+    ("unknown voice 'voice_" + "0" * 32 + "': no such voice", None, 404),
+    ("unknown speaker id 'x': 1 speakers are registered", None, 404),
+    ("prompt audio contains NaN or infinite samples", None, 400),
+    ("Request for unknown model: 'cosyvoice2' is not found", None, 503),
+    ("failed to connect to all addresses", "StatusCode.UNAVAILABLE", 503),
+    ("Exceeds maximum queue size", None, 429),
+    ("internal error: RuntimeError: the LLM produced no speech tokens", None, 500),
+])
+def test_triton_errors_map_to_statuses_with_their_message(message, status, expected):
+    from tritonclient.utils import InferenceServerException
+
+    from cosyserve.api.errors import triton_error
+
+    error = triton_error(InferenceServerException(msg=message, status=status))
+    assert error.status == expected and error.envelope()["error"]["message"] == message
+
+
 def test_without_triton_health_and_speech_are_503(models_dir, tmp_path):
     (dead_port,) = free_ports(1)
     api = APIProcess(None, models_dir, tmp_path / "api.log", triton_url=f"127.0.0.1:{dead_port}")
