@@ -63,6 +63,15 @@ def _fsync_write(path: Path, data: bytes) -> None:
         os.fsync(file.fileno())
 
 
+def _fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (the directory entry itself)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class VoiceStore:
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -87,6 +96,7 @@ class VoiceStore:
             _fsync_write(staging / "voice.json", json.dumps(asdict(voice), ensure_ascii=False).encode())
             staging.chmod(0o755)  # mkdtemp makes 0700; Triton may run as another user
             os.rename(staging, self.root / voice.id)
+            _fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -121,6 +131,7 @@ class VoiceStore:
             os.rename(path, trash)
         except FileNotFoundError:
             raise UnknownVoiceError(f"unknown voice {voice_id!r}: no such voice (deleted, or never created)") from None
+        _fsync_dir(self.root)
         shutil.rmtree(trash, ignore_errors=True)
 
     def audio16(self, voice_id: str) -> np.ndarray:
