@@ -72,6 +72,11 @@ METRICS_PORT=${METRICS_PORT:-8002}
 SERVER_LOG=${SERVER_LOG:-$repo_root/outputs/tritonserver.log}
 SERVER_PID_FILE=${SERVER_PID_FILE:-$repo_root/outputs/tritonserver.pid}
 SERVER_START_TIMEOUT=${SERVER_START_TIMEOUT:-600}
+# The OpenAI-compatible API (python -m cosyserve.api) that stage 3 starts next to Triton; API_PORT= (empty): not
+# started. API_KEYS=k1,k2 or API_KEY_FILE: Bearer keys it requires (none: open). docs/api.md.
+API_PORT=${API_PORT-8080}
+API_LOG=${API_LOG:-$repo_root/outputs/api.log}
+API_PID_FILE=${API_PID_FILE:-$repo_root/outputs/api.pid}
 NUM_TASKS=${NUM_TASKS:-4}
 CLIENT_MODE=${CLIENT_MODE:-}                  # default: streaming if DECOUPLED_MODE=True
 DATASET=${DATASET:-}                          # HuggingFace dataset for stage 5/6, e.g. yuekai/seed_tts_cosy2
@@ -132,6 +137,7 @@ use_venv() {
 
 if [ "$stage" = "stop" ]; then
   use_venv
+  "$PY" -m cosyserve.api.service stop --pid-file "$API_PID_FILE"
   "$PY" -m cosyserve.serving.tritonserver stop --pid-file "$SERVER_PID_FILE"
   stop_mps
   exit 0
@@ -240,6 +246,12 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
     --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" --metrics-port "$METRICS_PORT" \
     --log "$SERVER_LOG" --pid-file "$SERVER_PID_FILE" --timeout "$SERVER_START_TIMEOUT"
   log "Triton is ready. Stop it with: bash run.sh stop"
+  if [ -n "$API_PORT" ]; then
+    "$PY" -m cosyserve.api.service start --pid-file "$API_PID_FILE" --log "$API_LOG" -- --port "$API_PORT" \
+      --triton-url "127.0.0.1:$GRPC_PORT" --model-dir "$MODELS_DIR/CosyVoice2-0.5B" \
+      --tokenizer-dir "$MODELS_DIR/cosyvoice2_llm" || die "the API did not start (log: $API_LOG)"
+    log "OpenAI-compatible API on http://127.0.0.1:$API_PORT (playground at /, log: $API_LOG)"
+  fi
 fi
 
 client_mode() {

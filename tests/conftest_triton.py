@@ -60,6 +60,15 @@ def template_values(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_i
     }
 
 
+def copy_of_bundle(tiny_bundle: Path, out: Path) -> Path:
+    """``out`` with a copy of the bundle's CosyVoice2 directory (spk2info.pt and the voice store
+    may change there) and links to the rest."""
+    shutil.copytree(tiny_bundle / "CosyVoice2-0.5B", out / "CosyVoice2-0.5B")
+    for name in ("cosyvoice2_llm", "assets"):
+        (out / name).symlink_to(tiny_bundle / name)
+    return out
+
+
 def build_model_repo(models_dir: Path, repo: Path, *, max_tokens: int, min_tokens: int, bls_instances: int) -> Path:
     """Streaming ``cosyvoice2`` + its offline twin ``cosyvoice2_offline`` + the four shared models."""
     fill = _fill_template_module().fill

@@ -129,6 +129,64 @@ def test_prompt_ids_follow_the_reference_layout(text_tokenizer):
     assert text_tokenizer.decode(ids[1:-4]) == "提示文本。你好，世界。"
 
 
+def test_instruct_and_cross_lingual_prompts(text_tokenizer):
+    """Instruct: ``<|sos|>{instruction}<|endofprompt|>{text}<|task_id|>`` without prompt speech
+    tokens; a cross-lingual voice: ``<|sos|>{text}<|task_id|>``; token2wav keeps the voice."""
+    from cosyserve.llm.prompt import ENDOFPROMPT
+
+    llm, token2wav = FakeLLM(), FakeToken2Wav()
+    pipeline = make(text_tokenizer, llm, token2wav)
+    pipeline.synthesize(TTSRequest("i", "你好，世界。", VOICE, TokenLimits(3, 3), instruction="用开心的语气说"))
+    cross = Voice("", VOICE.features, "voice_x", cross_lingual=True)
+    pipeline.synthesize(TTSRequest("c", "你好，世界。", cross, TokenLimits(3, 3)))
+    instruct_ids, cross_ids = llm.prompts
+    assert instruct_ids[0] == SOS_ID and instruct_ids[-1] == TASK_ID
+    assert text_tokenizer.decode(instruct_ids[1:-1]) == f"用开心的语气说{ENDOFPROMPT}你好，世界。"
+    assert cross_ids[0] == SOS_ID and cross_ids[-1] == TASK_ID
+    assert text_tokenizer.decode(cross_ids[1:-1]) == "你好，世界。"
+    with pytest.raises(InvalidInputError, match="instruction is empty"):
+        pipeline.synthesize(TTSRequest("e", "你好。", VOICE, TokenLimits(3, 3), instruction=" "))
+
+
+def test_stored_voices_are_resolved_by_id_and_their_features_computed_once(tiny_bundle, tmp_path):
+    from cosyserve.bundle import synthetic_prompt_wave
+    from cosyserve.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
+    from cosyserve.frontend.speakers import SpeakerRegistry
+    from cosyserve.frontend.voice_store import UnknownVoiceError, VoiceStore
+    from cosyserve.pipeline.tts import VoiceResolver
+
+    model_dir = tiny_bundle / "CosyVoice2-0.5B"
+    calls = []
+
+    class CountingTokenizer(SpeechTokenizer):
+        def tokenize(self, wav16):
+            calls.append("tokenize")
+            return super().tokenize(wav16)
+
+    store = VoiceStore(tmp_path / "voices")
+    resolver = VoiceResolver(SpeakerRegistry.load(model_dir / "spk2info.pt"),
+                             CountingTokenizer(model_dir / "speech_tokenizer_v2.onnx"),
+                             SpeakerEncoder(model_dir / "campplus.onnx"), store=store)
+    wave = synthetic_prompt_wave(2.0, seed=5).astype(np.float32)
+    zero_shot = store.create("a", wave, "参考文本。")
+    cross = store.create("b", wave, None)
+    first = resolver.resolve(speaker_id=zero_shot.id)
+    again = VoiceResolver(resolver.registry, resolver.tokenizer, resolver.speaker_encoder,
+                          store=VoiceStore(store.root)).resolve(speaker_id=zero_shot.id)  # another instance
+    assert calls == ["tokenize"] and (store.root / zero_shot.id / "features.pt").exists()
+    assert first.prompt_text == "参考文本。" and not first.cross_lingual and first.speaker_id == zero_shot.id
+    assert torch.equal(first.features.speech_tokens, again.features.speech_tokens)
+    assert resolver.resolve(speaker_id=cross.id).cross_lingual
+    assert {v.id for v in store.list()} == {zero_shot.id, cross.id}
+    store.delete(zero_shot.id)
+    with pytest.raises(UnknownVoiceError):
+        resolver.resolve(speaker_id=zero_shot.id)
+    for bad in ("../spk2info.pt", "voice_../../x", "voice_" + "g" * 32):
+        with pytest.raises(UnknownVoiceError):
+            store.get(bad)
+    assert not list(store.root.glob(".*"))  # no staging or deleted directories left behind
+
+
 def test_offline_makes_one_token2wav_call_with_every_token(text_tokenizer):
     token2wav = FakeToken2Wav()
     audio = make(text_tokenizer, token2wav=token2wav).synthesize(request(37))

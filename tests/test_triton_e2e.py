@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,10 +23,9 @@ import soundfile as sf
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_llm_caller_repo,
-                             build_model_repo, crash_report, expected_chunk_samples, free_ports, grpc_input, metrics,
-                             serve_repo, server_env, stream_tts,
-                             template_values, token_limits, wait_until_idle)
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_llm_caller_repo, build_model_repo,
+                             copy_of_bundle, crash_report, expected_chunk_samples, free_ports, grpc_input, metrics,
+                             serve_repo, server_env, stream_tts, template_values, token_limits, wait_until_idle)
 
 pytest.importorskip("pytriton")  # the bundled tritonserver
 
@@ -47,10 +45,7 @@ def models_dir(tiny_bundle: Path, tmp_path_factory) -> Path:
     from cosyserve.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
     from cosyserve.frontend.speakers import SpeakerRegistry
 
-    out = tmp_path_factory.mktemp("e2e_models")
-    shutil.copytree(tiny_bundle / "CosyVoice2-0.5B", out / "CosyVoice2-0.5B")
-    for name in ("cosyvoice2_llm", "assets"):
-        (out / name).symlink_to(tiny_bundle / name)
+    out = copy_of_bundle(tiny_bundle, tmp_path_factory.mktemp("e2e_models"))
     model_dir = out / "CosyVoice2-0.5B"
     registry = SpeakerRegistry.load(model_dir / "spk2info.pt")
     registry.register("spk2", prompt_audio_from_array(synthetic_prompt_wave(seed=7), 16000), "另一个声音。",

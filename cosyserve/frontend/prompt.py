@@ -34,14 +34,17 @@ class Voice:
     """Who speaks: the prompt the LLM continues and the features token2wav is conditioned on.
 
     ``features`` holds raw speech tokens 0..6560, the prompt mel (2P, 80) and the speaker
-    embedding (192,). ``speaker_id`` names a registered voice
-    (spk2info.pt); it lets back ends reuse what they cache per voice (LLM prefix, default
-    speaker inside token2wav).
+    embedding (192,). ``speaker_id`` names a registered voice (spk2info.pt) or a stored one
+    (:class:`~cosyserve.frontend.voice_store.VoiceStore`); it lets back ends reuse what they cache
+    per voice (LLM prefix, default speaker inside token2wav). ``cross_lingual``: the voice has no
+    transcript, so the LLM prompt carries neither prompt text nor prompt speech tokens
+    (CosyVoice2's cross-lingual mode); token2wav still uses the features.
     """
 
     prompt_text: str
     features: PromptFeatures
     speaker_id: str | None = None
+    cross_lingual: bool = False
 
 
 def prompt_mel(wav24: torch.Tensor) -> torch.Tensor:

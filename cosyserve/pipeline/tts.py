@@ -39,6 +39,7 @@ from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..clip_cache import ClipCache
 from ..errors import InvalidInputError, RequestCancelledError
 from ..frontend.prompt import PromptFeatures, Voice, build_prompt_features
+from ..frontend.voice_store import VoiceStore, is_voice_id
 from ..llm.prompt import MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, build_prompt_ids
 from ..schedule import ChunkScheduler
 from ..text import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS, TextFrontend
@@ -75,6 +76,7 @@ class TTSRequest:
     voice: Voice
     limits: TokenLimits = field(default_factory=TokenLimits)  # per segment
     text_frontend: bool = True  # normalise and split target_text (and a reference clip's transcript)
+    instruction: str | None = None  # instruct mode: ``{instruction}<|endofprompt|>`` replaces the prompt text
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,8 @@ def validate_text(text: str, what: str = "target_text", max_chars: int = MAX_SEG
 
 class VoiceResolver:
     """A request's voice inputs -> :class:`Voice`: a reference clip with its transcript, a
-    registered speaker id, or neither (the default speaker, "001" of spk2info.pt).
+    registered speaker id, a voice id of ``store`` (voices uploaded through the HTTP API), or
+    neither (the default speaker, "001" of spk2info.pt).
 
     ``tokenizer``/``speaker_encoder`` only need ``tokenize(wav16)`` / ``embed(wav16)``, so the
     ONNX wrappers (in-process) and BLS calls to the Triton front-end models both fit.
@@ -130,13 +133,15 @@ class VoiceResolver:
     Voice agents send the same reference clip with every request: the prompt features of the
     last ``feature_cache_size`` distinct clips are kept, keyed by a hash of the validated
     16 kHz samples (the features depend on nothing else), so a repeated clip skips the speech
-    tokenizer and the speaker encoder. 0 disables the cache.
+    tokenizer and the speaker encoder. 0 disables the cache. A stored voice's features are
+    computed by the first process that needs them and saved with the voice for all the others.
     """
 
     def __init__(self, registry: Any, tokenizer: Any, speaker_encoder: Any, *,
                  default_speaker: str = DEFAULT_SPEAKER, max_text_chars: int = MAX_SEGMENT_CHARS,
-                 feature_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE):
+                 feature_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE, store: VoiceStore | None = None):
         self.registry = registry
+        self.store = store
         self.tokenizer = tokenizer
         self.speaker_encoder = speaker_encoder
         self.default_speaker = default_speaker
@@ -157,9 +162,19 @@ class VoiceResolver:
             return Voice(reference_text, self._prompt_features(audio))
         if reference_text:
             raise InvalidInputError("reference_text was given without reference_wav; send both or neither")
+        if speaker_id and speaker_id not in self.registry and self.store is not None and is_voice_id(speaker_id):
+            return self._stored_voice(speaker_id)
         speaker = self.registry.get(speaker_id or self.default_speaker)
         return Voice(speaker.prompt_text, speaker.features, speaker.speaker_id)
 
+    def _stored_voice(self, voice_id: str) -> Voice:
+        stored = self.store.get(voice_id)
+        features = self.store.load_features(voice_id)
+        if features is None:
+            audio = prompt_audio_from_array(self.store.audio16(voice_id), TOKENIZER_SAMPLE_RATE)
+            features = build_prompt_features(audio, self.tokenizer, self.speaker_encoder)
+            self.store.save_features(voice_id, features)
+        return Voice(stored.transcript or "", features, voice_id, cross_lingual=stored.transcript is None)
 
     @property
     def cached_clips(self) -> int:
@@ -195,10 +210,18 @@ class TTSPipeline:
     def max_text_chars(self) -> int:
         return self.text.max_text_chars
 
-    def prompt_ids(self, segment: str, voice: Voice, prompt_text: str | None = None) -> list[int]:
+    def prompt_ids(self, segment: str, voice: Voice, prompt_text: str | None = None,
+                   instruction: str | None = None) -> list[int]:
         """``<|sos|>{prompt_text}{segment}<|task_id|>`` + the voice's speech tokens as LLM ids
-        (``prompt_text``: the voice's, or its normalised form from :meth:`voice_prompt_text`)."""
+        (``prompt_text``: the voice's, or its normalised form from :meth:`voice_prompt_text`); with
+        ``instruction`` ``<|sos|>{instruction}<|endofprompt|>{segment}<|task_id|>``, for a
+        cross-lingual voice ``<|sos|>{segment}<|task_id|>`` (llm/prompt.py)."""
         validate_text(segment, "target_text", self.text.max_segment_chars)
+        if instruction is not None:
+            validate_text(instruction, "instruction", self.text.max_segment_chars)
+            return build_prompt_ids(self.text_tokenizer, segment, instruction=instruction)
+        if voice.cross_lingual:
+            return build_prompt_ids(self.text_tokenizer, segment)
         tokens = voice.features.speech_tokens
         return build_prompt_ids(self.text_tokenizer, segment, voice.prompt_text if prompt_text is None else prompt_text,
                                 [int(t) for t in tokens.reshape(-1).tolist()])
@@ -216,7 +239,7 @@ class TTSPipeline:
             if prompt_text is None:
                 prompt_text = self.voice_prompt_text(request.voice, request.text_frontend)
             yield SegmentPrompt(request.request_id if k == 0 else f"{request.request_id}.{k}", segment,
-                                self.prompt_ids(segment, request.voice, prompt_text))
+                                self.prompt_ids(segment, request.voice, prompt_text, request.instruction))
 
     def synthesize(self, request: TTSRequest, is_cancelled: Callable[[], bool] = never_cancelled) -> np.ndarray:
         """The whole waveform (float32, 24 kHz) in one piece: the segments' waveforms concatenated.

@@ -3,7 +3,9 @@
 Inputs, outputs and responses: :mod:`cosyserve.serving.bls_base`. Streaming chunks follow
 ChunkScheduler (template parameter ``streaming_strategy``). The text is normalised and split into
 segments (:mod:`cosyserve.text`) unless the optional ``text_frontend`` BOOL input is false;
-parameter ``max_text_chars`` bounds it. The orchestration is
+parameter ``max_text_chars`` bounds it. Besides spk2info.pt, ``speaker_id`` may name a voice uploaded
+through the HTTP API into the voice store (parameter ``voices_dir``, default ``<model_dir>/voices``);
+the optional ``instruction`` BYTES input selects CosyVoice2's instruct mode. The orchestration is
 :class:`~cosyserve.pipeline.tts.TTSPipeline`; this module only supplies its back ends as BLS
 requests to the ``audio_tokenizer``, ``speaker_embedding``, LLM and ``token2wav`` models.
 
@@ -23,6 +25,7 @@ Speech tokens come from one of:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -30,6 +33,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..frontend.speakers import SpeakerRegistry
+from ..frontend.voice_store import VOICES_DIR, VoiceStore
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from ..llm.sampling import REFERENCE_SAMPLING
 from ..pipeline.tts import DEFAULT_SPEAKER, MAX_TEXT_CHARS, TokenLimits, TTSPipeline, TTSRequest, Voice
@@ -141,13 +145,17 @@ class CosyVoice2BLS(TTSBLS):
     def speaker_encoder(self) -> RemoteSpeakerEncoder:
         return RemoteSpeakerEncoder()
 
+    def voice_store(self, params: dict[str, str], model_dir: Path) -> VoiceStore:
+        return VoiceStore(params.get("voices_dir") or model_dir / VOICES_DIR)
+
     def build_pipeline(self, tokenizer, params: dict[str, str]) -> TTSPipeline:
         return TTSPipeline(tokenizer, self.llm, TritonToken2Wav(),
                            strategy=params.get("streaming_strategy") or "exponential", max_text_chars=int(params.get("max_text_chars") or MAX_TEXT_CHARS))
 
     def build_request(self, inputs: TTSInputs) -> TTSRequest:
         voice = self.voices.resolve(inputs.reference_wav, inputs.reference_text, inputs.speaker_id)
-        return TTSRequest(inputs.request_id, inputs.target_text, voice, inputs.limits, inputs.text_frontend)
+        return TTSRequest(inputs.request_id, inputs.target_text, voice, inputs.limits, inputs.text_frontend,
+                          inputs.instruction)
 
     def release_finished(self, is_cancelled) -> None:
         if isinstance(self.llm, TritonSpeechTokens):

@@ -4,7 +4,8 @@ Both take the same inputs (all ``[1, ...]``): ``target_text`` BYTES; optional ``
 FP32 (16 kHz) with ``reference_wav_len`` INT32 and ``reference_text`` BYTES (zero-shot voice), or
 ``speaker_id`` BYTES (a voice of spk2info.pt); neither = the default speaker "001". Optional
 ``max_tokens`` / ``min_tokens`` INT32 override the template's speech-token limits for one request.
-Output: ``waveform`` FP32. ``decoupled`` true streams one response per chunk, then an empty one
+The ``cosyvoice2`` model also takes ``text_frontend`` BOOL and ``instruction`` BYTES (optional;
+:mod:`cosyserve.serving.bls`). Output: ``waveform`` FP32. ``decoupled`` true streams one response per chunk, then an empty one
 with the final flag (or the error with it); false answers once.
 
 :class:`TTSBLS` does the Triton side (parameters, request parsing, responses); a subclass names
@@ -81,6 +82,7 @@ class TTSInputs:
     speaker_id: str | None
     limits: TokenLimits
     text_frontend: bool  # optional input ``text_frontend`` (default true): normalise and split the text
+    instruction: str | None  # optional input ``instruction``: instruct mode
 
 
 def parse_tts_inputs(request, limits: TokenLimits, max_text_chars: int) -> TTSInputs:
@@ -91,7 +93,7 @@ def parse_tts_inputs(request, limits: TokenLimits, max_text_chars: int) -> TTSIn
     return TTSInputs(f"{request.request_id() or 'tts'}-{uuid.uuid4().hex[:12]}", target_text, wav,
                      optional_text(request, "reference_text"), optional_text(request, "speaker_id"),
                      limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens")),
-                     True if text_frontend is None else bool(text_frontend))
+                     True if text_frontend is None else bool(text_frontend), optional_text(request, "instruction"))
 
 
 class TTSBLS(ABC):
@@ -112,8 +114,10 @@ class TTSBLS(ABC):
         params = model_parameters(config)
         limit_torch_threads(params)  # dozens of instances; each needs little CPU (prompt mel, resampling)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
-        self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), self.speaker_encoder())
+        model_dir = Path(required_parameter(params, "model_dir"))
+        registry = SpeakerRegistry.load(model_dir / SPK2INFO)
+        self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), self.speaker_encoder(),
+                                    store=self.voice_store(params, model_dir))
         self.limits = TokenLimits(int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
                                   int(params.get("min_tokens") or 0))
         tokenizer_dir = required_parameter(params, "llm_tokenizer_dir")
@@ -128,6 +132,11 @@ class TTSBLS(ABC):
     @abstractmethod
     def speaker_encoder(self):
         """What :class:`~cosyserve.pipeline.tts.VoiceResolver` embeds a reference clip with."""
+
+    def voice_store(self, params: dict[str, str], model_dir: Path):
+        """Where :class:`~cosyserve.pipeline.tts.VoiceResolver` finds voices uploaded through the HTTP
+        API (:class:`~cosyserve.frontend.voice_store.VoiceStore`), or None: only registered voices."""
+        return None
 
     @abstractmethod
     def build_pipeline(self, tokenizer, params: dict[str, str]):

@@ -1,0 +1,335 @@
+"""The OpenAI-compatible HTTP API (FastAPI) in front of Triton's streaming ``cosyvoice2`` model.
+
+Endpoints (docs/api.md): ``POST /v1/audio/speech``, ``POST/GET /v1/audio/voices``,
+``GET/DELETE /v1/audio/voices/{id}``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+and the playground page at ``/``.
+
+A speech request waits for its first audio chunk before answering, so that everything Triton
+rejects (bad text, unknown voice, overload) is still an HTTP error with OpenAI's envelope;
+from then on the encoded audio is sent as it is produced.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Literal
+
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from tritonclient.utils import InferenceServerException
+
+from ..errors import InvalidInputError
+from ..frontend.voice_store import VOICES_DIR, UnknownVoiceError, VoiceStore
+from ..pipeline.tts import MAX_TEXT_CHARS
+from .encoding import MEDIA_TYPES, SAMPLE_RATE, make_encoder
+from .errors import APIError, install_handlers, triton_error
+from .triton import Synthesis, TritonTTS
+from .voices import VoiceCatalog, prompt_wav16
+
+STATIC_DIR = Path(__file__).parent / "static"
+SAMPLES_PER_SPEECH_TOKEN = SAMPLE_RATE // 25  # CosyVoice2 speaks 25 speech tokens per second
+MAX_UPLOAD_BYTES = 10 * 1024 * 1024
+MULTIPART_OVERHEAD_BYTES = 64 * 1024  # the form fields besides the audio file
+
+
+@dataclass
+class Settings:
+    triton_url: str  # gRPC host:port
+    model_dir: Path  # the CosyVoice2 directory: spk2info.pt (built-in voices)
+    tokenizer_dir: Path  # the LLM's tokenizer: input tokens of the usage report
+    voices_dir: Path | None = None  # default <model_dir>/voices, where the BLS looks too
+    model: str = "cosyvoice2"  # the streaming Triton model
+    api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
+    max_input_chars: int = MAX_TEXT_CHARS  # what one BLS request takes
+    max_upload_bytes: int = MAX_UPLOAD_BYTES
+
+
+class VoiceRef(BaseModel):
+    id: str
+
+
+class SpeechRequest(BaseModel):
+    """OpenAI's ``audio.speech.create`` body; unknown fields are ignored, not rejected."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: str
+    voice: str | VoiceRef
+    instructions: str | None = None
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+    stream: bool | None = None  # accepted (other servers take it); every response streams
+    language: str | None = None  # accepted; CosyVoice2 reads the language from the text
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("cosyserve_api_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        buckets = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
+        self.first_audio = Histogram("cosyserve_api_time_to_first_audio_seconds",
+                                     "Speech request received -> first audio bytes ready", ["response_format"],
+                                     buckets=buckets, registry=self.registry)
+        self.total = Histogram("cosyserve_api_speech_seconds", "Speech request received -> last audio bytes sent",
+                               ["response_format"], buckets=buckets, registry=self.registry)
+        self.bytes_out = Counter("cosyserve_api_audio_bytes", "Audio bytes sent (encoded, before base64)",
+                                 ["response_format"], registry=self.registry)
+        self.audio_seconds = Counter("cosyserve_api_audio_seconds", "Seconds of audio synthesised",
+                                     registry=self.registry)
+
+
+def _bearer_key(request: Request) -> str | None:
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+
+
+class BodyLimit:
+    """ASGI middleware: a request body larger than ``limit`` bytes gets 413 (by its Content-Length,
+    or while a chunked body is read)."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        too_large = APIError(413, f"request body is larger than {self.limit} bytes", code="body_too_large")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await too_large.response()(scope, receive, send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise too_large
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+class CountRequests:
+    """ASGI middleware: counts responses by route template and status (pure ASGI, so streamed
+    bodies pass straight through)."""
+
+    def __init__(self, app, counter: Counter):
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                self.counter.labels(getattr(route, "path", "unmatched"), str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    store = VoiceStore(settings.voices_dir or settings.model_dir / VOICES_DIR)
+    catalog = VoiceCatalog(settings.model_dir / "spk2info.pt", store)
+    metrics = Metrics()
+    state: dict = {}
+
+    async def lifespan(app: FastAPI):
+        from transformers import AutoTokenizer
+
+        state["tokenizer"] = AutoTokenizer.from_pretrained(str(settings.tokenizer_dir))
+        state["triton"] = TritonTTS(settings.triton_url, settings.model)
+        yield
+        await state["triton"].close()
+
+    app = FastAPI(title="cosyserve speech API", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    install_handlers(app)
+    app.add_middleware(BodyLimit, limit=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES)
+    app.add_middleware(CountRequests, counter=metrics.requests)  # outermost: counts the 413s too
+
+    def authenticated(request: Request) -> None:
+        if not settings.api_keys:
+            return
+        key = _bearer_key(request)
+        if key is None:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                           code="missing_api_key")
+        if not any(secrets.compare_digest(key, allowed) for allowed in settings.api_keys):
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+
+    v1 = [Depends(authenticated)]
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(STATIC_DIR / "playground.html", media_type="text/html")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if await state["triton"].ready():
+            return JSONResponse({"status": "ok", "model": settings.model})
+        raise APIError(503, f"Triton model {settings.model!r} at {settings.triton_url} is not ready",
+                       code="triton_unavailable")
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0,
+                                            "owned_by": "cosyserve"}]}
+
+    @app.post("/v1/audio/speech", dependencies=v1)
+    async def speech(body: SpeechRequest) -> StreamingResponse:
+        started = time.monotonic()
+        synthesis = _synthesis(body, catalog, settings.max_input_chars)
+        chunks = state["triton"].stream(synthesis)
+        try:
+            first = await anext(chunks)
+        except StopAsyncIteration:
+            raise APIError(500, "Triton returned no audio for this request", code="triton_error") from None
+        except InferenceServerException as exc:
+            raise triton_error(exc) from None
+        fmt = body.response_format
+        metrics.first_audio.labels(fmt).observe(time.monotonic() - started)
+        encoded = _encoded(first, chunks, make_encoder(fmt), metrics, fmt, started)
+        headers = {"X-Model": body.model}
+        if body.stream_format == "sse":
+            input_tokens = len(state["tokenizer"].encode(body.input, add_special_tokens=False))
+            return StreamingResponse(_sse_events(encoded, input_tokens), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        return StreamingResponse(_bytes_only(encoded), media_type=MEDIA_TYPES[fmt], headers=headers)
+
+    @app.post("/v1/audio/voices", dependencies=v1)
+    async def create_voice(name: str = Form(...), audio_sample: UploadFile = File(...),
+                           transcript: str | None = Form(None)) -> dict:
+        data = await audio_sample.read(settings.max_upload_bytes + 1)
+        if len(data) > settings.max_upload_bytes:
+            raise APIError(413, f"audio_sample is larger than {settings.max_upload_bytes} bytes", param="audio_sample",
+                           code="upload_too_large")
+        if transcript is not None and len(transcript) > settings.max_input_chars:
+            raise APIError(400, f"transcript has {len(transcript)} characters; at most {settings.max_input_chars}",
+                           param="transcript")
+        try:
+            wav16 = await run_in_threadpool(prompt_wav16, data)
+        except InvalidInputError as exc:
+            raise APIError(400, str(exc), param="audio_sample", code="invalid_audio") from None
+        try:
+            voice = await run_in_threadpool(store.create, name, wav16, transcript)
+        except InvalidInputError as exc:
+            raise APIError(400, str(exc), param="name") from None
+        return catalog.get(voice.id)
+
+    @app.get("/v1/audio/voices", dependencies=v1)
+    async def list_voices() -> dict:
+        return {"object": "list", "data": await run_in_threadpool(catalog.list)}
+
+    @app.get("/v1/audio/voices/{voice_id}", dependencies=v1)
+    async def get_voice(voice_id: str) -> dict:
+        try:
+            return catalog.get(voice_id)
+        except UnknownVoiceError as exc:
+            raise APIError(404, str(exc), param="voice_id", code="voice_not_found") from None
+
+    @app.delete("/v1/audio/voices/{voice_id}", dependencies=v1)
+    async def delete_voice(voice_id: str) -> dict:
+        try:
+            catalog.delete(voice_id)
+        except UnknownVoiceError as exc:
+            raise APIError(404, str(exc), param="voice_id", code="voice_not_found") from None
+        except InvalidInputError as exc:
+            raise APIError(400, str(exc), param="voice_id") from None
+        return {"object": "audio.voice.deleted", "id": voice_id, "deleted": True}
+
+    return app
+
+
+def _synthesis(body: SpeechRequest, catalog: VoiceCatalog, max_chars: int) -> Synthesis:
+    """The request's checks that need no Triton round trip."""
+    if not body.input.strip():
+        raise APIError(400, "input is empty; send the text to synthesise", param="input", code="empty_input")
+    if len(body.input) > max_chars:
+        raise APIError(400, f"input has {len(body.input)} characters; at most {max_chars} are accepted per request",
+                       param="input", code="input_too_long")
+    if body.speed != 1.0:
+        raise APIError(400, f"speed {body.speed:g} cannot be honoured: audio is streamed as it is generated and "
+                            "CosyVoice2 changes the speed only of a whole utterance; send speed 1.0",
+                       param="speed", code="unsupported_speed")
+    if body.instructions is not None and not body.instructions.strip():
+        raise APIError(400, "instructions is empty; leave it out or describe the speaking style",
+                       param="instructions")
+    if body.instructions is not None and len(body.instructions) > max_chars:
+        raise APIError(400, f"instructions has {len(body.instructions)} characters; at most {max_chars}",
+                       param="instructions")
+    voice = body.voice.id if isinstance(body.voice, VoiceRef) else body.voice
+    try:
+        speaker_id = catalog.speaker_id(voice)
+    except UnknownVoiceError as exc:
+        raise APIError(404, str(exc), param="voice", code="voice_not_found") from None
+    return Synthesis(body.input, speaker_id, body.instructions)
+
+
+async def _encoded(first, chunks: AsyncIterator, encoder, metrics: Metrics, fmt: str,
+                   started: float) -> AsyncIterator[tuple[bytes, int]]:
+    """(encoded bytes, samples) per chunk, then the encoder's tail with 0 samples.
+
+    A failure after the first chunk cannot change the HTTP status any more: it propagates, and
+    the server aborts the chunked body, so clients see an incomplete response, not a short one.
+    """
+    samples = 0
+    try:
+        async for chunk in _prepend(first, chunks):
+            samples += chunk.size
+            data = encoder.encode(chunk)
+            metrics.bytes_out.labels(fmt).inc(len(data))
+            yield data, chunk.size
+    finally:
+        await chunks.aclose()  # stops the Triton request if the client went away
+    data = encoder.finish()
+    metrics.bytes_out.labels(fmt).inc(len(data))
+    yield data, 0
+    metrics.total.labels(fmt).observe(time.monotonic() - started)
+    metrics.audio_seconds.inc(samples / SAMPLE_RATE)
+
+
+async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def _bytes_only(encoded: AsyncIterator[tuple[bytes, int]]) -> AsyncIterator[bytes]:
+    async for data, _ in encoded:
+        if data:
+            yield data
+
+
+async def _sse_events(encoded: AsyncIterator[tuple[bytes, int]], input_tokens: int) -> AsyncIterator[str]:
+    """OpenAI's speech SSE stream: ``speech.audio.delta`` events, then ``speech.audio.done`` with usage."""
+    samples = 0
+    async for data, count in encoded:
+        samples += count
+        if data:
+            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+    output_tokens = samples // SAMPLES_PER_SPEECH_TOKEN
+    yield _event({"type": "speech.audio.done", "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                                                          "total_tokens": input_tokens + output_tokens}})
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"

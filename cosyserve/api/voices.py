@@ -1,0 +1,88 @@
+"""The voices the API offers: the built-in ones of spk2info.pt and those uploaded into the
+:class:`~cosyserve.frontend.voice_store.VoiceStore` that the Triton BLS reads by id."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+
+from ..audio.io import prompt_audio_from_array
+from ..errors import InvalidInputError
+from ..frontend.speakers import SpeakerRegistry
+from ..frontend.voice_store import StoredVoice, UnknownVoiceError, VoiceStore
+from ..pipeline.tts import DEFAULT_SPEAKER
+
+# OpenAI's voice names: clients hard-code them, so they select the default speaker here.
+OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse",
+                      "marin", "cedar")
+
+
+def decode_upload(data: bytes) -> tuple[np.ndarray, int]:
+    """An uploaded audio file (any format FFmpeg reads) -> mono float32 samples and their rate."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.audio:
+                raise InvalidInputError("audio_sample has no audio stream")
+            stream = container.streams.audio[0]
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=stream.rate)
+            pieces = [out.to_ndarray().reshape(-1) for frame in container.decode(stream)
+                      for out in resampler.resample(frame)]
+            rate = stream.rate
+    except av.FFmpegError as exc:
+        raise InvalidInputError(f"audio_sample is not a readable audio file ({exc})") from None
+    if not pieces:
+        raise InvalidInputError("audio_sample holds no audio")
+    return np.concatenate(pieces).astype(np.float32), int(rate)
+
+
+def prompt_wav16(data: bytes) -> np.ndarray:
+    """The upload checked with the server's prompt rules (rate >= 16 kHz, 0.5-30 s, finite, not
+    silent) and resampled to the 16 kHz that the voice store keeps."""
+    wav, rate = decode_upload(data)
+    return prompt_audio_from_array(wav, rate).wav16.numpy()
+
+
+def voice_object(voice_id: str, name: str, created_at: int, kind: str) -> dict:
+    """OpenAI's ``audio.voice`` object; ``kind``: builtin | zero_shot | cross_lingual (this server's)."""
+    return {"object": "audio.voice", "id": voice_id, "name": name, "created_at": created_at, "kind": kind}
+
+
+def stored_voice_object(voice: StoredVoice) -> dict:
+    return voice_object(voice.id, voice.name, voice.created_at,
+                        "cross_lingual" if voice.transcript is None else "zero_shot")
+
+
+class VoiceCatalog:
+    def __init__(self, spk2info: Path, store: VoiceStore):
+        self.builtin = SpeakerRegistry.load(spk2info).ids()
+        self.store = store
+
+    def speaker_id(self, voice: str) -> str:
+        """The BLS's ``speaker_id`` for a request's voice; raises UnknownVoiceError."""
+        if voice in OPENAI_VOICE_NAMES:
+            return DEFAULT_SPEAKER
+        if voice in self.builtin or voice in self.store:
+            return voice
+        raise UnknownVoiceError(
+            f"unknown voice {voice!r}: use a built-in voice ({', '.join(self.builtin[:5])}...), one created with "
+            "POST /v1/audio/voices, or an OpenAI voice name (the default speaker)")
+
+    def get(self, voice_id: str) -> dict:
+        if voice_id in self.builtin:
+            return voice_object(voice_id, voice_id, 0, "builtin")
+        return stored_voice_object(self.store.get(voice_id))
+
+    def list(self) -> list[dict]:
+        return ([voice_object(v, v, 0, "builtin") for v in self.builtin]
+                + [stored_voice_object(v) for v in self.store.list()])
+
+    def delete(self, voice_id: str) -> None:
+        if voice_id in self.builtin:
+            raise InvalidInputError(f"voice {voice_id!r} is built in (spk2info.pt) and cannot be deleted")
+        self.store.delete(voice_id)
+
+
