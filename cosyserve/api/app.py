@@ -48,7 +48,7 @@ class Settings:
     voices_dir: Path | None = None  # default <model_dir>/voices, where the BLS looks too
     model: str = "cosyvoice2"  # the streaming Triton model
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
-    max_input_chars: int = MAX_TEXT_CHARS  # what one BLS request takes
+    max_input_chars: int = MAX_TEXT_CHARS  # what one BLS request takes (split into segments there)
     max_upload_bytes: int = MAX_UPLOAD_BYTES
 
 
