@@ -30,7 +30,6 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from contextlib import closing
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -41,12 +40,11 @@ from ..frontend.speakers import SpeakerRegistry
 from ..llm.backends import create_backend
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from ..pipeline.local import REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, register_voice_prefixes
-from ..pipeline.tts import (DEFAULT_MAX_TOKENS, DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice,
-                            VoiceResolver, validate_text)
+from ..pipeline.tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice, VoiceResolver, validate_text
 from ..trtllm.request import TritonLLMInputs, resolve_protocol
-from .triton_utils import (FINAL, FinishedResponseIterators, error_response, limit_torch_threads, model_parameters,
-                           optional_input, optional_scalar, optional_text, raise_response_error, reference_wav,
-                           required_parameter, tensor)
+from .settings import BlsSettings
+from .triton_utils import (FINAL, FinishedResponseIterators, error_response, limit_torch_threads, model_settings,
+                           optional_input, optional_scalar, optional_text, raise_response_error, reference_wav, tensor)
 
 
 def _bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str], request_id: str = ""):
@@ -80,13 +78,14 @@ class RemoteSpeakerEncoder:
         return torch.from_numpy(embedding.astype(np.float32))
 
 
-def openai_speech_tokens(params: dict[str, str], tokenizer_dir: str, tokenizer, registry: SpeakerRegistry
-                         ) -> LocalSpeechTokens:
-    """Speech tokens from the OpenAI-compatible server at parameter ``llm_url`` (model id: parameter
+def openai_speech_tokens(settings: BlsSettings, tokenizer, registry: SpeakerRegistry) -> LocalSpeechTokens:
+    """Speech tokens from the OpenAI-compatible server at ``settings.llm_url`` (model id:
     ``llm_model``, empty = the first the server lists), with the registered voices' prefixes warmed
     there. Its ``backend`` reads each stream on a thread of its own; close it when unloading."""
-    backend = create_backend("openai", tokenizer_dir, base_url=required_parameter(params, "llm_url"),
-                             model=params.get("llm_model") or None)
+    if not settings.llm_url:
+        raise ValueError("model parameter 'llm_url' is missing or empty in config.pbtxt")
+    backend = create_backend("openai", settings.llm_tokenizer_dir, base_url=settings.llm_url,
+                             model=settings.llm_model or None)
     register_voice_prefixes(backend, tokenizer, registry)
     return LocalSpeechTokens(backend, REFERENCE_SAMPLING)
 
@@ -199,25 +198,23 @@ class CosyVoice2BLS:
     def __init__(self, config: dict):
         from transformers import AutoTokenizer
 
-        params = model_parameters(config)
-        limit_torch_threads(params)  # dozens of instances; each needs little CPU (prompt mel, resampling)
+        settings = model_settings(config, BlsSettings)
+        # dozens of instances; each needs little CPU (prompt mel, resampling)
+        limit_torch_threads(settings.torch_threads)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
+        registry = SpeakerRegistry.load(settings.model_dir / SPK2INFO)
         self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), RemoteSpeakerEncoder())
-        self.limits = TokenLimits(int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
-                                  int(params.get("min_tokens") or 0))
-        tokenizer_dir = required_parameter(params, "llm_tokenizer_dir")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        if params.get("llm_url"):
-            self.llm = openai_speech_tokens(params, tokenizer_dir, tokenizer, registry)
+        self.limits = TokenLimits(settings.max_tokens, settings.min_tokens)
+        tokenizer = AutoTokenizer.from_pretrained(settings.llm_tokenizer_dir)
+        if settings.llm_url:
+            self.llm = openai_speech_tokens(settings, tokenizer, registry)
         else:
-            model_name = params.get("llm_model_name") or "llm"
-            protocol = resolve_protocol(params.get("llm_protocol"), model_name)
+            model_name = settings.llm_model_name
+            protocol = resolve_protocol(settings.llm_protocol, model_name)
             # the tensorrt_llm protocol's embedding_bias is the head bias of this (HuggingFace) directory
             self.llm = TritonSpeechTokens(model_name, TritonLLMInputs(protocol, REFERENCE_SAMPLING, self.decoupled,
-                                                                      tokenizer_dir))
-        self.pipeline = TTSPipeline(tokenizer, self.llm, TritonToken2Wav(),
-                                    strategy=params.get("streaming_strategy") or "exponential")
+                                                                      settings.llm_tokenizer_dir))
+        self.pipeline = TTSPipeline(tokenizer, self.llm, TritonToken2Wav(), strategy=settings.streaming_strategy)
 
     def execute(self, requests):
         if self.decoupled:

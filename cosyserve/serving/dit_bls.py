@@ -22,7 +22,6 @@ streams one response per chunk then a final flag; false answers once (offline to
 from __future__ import annotations
 
 from contextlib import closing
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -31,12 +30,12 @@ import triton_python_backend_utils as pb_utils
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import SPEECH_TOKEN_OFFSET
 from ..pipeline.local import SPK2INFO
-from ..pipeline.tts import DEFAULT_MAX_TOKENS, TokenLimits, VoiceResolver
+from ..pipeline.tts import TokenLimits, VoiceResolver
 from .bls import RemoteSpeechTokenizer, openai_speech_tokens, parse_tts_inputs
 from .dit_pipeline import DitTTSPipeline, DitTTSRequest, SkipSpeakerEmbedding, dit_request
 from .dit_runtime import SpeakerRef
-from .triton_utils import (FINAL, error_response, limit_torch_threads, model_parameters, raise_response_error,
-                           required_parameter, tensor)
+from .settings import BlsSettings
+from .triton_utils import FINAL, error_response, limit_torch_threads, model_settings, raise_response_error, tensor
 
 TOKEN2WAV_DIT = "token2wav_dit"
 
@@ -80,18 +79,15 @@ class CosyVoice2DitBLS:
     def __init__(self, config: dict):
         from transformers import AutoTokenizer
 
-        params = model_parameters(config)
-        limit_torch_threads(params)  # as the cosyvoice2 BLS: many light instances
+        settings = model_settings(config, BlsSettings)
+        limit_torch_threads(settings.torch_threads)  # as the cosyvoice2 BLS: many light instances
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        registry = SpeakerRegistry.load(Path(required_parameter(params, "model_dir")) / SPK2INFO)
+        registry = SpeakerRegistry.load(settings.model_dir / SPK2INFO)
         self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), SkipSpeakerEmbedding())
-        self.limits = TokenLimits(int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
-                                  int(params.get("min_tokens") or 0))
-        tokenizer_dir = required_parameter(params, "llm_tokenizer_dir")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.llm = openai_speech_tokens(params, tokenizer_dir, tokenizer, registry)
-        self.pipeline = DitTTSPipeline(tokenizer, self.llm, TritonDitToken2Wav(),
-                                       strategy=params.get("streaming_strategy") or "exponential")
+        self.limits = TokenLimits(settings.max_tokens, settings.min_tokens)
+        tokenizer = AutoTokenizer.from_pretrained(settings.llm_tokenizer_dir)
+        self.llm = openai_speech_tokens(settings, tokenizer, registry)
+        self.pipeline = DitTTSPipeline(tokenizer, self.llm, TritonDitToken2Wav(), strategy=settings.streaming_strategy)
 
     def execute(self, requests):
         if self.decoupled:
