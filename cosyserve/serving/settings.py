@@ -189,3 +189,10 @@ class DitToken2WavSettings:
 
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
+
+
+# The settings of each model of ``model_repo/`` that takes parameters (tensorrt_llm is NVIDIA's).
+MODEL_SETTINGS: dict[str, type] = {
+    "token2wav": Token2WavSettings, "llm": LLMSettings, "cosyvoice2": BlsSettings, "cosyvoice2_dit": BlsSettings,
+    "audio_tokenizer": FrontendSettings, "speaker_embedding": FrontendSettings, "token2wav_dit": DitToken2WavSettings,
+}
