@@ -75,8 +75,28 @@ def parameter_value(value: object) -> str:
     return str(value)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProcessSettings:
+    """What every model process on a device takes: ``device`` (auto: CUDA when available) and
+    ``torch_threads`` (0: the model's own default)."""
+
+    device: str = AUTO
+    torch_threads: int = 0
+
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSharingSettings(ProcessSettings):
+    """How a GPU-heavy process shares the GPU under CUDA MPS (``triton_utils.apply_mps_settings``)."""
+
+    mps_thread_percentage: str = ""
+    mps_priority: str = ""
+
+
 @dataclass(frozen=True)
-class Token2WavSettings:
+class Token2WavSettings(GpuSharingSettings):
     """The ``token2wav`` model (:class:`~cosyserve.serving.token2wav_model.Token2WavModel`).
 
     ``dtype`` of the flow (auto: fp16 on CUDA, fp32 on CPU; HiFT stays fp32); ``cuda_graphs``
@@ -86,12 +106,10 @@ class Token2WavSettings:
     non-final streaming chunk shapes of the exponential schedule for up to ``hift_max_tokens``
     tokens, captured at load; other shapes run eagerly); ``compile`` (torch.compile the flow
     estimator); ``incremental_stream`` (streaming steps compute only their new frames, at ~115 MB
-    of state per second of audio per stream); ``max_batch`` (units per flow batch);
-    ``mps_thread_percentage`` and ``mps_priority`` (see ``triton_utils.apply_mps_settings``).
+    of state per second of audio per stream); ``max_batch`` (units per flow batch).
     """
 
     model_dir: Path
-    device: str = AUTO
     dtype: str = AUTO
     cuda_graphs: bool | None = None
     precapture_frames: int | None = None
@@ -101,12 +119,6 @@ class Token2WavSettings:
     incremental_stream: bool | None = False
     max_batch: int = 16
     stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
-    mps_thread_percentage: str = ""
-    mps_priority: str = ""
-    torch_threads: int = 0
-
-    def torch_device(self) -> torch.device:
-        return resolve_device(self.device)
 
     def flow_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == AUTO:
@@ -127,22 +139,15 @@ class Token2WavSettings:
 
 
 @dataclass(frozen=True)
-class LLMSettings:
+class LLMSettings(GpuSharingSettings):
     """The ``llm`` model: ``llm_backend`` (torch | hf, :func:`~cosyserve.llm.backends.create_backend`);
     ``model_dir`` (optional: precompute the LLM prefixes of its registered voices); ``send_timeout_s``
     (a response send that takes longer cancels its request)."""
 
     llm_dir: Path
     model_dir: Path | None = None
-    device: str = AUTO
     llm_backend: str = "torch"
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
-    mps_thread_percentage: str = ""
-    mps_priority: str = ""
-    torch_threads: int = 0
-
-    def torch_device(self) -> torch.device:
-        return resolve_device(self.device)
 
 
 @dataclass(frozen=True)
@@ -164,31 +169,21 @@ class BlsSettings:
 
 
 @dataclass(frozen=True)
-class FrontendSettings:
+class FrontendSettings(ProcessSettings):
     """The ``audio_tokenizer`` and ``speaker_embedding`` models: ``clip_cache_size`` clips' results kept."""
 
     model_dir: Path
-    device: str = AUTO
     clip_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE
-    torch_threads: int = 0
-
-    def torch_device(self) -> torch.device:
-        return resolve_device(self.device)
 
 
 @dataclass(frozen=True)
-class DitToken2WavSettings:
+class DitToken2WavSettings(ProcessSettings):
     """The ``token2wav_dit`` model: ``spk2info`` (the default speakers), ``max_speakers`` cached."""
 
     model_dir: Path
-    device: str = AUTO
     spk2info: Path | None = None
     max_speakers: int = DEFAULT_MAX_SPEAKERS
     stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
-    torch_threads: int = 0
-
-    def torch_device(self) -> torch.device:
-        return resolve_device(self.device)
 
 
 # The settings of each model of ``model_repo/`` that takes parameters (tensorrt_llm is NVIDIA's).
