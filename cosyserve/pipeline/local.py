@@ -22,7 +22,8 @@ from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import build_prefix_ids
 from ..llm.sampling import SamplingParams
 from ..token2wav.batching import Token2WavBatcher
-from ..token2wav.cosyvoice2 import CosyVoice2Token2Wav, OfflineRequest, Token2WavStream, load_token2wav
+from ..token2wav.cosyvoice2 import (CosyVoice2Token2Wav, OfflineRequest, Token2WavStream, default_flow_dtype,
+                                    load_token2wav)
 from .tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice, VoiceResolver
 
 COSYVOICE2_DIR = "CosyVoice2-0.5B"
@@ -247,8 +248,7 @@ def load_local_tts(models_dir: str | Path, device: str = "auto", *, llm_backend:
     providers = None if device.type == "cuda" else ["CPUExecutionProvider"]
     voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", providers),
                            SpeakerEncoder(model_dir / "campplus.onnx"), default_speaker=DEFAULT_SPEAKER)
-    flow_dtype = torch.float16 if device.type == "cuda" else torch.float32
-    token2wav = LocalToken2Wav(load_token2wav(model_dir, device, flow_dtype))
+    token2wav = LocalToken2Wav(load_token2wav(model_dir, device, default_flow_dtype(device)))
     backend = create_backend(llm_backend, llm_dir, device, None, **(llm_options or {}))
     register_voice_prefixes(backend, text_tokenizer, registry)
     pipeline = TTSPipeline(text_tokenizer, LocalSpeechTokens(backend, sampling), token2wav, strategy=strategy)

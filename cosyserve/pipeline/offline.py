@@ -39,7 +39,7 @@ from ..frontend.speakers import SpeakerRegistry
 from ..lengths import FixedLength
 from ..llm.backends import BackendUnavailableError, create_backend
 from ..llm.prompt import MAX_SPEECH_TOKENS
-from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, load_token2wav
+from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, default_flow_dtype, load_token2wav
 from .local import (COSYVOICE2_DIR, LLM_DIR, REFERENCE_SAMPLING, SPK2INFO, LocalSpeechTokens, LocalToken2Wav,
                     register_voice_prefixes, resolve_device)
 from .schedule import TOKEN_RATE
@@ -133,8 +133,7 @@ class OfflineTTS:
             if not path.is_dir():
                 raise InvalidInputError(f"{path} does not exist: --model-dir must hold {COSYVOICE2_DIR}/ and {LLM_DIR}/")
         self.device = resolve_device(config.device)
-        flow_dtype = DTYPES[config.dtype] if config.dtype else (
-            torch.float16 if self.device.type == "cuda" else torch.float32)
+        flow_dtype = DTYPES[config.dtype] if config.dtype else default_flow_dtype(self.device)
         self.text_tokenizer = AutoTokenizer.from_pretrained(llm_dir)
         registry = SpeakerRegistry.load(model_dir / SPK2INFO)
         providers = None if self.device.type == "cuda" else ["CPUExecutionProvider"]

@@ -21,7 +21,8 @@ import torch
 from ..llm.backends import resolve_device_dtype
 from ..pipeline.local import STREAM_IDLE_TIMEOUT_S, resolve_device
 from ..pipeline.tts import DEFAULT_FEATURE_CACHE_SIZE, DEFAULT_MAX_TOKENS
-from ..token2wav.cosyvoice2 import DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, streaming_vocoder_frames
+from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, default_flow_dtype,
+                                    streaming_vocoder_frames)
 from ..token2wav.dit import DEFAULT_MAX_SPEAKERS
 
 AUTO = "auto"
@@ -122,7 +123,7 @@ class Token2WavSettings(GpuSharingSettings):
 
     def flow_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == AUTO:
-            return torch.float16 if device.type == "cuda" else torch.float32
+            return default_flow_dtype(device)
         return resolve_device_dtype(device, self.dtype)[1]
 
     def options(self, device: torch.device) -> Token2WavOptions:
