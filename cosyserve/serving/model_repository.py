@@ -219,7 +219,8 @@ PIPELINES = {"cosyvoice2": CosyVoice2Repository, "dit": DitRepository}
 def build(spec: CosyVoice2Repository | DitRepository, out: str | Path, templates: str | Path = TEMPLATES) -> Path:
     """Replace ``out`` with the repository ``spec`` describes; returns ``out``.
 
-    Nothing is left behind when a template does not fit (:class:`TemplateError`)."""
+    Every template is filled before ``out`` is touched: when one does not fit
+    (:class:`TemplateError`), ``out`` stays as it was."""
     out, templates = Path(out), Path(templates)
     configs = {}
     for name, entry in spec.models().items():
