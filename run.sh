@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CosyVoice2 on Triton, stage by stage:   bash run.sh <start_stage> <stop_stage>
+# CosyVoice2 on Triton, stage by stage:   bash run.sh <start_stage> [<stop_stage>]
+#                                    or:   bash run.sh --stage N [--stop-stage M]
 #
 #  -1  Python environment (venv + requirements + this package)
 #   0  models: download (MODEL_SOURCE=modelscope|huggingface) or generate random-weight
@@ -15,9 +16,10 @@
 #   MODEL_SOURCE=tiny bash run.sh -1 3 && bash run.sh 4 5
 set -euo pipefail
 
-stage=${1:-0}
-stop_stage=${2:-${1:-0}}
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/lib.sh
+source "$repo_root/scripts/lib.sh"
+parse_stages stop "$@"
 
 VENV=${VENV:-$repo_root/.venv}
 PYTHON_BIN=${PYTHON_BIN:-python3}
@@ -80,16 +82,10 @@ API_PID_FILE=${API_PID_FILE:-$repo_root/outputs/api.pid}
 NUM_TASKS=${NUM_TASKS:-4}
 CLIENT_MODE=${CLIENT_MODE:-}                  # default: streaming if DECOUPLED_MODE=True
 DATASET=${DATASET:-}                          # HuggingFace dataset for stage 5/6, e.g. yuekai/seed_tts_cosy2
+SPLIT_NAME=${SPLIT_NAME:-wenetspeech4tts}     # its split
 MANIFEST=${MANIFEST:-}                        # or a manifest file: utt|prompt_text|prompt_wav|target_text
 OUT_DIR=${OUT_DIR:-$repo_root/outputs}
 TARGET_TEXT=${TARGET_TEXT:-"身临其境，换新体验。塑造开源语音合成新范式，让智能语音更自然。"}
-
-log() {
-  local fname=${BASH_SOURCE[1]##*/}
-  echo -e "$(date '+%Y-%m-%d %H:%M:%S') (${fname}:${BASH_LINENO[0]}:${FUNCNAME[1]}) $*"
-}
-
-die() { log "ERROR: $*"; exit 1; }
 
 case "$CUDA_MPS" in auto|on|off) ;; *) die "CUDA_MPS must be auto, on or off (got $CUDA_MPS)" ;; esac
 
@@ -126,13 +122,6 @@ stop_mps() {
   if [ -S "$CUDA_MPS_PIPE_DIRECTORY/control" ] && command -v nvidia-cuda-mps-control > /dev/null; then
     echo quit | nvidia-cuda-mps-control && log "stopped the CUDA MPS control daemon"
   fi
-}
-
-use_venv() {
-  if [ -x "$VENV/bin/python" ]; then
-    export PATH="$VENV/bin:$PATH"
-  fi
-  PY=$(command -v python || command -v python3)
 }
 
 if [ "$stage" = "stop" ]; then
@@ -202,35 +191,19 @@ fi
 
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   log "Stage 2: creating the model repository $MODEL_REPO (decoupled=$DECOUPLED_MODE)"
-  [ -d "$repo_root/model_repo/cosyvoice2" ] || die "model_repo/cosyvoice2 is not there yet: the Triton pipeline is not implemented in this version"
-  rm -rf "$MODEL_REPO"
-  mkdir -p "$MODEL_REPO"
-  llm_model=llm
-  [ "$LLM_BACKEND" = trtllm ] && llm_model=tensorrt_llm
-  triton_llm=$llm_model  # the LLM model in the repository: none with LLM_URL (stage 3 then loads none)
-  [ -n "$LLM_URL" ] && triton_llm= && log "Stage 2: speech tokens from the completions server at $LLM_URL"
-  for m in cosyvoice2 $triton_llm token2wav audio_tokenizer speaker_embedding; do
-    cp -r "$repo_root/model_repo/$m" "$MODEL_REPO/"
-  done
-  fill() { "$PY" "$repo_root/scripts/fill_template.py" -i "$1" "$2"; }
-  common="model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS,device:$DEVICE"
-  fill "$MODEL_REPO/token2wav/config.pbtxt" "$common,token2wav_dtype:$TOKEN2WAV_DTYPE,token2wav_cuda_graphs:$TOKEN2WAV_CUDA_GRAPHS,token2wav_incremental_stream:$TOKEN2WAV_INCREMENTAL_STREAM,token2wav_precapture_frames:$TOKEN2WAV_PRECAPTURE_FRAMES,token2wav_compile:$TOKEN2WAV_COMPILE,token2wav_hift_graphs:$TOKEN2WAV_HIFT_GRAPHS,mps_thread_percentage:$TOKEN2WAV_MPS_THREAD_PERCENTAGE,mps_priority:$TOKEN2WAV_MPS_PRIORITY"
-  fill "$MODEL_REPO/audio_tokenizer/config.pbtxt" "$common"
-  fill "$MODEL_REPO/speaker_embedding/config.pbtxt" "$common"
-  if [ "$triton_llm" = llm ]; then
-    fill "$MODEL_REPO/llm/config.pbtxt" "$common,llm_dir:$MODELS_DIR/cosyvoice2_llm,llm_engine:$LLM_ENGINE,mps_thread_percentage:$LLM_MPS_THREAD_PERCENTAGE,mps_priority:$LLM_MPS_PRIORITY"
-  elif [ "$triton_llm" = tensorrt_llm ]; then
-    # decoupled always: the BLS streams from the LLM model in both modes (one response when not streaming)
-    fill "$MODEL_REPO/tensorrt_llm/config.pbtxt" "triton_backend:tensorrtllm,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,decoupled_mode:True,max_beam_width:1,engine_dir:$TRT_ENGINE_DIR,max_tokens_in_paged_kv_cache:$TRT_KV_CACHE_TOKENS,max_attention_window_size:$TRT_KV_CACHE_TOKENS,kv_cache_free_gpu_mem_fraction:0.5,exclude_input_in_output:True,enable_kv_cache_reuse:False,batching_strategy:inflight_fused_batching,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS,encoder_input_features_data_type:TYPE_FP16,logits_datatype:TYPE_FP32"
-  fi
-  bls="model_dir:$MODELS_DIR/CosyVoice2-0.5B,triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,llm_tokenizer_dir:$MODELS_DIR/cosyvoice2_llm,streaming_strategy:$STREAMING_STRATEGY,llm_model_name:$llm_model,llm_protocol:$LLM_PROTOCOL,llm_url:${LLM_URL//,/\\,},max_tokens:$MAX_TOKENS,min_tokens:$MIN_TOKENS"
-  if [ "$DECOUPLED_MODE" = True ]; then
-    # HTTP clients cannot read decoupled (streaming) models: serve an offline twin next to it.
-    cp -r "$repo_root/model_repo/cosyvoice2" "$MODEL_REPO/cosyvoice2_offline"
-    sed -i 's/^name: "cosyvoice2"/name: "cosyvoice2_offline"/' "$MODEL_REPO/cosyvoice2_offline/config.pbtxt"
-    fill "$MODEL_REPO/cosyvoice2_offline/config.pbtxt" "$bls,bls_instance_num:$OFFLINE_BLS_INSTANCE_NUM,decoupled_mode:False"
-  fi
-  fill "$MODEL_REPO/cosyvoice2/config.pbtxt" "$bls,bls_instance_num:$BLS_INSTANCE_NUM,decoupled_mode:$DECOUPLED_MODE"
+  [ -z "$LLM_URL" ] || log "Stage 2: speech tokens from the completions server at $LLM_URL"
+  "$PY" -m cosyserve.serving.model_repository cosyvoice2 "$MODEL_REPO" --templates "$repo_root/model_repo" \
+    --models-dir "$MODELS_DIR" --llm-backend "$LLM_BACKEND" --llm-engine "$LLM_ENGINE" --llm-protocol "$LLM_PROTOCOL" --llm-url "$LLM_URL" \
+    --trt-engine-dir "$TRT_ENGINE_DIR" --trt-kv-cache-tokens "$TRT_KV_CACHE_TOKENS" --decoupled "$DECOUPLED_MODE" \
+    --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
+    --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
+    --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" \
+    --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \
+    --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" --token2wav-precapture-frames "$TOKEN2WAV_PRECAPTURE_FRAMES" \
+    --token2wav-compile "$TOKEN2WAV_COMPILE" --token2wav-hift-graphs "$TOKEN2WAV_HIFT_GRAPHS" \
+    --token2wav-mps-thread-percentage "$TOKEN2WAV_MPS_THREAD_PERCENTAGE" --token2wav-mps-priority "$TOKEN2WAV_MPS_PRIORITY" \
+    --llm-mps-thread-percentage "$LLM_MPS_THREAD_PERCENTAGE" --llm-mps-priority "$LLM_MPS_PRIORITY" > /dev/null \
+    || die "Stage 2: could not build the model repository"
 fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
@@ -259,22 +232,7 @@ client_mode() {
   elif [ "$DECOUPLED_MODE" = "True" ]; then echo streaming; else echo offline; fi
 }
 
-data_args() {
-  if [ -n "$MANIFEST" ]; then echo "--manifest-path $MANIFEST";
-  elif [ -n "$DATASET" ]; then echo "--huggingface-dataset $DATASET";
-  else echo "--manifest-path $OUT_DIR/tiny_manifest.txt"; fi
-}
-
-write_default_manifest() {
-  # Without a dataset, benchmark on the bundled prompt (works offline, e.g. with MODEL_SOURCE=tiny).
-  local wav="$MODELS_DIR/assets/prompt_audio.wav" text
-  [ -f "$wav" ] || die "no MANIFEST/DATASET given and $wav does not exist (run stage 0 first)"
-  text=$(cat "$MODELS_DIR/assets/prompt_text.txt")
-  : > "$OUT_DIR/tiny_manifest.txt"
-  for i in $(seq 1 "$NUM_TASKS"); do
-    echo "utt$i|$text|$wav|$TARGET_TEXT" >> "$OUT_DIR/tiny_manifest.txt"
-  done
-}
+manifest=$OUT_DIR/tiny_manifest.txt  # stages 5 and 6 without MANIFEST or DATASET
 
 if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
   http_model=cosyvoice2
@@ -289,17 +247,17 @@ fi
 if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
   mode=$(client_mode)
   log "Stage 5: gRPC benchmark, $NUM_TASKS tasks, mode=$mode"
-  [ -n "$MANIFEST$DATASET" ] || write_default_manifest
+  [ -n "$MANIFEST$DATASET" ] || write_prompt_manifest "$manifest"
   # shellcheck disable=SC2046
   "$PY" "$repo_root/client_grpc.py" --server-addr localhost --server-port "$GRPC_PORT" \
-    --model-name cosyvoice2 --num-tasks "$NUM_TASKS" --mode "$mode" $(data_args) \
+    --model-name cosyvoice2 --num-tasks "$NUM_TASKS" --mode "$mode" $(data_args "$manifest") \
     --log-dir "$OUT_DIR/log_concurrent_tasks_${NUM_TASKS}_${mode}"
 fi
 
 if [ "$stage" -le 6 ] && [ "$stop_stage" -ge 6 ]; then
   log "Stage 6: offline benchmark (offline_inference.py)"
-  [ -n "$MANIFEST$DATASET" ] || write_default_manifest
+  [ -n "$MANIFEST$DATASET" ] || write_prompt_manifest "$manifest"
   # shellcheck disable=SC2046
-  "$PY" "$repo_root/offline_inference.py" --model-dir "$MODELS_DIR" --backend "$LLM_BACKEND" $(data_args) \
+  "$PY" "$repo_root/offline_inference.py" --model-dir "$MODELS_DIR" --backend "$LLM_BACKEND" $(data_args "$manifest") \
     --output-dir "$OUT_DIR/offline_inference"
 fi

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CosyVoice2 LLM + Step-Audio-2-mini DiT token2wav on Triton, stage by stage:
-#   bash run_stepaudio2_dit_token2wav.sh <start_stage> <stop_stage>
+#   bash run_stepaudio2_dit_token2wav.sh <start_stage> [<stop_stage>]
+#   or: bash run_stepaudio2_dit_token2wav.sh --stage N [--stop-stage M]
 #
 #  -1  Python environment (shared with run.sh)
 #   0  models: download (MODEL_SOURCE=huggingface: cosyvoice2_llm, CosyVoice2-0.5B, the token2wav/
@@ -25,9 +26,10 @@
 #   MODEL_SOURCE=tiny DEVICE=cpu bash run_stepaudio2_dit_token2wav.sh -1 3 && bash run_stepaudio2_dit_token2wav.sh 4 4
 set -euo pipefail
 
-stage=${1:-0}
-stop_stage=${2:-${1:-0}}
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/lib.sh
+source "$repo_root/scripts/lib.sh"
+parse_stages "stop wait" "$@"
 
 VENV=${VENV:-$repo_root/.venv}
 MODEL_SOURCE=${MODEL_SOURCE:-huggingface}     # huggingface | tiny | real
@@ -79,20 +81,6 @@ DISAGG_GRPC_BASE=${DISAGG_GRPC_BASE:-18000}
 DISAGG_METRICS_BASE=${DISAGG_METRICS_BASE:-16000}
 DISAGG_DIR=${DISAGG_DIR:-$OUT_DIR/disaggregated}
 BENCH_CONCURRENCY=${BENCH_CONCURRENCY:-"1 2 4"}   # stage 8: concurrent tasks per token2wav server
-
-log() {
-  local fname=${BASH_SOURCE[1]##*/}
-  echo -e "$(date '+%Y-%m-%d %H:%M:%S') (${fname}:${BASH_LINENO[0]}:${FUNCNAME[1]}) $*"
-}
-
-die() { log "ERROR: $*"; exit 1; }
-
-use_venv() {
-  if [ -x "$VENV/bin/python" ]; then
-    export PATH="$VENV/bin:$PATH"
-  fi
-  PY=$(command -v python || command -v python3)
-}
 
 gpu_count() {
   if [ -n "$NUM_GPUS" ]; then echo "$NUM_GPUS";
@@ -259,16 +247,12 @@ fi
 
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   log "Stage 2: creating the model repository $MODEL_REPO (decoupled=$DECOUPLED_MODE, strategy=$STREAMING_STRATEGY, LLM at $LLM_URL)"
-  rm -rf "$MODEL_REPO"
-  mkdir -p "$MODEL_REPO"
-  for m in cosyvoice2_dit token2wav_dit audio_tokenizer; do
-    cp -r "$repo_root/model_repo/$m" "$MODEL_REPO/"
-  done
-  fill() { "$PY" "$repo_root/scripts/fill_template.py" -i "$1" "$2"; }
-  common="triton_max_batch_size:$TRITON_MAX_BATCH_SIZE,max_queue_delay_microseconds:$MAX_QUEUE_DELAY_MICROSECONDS"
-  fill "$MODEL_REPO/token2wav_dit/config.pbtxt" "$common,model_dir:$DIT_MODEL_DIR,spk2info:$COSYVOICE2_DIR/spk2info.pt,device:$DEVICE"
-  fill "$MODEL_REPO/audio_tokenizer/config.pbtxt" "$common,model_dir:$COSYVOICE2_DIR,device:$DEVICE"
-  fill "$MODEL_REPO/cosyvoice2_dit/config.pbtxt" "$common,model_dir:$COSYVOICE2_DIR,llm_tokenizer_dir:$LLM_DIR,llm_url:$LLM_URL,llm_model:$LLM_MODEL,streaming_strategy:$STREAMING_STRATEGY,max_tokens:$MAX_TOKENS,min_tokens:$MIN_TOKENS,bls_instance_num:$BLS_INSTANCE_NUM,decoupled_mode:$DECOUPLED_MODE"
+  "$PY" -m cosyserve.serving.model_repository dit "$MODEL_REPO" --templates "$repo_root/model_repo" \
+    --dit-model-dir "$DIT_MODEL_DIR" --cosyvoice2-dir "$COSYVOICE2_DIR" --llm-dir "$LLM_DIR" --llm-url "$LLM_URL" --llm-model "$LLM_MODEL" \
+    --decoupled "$DECOUPLED_MODE" --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" \
+    --bls-instances "$BLS_INSTANCE_NUM" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
+    --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" > /dev/null \
+    || die "Stage 2: could not build the model repository"
 fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
@@ -278,39 +262,24 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
   log "Triton is ready. Stop everything with: bash run_stepaudio2_dit_token2wav.sh stop"
 fi
 
-data_args() {
-  if [ -n "$MANIFEST" ]; then echo "--manifest-path $MANIFEST";
-  elif [ -n "$DATASET" ]; then echo "--huggingface-dataset $DATASET --split-name $SPLIT_NAME";
-  else echo "--manifest-path $OUT_DIR/dit_manifest.txt"; fi
-}
-
-write_default_manifest() {
-  # Without a dataset, benchmark on the bundled prompt (works offline, e.g. with MODEL_SOURCE=tiny).
-  local wav="$MODELS_DIR/assets/prompt_audio.wav" text
-  [ -f "$wav" ] || die "no MANIFEST/DATASET given and $wav does not exist (MODEL_SOURCE=tiny|real stage 0 writes it)"
-  text=$(cat "$MODELS_DIR/assets/prompt_text.txt")
-  : > "$OUT_DIR/dit_manifest.txt"
-  for i in $(seq 1 "$NUM_TASKS"); do
-    echo "utt$i|$text|$wav|$TARGET_TEXT" >> "$OUT_DIR/dit_manifest.txt"
-  done
-}
+manifest=$OUT_DIR/dit_manifest.txt  # stages 4, 5 and 8 without MANIFEST or DATASET
 
 if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
   log "Stage 4: gRPC streaming benchmark against cosyvoice2_dit, $NUM_TASKS tasks"
-  [ -n "$MANIFEST$DATASET" ] || write_default_manifest
+  [ -n "$MANIFEST$DATASET" ] || write_prompt_manifest "$manifest"
   # shellcheck disable=SC2046
   "$PY" "$repo_root/client_grpc.py" --server-addr localhost --server-port "$GRPC_PORT" \
-    --model-name cosyvoice2_dit --num-tasks "$NUM_TASKS" --mode streaming $(data_args) \
+    --model-name cosyvoice2_dit --num-tasks "$NUM_TASKS" --mode streaming $(data_args "$manifest") \
     --log-dir "$OUT_DIR/log_dit_concurrent_tasks_${NUM_TASKS}_streaming" \
     --json-report "$OUT_DIR/log_dit_concurrent_tasks_${NUM_TASKS}_streaming/report.json"
 fi
 
 if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
   log "Stage 5: offline synthesis in one process (LLM + DiT token2wav)"
-  [ -n "$MANIFEST$DATASET" ] || write_default_manifest
+  [ -n "$MANIFEST$DATASET" ] || write_prompt_manifest "$manifest"
   # shellcheck disable=SC2046
   "$PY" "$repo_root/scripts/dit_offline.py" --models-dir "$MODELS_DIR" --dit-model-dir "$DIT_MODEL_DIR" \
-    --device "$(torch_device)" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" $(data_args) \
+    --device "$(torch_device)" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" $(data_args "$manifest") \
     --output-dir "$OUT_DIR/dit_offline"
 fi
 
@@ -346,9 +315,9 @@ fi
 
 if [ "$stage" -le 8 ] && [ "$stop_stage" -ge 8 ]; then
   log "Stage 8: benchmark across the token2wav servers, $BENCH_CONCURRENCY concurrent tasks per server"
-  [ -n "$MANIFEST$DATASET" ] || write_default_manifest
+  [ -n "$MANIFEST$DATASET" ] || write_prompt_manifest "$manifest"
   servers=$(t2w_servers | awk '{printf "localhost:%s ", $4}')
   # shellcheck disable=SC2046,SC2086
   "$PY" "$repo_root/scripts/bench_disaggregated.py" --servers $servers --model-name cosyvoice2_dit \
-    --num-tasks $BENCH_CONCURRENCY $(data_args) --log-dir "$DISAGG_DIR/bench"
+    --num-tasks $BENCH_CONCURRENCY $(data_args "$manifest") --log-dir "$DISAGG_DIR/bench"
 fi

@@ -1,14 +1,13 @@
 """Helpers for the Triton end-to-end tests: the model repository, a server on free ports, requests.
 
-The repository is built like ``run.sh`` stage 2 (copy ``model_repo/<model>``, fill its
-``config.pbtxt`` with scripts/fill_template.py), plus ``cosyvoice2_offline``: the same BLS with
-``decoupled: False``, so one server exercises streaming and offline without a second start-up.
+The repository is built by run.sh stage 2's builder (:mod:`cosyserve.serving.model_repository`),
+with ``cosyvoice2_offline`` (the same BLS with ``decoupled: False``, so one server exercises
+streaming and offline without a second start-up) as busy as ``cosyvoice2``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import queue
 import re
@@ -26,38 +25,27 @@ import tritonclient.grpc as grpcclient
 
 from cosyserve.bench.prometheus import read_metrics
 from cosyserve.schedule import plan_chunks
+from cosyserve.serving.model_repository import CosyVoice2Repository, build, fill
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLES_PER_TOKEN = 960
 HELD_BACK_SAMPLES = 3840  # HiFT overlap withheld by a non-final chunk (8 mel frames x 480)
 
 
-def _fill_template_module():
-    spec = importlib.util.spec_from_file_location("fill_template", REPO_ROOT / "scripts" / "fill_template.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def repository_spec(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
+                    max_batch_size: int = 16) -> CosyVoice2Repository:
+    """The streaming CosyVoice2 repository on the CPU, ``bls_instances`` instances of both BLS models."""
+    return CosyVoice2Repository(models_dir, device="cpu", bls_instances=bls_instances,
+                                offline_bls_instances=bls_instances, max_tokens=max_tokens, min_tokens=min_tokens,
+                                max_batch_size=max_batch_size)
 
 
 def template_values(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
-                    decoupled: bool = True, max_batch_size: int = 16) -> dict[str, dict[str, str]]:
-    """The keys run.sh stage 2 fills, per model."""
-    common = {"model_dir": f"{models_dir}/CosyVoice2-0.5B", "triton_max_batch_size": str(max_batch_size),
-              "max_queue_delay_microseconds": "0", "device": "cpu"}
-    return {
-        "token2wav": {**common, "token2wav_dtype": "auto", "token2wav_cuda_graphs": "auto",
-                      "token2wav_incremental_stream": "false", "token2wav_precapture_frames": "auto",
-                      "token2wav_compile": "false", "token2wav_hift_graphs": "auto",
-                      "mps_thread_percentage": "", "mps_priority": ""},
-        "audio_tokenizer": common, "speaker_embedding": common,
-        "llm": {**common, "llm_dir": f"{models_dir}/cosyvoice2_llm", "llm_engine": "torch",
-                "mps_thread_percentage": "", "mps_priority": ""},
-        "cosyvoice2": {"model_dir": common["model_dir"], "triton_max_batch_size": str(max_batch_size),
-                       "llm_tokenizer_dir": f"{models_dir}/cosyvoice2_llm",
-                       "bls_instance_num": str(bls_instances), "decoupled_mode": str(decoupled),
-                       "streaming_strategy": "exponential", "llm_model_name": "llm",
-                       "max_tokens": str(max_tokens), "min_tokens": str(min_tokens)},
-    }
+                    max_batch_size: int = 16) -> dict[str, dict[str, str]]:
+    """The keys run.sh stage 2 fills, per model (``cosyvoice2_offline`` aside)."""
+    models = repository_spec(models_dir, max_tokens=max_tokens, min_tokens=min_tokens, bls_instances=bls_instances,
+                             max_batch_size=max_batch_size).models()
+    return {name: entry.values for name, entry in models.items() if name != "cosyvoice2_offline"}
 
 
 def copy_of_bundle(tiny_bundle: Path, out: Path) -> Path:
@@ -71,16 +59,8 @@ def copy_of_bundle(tiny_bundle: Path, out: Path) -> Path:
 
 def build_model_repo(models_dir: Path, repo: Path, *, max_tokens: int, min_tokens: int, bls_instances: int) -> Path:
     """Streaming ``cosyvoice2`` + its offline twin ``cosyvoice2_offline`` + the four shared models."""
-    fill = _fill_template_module().fill
-    shutil.rmtree(repo, ignore_errors=True)
-    values = template_values(models_dir, max_tokens=max_tokens, min_tokens=min_tokens, bls_instances=bls_instances)
-    offline = {**values["cosyvoice2"], "decoupled_mode": "False"}
-    models = [*((m, m, v) for m, v in values.items()), ("cosyvoice2_offline", "cosyvoice2", offline)]
-    for name, template, subs in models:
-        shutil.copytree(REPO_ROOT / "model_repo" / template, repo / name)
-        config = repo / name / "config.pbtxt"
-        config.write_text(fill(config.read_text(), subs).replace(f'name: "{template}"', f'name: "{name}"'))
-    return repo
+    return build(repository_spec(models_dir, max_tokens=max_tokens, min_tokens=min_tokens,
+                                 bls_instances=bls_instances), repo)
 
 
 def set_parameter(config: Path, key: str, value: str) -> None:
@@ -163,7 +143,7 @@ def build_llm_caller_repo(models_dir: Path, repo: Path, callers: list[str], send
     shutil.copytree(REPO_ROOT / "model_repo" / "llm", repo / "llm")
     subs = template_values(models_dir, max_tokens=1, min_tokens=1, bls_instances=1)["llm"]
     config = repo / "llm" / "config.pbtxt"
-    config.write_text(_fill_template_module().fill(config.read_text(), subs))
+    config.write_text(fill(config.read_text(), subs))
     set_parameter(config, "send_timeout_s", str(send_timeout_s))
     for name in callers:
         (repo / name / "1").mkdir(parents=True)

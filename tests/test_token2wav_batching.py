@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from cosyserve.errors import InvalidInputError
+from cosyserve.frontend.prompt import PromptFeatures
 from cosyserve.models.flow import EncoderConfig, EstimatorConfig, FlowConfig, flow_from_state_dict, random_flow_state_dict
 from cosyserve.models.hift import HiFTGenerator, HiftConfig
 from cosyserve.schedule import plan_chunks
+from cosyserve.token2wav.sessions import LocalToken2Wav, Token2WavCall
+from cosyserve.frontend.prompt import Voice
 from cosyserve.token2wav.batching import Token2WavBatcher
 from cosyserve.token2wav.cosyvoice2 import CosyVoice2Token2Wav, OfflineRequest, Token2WavOptions
 from cosyserve.token2wav.graphs import FlowSampler, HiftRunner
@@ -180,6 +183,33 @@ def test_default_deadline_is_when_the_listener_runs_out_of_audio(t2w):
         pass
     assert order == ["fresh", "buffered"]
     t2w.close_all()
+
+
+def test_served_path_batches_by_deadline(t2w, monkeypatch):
+    """LocalToken2Wav (the Triton token2wav model's executor) schedules through the batcher: with more
+    calls than ``max_batch``, streams that have no audio yet go before one whose listener is
+    buffered, each batch keeps submission order, and every call gets its own piece."""
+    served = LocalToken2Wav(t2w, max_batch=2)
+    voices = [Voice("", PromptFeatures(*_prompt(i).values())) for i in range(3)]
+    n = 60
+    tokens = _tokens(n, 3).tolist()
+    first, second = plan_chunks(n)[:2]
+    calls = [Token2WavCall("buffered", tokens[:first.num_tokens], voices[0], 0, False)]
+    assert served.run(calls)[0].shape == (10560,)  # 0.44 s the listener has not played yet
+
+    batches: list[list[str]] = []
+    run_batch = t2w.run_batch
+    monkeypatch.setattr(t2w, "run_batch", lambda work: batches.append([w.stream.request_id for w in work])
+                        or run_batch(work))
+    calls = [Token2WavCall("buffered", tokens[:second.num_tokens], voices[0], second.token_offset, False),
+             Token2WavCall("fresh-1", tokens[:first.num_tokens], voices[1], 0, False),
+             Token2WavCall("fresh-2", tokens[:first.num_tokens], voices[2], 0, False)]
+    pieces = served.run(calls)
+    assert batches == [["fresh-1", "fresh-2"], ["buffered"]]
+    assert pieces[0].size > 0 and pieces[1].shape == pieces[2].shape == (10560,)
+    for rid in ("buffered", "fresh-1", "fresh-2"):
+        served.cancel(rid)
+    assert t2w.open_streams == 0
 
 
 def test_background_worker_serves_concurrent_callers(t2w):

@@ -11,14 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import torch
 
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import register_voice_prefixes
 from ..llm.sampling import REFERENCE_SAMPLING, SamplingParams
 from ..runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO, resolve_device
-from ..token2wav.cosyvoice2 import load_token2wav
+from ..token2wav.cosyvoice2 import default_flow_dtype, load_token2wav
 from ..token2wav.sessions import LocalToken2Wav
 from .tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, VoiceResolver
 
@@ -84,8 +83,7 @@ def load_local_tts(models_dir: str | Path, device: str = "auto", *, llm_backend:
     providers = None if device.type == "cuda" else ["CPUExecutionProvider"]
     voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", providers),
                            SpeakerEncoder(model_dir / "campplus.onnx"), default_speaker=DEFAULT_SPEAKER)
-    flow_dtype = torch.float16 if device.type == "cuda" else torch.float32
-    token2wav = LocalToken2Wav(load_token2wav(model_dir, device, flow_dtype))
+    token2wav = LocalToken2Wav(load_token2wav(model_dir, device, default_flow_dtype(device)))
     backend = create_backend(llm_backend, llm_dir, device, None, **(llm_options or {}))
     register_voice_prefixes(backend, text_tokenizer, registry)
     pipeline = TTSPipeline(text_tokenizer, LocalSpeechTokens(backend, sampling), token2wav, strategy=strategy)

@@ -46,7 +46,7 @@ from ..llm.prompt import MAX_SPEECH_TOKENS, register_voice_prefixes
 from ..llm.sampling import REFERENCE_SAMPLING
 from ..runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO, resolve_device
 from ..schedule import TOKEN_RATE
-from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, load_token2wav
+from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, default_flow_dtype, load_token2wav
 from ..token2wav.sessions import LocalToken2Wav
 from .local import LocalSpeechTokens
 from .tts import DEFAULT_SPEAKER, SegmentPrompt, TokenLimits, TTSPipeline, TTSRequest, Voice, VoiceResolver
@@ -147,8 +147,7 @@ class OfflineTTS:
             if not path.is_dir():
                 raise InvalidInputError(f"{path} does not exist: --model-dir must hold {COSYVOICE2_DIR}/ and {LLM_DIR}/")
         self.device = resolve_device(config.device)
-        flow_dtype = DTYPES[config.dtype] if config.dtype else (
-            torch.float16 if self.device.type == "cuda" else torch.float32)
+        flow_dtype = DTYPES[config.dtype] if config.dtype else default_flow_dtype(self.device)
         self.text_tokenizer = AutoTokenizer.from_pretrained(llm_dir)
         registry = SpeakerRegistry.load(model_dir / SPK2INFO)
         providers = None if self.device.type == "cuda" else ["CPUExecutionProvider"]

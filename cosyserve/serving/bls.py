@@ -25,7 +25,6 @@ Speech tokens come from one of:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -36,9 +35,10 @@ from ..frontend.speakers import SpeakerRegistry
 from ..frontend.voice_store import VOICES_DIR, VoiceStore
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from ..llm.sampling import REFERENCE_SAMPLING
-from ..pipeline.tts import DEFAULT_SPEAKER, MAX_TEXT_CHARS, TokenLimits, TTSPipeline, TTSRequest, Voice
+from ..pipeline.tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice
 from ..llm.trtllm.request import TritonLLMInputs, resolve_protocol
 from .bls_base import TTSBLS, TTSInputs, bls_request, call_model, openai_speech_tokens
+from .settings import BlsSettings
 from .triton_utils import FinishedResponseIterators, raise_response_error
 
 
@@ -133,24 +133,24 @@ class CosyVoice2BLS(TTSBLS):
     """The CosyVoice2 pipeline: speech tokens from a Triton LLM model or an OpenAI-compatible server,
     audio from the ``token2wav`` model."""
 
-    def speech_tokens(self, params: dict[str, str], tokenizer_dir: str, tokenizer, registry: SpeakerRegistry):
-        if params.get("llm_url"):
-            return openai_speech_tokens(params, tokenizer_dir, tokenizer, registry)
-        model_name = params.get("llm_model_name") or "llm"
-        protocol = resolve_protocol(params.get("llm_protocol"), model_name)
+    def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry):
+        if settings.llm_url:
+            return openai_speech_tokens(settings, tokenizer, registry)
+        model_name = settings.llm_model_name
+        protocol = resolve_protocol(settings.llm_protocol, model_name)
         # the tensorrt_llm protocol's embedding_bias is the head bias of this (HuggingFace) directory
         return TritonSpeechTokens(model_name, TritonLLMInputs(protocol, REFERENCE_SAMPLING, self.decoupled,
-                                                              tokenizer_dir))
+                                                              settings.llm_tokenizer_dir))
 
     def speaker_encoder(self) -> RemoteSpeakerEncoder:
         return RemoteSpeakerEncoder()
 
-    def voice_store(self, params: dict[str, str], model_dir: Path) -> VoiceStore:
-        return VoiceStore(params.get("voices_dir") or model_dir / VOICES_DIR)
+    def voice_store(self, settings: BlsSettings) -> VoiceStore:
+        return VoiceStore(settings.voices_dir or settings.model_dir / VOICES_DIR)
 
-    def build_pipeline(self, tokenizer, params: dict[str, str]) -> TTSPipeline:
+    def build_pipeline(self, tokenizer, settings: BlsSettings) -> TTSPipeline:
         return TTSPipeline(tokenizer, self.llm, TritonToken2Wav(),
-                           strategy=params.get("streaming_strategy") or "exponential", max_text_chars=int(params.get("max_text_chars") or MAX_TEXT_CHARS))
+                           strategy=settings.streaming_strategy, max_text_chars=settings.max_text_chars)
 
     def build_request(self, inputs: TTSInputs) -> TTSRequest:
         voice = self.voices.resolve(inputs.reference_wav, inputs.reference_text, inputs.speaker_id)

@@ -19,7 +19,6 @@ import uuid
 from abc import ABC, abstractmethod
 from contextlib import closing
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,11 +30,11 @@ from ..llm.backends import create_backend
 from ..llm.prompt import SPEECH_TOKEN_OFFSET, register_voice_prefixes
 from ..llm.sampling import REFERENCE_SAMPLING
 from ..pipeline.local import LocalSpeechTokens
-from ..pipeline.tts import DEFAULT_MAX_TOKENS, TokenLimits, VoiceResolver, validate_text
+from ..pipeline.tts import TokenLimits, VoiceResolver, validate_text
 from ..runtime import SPK2INFO
-from .triton_utils import (FINAL, error_response, limit_torch_threads, model_parameters, optional_input,
-                           optional_scalar, optional_text, raise_response_error, reference_wav, required_parameter,
-                           tensor)
+from .settings import BlsSettings
+from .triton_utils import (FINAL, error_response, limit_torch_threads, model_settings, optional_input,
+                           optional_scalar, optional_text, raise_response_error, reference_wav, tensor)
 
 
 def bls_request(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str], request_id: str = ""):
@@ -60,13 +59,14 @@ class RemoteSpeechTokenizer:
         return torch.from_numpy(ids.astype(np.int32) - SPEECH_TOKEN_OFFSET)
 
 
-def openai_speech_tokens(params: dict[str, str], tokenizer_dir: str, tokenizer, registry: SpeakerRegistry
-                         ) -> LocalSpeechTokens:
-    """Speech tokens from the OpenAI-compatible server at parameter ``llm_url`` (model id: parameter
+def openai_speech_tokens(settings: BlsSettings, tokenizer, registry: SpeakerRegistry) -> LocalSpeechTokens:
+    """Speech tokens from the OpenAI-compatible server at ``settings.llm_url`` (model id:
     ``llm_model``, empty = the first the server lists), with the registered voices' prefixes warmed
     there. Its ``backend`` reads each stream on a thread of its own; close it when unloading."""
-    backend = create_backend("openai", tokenizer_dir, base_url=required_parameter(params, "llm_url"),
-                             model=params.get("llm_model") or None)
+    if not settings.llm_url:
+        raise ValueError("model parameter 'llm_url' is missing or empty in config.pbtxt")
+    backend = create_backend("openai", settings.llm_tokenizer_dir, base_url=settings.llm_url,
+                             model=settings.llm_model or None)
     register_voice_prefixes(backend, tokenizer, registry)
     return LocalSpeechTokens(backend, REFERENCE_SAMPLING)
 
@@ -111,37 +111,33 @@ class TTSBLS(ABC):
     def __init__(self, config: dict):
         from transformers import AutoTokenizer
 
-        params = model_parameters(config)
-        limit_torch_threads(params)  # dozens of instances; each needs little CPU (prompt mel, resampling)
+        settings = model_settings(config, BlsSettings)
+        limit_torch_threads(settings.torch_threads)  # dozens of instances; each needs little CPU (prompt mel, resampling)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        model_dir = Path(required_parameter(params, "model_dir"))
-        registry = SpeakerRegistry.load(model_dir / SPK2INFO)
+        registry = SpeakerRegistry.load(settings.model_dir / SPK2INFO)
         self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), self.speaker_encoder(),
-                                    store=self.voice_store(params, model_dir))
-        self.limits = TokenLimits(int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
-                                  int(params.get("min_tokens") or 0))
-        tokenizer_dir = required_parameter(params, "llm_tokenizer_dir")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.llm = self.speech_tokens(params, tokenizer_dir, tokenizer, registry)
-        self.pipeline = self.build_pipeline(tokenizer, params)
+                                    store=self.voice_store(settings))
+        self.limits = TokenLimits(settings.max_tokens, settings.min_tokens)
+        tokenizer = AutoTokenizer.from_pretrained(settings.llm_tokenizer_dir)
+        self.llm = self.speech_tokens(settings, tokenizer, registry)
+        self.pipeline = self.build_pipeline(tokenizer, settings)
 
     @abstractmethod
-    def speech_tokens(self, params: dict[str, str], tokenizer_dir: str, tokenizer, registry: SpeakerRegistry):
+    def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry):
         """The pipeline's :class:`~cosyserve.pipeline.tts.SpeechTokenSource`."""
 
     @abstractmethod
     def speaker_encoder(self):
         """What :class:`~cosyserve.pipeline.tts.VoiceResolver` embeds a reference clip with."""
 
-    def voice_store(self, params: dict[str, str], model_dir: Path):
+    def voice_store(self, settings: BlsSettings):
         """Where :class:`~cosyserve.pipeline.tts.VoiceResolver` finds voices uploaded through the HTTP
         API (:class:`~cosyserve.frontend.voice_store.VoiceStore`), or None: only registered voices."""
         return None
 
     @abstractmethod
-    def build_pipeline(self, tokenizer, params: dict[str, str]):
-        """The pipeline (``stream``, ``synthesize``, ``max_text_chars``) over :attr:`llm`, configured by the
-        model's parameters (``streaming_strategy``, ...)."""
+    def build_pipeline(self, tokenizer, settings: BlsSettings):
+        """The pipeline (``stream``, ``synthesize``, ``max_text_chars``) over :attr:`llm`."""
 
     @abstractmethod
     def build_request(self, inputs: TTSInputs) -> Any:

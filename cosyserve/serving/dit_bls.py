@@ -27,6 +27,7 @@ from ..llm.prompt import SPEECH_TOKEN_OFFSET
 from .bls_base import TTSBLS, TTSInputs, call_model, openai_speech_tokens
 from .dit_pipeline import DitTTSPipeline, DitTTSRequest, SkipSpeakerEmbedding, dit_request
 from .dit_runtime import SpeakerRef
+from .settings import BlsSettings
 
 TOKEN2WAV_DIT = "token2wav_dit"
 
@@ -59,15 +60,14 @@ class CosyVoice2DitBLS(TTSBLS):
     """Speech tokens from an OpenAI-compatible server (read by the OpenAI backend's own thread, so
     tokens keep coming while a chunk is voiced), audio from the ``token2wav_dit`` model."""
 
-    def speech_tokens(self, params: dict[str, str], tokenizer_dir: str, tokenizer, registry: SpeakerRegistry):
-        return openai_speech_tokens(params, tokenizer_dir, tokenizer, registry)
+    def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry):
+        return openai_speech_tokens(settings, tokenizer, registry)
 
     def speaker_encoder(self) -> SkipSpeakerEmbedding:
         return SkipSpeakerEmbedding()
 
-    def build_pipeline(self, tokenizer, params: dict[str, str]) -> DitTTSPipeline:
-        return DitTTSPipeline(tokenizer, self.llm, TritonDitToken2Wav(),
-                              strategy=params.get("streaming_strategy") or "exponential")
+    def build_pipeline(self, tokenizer, settings: BlsSettings) -> DitTTSPipeline:
+        return DitTTSPipeline(tokenizer, self.llm, TritonDitToken2Wav(), strategy=settings.streaming_strategy)
 
     def build_request(self, inputs: TTSInputs) -> DitTTSRequest:
         return dit_request(self.voices, inputs.request_id, inputs.target_text, reference_wav16=inputs.reference_wav,

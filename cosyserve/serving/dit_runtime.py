@@ -29,6 +29,7 @@ from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..errors import InvalidInputError
 from ..frontend import SpeakerEncoder, SpeakerRegistry, SpeechTokenizer, build_prompt_features
 from ..runtime import STREAM_IDLE_TIMEOUT_S, resolve_device
+from ..token2wav.cosyvoice2 import default_flow_dtype
 from ..token2wav.dit import (DEFAULT_MAX_SPEAKERS, DitToken2Wav, OfflineRequest, SpeakerPrompt, load_dit_token2wav,
                              speaker_key)
 from ..token2wav.sessions import SessionClock
@@ -160,7 +161,7 @@ def load_dit_service(model_dir: str | Path, device: str | torch.device = "auto",
     fp32), as deployed; fp32 on CPU. ``spk2info`` (a CosyVoice2 ``spk2info.pt``) enables speaker ids."""
     model_dir = Path(model_dir)
     device = resolve_device(device)
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    dtype = default_flow_dtype(device)
     providers = None if device.type == "cuda" else ["CPUExecutionProvider"]
     model = load_dit_token2wav(model_dir, device, dtype, max_speakers=max_speakers)
     registry = SpeakerRegistry.load(spk2info) if spk2info else None

@@ -13,7 +13,6 @@ Metrics: ``cosyserve_clip_cache_hits_total``, ``cosyserve_clip_cache_misses_tota
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 
@@ -21,22 +20,20 @@ from ..audio.io import TOKENIZER_SAMPLE_RATE, validate_waveform
 from ..clip_cache import ClipCache
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..llm.prompt import SPEECH_TOKEN_OFFSET
-from ..pipeline.tts import DEFAULT_FEATURE_CACHE_SIZE as DEFAULT_CLIP_CACHE_SIZE
-from ..runtime import resolve_device
-from .triton_utils import (Metric, limit_torch_threads, model_parameters, reference_wav, required_parameter,
-                           respond_each, tensor)
+from .settings import FrontendSettings
+from .triton_utils import Metric, limit_torch_threads, model_settings, reference_wav, respond_each, tensor
 
 
 class _FrontendModel:
     """One ONNX wrapper, one request at a time; subclasses define ``_run(request) -> tensors``."""
 
     def __init__(self, config: dict, onnx_file: str, wrapper):
-        params = model_parameters(config)
-        limit_torch_threads(params)  # onnxruntime runs the model on its own thread; torch only checks audio
-        device = resolve_device(params.get("device") or "auto")
-        providers = None if device.type == "cuda" else ["CPUExecutionProvider"]
-        self.onnx_model = wrapper(Path(required_parameter(params, "model_dir")) / onnx_file, providers)
-        self.cache: ClipCache[np.ndarray] = ClipCache(int(params.get("clip_cache_size") or DEFAULT_CLIP_CACHE_SIZE))
+        settings = model_settings(config, FrontendSettings)
+        # onnxruntime runs the model on its own thread; torch only checks audio
+        limit_torch_threads(settings.torch_threads)
+        providers = None if settings.torch_device().type == "cuda" else ["CPUExecutionProvider"]
+        self.onnx_model = wrapper(settings.model_dir / onnx_file, providers)
+        self.cache: ClipCache[np.ndarray] = ClipCache(settings.clip_cache_size)
         self.cache_lookups = {outcome: Metric(f"cosyserve_clip_cache_{outcome}_total",
                                               f"reference clips found ({outcome}) in the model's clip cache",
                                               config["name"], kind="counter") for outcome in ("hits", "misses")}

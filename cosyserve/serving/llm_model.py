@@ -45,7 +45,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,16 +55,13 @@ from ..llm.backends import create_backend
 from ..llm.prompt import EOS_IDS, SPEECH_TOKEN_OFFSET, register_voice_prefixes
 from ..llm.sampling import SamplingParams
 from ..llm.stream import TokenStream
-from ..runtime import SPK2INFO, resolve_device
+from ..runtime import SPK2INFO
 from ..llm.trtllm.request import check_embedding_bias, check_stop_words, embedding_bias, request_seed
+from .settings import LLMSettings
 from .triton_utils import (FINAL, Metric, WorkMetrics, error_response, apply_mps_settings, limit_torch_threads,
-                           model_parameters, optional_input, optional_scalar, required_input, required_parameter,
-                           tensor)
+                           model_settings, optional_input, optional_scalar, required_input, tensor)
 
 DEFAULT_OUTPUT_LEN = 750
-# A send only waits for the server to hand the response on (to a gRPC stream, or to the calling
-# BLS stub, which takes it at once); this long means that caller is gone.
-DEFAULT_SEND_TIMEOUT_S = 10.0
 CLOSE_JOIN_S = 5.0  # how long unloading waits for each request's thread to send its last response
 
 
@@ -89,19 +85,19 @@ class _Generation:
 
 class LLMModel:
     def __init__(self, config: dict):
-        params = model_parameters(config)
-        apply_mps_settings(params)
-        llm_dir = Path(required_parameter(params, "llm_dir"))
-        device = resolve_device(params.get("device") or "auto")
-        limit_torch_threads(params, 1 if device.type == "cuda" else None)
-        self.backend = create_backend(params.get("llm_backend") or "torch", llm_dir, device)
+        settings = model_settings(config, LLMSettings)
+        apply_mps_settings(settings.mps_thread_percentage, settings.mps_priority)
+        llm_dir = settings.llm_dir
+        device = settings.torch_device()
+        limit_torch_threads(settings.torch_threads, 1 if device.type == "cuda" else None)
+        self.backend = create_backend(settings.llm_backend, llm_dir, device)
         self.head_bias = embedding_bias(llm_dir).numpy()  # what a TensorRT-LLM caller's embedding_bias must be
-        if params.get("model_dir"):  # registered voices: precompute their prompt prefixes
+        if settings.model_dir:  # registered voices: precompute their prompt prefixes
             from transformers import AutoTokenizer
 
             from ..frontend.speakers import SpeakerRegistry
 
-            registry = SpeakerRegistry.load(Path(params["model_dir"]) / SPK2INFO)
+            registry = SpeakerRegistry.load(settings.model_dir / SPK2INFO)
             register_voice_prefixes(self.backend, AutoTokenizer.from_pretrained(llm_dir), registry)
         self.active = Metric("cosyserve_llm_active_requests", "LLM requests being generated", config["name"])
         self.generated = Metric("cosyserve_llm_generated_tokens_total", "speech tokens generated",
@@ -117,7 +113,7 @@ class LLMModel:
             "cosyserve_llm_decode_rows_total": ("requests advanced, summed over decode steps", engine.counters,
                                                 "decode_rows"),
         }) if engine else None
-        self.send_timeout_s = float(params.get("send_timeout_s") or DEFAULT_SEND_TIMEOUT_S)
+        self.send_timeout_s = settings.send_timeout_s
         self._generations: set[_Generation] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()

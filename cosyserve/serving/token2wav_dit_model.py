@@ -18,29 +18,24 @@ Streams and speaker caches live in this process, hence one instance (config.pbtx
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 
 from ..errors import InvalidInputError
-from ..runtime import STREAM_IDLE_TIMEOUT_S, resolve_device
-from ..token2wav.dit import DEFAULT_MAX_SPEAKERS
 from .dit_runtime import DitToken2WavService, SpeakerRef, load_dit_service
-from .triton_utils import (Metric, limit_torch_threads, model_parameters, optional_input, optional_scalar,
-                           optional_text, raw_speech_tokens, reference_wav, required_input, required_parameter,
-                           respond_each, tensor)
+from .settings import DitToken2WavSettings
+from .triton_utils import (Metric, limit_torch_threads, model_settings, optional_input, optional_scalar, optional_text,
+                           raw_speech_tokens, reference_wav, required_input, respond_each, tensor)
 
 
 class Token2WavDitModel:
     def __init__(self, config: dict):
-        params = model_parameters(config)
-        device = resolve_device(params.get("device") or "auto")
-        limit_torch_threads(params, 1 if device.type == "cuda" else None)
+        settings = model_settings(config, DitToken2WavSettings)
+        device = settings.torch_device()
+        limit_torch_threads(settings.torch_threads, 1 if device.type == "cuda" else None)
         self.service: DitToken2WavService = load_dit_service(
-            Path(required_parameter(params, "model_dir")), device,
-            spk2info=params.get("spk2info") or None,
-            max_speakers=int(params.get("max_speakers") or DEFAULT_MAX_SPEAKERS),
-            idle_timeout_s=float(params.get("stream_idle_timeout_s") or STREAM_IDLE_TIMEOUT_S))
+            settings.model_dir, device, spk2info=settings.spk2info, max_speakers=settings.max_speakers,
+            idle_timeout_s=settings.stream_idle_timeout_s)
         name = config["name"]
         self.open_streams = Metric("cosyserve_token2wav_dit_open_streams", "DiT token2wav streams open", name)
         self.cached_speakers = Metric("cosyserve_token2wav_dit_cached_speakers",

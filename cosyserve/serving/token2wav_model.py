@@ -19,7 +19,6 @@ for where the time goes, ``cosyserve_token2wav_{flow,hift}_seconds_total`` (devi
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,13 +28,12 @@ from ..errors import InvalidInputError
 from ..frontend.prompt import PromptFeatures
 from ..frontend.speakers import SpeakerRegistry
 from ..pipeline.tts import DEFAULT_SPEAKER, Voice
-from ..runtime import SPK2INFO, STREAM_IDLE_TIMEOUT_S, resolve_device, resolve_device_dtype
-from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, load_token2wav,
-                                    streaming_vocoder_frames)
+from ..runtime import SPK2INFO
+from ..token2wav.cosyvoice2 import load_token2wav
 from ..token2wav.sessions import LocalToken2Wav, Token2WavCall
+from .settings import Token2WavSettings
 from .triton_utils import (Metric, WorkMetrics, error_response, apply_mps_settings, limit_torch_threads,
-                           model_parameters, optional_input, optional_scalar, parse_flag, raw_speech_tokens,
-                           required_input, required_parameter, tensor)
+                           model_settings, optional_input, optional_scalar, raw_speech_tokens, required_input, tensor)
 
 PROMPT_INPUTS = ("prompt_speech_tokens", "prompt_speech_feat", "prompt_spk_embedding")
 
@@ -44,48 +42,22 @@ class Token2WavModel:
     """Every request of a Triton batch is parsed alone (a bad one fails alone), then all valid ones
     run together through :meth:`LocalToken2Wav.run`: concurrent streams share flow and HiFT batches.
 
-    Parameters (all optional but ``model_dir``): ``device``; ``dtype`` of the flow (default fp16
-    on CUDA, fp32 on CPU; HiFT stays fp32); ``cuda_graphs`` (default on CUDA: replay the flow's
-    ODE loop from CUDA graphs); ``precapture_frames`` (default 1500 with graphs: capture every
-    flow graph for ``max_batch`` requests of up to that many frames at load, 0: lazily);
-    ``hift_graphs`` (default: as ``cuda_graphs``: HiFT graphs of the non-final streaming chunk
-    shapes of the exponential schedule for up to ``hift_max_tokens`` tokens (default 750), captured at load;
-    other shapes run eagerly); ``compile`` (default off: torch.compile the flow estimator);
-    ``incremental_stream`` (default off: streaming steps compute only their new frames, at ~115 MB
-    of state per second of audio per stream); ``max_batch`` (units per flow batch, default 16);
-    ``stream_idle_timeout_s``; ``mps_thread_percentage`` and ``mps_priority`` (see :func:`apply_mps_settings`).
+    Parameters: :class:`~cosyserve.serving.settings.Token2WavSettings`.
     """
 
     def __init__(self, config: dict):
-        params = model_parameters(config)
-        apply_mps_settings(params)
-        model_dir = Path(required_parameter(params, "model_dir"))
-        device = resolve_device(params.get("device") or "auto")
-        on_cuda = device.type == "cuda"
-        limit_torch_threads(params, 1 if on_cuda else None)
-        dtype_name = params.get("dtype") or "auto"
-        dtype = ((torch.float16 if on_cuda else torch.float32) if dtype_name == "auto"
-                 else resolve_device_dtype(device, dtype_name)[1])
-        cuda_graphs = parse_flag(params.get("cuda_graphs") or "auto", on_cuda)
-        max_batch = int(params.get("max_batch") or 16)
-        precapture = params.get("precapture_frames") or "auto"
-        hift_graphs = parse_flag(params.get("hift_graphs") or "auto", cuda_graphs)
-        hift_shapes = streaming_vocoder_frames(int(params.get("hift_max_tokens") or 750)) if hift_graphs else ()
-        options = Token2WavOptions(
-            cuda_graphs=cuda_graphs, compile=parse_flag(params.get("compile") or "auto", False),
-            precapture_frames=(DEFAULT_PRECAPTURE_FRAMES if cuda_graphs else 0) if precapture == "auto" else int(precapture),
-            precapture_batch=max_batch, hift_graphs=hift_graphs, hift_precapture_frames=hift_shapes,
-            incremental_stream=parse_flag(params.get("incremental_stream") or "auto", False))
-        idle_timeout = float(params.get("stream_idle_timeout_s") or STREAM_IDLE_TIMEOUT_S)
-        self.token2wav = LocalToken2Wav(load_token2wav(model_dir, device, dtype, options), idle_timeout,
-                                        max_batch=max_batch)
-        speaker = SpeakerRegistry.load(model_dir / SPK2INFO).get(DEFAULT_SPEAKER)
+        settings = model_settings(config, Token2WavSettings)
+        apply_mps_settings(settings.mps_thread_percentage, settings.mps_priority)
+        device = settings.torch_device()
+        limit_torch_threads(settings.torch_threads, 1 if device.type == "cuda" else None)
+        model = load_token2wav(settings.model_dir, device, settings.flow_dtype(device), settings.options(device))
+        self.token2wav = LocalToken2Wav(model, settings.stream_idle_timeout_s, max_batch=settings.max_batch)
+        speaker = SpeakerRegistry.load(settings.model_dir / SPK2INFO).get(DEFAULT_SPEAKER)
         self.default_voice = Voice(speaker.prompt_text, speaker.features, speaker.speaker_id)
         self.open_streams = Metric("cosyserve_token2wav_open_streams", "token2wav streaming sessions open",
                                    config["name"])
         self.batch_units = Metric("cosyserve_token2wav_batched_units_total",
                                   "token2wav requests run in shared batches", config["name"], kind="counter")
-        model = self.token2wav.model
         self.work_metrics = WorkMetrics(config["name"], {
             "cosyserve_token2wav_flow_seconds_total": ("device time of flow batches", model.counters, "flow_s"),
             "cosyserve_token2wav_hift_seconds_total": ("device time of HiFT batches", model.counters, "hift_s"),

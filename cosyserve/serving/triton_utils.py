@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..errors import InvalidInputError, RequestCancelledError
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
+from .settings import Settings, parse_settings
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -34,16 +35,21 @@ def model_parameters(config: dict) -> dict[str, str]:
     return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
 
 
-def limit_torch_threads(params: dict[str, str], default: int | None = 1) -> None:
-    """Set this model process's torch CPU threads: the ``torch_threads`` parameter, else ``default``
-    (None: torch's own, one per core).
+def model_settings(config: dict, cls: type[Settings]) -> Settings:
+    """The model's typed settings (:mod:`.settings`) from its parameters."""
+    return parse_settings(cls, model_parameters(config))
+
+
+def limit_torch_threads(threads: int, default: int | None = 1) -> None:
+    """Set this model process's torch CPU threads: ``threads`` (the ``torch_threads`` setting), if
+    not 0, else ``default`` (None: torch's own, one per core).
 
     Every Triton model is its own process on the same cores, and with torch's default each one
     runs a worker per core: in a 16-stream benchmark on a 16-core host the two front-end models
     held 13 cores, starving the threads that launch GPU work. Models whose heavy work is on a
     GPU, or in onnxruntime with its own thread, keep one.
     """
-    threads = int(params.get("torch_threads") or 0) or default
+    threads = threads or default
     if threads:
         import torch
 
@@ -53,7 +59,7 @@ def limit_torch_threads(params: dict[str, str], default: int | None = 1) -> None
 MPS_PRIORITIES = {"normal": "0", "below_normal": "1"}  # CUDA_MPS_CLIENT_PRIORITY values
 
 
-def apply_mps_settings(params: dict[str, str]) -> None:
+def apply_mps_settings(share: str, priority: str) -> None:
     """How this model process shares the GPU under CUDA MPS (no effect without MPS):
     ``mps_thread_percentage`` caps the share of SMs it may use (1-100; empty: all) and
     ``mps_priority`` (``normal``/``below_normal``; empty: normal) ranks its work against the other
@@ -63,22 +69,14 @@ def apply_mps_settings(params: dict[str, str]) -> None:
     Under MPS the kernels of the LLM and token2wav processes run side by side and slow each other
     down (docs/benchmarks.md measures both knobs; neither is set by default).
     """
-    share = params.get("mps_thread_percentage") or ""
     if share:
         if not share.isdigit() or not 1 <= int(share) <= 100:
             raise ValueError(f"model parameter mps_thread_percentage must be an integer in 1..100, got {share!r}")
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = share
-    priority = params.get("mps_priority") or ""
     if priority:
         if priority not in MPS_PRIORITIES:
             raise ValueError(f"model parameter mps_priority must be one of {sorted(MPS_PRIORITIES)}, got {priority!r}")
         os.environ["CUDA_MPS_CLIENT_PRIORITY"] = MPS_PRIORITIES[priority]
-
-
-def required_parameter(params: dict[str, str], key: str) -> str:
-    if not params.get(key):
-        raise ValueError(f"model parameter {key!r} is missing or empty in config.pbtxt")
-    return params[key]
 
 
 # ----- request tensors -----
@@ -142,17 +140,6 @@ def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
         pb_utils.Logger.log_error("".join(traceback.format_exception(exc)))
         error = pb_utils.TritonError(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
     return pb_utils.InferenceResponse(error=error)
-
-
-def parse_flag(value: str, auto: bool) -> bool:
-    """A boolean model parameter: true/false (any case, also 1/0, yes/no), or "auto" for ``auto``."""
-    flags = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-    text = value.strip().lower()
-    if text == "auto":
-        return auto
-    if text not in flags:
-        raise InvalidInputError(f"expected true, false or auto, got {value!r}")
-    return flags[text]
 
 
 def respond_each(requests, run) -> list:

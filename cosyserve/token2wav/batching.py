@@ -110,11 +110,17 @@ class Token2WavBatcher:
     # ----- execution -----
 
     def run_batch(self) -> int:
-        """Run the ``max_batch`` most urgent pending units as one batch; returns how many ran."""
+        """Run the ``max_batch`` most urgent pending units as one batch; returns how many ran.
+
+        Deadlines choose the units; inside the batch they run in submission order, so that what
+        each draws from a shared random generator does not depend on the deadlines."""
         with self._cond:
             batch = [heapq.heappop(self._heap) for _ in range(min(self.max_batch, len(self._heap)))]
+            # streams closed outside the batcher (cancelled, idle, a failed plan) have no listener left
+            self._playback = {s: p for s, p in self._playback.items() if not s.closed}
         if not batch:
             return 0
+        batch.sort(key=lambda p: p.order)
         try:
             results = self.model.run_batch([p.work for p in batch])
         except BaseException as exc:

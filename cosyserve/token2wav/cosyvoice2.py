@@ -43,6 +43,12 @@ from .vocoder_stream import MEL_CACHE_FRAMES, HiftStream, SineNoiseProvider, Voc
 DEFAULT_PRECAPTURE_FRAMES = 1500
 
 
+def default_flow_dtype(device: torch.device) -> torch.dtype:
+    """The flow's dtype when none is asked for (CosyVoice2 and DiT): fp16 on CUDA, as deployed
+    (HiFT stays fp32), fp32 on CPU."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
 @dataclass(frozen=True)
 class Token2WavOptions:
     """Opt-in speed-ups; the defaults reproduce the reference computation.

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from ..errors import InvalidInputError
 from ..frontend.prompt import Voice
 from ..runtime import STREAM_IDLE_TIMEOUT_S
-from .cosyvoice2 import CosyVoice2Token2Wav, OfflineRequest
+from .batching import Token2WavBatcher
+from .cosyvoice2 import CosyVoice2Token2Wav, OfflineRequest, Token2WavStream
 
 
 @dataclass
@@ -68,7 +69,9 @@ class SessionClock:
 class LocalToken2Wav:
     """:class:`~cosyserve.pipeline.tts.Token2Wav` over :class:`CosyVoice2Token2Wav`, plus :meth:`run`,
     which packs several requests' work into shared flow/HiFT batches (the Triton ``token2wav``
-    model hands it every request of a dynamic batch).
+    model hands it every request of a dynamic batch). The batches are formed by the same
+    deadline-aware :class:`~cosyserve.token2wav.batching.Token2WavBatcher` that
+    ``streaming_inference.py`` benchmarks, run on the caller's thread.
 
     A request's streaming session opens at its first step and closes at its final step, on
     :meth:`cancel`, on any error, or after ``idle_timeout_s`` without a step (a caller that
@@ -77,11 +80,9 @@ class LocalToken2Wav:
 
     def __init__(self, model: CosyVoice2Token2Wav, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
                  max_batch: int = 16):
-        if max_batch < 1:
-            raise InvalidInputError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
         self.idle_timeout_s = idle_timeout_s
-        self.max_batch = max_batch
+        self.batcher = Token2WavBatcher(model, max_batch=max_batch)
         self._clock = SessionClock()
 
     @property
@@ -98,41 +99,40 @@ class LocalToken2Wav:
     def run(self, calls: Sequence[Token2WavCall]) -> list[np.ndarray | Exception]:
         """Per call, its waveform (float32, 24 kHz) or the exception that failed it.
 
-        Invalid calls fail alone; the valid ones run ``max_batch`` at a time, and a batch that
-        fails fails (and closes the streams of) its own calls only.
+        Invalid calls fail alone; the valid ones run ``max_batch`` at a time, most urgent first
+        (:class:`Token2WavBatcher`), and a batch that fails fails (and closes the streams of) its
+        own calls only.
         """
         self.close_idle()
         results: list[np.ndarray | Exception | None] = [None] * len(calls)
-        planned = []  # (index, work)
+        submitted = []  # (index, stream or None, future)
         for index, call in enumerate(calls):
             try:
-                planned.append((index, self._plan(call)))
+                submitted.append((index, *self._submit(call)))
             except Exception as exc:
                 results[index] = exc
-        for start in range(0, len(planned), self.max_batch):
-            group = planned[start:start + self.max_batch]
+        while self.batcher.run_batch():
+            pass
+        for index, stream, future in submitted:
             try:
-                outputs = self.model.run_batch([work for _, work in group])
+                results[index] = _numpy(future.result())  # another caller's thread may still run it
             except Exception as exc:
-                outputs = [exc] * len(group)
-            for (index, work), output in zip(group, outputs):
-                results[index] = output if isinstance(output, Exception) else _numpy(
-                    output if work.stream is None else output.audio[0])
-                if work.stream is not None:
-                    self._clock.stepped(work.stream.request_id, work.stream.closed)
+                results[index] = exc
+            if stream is not None:
+                self._clock.stepped(stream.request_id, stream.closed)
         return results
 
-    def _plan(self, call: Token2WavCall):
+    def _submit(self, call: Token2WavCall) -> tuple[Token2WavStream | None, Future]:
         f = call.voice.features
         if call.token_offset is None:
-            return self.model.offline_work(OfflineRequest(list(call.tokens), f.speech_tokens, f.speech_feat,
-                                                          f.embedding))
+            request = OfflineRequest(list(call.tokens), f.speech_tokens, f.speech_feat, f.embedding)
+            return None, self.batcher.submit_offline(request)
         if call.request_id in self.model.open_stream_ids:
             stream = self.model.get_stream(call.request_id)
         else:
             stream = self.model.open_stream(call.request_id, f.speech_tokens, f.speech_feat, f.embedding)
         try:
-            return stream.plan_step(list(call.tokens), call.token_offset, call.finalize)
+            return stream, self.batcher.submit_step(stream, list(call.tokens), call.token_offset, call.finalize)
         finally:
             self._clock.stepped(stream.request_id, stream.closed)  # a failed plan closes the stream
 

@@ -1,0 +1,283 @@
+"""The Triton model repository, built from the ``model_repo/`` templates: one builder for both pipelines.
+
+``run.sh`` stage 2 (CosyVoice2: ``cosyvoice2`` BLS, ``llm`` or ``tensorrt_llm``, ``token2wav``,
+``audio_tokenizer``, ``speaker_embedding``), ``run_stepaudio2_dit_token2wav.sh`` stage 2 (DiT:
+``cosyvoice2_dit``, ``token2wav_dit``, ``audio_tokenizer``) and the tests all call :func:`build`::
+
+    python -m cosyserve.serving.model_repository cosyvoice2 OUT_DIR --models-dir models --device cpu
+    python -m cosyserve.serving.model_repository dit OUT_DIR --models-dir models --llm-url http://h:8100/v1
+
+Every field of :class:`CosyVoice2Repository` / :class:`DitRepository` is a ``--flag`` of the same
+name (``_`` -> ``-``). A template is a ``config.pbtxt`` with ``${key}`` placeholders; :func:`fill`
+replaces them (``scripts/fill_template.py`` is its command line, with NVIDIA's syntax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import shutil
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from .settings import BlsSettings, FrontendSettings, LLMSettings, Token2WavSettings, parameter_value
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
+# Parameters that repositories filled with the keys of NVIDIA's runtime (which has none of them)
+# leave empty: llm_protocol / llm_url of cosyvoice2 (by llm_model_name / a Triton LLM model) and
+# mps_thread_percentage / mps_priority (no cap, normal priority).
+DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0", "llm_protocol": "", "llm_url": "",
+            "mps_thread_percentage": "", "mps_priority": ""}
+PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
+
+
+# ----- templates -----
+
+class TemplateError(ValueError):
+    """The substitutions do not fit the template."""
+
+
+def split_unescaped(text: str, delimiter: str, maxsplit: int = -1) -> list[str]:
+    """Split ``text`` on ``delimiter`` where it is not preceded by a backslash.
+
+    Escapes are kept in the parts (so that a later split still sees them); see :func:`unescape`.
+    """
+    parts, start, i = [], 0, 0
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+            continue
+        if text[i] == delimiter and (maxsplit < 0 or len(parts) < maxsplit):
+            parts.append(text[start:i])
+            start = i + 1
+        i += 1
+    return parts + [text[start:]]
+
+
+def unescape(text: str) -> str:
+    """``\\x`` -> ``x`` (a trailing backslash stays)."""
+    return re.sub(r"\\(.)", r"\1", text, flags=re.DOTALL)
+
+
+def parse_substitutions(spec: str) -> dict[str, str]:
+    """``"a:1,b:x\\,y:z"`` -> ``{"a": "1", "b": "x,y:z"}``."""
+    substitutions = {}
+    for item in split_unescaped(spec, ","):
+        if not item:
+            continue
+        key_value = split_unescaped(item, ":", maxsplit=1)
+        key = unescape(key_value[0]).strip()
+        if len(key_value) != 2 or not key:
+            raise TemplateError(f"substitution {item!r} is not key:value")
+        substitutions[key] = unescape(key_value[1])
+    return substitutions
+
+
+def fill(template: str, substitutions: dict[str, str]) -> str:
+    """Replace ``${key}`` by its value; raises :class:`TemplateError` on unknown or unfilled keys."""
+    present = set(PLACEHOLDER.findall(template))
+    unknown = sorted(set(substitutions) - present)
+    if unknown:
+        raise TemplateError(f"key(s) {', '.join(unknown)} do not appear as ${{...}} in the template")
+    values = {**DEFAULTS, **substitutions}
+    filled = PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), template)
+    # Values are inserted verbatim and never re-scanned, so what is left came from the template.
+    left = sorted({m.group(1) for m in PLACEHOLDER.finditer(template) if m.group(1) not in values})
+    if left:
+        raise TemplateError("unfilled placeholder(s): " + ", ".join(f"${{{k}}}" for k in left))
+    return filled
+
+
+# ----- repositories -----
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model of a repository: ``template`` (a ``model_repo/`` folder) filled with ``values``."""
+
+    template: str
+    values: dict[str, str]
+
+
+@dataclass(frozen=True)
+class CosyVoice2Repository:
+    """What ``run.sh`` stage 2 builds (its variables in the comments)."""
+
+    models_dir: Path                                           # MODELS_DIR (CosyVoice2-0.5B, cosyvoice2_llm)
+    llm_backend: str = "torch"                                 # LLM_BACKEND: torch (our llm model) | trtllm
+    llm_engine: str = LLMSettings.llm_backend                  # LLM_ENGINE
+    llm_protocol: str = BlsSettings.llm_protocol               # LLM_PROTOCOL
+    llm_url: str = BlsSettings.llm_url                         # LLM_URL: no Triton LLM model then
+    trt_engine_dir: str = ""                                   # TRT_ENGINE_DIR
+    trt_kv_cache_tokens: int = 2560                            # TRT_KV_CACHE_TOKENS
+    decoupled: bool = True                                     # DECOUPLED_MODE
+    streaming_strategy: str = BlsSettings.streaming_strategy   # STREAMING_STRATEGY
+    device: str = Token2WavSettings.device                     # DEVICE
+    bls_instances: int = 4                                     # BLS_INSTANCE_NUM
+    offline_bls_instances: int = 1                             # OFFLINE_BLS_INSTANCE_NUM
+    max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
+    min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
+    max_batch_size: int = Token2WavSettings.max_batch          # TRITON_MAX_BATCH_SIZE
+    max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
+    token2wav_dtype: str = Token2WavSettings.dtype             # TOKEN2WAV_*
+    token2wav_cuda_graphs: str = parameter_value(Token2WavSettings.cuda_graphs)
+    token2wav_incremental_stream: str = parameter_value(Token2WavSettings.incremental_stream)
+    token2wav_precapture_frames: str = parameter_value(Token2WavSettings.precapture_frames)
+    token2wav_compile: str = parameter_value(Token2WavSettings.compile)
+    token2wav_hift_graphs: str = parameter_value(Token2WavSettings.hift_graphs)
+    token2wav_mps_thread_percentage: str = ""
+    token2wav_mps_priority: str = ""
+    llm_mps_thread_percentage: str = ""
+    llm_mps_priority: str = ""
+
+    def models(self) -> dict[str, ModelEntry]:
+        """Model name -> entry; ``cosyvoice2_offline`` next to a decoupled ``cosyvoice2`` (HTTP
+        clients cannot read decoupled models)."""
+        model_dir, llm_dir = f"{self.models_dir}/CosyVoice2-0.5B", f"{self.models_dir}/cosyvoice2_llm"
+        common = {"model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
+                  "max_queue_delay_microseconds": str(self.max_queue_delay_microseconds), "device": self.device}
+        models = {"token2wav": ModelEntry("token2wav", {
+            **common, "token2wav_dtype": self.token2wav_dtype, "token2wav_cuda_graphs": self.token2wav_cuda_graphs,
+            "token2wav_incremental_stream": self.token2wav_incremental_stream,
+            "token2wav_precapture_frames": self.token2wav_precapture_frames,
+            "token2wav_compile": self.token2wav_compile, "token2wav_hift_graphs": self.token2wav_hift_graphs,
+            "mps_thread_percentage": self.token2wav_mps_thread_percentage,
+            "mps_priority": self.token2wav_mps_priority})}
+        models["audio_tokenizer"] = ModelEntry("audio_tokenizer", common)
+        models["speaker_embedding"] = ModelEntry("speaker_embedding", common)
+        llm_model = "tensorrt_llm" if self.llm_backend == "trtllm" else "llm"
+        # With llm_url, speech tokens come from a completions server: no Triton LLM model.
+        triton_llm = None if self.llm_url else llm_model
+        if triton_llm == "llm":
+            models["llm"] = ModelEntry("llm", {
+                **common, "llm_dir": llm_dir, "llm_engine": self.llm_engine,
+                "mps_thread_percentage": self.llm_mps_thread_percentage, "mps_priority": self.llm_mps_priority})
+        elif triton_llm == "tensorrt_llm":
+            kv_tokens = str(self.trt_kv_cache_tokens)
+            # decoupled always: the BLS streams from the LLM model in both modes (one response when not streaming)
+            models["tensorrt_llm"] = ModelEntry("tensorrt_llm", {
+                "triton_backend": "tensorrtllm", "triton_max_batch_size": str(self.max_batch_size),
+                "decoupled_mode": "True", "max_beam_width": "1", "engine_dir": self.trt_engine_dir,
+                "max_tokens_in_paged_kv_cache": kv_tokens, "max_attention_window_size": kv_tokens,
+                "kv_cache_free_gpu_mem_fraction": "0.5", "exclude_input_in_output": "True",
+                "enable_kv_cache_reuse": "False", "batching_strategy": "inflight_fused_batching",
+                "max_queue_delay_microseconds": str(self.max_queue_delay_microseconds),
+                "encoder_input_features_data_type": "TYPE_FP16", "logits_datatype": "TYPE_FP32"})
+        bls = {"model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
+               "llm_tokenizer_dir": llm_dir, "streaming_strategy": self.streaming_strategy,
+               "llm_model_name": llm_model, "llm_protocol": self.llm_protocol, "llm_url": self.llm_url,
+               "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens)}
+        models["cosyvoice2"] = ModelEntry("cosyvoice2", {**bls, "bls_instance_num": str(self.bls_instances),
+                                                         "decoupled_mode": str(self.decoupled)})
+        if self.decoupled:
+            models["cosyvoice2_offline"] = ModelEntry("cosyvoice2", {
+                **bls, "bls_instance_num": str(self.offline_bls_instances), "decoupled_mode": "False"})
+        return models
+
+
+@dataclass(frozen=True)
+class DitRepository:
+    """What ``run_stepaudio2_dit_token2wav.sh`` stage 2 builds (its variables in the comments)."""
+
+    dit_model_dir: Path                                        # DIT_MODEL_DIR (Step-Audio-2-mini/token2wav)
+    cosyvoice2_dir: Path                                       # COSYVOICE2_DIR (audio_tokenizer, spk2info.pt)
+    llm_dir: Path                                              # LLM_DIR (the tokenizer)
+    llm_url: str                                               # LLM_URL
+    llm_model: str = BlsSettings.llm_model                     # LLM_MODEL
+    decoupled: bool = True                                     # DECOUPLED_MODE
+    streaming_strategy: str = BlsSettings.streaming_strategy   # STREAMING_STRATEGY
+    device: str = FrontendSettings.device                      # DEVICE
+    bls_instances: int = 4                                     # BLS_INSTANCE_NUM
+    max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
+    min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
+    max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
+    max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
+
+    def models(self) -> dict[str, ModelEntry]:
+        common = {"triton_max_batch_size": str(self.max_batch_size),
+                  "max_queue_delay_microseconds": str(self.max_queue_delay_microseconds)}
+        return {
+            "cosyvoice2_dit": ModelEntry("cosyvoice2_dit", {
+                **common, "model_dir": str(self.cosyvoice2_dir), "llm_tokenizer_dir": str(self.llm_dir),
+                "llm_url": self.llm_url, "llm_model": self.llm_model, "streaming_strategy": self.streaming_strategy,
+                "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
+                "bls_instance_num": str(self.bls_instances), "decoupled_mode": str(self.decoupled)}),
+            "token2wav_dit": ModelEntry("token2wav_dit", {
+                **common, "model_dir": str(self.dit_model_dir), "spk2info": f"{self.cosyvoice2_dir}/spk2info.pt",
+                "device": self.device}),
+            "audio_tokenizer": ModelEntry("audio_tokenizer", {
+                **common, "model_dir": str(self.cosyvoice2_dir), "device": self.device}),
+        }
+
+
+PIPELINES = {"cosyvoice2": CosyVoice2Repository, "dit": DitRepository}
+
+
+def build(spec: CosyVoice2Repository | DitRepository, out: str | Path, templates: str | Path = TEMPLATES) -> Path:
+    """Replace ``out`` with the repository ``spec`` describes; returns ``out``.
+
+    Every template is filled before ``out`` is touched: when one does not fit
+    (:class:`TemplateError`), ``out`` stays as it was."""
+    out, templates = Path(out), Path(templates)
+    configs = {}
+    for name, entry in spec.models().items():
+        text = fill((templates / entry.template / "config.pbtxt").read_text(), entry.values)
+        configs[name] = text.replace(f'name: "{entry.template}"', f'name: "{name}"', 1)
+    shutil.rmtree(out, ignore_errors=True)
+    for name, entry in spec.models().items():
+        shutil.copytree(templates / entry.template, out / name)
+        (out / name / "config.pbtxt").write_text(configs[name])
+    return out
+
+
+# ----- command line -----
+
+def _flag_type(annotation: object):
+    if annotation is bool:
+        return _boolean
+    return annotation if annotation in (int, Path) else str
+
+
+def _boolean(text: str) -> bool:
+    value = {"true": True, "false": False}.get(text.strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[CosyVoice2Repository | DitRepository, Path, Path]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pipelines = parser.add_subparsers(dest="pipeline", required=True)
+    for name, spec in PIPELINES.items():
+        sub = pipelines.add_parser(name, help=spec.__doc__)
+        sub.add_argument("out", type=Path, help="the repository folder (replaced)")
+        sub.add_argument("--templates", type=Path, default=TEMPLATES, help="the model_repo/ folder of templates")
+        hints = typing.get_type_hints(spec)
+        for field in dataclasses.fields(spec):
+            required = field.default is dataclasses.MISSING
+            sub.add_argument("--" + field.name.replace("_", "-"), dest=field.name, type=_flag_type(hints[field.name]),
+                             required=required, default=None if required else field.default,
+                             help=None if required else f"default: {field.default!r}")
+    args = vars(parser.parse_args(argv))
+    spec = PIPELINES[args.pop("pipeline")]
+    out, templates = args.pop("out"), args.pop("templates")
+    return spec(**args), out, templates
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    spec, out, templates = parse_args(argv)
+    try:
+        build(spec, out, templates)
+    except (TemplateError, OSError) as e:
+        print(f"model_repository: {e}", file=sys.stderr)
+        return 1
+    for name in sorted(spec.models()):
+        print(f"{out / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Typed settings of each Triton model, parsed once from its ``config.pbtxt`` parameters.
+
+One frozen dataclass per model; each field is the parameter of the same name, and its default
+applies when the parameter is missing or empty. Field types say how a value is read: ``str``,
+``int``, ``float``, ``Path``, ``Path | None``, ``int | None`` (``auto`` = None) and ``bool | None``
+(true/false/1/0/yes/no in any case, ``auto`` = None). "auto" is resolved by the settings' own
+methods, nowhere else. The model repository builder (:mod:`.model_repository`) takes its defaults
+from here, and tests/test_settings.py checks that the run scripts' variables agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from ..runtime import STREAM_IDLE_TIMEOUT_S, resolve_device, resolve_device_dtype
+from ..pipeline.tts import DEFAULT_FEATURE_CACHE_SIZE, DEFAULT_MAX_TOKENS, MAX_TEXT_CHARS
+from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, default_flow_dtype,
+                                    streaming_vocoder_frames)
+from ..token2wav.dit import DEFAULT_MAX_SPEAKERS
+
+AUTO = "auto"
+FLAGS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+# A send only waits for the server to hand the response on (to a gRPC stream, or to the calling
+# BLS stub, which takes it at once); this long means that caller is gone.
+DEFAULT_SEND_TIMEOUT_S = 10.0
+
+Settings = TypeVar("Settings")
+
+
+def parse_settings(cls: type[Settings], params: dict[str, str]) -> Settings:
+    """``cls`` from a model's parameters; raises ValueError naming the parameter that is wrong."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for field in dataclasses.fields(cls):
+        text = (params.get(field.name) or "").strip()
+        if not text:
+            if field.default is dataclasses.MISSING:
+                raise ValueError(f"model parameter {field.name!r} is missing or empty in config.pbtxt")
+            continue
+        try:
+            values[field.name] = _parse(hints[field.name], text)
+        except ValueError as exc:
+            raise ValueError(f"model parameter {field.name}: {exc}") from None
+    return cls(**values)
+
+
+def _parse(kind: object, text: str) -> object:
+    if kind == bool | None:
+        if text.lower() == AUTO:
+            return None
+        if text.lower() not in FLAGS:
+            raise ValueError(f"expected true, false or auto, got {text!r}")
+        return FLAGS[text.lower()]
+    if kind == int | None:
+        return None if text.lower() == AUTO else int(text)
+    if kind in (Path, Path | None):
+        return Path(text)
+    if kind in (int, float, str):
+        return kind(text)
+    raise TypeError(f"no parser for settings of type {kind}")
+
+
+def parameter_value(value: object) -> str:
+    """A setting as its parameter text (None -> ``auto``), what :func:`parse_settings` reads back."""
+    if value is None:
+        return AUTO
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessSettings:
+    """What every model process on a device takes: ``device`` (auto: CUDA when available) and
+    ``torch_threads`` (0: the model's own default)."""
+
+    device: str = AUTO
+    torch_threads: int = 0
+
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSharingSettings(ProcessSettings):
+    """How a GPU-heavy process shares the GPU under CUDA MPS (``triton_utils.apply_mps_settings``)."""
+
+    mps_thread_percentage: str = ""
+    mps_priority: str = ""
+
+
+@dataclass(frozen=True)
+class Token2WavSettings(GpuSharingSettings):
+    """The ``token2wav`` model (:class:`~cosyserve.serving.token2wav_model.Token2WavModel`).
+
+    ``dtype`` of the flow (auto: fp16 on CUDA, fp32 on CPU; HiFT stays fp32); ``cuda_graphs``
+    (auto: on with CUDA: replay the flow's ODE loop from CUDA graphs); ``precapture_frames`` (auto:
+    1500 with graphs, else 0: capture every flow graph for ``max_batch`` requests of up to that many
+    frames at load; 0: lazily); ``hift_graphs`` (auto: as ``cuda_graphs``: HiFT graphs of the
+    non-final streaming chunk shapes of the exponential schedule for up to ``hift_max_tokens``
+    tokens, captured at load; other shapes run eagerly); ``compile`` (torch.compile the flow
+    estimator); ``incremental_stream`` (streaming steps compute only their new frames, at ~115 MB
+    of state per second of audio per stream); ``max_batch`` (units per flow batch).
+    """
+
+    model_dir: Path
+    dtype: str = AUTO
+    cuda_graphs: bool | None = None
+    precapture_frames: int | None = None
+    hift_graphs: bool | None = None
+    hift_max_tokens: int = 750
+    compile: bool | None = False
+    incremental_stream: bool | None = False
+    max_batch: int = 16
+    stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
+
+    def flow_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == AUTO:
+            return default_flow_dtype(device)
+        return resolve_device_dtype(device, self.dtype)[1]
+
+    def options(self, device: torch.device) -> Token2WavOptions:
+        cuda_graphs = device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
+        hift_graphs = cuda_graphs if self.hift_graphs is None else self.hift_graphs
+        precapture = self.precapture_frames
+        if precapture is None:
+            precapture = DEFAULT_PRECAPTURE_FRAMES if cuda_graphs else 0
+        return Token2WavOptions(
+            cuda_graphs=cuda_graphs, compile=bool(self.compile), precapture_frames=precapture,
+            precapture_batch=self.max_batch, hift_graphs=hift_graphs,
+            hift_precapture_frames=streaming_vocoder_frames(self.hift_max_tokens) if hift_graphs else (),
+            incremental_stream=bool(self.incremental_stream))
+
+
+@dataclass(frozen=True)
+class LLMSettings(GpuSharingSettings):
+    """The ``llm`` model: ``llm_backend`` (torch | hf, :func:`~cosyserve.llm.backends.create_backend`);
+    ``model_dir`` (optional: precompute the LLM prefixes of its registered voices); ``send_timeout_s``
+    (a response send that takes longer cancels its request)."""
+
+    llm_dir: Path
+    model_dir: Path | None = None
+    llm_backend: str = "torch"
+    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class BlsSettings:
+    """The ``cosyvoice2`` and ``cosyvoice2_dit`` BLS models. Speech tokens come from ``llm_url``
+    (an OpenAI-compatible completions server, model ``llm_model``; empty: the first it lists) when
+    set, else from the Triton model ``llm_model_name`` speaking ``llm_protocol`` (empty: by the name)."""
+
+    model_dir: Path
+    llm_tokenizer_dir: Path
+    llm_model_name: str = "llm"
+    llm_protocol: str = ""
+    llm_url: str = ""
+    llm_model: str = ""
+    streaming_strategy: str = "exponential"
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    min_tokens: int = 0
+    torch_threads: int = 0
+    max_text_chars: int = MAX_TEXT_CHARS  # the whole request text (cosyvoice2 splits it into segments)
+    voices_dir: Path | None = None  # voices uploaded through the HTTP API; default <model_dir>/voices
+
+
+@dataclass(frozen=True)
+class FrontendSettings(ProcessSettings):
+    """The ``audio_tokenizer`` and ``speaker_embedding`` models: ``clip_cache_size`` clips' results kept."""
+
+    model_dir: Path
+    clip_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE
+
+
+@dataclass(frozen=True)
+class DitToken2WavSettings(ProcessSettings):
+    """The ``token2wav_dit`` model: ``spk2info`` (the default speakers), ``max_speakers`` cached."""
+
+    model_dir: Path
+    spk2info: Path | None = None
+    max_speakers: int = DEFAULT_MAX_SPEAKERS
+    stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
+
+
+# The settings of each model of ``model_repo/`` that takes parameters (tensorrt_llm is NVIDIA's).
+MODEL_SETTINGS: dict[str, type] = {
+    "token2wav": Token2WavSettings, "llm": LLMSettings, "cosyvoice2": BlsSettings, "cosyvoice2_dit": BlsSettings,
+    "audio_tokenizer": FrontendSettings, "speaker_embedding": FrontendSettings, "token2wav_dit": DitToken2WavSettings,
+}

@@ -1,0 +1,67 @@
+"""cosyserve.serving.model_repository: which models each option builds, and a failing build."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cosyserve.serving.model_repository import (TEMPLATES, CosyVoice2Repository, DitRepository, TemplateError,
+                                                build)
+
+
+def parameter(repo: Path, model: str, key: str) -> str:
+    text = (repo / model / "config.pbtxt").read_text()
+    return re.search(r'key: "%s", value: \{ string_value: "([^"]*)"' % key, text).group(1)
+
+
+def test_streaming_repository_has_an_offline_twin(tmp_path):
+    repo = build(CosyVoice2Repository(Path("/m"), bls_instances=3), tmp_path / "repo")
+    assert sorted(p.name for p in repo.iterdir()) == ["audio_tokenizer", "cosyvoice2", "cosyvoice2_offline", "llm",
+                                                     "speaker_embedding", "token2wav"]
+    offline = (repo / "cosyvoice2_offline" / "config.pbtxt").read_text()
+    assert 'name: "cosyvoice2_offline"' in offline and "decoupled: False" in offline and "count: 1," in offline
+    assert "count: 3," in (repo / "cosyvoice2" / "config.pbtxt").read_text()
+    assert (repo / "llm" / "1" / "model.py").is_file()
+
+
+def test_llm_choices(tmp_path):
+    trt = build(CosyVoice2Repository(Path("/m"), llm_backend="trtllm", trt_engine_dir="/e", decoupled=False),
+                tmp_path / "trt")
+    assert sorted(p.name for p in trt.iterdir()) == ["audio_tokenizer", "cosyvoice2", "speaker_embedding",
+                                                    "tensorrt_llm", "token2wav"]
+    assert parameter(trt, "tensorrt_llm", "gpt_model_path") == "/e"
+    assert parameter(trt, "cosyvoice2", "llm_model_name") == "tensorrt_llm"
+    remote = build(CosyVoice2Repository(Path("/m"), llm_url="http://h:1/v1,x"), tmp_path / "remote")
+    assert not (remote / "llm").exists() and not (remote / "tensorrt_llm").exists()
+    assert parameter(remote, "cosyvoice2_offline", "llm_url") == "http://h:1/v1,x"
+
+
+def test_dit_repository(tmp_path):
+    repo = build(DitRepository(Path("/d"), Path("/c"), Path("/l"), "http://h:1/v1", device="cpu"), tmp_path / "dit")
+    assert sorted(p.name for p in repo.iterdir()) == ["audio_tokenizer", "cosyvoice2_dit", "token2wav_dit"]
+    assert parameter(repo, "token2wav_dit", "spk2info") == "/c/spk2info.pt"
+    assert parameter(repo, "audio_tokenizer", "model_dir") == "/c"
+
+
+def test_a_template_that_does_not_fit_leaves_the_repository_alone(tmp_path):
+    templates = tmp_path / "templates"
+    for model in ("cosyvoice2_dit", "token2wav_dit", "audio_tokenizer"):
+        (templates / model).mkdir(parents=True)
+        (templates / model / "config.pbtxt").write_text((TEMPLATES / model / "config.pbtxt").read_text())
+    (templates / "token2wav_dit" / "config.pbtxt").write_text('name: "token2wav_dit"\nmax_batch_size: 1\n')
+    out = tmp_path / "out"
+    (out / "old").mkdir(parents=True)
+    with pytest.raises(TemplateError, match="do not appear"):
+        build(DitRepository(Path("/d"), Path("/c"), Path("/l"), "u"), out, templates)
+    assert [p.name for p in out.iterdir()] == ["old"]
+
+
+def test_command_line_refuses_a_bad_flag_value(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cosyserve.serving.model_repository", "cosyvoice2", str(tmp_path / "r"),
+                           "--models-dir", "/m", "--decoupled", "maybe"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "expected True or False, got 'maybe'" in proc.stderr
+    assert not (tmp_path / "r").exists()
