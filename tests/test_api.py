@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from cosyserve.pipeline.tts import MAX_TEXT_CHARS
 from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, _die_with_parent, build_model_repo, copy_of_bundle,
                              free_ports, serve_repo, server_env, wait_http)
 
@@ -252,7 +253,8 @@ def test_bad_ids_uploads_and_keys(api, models_dir):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": ""}, "input"),
-    ({"input": "x" * 5000}, "input"),
+    ({"input": "x" * (MAX_TEXT_CHARS + 1)}, "input"),
+    ({"input": "x" * 5000}, None),  # within the limit, but one segment of 5000: the BLS's 400
     ({"response_format": "ogg"}, "response_format"),
     ({"speed": 1.5}, "speed"),
     ({"speed": 9}, "speed"),
