@@ -278,7 +278,10 @@ def test_llm_model_speaks_tensorrt_llm_tensors(idle_server):
         whole = stream.responses("output_ids")
     finally:
         stream.close()
-    assert len(pieces) == 12 and all(p.shape == (1, 1, 1) for p in pieces)
+    # one response per burst of ready tokens: one token each, unless the engine got ahead of the
+    # sender (a loaded machine), which joins a burst into one (1, 1, k) response
+    assert all(p.shape[:2] == (1, 1) and p.shape[2] >= 1 for p in pieces)
+    assert sum(p.shape[2] for p in pieces) == 12
     assert len(whole) == 1 and whole[0].shape == (1, 1, 12)
     streamed = np.concatenate([p.reshape(-1) for p in pieces])
     np.testing.assert_array_equal(streamed, whole[0].reshape(-1))  # same seed, same tokens
