@@ -42,6 +42,21 @@ from .vocoder_stream import MEL_CACHE_FRAMES, HiftStream, SineNoiseProvider, Voc
 # Frames a server captures flow graphs for by default: a 10 s prompt with 20 s of target speech.
 DEFAULT_PRECAPTURE_FRAMES = 1500
 
+HIFT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# What hift_dtype "auto" runs on a CUDA device (elsewhere: float32, the reference). Chosen from
+# scripts/bench_hift.py (docs/benchmarks.md): the streaming-chunk waveform of the float16 network
+# is within rel-L2 AUTO_CUDA_REL_L2 of float32's, at less than half the time per chunk.
+AUTO_CUDA_HIFT_DTYPE = "float16"
+
+
+def resolve_hift_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype of HiFT's network for the option value ``name`` ("auto" or a key of HIFT_DTYPES)."""
+    if name == "auto":
+        name = AUTO_CUDA_HIFT_DTYPE if device.type == "cuda" else "float32"
+    if name not in HIFT_DTYPES:
+        raise InvalidInputError(f"hift_dtype must be 'auto' or one of {sorted(HIFT_DTYPES)}, got {name!r}")
+    return HIFT_DTYPES[name]
+
 
 @dataclass(frozen=True)
 class Token2WavOptions:
@@ -63,6 +78,9 @@ class Token2WavOptions:
     stream holds per-frame state, ~115 MB per second of audio for the released model in fp16).
     ``tensorrt_plan`` / ``tensorrt_streaming_plan``: run the estimator from TensorRT plans
     (:mod:`.tensorrt`; non-streaming / streaming attention), CUDA only, not with ``cuda_graphs``.
+    ``hift_dtype``: dtype of HiFT's up-sampling network ("float32", "float16", "bfloat16"; its F0,
+    excitation and inverse STFT stay float32); "auto" is float32 on the CPU (the reference) and
+    :data:`AUTO_CUDA_HIFT_DTYPE` on CUDA.
     """
 
     cuda_graphs: bool = False
@@ -77,6 +95,7 @@ class Token2WavOptions:
     max_graphs: int = 256
     tensorrt_plan: str | Path | None = None
     tensorrt_streaming_plan: str | Path | None = None
+    hift_dtype: str = "auto"
 
     @property
     def tensorrt(self) -> bool:
@@ -121,8 +140,8 @@ class BatchItem:
 
 
 class CosyVoice2Token2Wav:
-    """Flow + HiFT on one device. ``dtype`` is the flow's compute dtype; HiFT keeps its own
-    (the Triton deployment runs the flow in fp16 and HiFT in fp32). Open streams are tracked so
+    """Flow + HiFT on one device. ``dtype`` is the flow's compute dtype; HiFT's network runs in
+    ``options.hift_dtype`` (the Triton deployment runs the flow in fp16 and HiFT in fp32). Open streams are tracked so
     servers and tests can check that no per-request state outlives its request."""
 
     def __init__(self, flow: CosyVoice2Flow, hift: HiFTGenerator, device: torch.device | str = "cpu",
@@ -143,6 +162,7 @@ class CosyVoice2Token2Wav:
             decoder.estimator = TensorRTEstimator(decoder.estimator, {False: self.options.tensorrt_plan,
                                                                       True: self.options.tensorrt_streaming_plan})
         self.hift = hift.to(device=self.device).eval()
+        self.hift.set_network_dtype(resolve_hift_dtype(self.options.hift_dtype, self.device))
         options = self.options
         if options.compile and options.tensorrt:
             raise InvalidInputError("choose compile or a TensorRT estimator plan, not both")
@@ -520,7 +540,7 @@ def _float_tensor(value: Any, name: str) -> torch.Tensor:
 def load_token2wav(model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                    options: Token2WavOptions | None = None) -> CosyVoice2Token2Wav:
     """Load ``flow.pt`` + ``hift.pt`` (configured by ``cosyvoice2.yaml`` when present) from a
-    CosyVoice2 model directory. The flow runs in ``dtype``, HiFT in float32."""
+    CosyVoice2 model directory. The flow runs in ``dtype``, HiFT's network in ``options.hift_dtype``."""
     flow = load_flow(model_dir, device, dtype)
     hift = load_hift(model_dir, device, torch.float32)
     return CosyVoice2Token2Wav(flow, hift, device, dtype, options)

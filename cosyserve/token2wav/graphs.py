@@ -297,11 +297,12 @@ class HiftRunner:
         of graphs. Needs ``cuda_graphs``."""
         if not isinstance(self._network, GraphCache):
             raise InvalidInputError("HiFT precapture needs cuda_graphs")
-        param = self.hift.conv_pre.bias
+        hift = self.hift
+        device = hift.conv_pre.weight.device
         for rows in _powers_of_two(max_batch):
             for frames in frame_counts:
-                mel = torch.zeros(rows, self.hift.cfg.in_channels, frames, device=param.device, dtype=param.dtype)
-                source = torch.zeros(rows, 1, frames * self.hift.hop_length, device=param.device, dtype=param.dtype)
+                mel = torch.zeros(rows, hift.cfg.in_channels, frames, device=device, dtype=hift.network_dtype)
+                source = torch.zeros(rows, 1, frames * hift.hop_length, device=device, dtype=hift.source_dtype)
                 self._network.capture(mel, source)
         self._network.capture_after = None
         return self._network.num_graphs
@@ -312,12 +313,11 @@ class HiftRunner:
         hift = self.hift
         if self._network is None:
             return hift.inference(mel, cache_source, sine_noise=sine_noise)
-        param = hift.conv_pre.bias
-        mel = mel.to(param.device, param.dtype)
+        mel = mel.to(hift.conv_pre.weight.device)
         phases = torch.zeros(mel.size(0), hift.m_source.num_harmonics, device=mel.device)
-        source = hift.compute_source(hift.f0_predictor(mel), SourceNoise(phases, sine_noise.to(mel.device)))
+        source = hift.compute_source(hift.predict_f0(mel), SourceNoise(phases, sine_noise.to(mel.device)))
         if cache_source is not None and cache_source.shape[-1] > 0:
             source[:, :, :cache_source.shape[-1]] = cache_source.to(source.device, source.dtype)
         rows = _next_power_of_two(mel.size(0))
-        (spectrum,) = self._network(_pad_rows(mel, rows), _pad_rows(source, rows))
+        (spectrum,) = self._network(_pad_rows(mel.to(hift.network_dtype), rows), _pad_rows(source, rows))
         return hift.spectrum_to_wave(spectrum[:mel.size(0)]), source
