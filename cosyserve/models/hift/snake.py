@@ -66,7 +66,7 @@ def fused_snake_available(x: torch.Tensor) -> bool:
 def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """Snake of x (B, C, T) with α (C,): one Triton kernel on CUDA (float32 arithmetic inside),
     :func:`snake_reference` elsewhere."""
-    if not fused_snake_available(x):
+    if torch.compiler.is_compiling() or not fused_snake_available(x):  # inductor fuses the reference itself
         return snake_reference(x, alpha)
     x = x.contiguous()
     out = torch.empty_like(x)
