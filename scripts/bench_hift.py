@@ -1,71 +1,46 @@
 #!/usr/bin/env python3
-"""HiFT per call, eager vs replayed from CUDA graphs, at the streaming chunk shapes.
+"""HiFT per streaming chunk call: float32 vs float16 / bfloat16 network, eager vs CUDA graphs.
 
-    python scripts/bench_hift.py --model-dir /tmp/models/CosyVoice2-0.5B
+    python scripts/bench_hift.py                                   # real size, random init
+    python scripts/bench_hift.py --model-dir /tmp/models/CosyVoice2-0.5B --fixtures ../shared/parity/cosyvoice2
 
-The shapes are those the token2wav model captures at load (`streaming_vocoder_frames`: mel
-frames of the non-final chunks of the exponential schedule, cached frames included); each is
-timed at several batch sizes (median of ``--runs`` calls after two untimed ones, the whole
-`HiftRunner` call: source, network, inverse STFT) with the rel-L2 of the two outputs.
-Needs a CUDA device (graphs). Random weights serve: the cost does not depend on them.
+The shapes are those the token2wav model captures at load (`streaming_vocoder_frames`: mel frames
+of the non-final chunks, cached frames included). Each row: median of ``--runs`` whole
+`HiftRunner` calls, kernel count, launch and arithmetic floors, rel-L2 against float32 with TF32
+off (cosyserve/token2wav/hift_bench.py). Needs a CUDA device.
 """
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from cosyserve.models.hift import load_hift  # noqa: E402
+from cosyserve.token2wav import hift_bench  # noqa: E402
 from cosyserve.token2wav.cosyvoice2 import streaming_vocoder_frames  # noqa: E402
-from cosyserve.token2wav.graphs import HiftRunner  # noqa: E402
-
-
-def median_ms(call, runs: int) -> float:
-    times = []
-    for _ in range(runs + 2):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    times = sorted(times[2:])
-    return 1000 * times[len(times) // 2]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", required=True, help="a CosyVoice2 directory with hift.pt")
+    parser.add_argument("--model-dir", help="a CosyVoice2 directory with hift.pt (default: random real-size weights)")
+    parser.add_argument("--dtypes", default="fp32,fp16,bf16", help=f"comma-separated, of {list(hift_bench.DTYPES)}")
     parser.add_argument("--rows", default="1,4,16", help="comma-separated batch sizes")
     parser.add_argument("--max-tokens", type=int, default=750, help="longest stream the shapes cover")
-    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--compile", action="store_true",
+                        help="also each dtype with the network through torch.compile (one compilation per shape)")
+    parser.add_argument("--fixtures", type=Path, help="../shared/parity/cosyvoice2: also check each dtype there")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("CUDA graphs need a CUDA device")
-    torch.set_num_threads(1)
-    hift = load_hift(args.model_dir, "cuda", torch.float32).eval()
-    shapes = streaming_vocoder_frames(args.max_tokens)
-    rows_list = [int(r) for r in args.rows.split(",")]
-    eager, graphs = HiftRunner(hift), HiftRunner(hift, cuda_graphs=True)
-    started = time.perf_counter()
-    count = graphs.precapture(max(rows_list), shapes)
-    print(f"captured {count} HiFT graphs for mel frames {shapes} in {time.perf_counter() - started:.1f} s, "
-          f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
-    print("| rows | mel frames | eager ms | graphs ms | rel-L2 |\n|---:|---:|---:|---:|---:|")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for rows in rows_list:
-        for frames in shapes:
-            mel = torch.randn(rows, 80, frames, device="cuda", generator=g)
-            cache = None if frames == shapes[0] else torch.randn(rows, 1, 3840, device="cuda", generator=g).tanh()
-            noise = 0.003 * torch.randn(rows, frames * hift.hop_length, hift.m_source.num_harmonics, device="cuda",
-                                        generator=g)
-            want, got = eager(mel, cache, noise)[0], graphs(mel, cache, noise)[0]
-            rel = float((got - want).norm() / want.norm())
-            print(f"| {rows} | {frames} | {median_ms(lambda: eager(mel, cache, noise), args.runs):.2f} | "
-                  f"{median_ms(lambda: graphs(mel, cache, noise), args.runs):.2f} | {rel:.1e} |", flush=True)
+    dtypes = args.dtypes.split(",")
+    if any(d not in hift_bench.DTYPES for d in dtypes):
+        parser.error(f"--dtypes must name only {list(hift_bench.DTYPES)}")
+    hift_bench.main(args.model_dir, dtypes, [int(r) for r in args.rows.split(",")],
+                    streaming_vocoder_frames(args.max_tokens), args.runs, args.fixtures,
+                    args.compile)
     return 0
 
 

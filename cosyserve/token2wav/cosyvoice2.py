@@ -16,7 +16,8 @@ Work of several requests runs packed together through :meth:`CosyVoice2Token2Wav
 alone up to float rounding. :class:`Token2WavOptions` holds the opt-in speed-ups (all off by
 default, which keeps the reference computation): CUDA graphs captured ahead of time
 (:mod:`.graphs`), a compiled estimator, and the incremental streaming flow
-(:class:`~cosyserve.models.flow.FlowStream`).
+(:class:`~cosyserve.models.flow.FlowStream`); and HiFT's network dtype, whose default is float32
+on the CPU and float16 on CUDA.
 """
 
 from __future__ import annotations
@@ -41,6 +42,23 @@ from .vocoder_stream import MEL_CACHE_FRAMES, HiftStream, SineNoiseProvider, Voc
 
 # Frames a server captures flow graphs for by default: a 10 s prompt with 20 s of target speech.
 DEFAULT_PRECAPTURE_FRAMES = 1500
+
+HIFT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# What hift_dtype "auto" runs on a CUDA device (elsewhere: float32, the reference). Measured with
+# scripts/bench_hift.py on an H100 (docs/benchmarks.md): the float16 network's waveform is within
+# rel-L2 1.1e-3..1.5e-3 of float32 (TF32 off) at the streaming shapes and 4.1e-3 of upstream on the
+# parity fixture (tolerance 1e-2); it is 0.1-0.3 ms faster per 1-row chunk and up to 1.5x faster at
+# 16 rows. bfloat16 misses the fixture tolerance (1.3e-2).
+AUTO_CUDA_HIFT_DTYPE = "float16"
+
+
+def resolve_hift_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype of HiFT's network for the option value ``name`` ("auto" or a key of HIFT_DTYPES)."""
+    if name == "auto":
+        name = AUTO_CUDA_HIFT_DTYPE if device.type == "cuda" else "float32"
+    if name not in HIFT_DTYPES:
+        raise InvalidInputError(f"hift_dtype must be 'auto' or one of {sorted(HIFT_DTYPES)}, got {name!r}")
+    return HIFT_DTYPES[name]
 
 
 def default_flow_dtype(device: torch.device) -> torch.dtype:
@@ -69,6 +87,9 @@ class Token2WavOptions:
     stream holds per-frame state, ~115 MB per second of audio for the released model in fp16).
     ``tensorrt_plan`` / ``tensorrt_streaming_plan``: run the estimator from TensorRT plans
     (:mod:`.tensorrt`; non-streaming / streaming attention), CUDA only, not with ``cuda_graphs``.
+    ``hift_dtype``: dtype of HiFT's up-sampling network ("float32", "float16", "bfloat16"; its F0,
+    excitation and inverse STFT stay float32); "auto" is float32 on the CPU (the reference) and
+    :data:`AUTO_CUDA_HIFT_DTYPE` on CUDA.
     """
 
     cuda_graphs: bool = False
@@ -83,6 +104,7 @@ class Token2WavOptions:
     max_graphs: int = 256
     tensorrt_plan: str | Path | None = None
     tensorrt_streaming_plan: str | Path | None = None
+    hift_dtype: str = "auto"
 
     @property
     def tensorrt(self) -> bool:
@@ -127,8 +149,8 @@ class BatchItem:
 
 
 class CosyVoice2Token2Wav:
-    """Flow + HiFT on one device. ``dtype`` is the flow's compute dtype; HiFT keeps its own
-    (the Triton deployment runs the flow in fp16 and HiFT in fp32). Open streams are tracked so
+    """Flow + HiFT on one device. ``dtype`` is the flow's compute dtype; HiFT's network runs in
+    ``options.hift_dtype`` (the Triton deployment runs the flow in fp16 and HiFT in fp32). Open streams are tracked so
     servers and tests can check that no per-request state outlives its request."""
 
     def __init__(self, flow: CosyVoice2Flow, hift: HiFTGenerator, device: torch.device | str = "cpu",
@@ -149,6 +171,7 @@ class CosyVoice2Token2Wav:
             decoder.estimator = TensorRTEstimator(decoder.estimator, {False: self.options.tensorrt_plan,
                                                                       True: self.options.tensorrt_streaming_plan})
         self.hift = hift.to(device=self.device).eval()
+        self.hift.set_network_dtype(resolve_hift_dtype(self.options.hift_dtype, self.device))
         options = self.options
         if options.compile and options.tensorrt:
             raise InvalidInputError("choose compile or a TensorRT estimator plan, not both")
@@ -526,7 +549,7 @@ def _float_tensor(value: Any, name: str) -> torch.Tensor:
 def load_token2wav(model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                    options: Token2WavOptions | None = None) -> CosyVoice2Token2Wav:
     """Load ``flow.pt`` + ``hift.pt`` (configured by ``cosyvoice2.yaml`` when present) from a
-    CosyVoice2 model directory. The flow runs in ``dtype``, HiFT in float32."""
+    CosyVoice2 model directory. The flow runs in ``dtype``, HiFT's network in ``options.hift_dtype``."""
     flow = load_flow(model_dir, device, dtype)
     hift = load_hift(model_dir, device, torch.float32)
     return CosyVoice2Token2Wav(flow, hift, device, dtype, options)

@@ -17,8 +17,10 @@ one launch.
   (dynamic shapes, one compilation per attention kind): fewer, fused kernels per step.
 * :class:`HiftRunner`: HiFT with injected source noise. HiFT is not causal (centred
   convolutions, reflect padding), so its graphs are keyed by the exact frame count (rows, which
-  never interact, are padded to a power of two), and only its network (``predict_spectrum``) is
-  captured: ``torch.istft`` checks its window on the host, a device sync that a graph cannot contain.
+  never interact, are padded to a power of two). Everything up to the complex spectrum is
+  captured (excitation and network, two graphs so the cached excitation can be pasted between
+  them), not the inverse STFT: ``torch.istft`` checks its window on the host, a device sync that
+  a graph cannot contain.
 
 Shapes not captured in advance are captured the second time they are seen (``capture_after``); a
 one-off shape runs eagerly, since capturing costs about three runs. A runner whose shapes were
@@ -277,34 +279,58 @@ class FlowSampler:
 class HiftRunner:
     """HiFT inference with injected sine noise: ``(mel, cache_source, sine_noise) -> (speech, source)``.
 
-    Without ``cuda_graphs`` and ``pad`` it is :meth:`HiFTGenerator.inference`; with graphs the
-    network part is replayed from a graph per shape, rows padded to a power of two (source and
-    inverse STFT stay eager). ``pad`` alone runs that decomposition eagerly (tests).
+    Without ``cuda_graphs`` and ``pad`` it is :meth:`HiFTGenerator.inference`. With graphs, rows
+    are padded to a power of two and two graphs per shape replay the work: the excitation (F0 and
+    harmonic source, float32) and the network up to the complex spectrum (in the network's dtype);
+    only pasting the cached excitation between them and the inverse STFT run eagerly. ``pad``
+    alone runs that decomposition eagerly (tests).
     """
 
-    def __init__(self, hift: HiFTGenerator, *, cuda_graphs: bool = False, pad: bool = False, max_graphs: int = 64):
+    def __init__(self, hift: HiFTGenerator, *, cuda_graphs: bool = False, pad: bool = False, compile: bool = False,
+                 max_graphs: int = 64):
         self.hift = hift
-        self._network: TensorFn | None = (GraphCache(self._spectrum, max_graphs=max_graphs) if cuda_graphs
-                                          else self._spectrum if pad else None)
+        self._excitation: TensorFn | None = None
+        self._network: TensorFn | None = None
+        # compile: the network goes through torch.compile (one compilation per shape), fusing the
+        # element-wise work between the convolutions.
+        spectrum = torch.compile(self._spectrum, dynamic=False) if compile else self._spectrum
+        if cuda_graphs:
+            self._excitation = GraphCache(self._source, max_graphs=max_graphs)
+            self._network = GraphCache(spectrum, max_graphs=max_graphs)
+        elif pad or compile:
+            self._excitation, self._network = self._source, spectrum
+
+    def _source(self, mel: torch.Tensor, sine_noise: torch.Tensor) -> tuple[torch.Tensor]:
+        hift = self.hift
+        phases = torch.zeros(mel.size(0), hift.m_source.num_harmonics, device=mel.device)
+        return (hift.compute_source(hift.predict_f0(mel), SourceNoise(phases, sine_noise)),)
 
     def _spectrum(self, mel: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.hift.predict_spectrum(mel, source),)
+        return (self.hift.complex_spectrum(self.hift.predict_spectrum(mel, source)),)
+
+    @property
+    def num_graphs(self) -> int:
+        caches = (self._excitation, self._network)
+        return sum(c.num_graphs for c in caches if isinstance(c, GraphCache))
 
     @torch.inference_mode()
     def precapture(self, max_batch: int, frame_counts: Sequence[int]) -> int:
-        """Capture the network's graphs for mels of exactly these frame counts, up to ``max_batch``
-        rows (padded to a power of two); every other shape then runs eagerly. Returns the number
-        of graphs. Needs ``cuda_graphs``."""
+        """Capture the graphs for mels of exactly these frame counts, up to ``max_batch`` rows
+        (padded to a power of two); every other shape then runs eagerly. Returns the number of
+        graphs. Needs ``cuda_graphs``."""
         if not isinstance(self._network, GraphCache):
             raise InvalidInputError("HiFT precapture needs cuda_graphs")
-        param = self.hift.conv_pre.bias
+        hift = self.hift
+        device = hift.conv_pre.weight.device
         for rows in _powers_of_two(max_batch):
             for frames in frame_counts:
-                mel = torch.zeros(rows, self.hift.cfg.in_channels, frames, device=param.device, dtype=param.dtype)
-                source = torch.zeros(rows, 1, frames * self.hift.hop_length, device=param.device, dtype=param.dtype)
-                self._network.capture(mel, source)
-        self._network.capture_after = None
-        return self._network.num_graphs
+                samples = frames * hift.hop_length
+                mel = torch.zeros(rows, hift.cfg.in_channels, frames, device=device)
+                noise = torch.zeros(rows, samples, hift.m_source.num_harmonics, device=device)
+                self._excitation.capture(mel, noise)
+                self._network.capture(mel, torch.zeros(rows, 1, samples, device=device, dtype=hift.source_dtype))
+        self._excitation.capture_after = self._network.capture_after = None
+        return self.num_graphs
 
     @torch.inference_mode()
     def __call__(self, mel: torch.Tensor, cache_source: torch.Tensor | None,
@@ -312,12 +338,11 @@ class HiftRunner:
         hift = self.hift
         if self._network is None:
             return hift.inference(mel, cache_source, sine_noise=sine_noise)
-        param = hift.conv_pre.bias
-        mel = mel.to(param.device, param.dtype)
-        phases = torch.zeros(mel.size(0), hift.m_source.num_harmonics, device=mel.device)
-        source = hift.compute_source(hift.f0_predictor(mel), SourceNoise(phases, sine_noise.to(mel.device)))
+        batch, rows = mel.size(0), _next_power_of_two(mel.size(0))
+        device = hift.conv_pre.weight.device
+        mel = _pad_rows(mel.to(device, torch.float32), rows)  # float32: the F0 reads it; the network casts
+        (source,) = self._excitation(mel, _pad_rows(sine_noise.to(device, torch.float32), rows))
         if cache_source is not None and cache_source.shape[-1] > 0:
-            source[:, :, :cache_source.shape[-1]] = cache_source.to(source.device, source.dtype)
-        rows = _next_power_of_two(mel.size(0))
-        (spectrum,) = self._network(_pad_rows(mel, rows), _pad_rows(source, rows))
-        return hift.spectrum_to_wave(spectrum[:mel.size(0)]), source
+            source[:batch, :, :cache_source.shape[-1]] = cache_source.to(source.device, source.dtype)
+        (spectrum,) = self._network(mel, source)
+        return hift.inverse_stft(spectrum[:batch]), source[:batch]

@@ -18,25 +18,19 @@ from torch.nn.utils.parametrizations import weight_norm
 from ...errors import InvalidInputError
 from .config import HiftConfig
 from .f0 import ConvF0Predictor
+from .snake import Snake
 from .source import HarmonicSource, SourceNoise, draw_source_noise
 
 # exp(log-magnitude) is clipped here before the inverse STFT (upstream constant).
 MAX_MAGNITUDE = 100.0
 # Slope of the leaky ReLU before conv_post: upstream calls F.leaky_relu with its default.
 POST_LRELU_SLOPE = 0.01
-
-
-class Snake(nn.Module):
-    """x + sin²(αx)/α with a learned per-channel α (linear scale)."""
-
-    def __init__(self, channels: int):
-        super().__init__()
-        self.alpha = nn.Parameter(torch.ones(channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # 4 kernels instead of 7: HiFT runs ~70 Snakes per call and is bound by kernel launches.
-        alpha = self.alpha[None, :, None]
-        return torch.addcmul(x, torch.sin(x * alpha).square_(), (alpha + 1e-9).reciprocal())
+# Dtypes the up-sampling network may run in (set_network_dtype).
+NETWORK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Children that stay float32 whatever the network's dtype: the F0 sets the voicing decision and the
+# harmonic phase, which accumulates to 1e4–1e5 radians (fixture README §2), so a half-precision F0
+# would change the waveform's phase, not just round it.
+FLOAT32_CHILDREN = ("m_source", "f0_predictor")
 
 
 class ResBlock(nn.Module):
@@ -114,7 +108,37 @@ class HiFTGenerator(nn.Module):
                 parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
         return self
 
+    # ----- precision -----
+
+    def set_network_dtype(self, dtype: torch.dtype) -> "HiFTGenerator":
+        """Run the up-sampling network (conv_pre … conv_post) in ``dtype``; the F0 predictor, the
+        excitation, the STFTs and the final clamp stay float32. float32 is the reference computation."""
+        if dtype not in NETWORK_DTYPES:
+            raise InvalidInputError(f"HiFT network dtype must be one of {NETWORK_DTYPES}, got {dtype}")
+        for name, child in self.named_children():
+            child.to(dtype=torch.float32 if name in FLOAT32_CHILDREN else dtype)
+        return self
+
+    @property
+    def network_dtype(self) -> torch.dtype:
+        return self.conv_pre.weight.dtype
+
+    @property
+    def source_dtype(self) -> torch.dtype:
+        return self.m_source.l_linear.weight.dtype
+
     # ----- pieces (public for parity checks) -----
+
+    def predict_f0(self, mel: torch.Tensor) -> torch.Tensor:
+        """mel (B, 80, T) → F0 in Hz (B, T), in the F0 predictor's dtype.
+
+        cuDNN's TF32 is off here (PyTorch enables it for convolutions by default): a TF32 F0 is
+        off by ~1e-3 relative, which the accumulated sine phase turns into a different waveform
+        (rel-L2 ~0.6 against the fixture instead of ~4e-3)."""
+        cudnn = torch.backends.cudnn
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                         allow_tf32=False):
+            return self.f0_predictor(mel.to(self.f0_predictor.classifier.weight.dtype))
 
     def compute_source(self, f0: torch.Tensor, noise: SourceNoise) -> torch.Tensor:
         """F0 (B, T) → excitation (B, 1, hop·T)."""
@@ -122,7 +146,8 @@ class HiFTGenerator(nn.Module):
 
     def predict_spectrum(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """mel (B, 80, T) + excitation (B, 1, L) → conv_post output (B, n_fft+2, L/istft_hop + 1):
-        log-magnitudes then raw phases."""
+        log-magnitudes then raw phases, in the network's dtype."""
+        mel = mel.to(self.network_dtype)
         source_spec = self._stft(source.squeeze(1)).to(mel.dtype)
         x = self.conv_pre(mel)
         n_kernels = len(self.cfg.resblock_kernel_sizes)
@@ -137,11 +162,19 @@ class HiFTGenerator(nn.Module):
 
     def spectrum_to_wave(self, spectrum: torch.Tensor) -> torch.Tensor:
         """conv_post output → waveform (B, istft_hop·(frames−1)), clamped to ±audio_limit."""
+        return self.inverse_stft(self.complex_spectrum(spectrum))
+
+    def complex_spectrum(self, spectrum: torch.Tensor) -> torch.Tensor:
+        """conv_post output → complex float32 spectrum (B, n_fft/2 + 1, frames)."""
         bins = self.cfg.istft_n_fft // 2 + 1
         spectrum = spectrum.float()
         magnitude = torch.exp(spectrum[:, :bins]).clamp(max=MAX_MAGNITUDE)
         phase = torch.sin(spectrum[:, bins:])  # upstream: a sine of the raw output, used as the angle
-        complex_spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        return torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+
+    def inverse_stft(self, complex_spec: torch.Tensor) -> torch.Tensor:
+        """Complex spectrum → waveform clamped to ±audio_limit (torch.istft checks its window on
+        the host: no CUDA graph can hold this part)."""
         n_fft = self.cfg.istft_n_fft
         wave = torch.istft(complex_spec, n_fft, self.cfg.istft_hop_len, n_fft, window=self.stft_window.float())
         return wave.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
@@ -177,8 +210,7 @@ class HiFTGenerator(nn.Module):
         if mel.dim() != 3 or mel.shape[1] != self.cfg.in_channels or mel.shape[2] == 0:
             raise InvalidInputError(
                 f"HiFT expects a mel of shape (B, {self.cfg.in_channels}, T>0), got {tuple(mel.shape)}")
-        param = self.conv_pre.bias
-        mel = mel.to(param.device, param.dtype)
+        mel = mel.to(self.conv_pre.weight.device)
         batch, length = mel.shape[0], mel.shape[2] * self.hop_length
         harmonics = self.m_source.num_harmonics
         if sine_noise is not None:
@@ -190,8 +222,7 @@ class HiFTGenerator(nn.Module):
         else:
             noise = draw_source_noise(batch, length, harmonics, mel.device, generator)
 
-        f0 = self.f0_predictor(mel)
-        source = self.compute_source(f0, noise)
+        source = self.compute_source(self.predict_f0(mel), noise)
         if cache_source is not None and cache_source.shape[-1] > 0:
             cached = cache_source.shape[-1]
             if cache_source.dim() != 3 or cache_source.shape[:2] != (batch, 1) or cached > length:
