@@ -60,6 +60,7 @@ TOKEN2WAV_CUDA_GRAPHS=${TOKEN2WAV_CUDA_GRAPHS:-auto}   # auto (on with CUDA) | t
 TOKEN2WAV_PRECAPTURE_FRAMES=${TOKEN2WAV_PRECAPTURE_FRAMES:-auto}  # auto (1500 with graphs) | N mel frames | 0 (lazy)
 TOKEN2WAV_COMPILE=${TOKEN2WAV_COMPILE:-false}  # true: torch.compile the flow estimator
 TOKEN2WAV_HIFT_GRAPHS=${TOKEN2WAV_HIFT_GRAPHS:-auto}   # auto (as the flow's): HiFT graphs of streaming chunk shapes
+TOKEN2WAV_HIFT_DTYPE=${TOKEN2WAV_HIFT_DTYPE:-auto}     # HiFT network: auto (float16 on CUDA, float32 on CPU) | float32 | ...
 # Under MPS: the share (1-100 %) of the GPU's SMs each process may use (empty = all), and the
 # priority of its GPU work (normal | below_normal; empty = normal). Measured in docs/benchmarks.md.
 TOKEN2WAV_MPS_THREAD_PERCENTAGE=${TOKEN2WAV_MPS_THREAD_PERCENTAGE:-}
@@ -201,6 +202,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \
     --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" --token2wav-precapture-frames "$TOKEN2WAV_PRECAPTURE_FRAMES" \
     --token2wav-compile "$TOKEN2WAV_COMPILE" --token2wav-hift-graphs "$TOKEN2WAV_HIFT_GRAPHS" \
+    --token2wav-hift-dtype "$TOKEN2WAV_HIFT_DTYPE" \
     --token2wav-mps-thread-percentage "$TOKEN2WAV_MPS_THREAD_PERCENTAGE" --token2wav-mps-priority "$TOKEN2WAV_MPS_PRIORITY" \
     --llm-mps-thread-percentage "$LLM_MPS_THREAD_PERCENTAGE" --llm-mps-priority "$LLM_MPS_PRIORITY" > /dev/null \
     || die "Stage 2: could not build the model repository"

@@ -8,7 +8,7 @@
     python token2wav.py --model-dir models/CosyVoice2-0.5B --num-tokens 100 150 200 250 --runs 3 \\
         --variants fp32,fp16,fp16+graphs,fp16+graphs+batch4
 
-A variant is dtype[+graphs|+flowgraphs][+incremental][+batchN]: the flow dtype (HiFT stays fp32),
+A variant is dtype[+graphs|+flowgraphs][+incremental][+batchN]: the flow dtype (HiFT: fp16 on CUDA, fp32 on CPU),
 CUDA graphs of flow and HiFT or of the flow only (Token2WavOptions), and how many utterances
 share one offline_batch call. Each variant's first warm-up run uses zero HiFT noise and its output
 is compared with the first variant's (rel-L2 of all waveforms); graph variants get a second

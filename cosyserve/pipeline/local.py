@@ -69,7 +69,7 @@ def load_local_tts(models_dir: str | Path, device: str = "auto", *, llm_backend:
                    llm_options: dict | None = None) -> LocalTTS:
     """Load the bundle layout ``<models_dir>/{CosyVoice2-0.5B, cosyvoice2_llm}`` on ``device``.
 
-    fp32 on CPU; on CUDA the flow runs in fp16 (HiFT stays fp32) and the LLM in bf16, as deployed.
+    fp32 on CPU; on CUDA the flow and HiFT's network run in fp16 and the LLM in bf16.
     """
     from transformers import AutoTokenizer
 

@@ -128,6 +128,7 @@ class CosyVoice2Repository:
     token2wav_precapture_frames: str = parameter_value(Token2WavSettings.precapture_frames)
     token2wav_compile: str = parameter_value(Token2WavSettings.compile)
     token2wav_hift_graphs: str = parameter_value(Token2WavSettings.hift_graphs)
+    token2wav_hift_dtype: str = Token2WavSettings.hift_dtype
     token2wav_mps_thread_percentage: str = ""
     token2wav_mps_priority: str = ""
     llm_mps_thread_percentage: str = ""
@@ -144,6 +145,7 @@ class CosyVoice2Repository:
             "token2wav_incremental_stream": self.token2wav_incremental_stream,
             "token2wav_precapture_frames": self.token2wav_precapture_frames,
             "token2wav_compile": self.token2wav_compile, "token2wav_hift_graphs": self.token2wav_hift_graphs,
+            "token2wav_hift_dtype": self.token2wav_hift_dtype,
             "mps_thread_percentage": self.token2wav_mps_thread_percentage,
             "mps_priority": self.token2wav_mps_priority})}
         models["audio_tokenizer"] = ModelEntry("audio_tokenizer", common)

@@ -99,7 +99,8 @@ class GpuSharingSettings(ProcessSettings):
 class Token2WavSettings(GpuSharingSettings):
     """The ``token2wav`` model (:class:`~cosyserve.serving.token2wav_model.Token2WavModel`).
 
-    ``dtype`` of the flow (auto: fp16 on CUDA, fp32 on CPU; HiFT stays fp32); ``cuda_graphs``
+    ``dtype`` of the flow (auto: fp16 on CUDA, fp32 on CPU); ``hift_dtype`` of HiFT's network (auto:
+    :data:`~cosyserve.token2wav.cosyvoice2.AUTO_CUDA_HIFT_DTYPE` on CUDA, fp32 on CPU); ``cuda_graphs``
     (auto: on with CUDA: replay the flow's ODE loop from CUDA graphs); ``precapture_frames`` (auto:
     1500 with graphs, else 0: capture every flow graph for ``max_batch`` requests of up to that many
     frames at load; 0: lazily); ``hift_graphs`` (auto: as ``cuda_graphs``: HiFT graphs of the
@@ -115,6 +116,7 @@ class Token2WavSettings(GpuSharingSettings):
     precapture_frames: int | None = None
     hift_graphs: bool | None = None
     hift_max_tokens: int = 750
+    hift_dtype: str = AUTO
     compile: bool | None = False
     incremental_stream: bool | None = False
     max_batch: int = 16
@@ -135,7 +137,7 @@ class Token2WavSettings(GpuSharingSettings):
             cuda_graphs=cuda_graphs, compile=bool(self.compile), precapture_frames=precapture,
             precapture_batch=self.max_batch, hift_graphs=hift_graphs,
             hift_precapture_frames=streaming_vocoder_frames(self.hift_max_tokens) if hift_graphs else (),
-            incremental_stream=bool(self.incremental_stream))
+            incremental_stream=bool(self.incremental_stream), hift_dtype=self.hift_dtype)
 
 
 @dataclass(frozen=True)

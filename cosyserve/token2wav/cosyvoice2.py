@@ -63,7 +63,7 @@ def resolve_hift_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def default_flow_dtype(device: torch.device) -> torch.dtype:
     """The flow's dtype when none is asked for (CosyVoice2 and DiT): fp16 on CUDA, as deployed
-    (HiFT stays fp32), fp32 on CPU."""
+    (HiFT's own dtype: ``Token2WavOptions.hift_dtype``), fp32 on CPU."""
     return torch.float16 if device.type == "cuda" else torch.float32
 
 
@@ -150,8 +150,9 @@ class BatchItem:
 
 class CosyVoice2Token2Wav:
     """Flow + HiFT on one device. ``dtype`` is the flow's compute dtype; HiFT's network runs in
-    ``options.hift_dtype`` (the Triton deployment runs the flow in fp16 and HiFT in fp32). Open streams are tracked so
-    servers and tests can check that no per-request state outlives its request."""
+    ``options.hift_dtype`` (fp16 on CUDA by default; the reference deployment keeps HiFT in fp32).
+    Open streams are tracked so servers and tests can check that no per-request state outlives its
+    request."""
 
     def __init__(self, flow: CosyVoice2Flow, hift: HiFTGenerator, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, options: Token2WavOptions | None = None):
