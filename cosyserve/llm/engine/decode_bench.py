@@ -87,10 +87,10 @@ def profile_step(runner: ModelRunner, batch: int, context: int, generator: torch
     kv_len = runner._shape(batch, context)[1]
     with torch.inference_mode():
         _start_rows(runner, batch, context, generator)
-        runner._decode_step(batch, kv_len)
+        runner.decode_step(batch, kv_len)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            runner._decode_step(batch, kv_len)
+            runner.decode_step(batch, kv_len)
             torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
               and not e.name.startswith(("Memcpy", "Memset"))]
