@@ -55,7 +55,7 @@ def test_dockerfile_builds_on_the_triton_trtllm_image_and_copies_existing_files(
 @pytest.mark.parametrize("name", COMPOSE_FILES)
 def test_compose_file_serves_on_a_gpu(name):
     compose = yaml.safe_load((REPO / name).read_text())
-    (service,) = compose["services"].values()
+    service = compose["services"]["tts"]
     assert service["build"] == {"context": ".", "dockerfile": "Dockerfile.server"}
     assert {"8000:8000", "8001:8001", "8002:8002"} <= set(service["ports"])
     assert service["shm_size"] == "2gb"
@@ -91,3 +91,14 @@ def test_compose_config_validates(name):
     result = subprocess.run([*command, "-f", str(REPO / name), "config", "-q"], capture_output=True, text=True,
                             timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_runs_the_api_beside_triton():
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    tts, api = compose["services"]["tts"], compose["services"]["api"]
+    assert tts["environment"]["API_PORT"] == ""  # not a second API inside the tts container
+    assert api["image"] == tts["image"] and api["depends_on"]["tts"]["condition"] == "service_healthy"
+    assert api["ports"] == ["8080:8080"] and api["volumes"] == tts["volumes"]  # the voice store is shared
+    command = api["command"]
+    assert command[:3] == ["python3", "-m", "cosyserve.api"] and command[command.index("--triton-url") + 1] == "tts:8001"
+
