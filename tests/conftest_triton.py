@@ -33,11 +33,13 @@ HELD_BACK_SAMPLES = 3840  # HiFT overlap withheld by a non-final chunk (8 mel fr
 
 
 def repository_spec(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
-                    max_batch_size: int = 16) -> CosyVoice2Repository:
-    """The streaming CosyVoice2 repository on the CPU, ``bls_instances`` instances of both BLS models."""
+                    max_batch_size: int = 16, max_queue_size: int | None = None) -> CosyVoice2Repository:
+    """The streaming CosyVoice2 repository on the CPU, ``bls_instances`` instances of both BLS models,
+    each with a queue of ``max_queue_size`` waiting requests (None: run.sh's default, 0: no limit)."""
     return CosyVoice2Repository(models_dir, device="cpu", bls_instances=bls_instances,
-                                offline_bls_instances=bls_instances, max_tokens=max_tokens, min_tokens=min_tokens,
-                                max_batch_size=max_batch_size)
+                                offline_bls_instances=bls_instances, bls_max_queue_size=max_queue_size,
+                                offline_bls_max_queue_size=max_queue_size, max_tokens=max_tokens,
+                                min_tokens=min_tokens, max_batch_size=max_batch_size)
 
 
 def template_values(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
@@ -57,10 +59,11 @@ def copy_of_bundle(tiny_bundle: Path, out: Path) -> Path:
     return out
 
 
-def build_model_repo(models_dir: Path, repo: Path, *, max_tokens: int, min_tokens: int, bls_instances: int) -> Path:
+def build_model_repo(models_dir: Path, repo: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
+                     max_queue_size: int | None = None) -> Path:
     """Streaming ``cosyvoice2`` + its offline twin ``cosyvoice2_offline`` + the four shared models."""
     return build(repository_spec(models_dir, max_tokens=max_tokens, min_tokens=min_tokens,
-                                 bls_instances=bls_instances), repo)
+                                 bls_instances=bls_instances, max_queue_size=max_queue_size), repo)
 
 
 def set_parameter(config: Path, key: str, value: str) -> None:
@@ -261,13 +264,13 @@ def server_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
-def serve_repo(repo: Path, work: Path):
-    """Generator for a module fixture: tritonserver on ``repo`` (free ports, log ``work/server.log``),
-    yielded running and stopped afterwards."""
+def serve_repo(repo: Path, work: Path, extra_args: tuple[str, ...] = ()):
+    """Generator for a module fixture: tritonserver on ``repo`` (free ports, log ``work/server.log``,
+    ``extra_args`` on its command line), yielded running and stopped afterwards."""
     from cosyserve.serving.tritonserver import start_server
 
     http, grpc, metrics_port = free_ports(3)
-    server = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics_port,
+    server = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics_port, extra_args=extra_args,
                           log_file=work / "server.log", timeout=300, env=server_env(), die_with_parent=True)
     yield server
     server.stop()
