@@ -329,3 +329,30 @@ def assert_server_idle(server, log_start: int) -> None:
     assert values["cosyserve_llm_active_requests"] == 0, leftovers
     assert values["cosyserve_token2wav_open_streams"] == 0, leftovers
     assert server.process.poll() is None, "tritonserver died"
+
+
+def triton_gauge(server, name: str, model: str) -> float:
+    """One of Triton's own per-model gauges (``nv_inference_pending_request_count``: queued requests)."""
+    page = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    match = re.search(r'^%s\{model="%s",version="1"\} (\S+)$' % (name, model), page, re.MULTILINE)
+    assert match, f"{name} of {model} is not in Triton's metrics"
+    return float(match.group(1))
+
+
+def wait_for(condition, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} after {timeout_s} s"
+        time.sleep(0.05)
+
+
+def fill_to_capacity(server, model: str, instances: int, queued: int, num_tokens: int) -> list[Stream]:
+    """``instances`` requests of ``num_tokens`` running on ``model`` and ``queued`` more waiting, one
+    stream each (bounded queues: model_repo/cosyvoice2/config.pbtxt)."""
+    streams = [Stream(server.grpc_url) for _ in range(instances + queued)]
+    for stream in streams:
+        stream.send(model, [grpc_input("target_text", "你好"), *token_limits(num_tokens)])
+    wait_for(lambda: (metrics(server.metrics_port)["cosyserve_llm_active_requests"] == instances
+                      and triton_gauge(server, "nv_inference_pending_request_count", model) == queued),
+             f"{instances} requests running and {queued} queued")
+    return streams
