@@ -109,8 +109,6 @@ def test_the_first_requests_after_ready_are_as_fast_as_later_ones(idle_server):
     client.close()
 
 
-# ----- admission control ------------------------------------------------------------------------
-
 def streams_with_a_chunk(streams: list[Stream], count: int, timeout_s: float = 60) -> list[Stream]:
     """The first ``count`` of ``streams`` to deliver an audio chunk (the others are not read)."""
     ready: list[Stream] = []
@@ -128,30 +126,6 @@ def streams_with_a_chunk(streams: list[Stream], count: int, timeout_s: float = 6
             assert result.as_numpy("waveform").size > 0
             ready.append(stream)
     return ready
-
-
-# ----- ready means warm (first in this module: the server's first requests) ---------------------
-
-def test_the_first_requests_after_ready_are_as_fast_as_later_ones(idle_server):
-    """The BLS loads its text front-end at start (parameter warm_up): without it, a process's first
-    English request waited 3.7 s for the normaliser, against ~0.75 s for a whole request here.
-    Generous bound (a loaded 2-core machine): the first within 2x + 0.5 s of the fastest later one."""
-    client = grpcclient.InferenceServerClient(idle_server.grpc_url)
-    inputs = [grpc_input("target_text", "Hello there, it is 25 degrees."), *token_limits(SOAK_TOKENS)]
-
-    def timed(model: str) -> float:
-        started = time.monotonic()
-        if model == "cosyvoice2":
-            assert sum(c.size for c in stream_tts(idle_server, inputs)) == SOAK_TOKENS * 960
-        else:
-            assert client.infer(model, inputs).as_numpy("waveform").size == SOAK_TOKENS * 960
-        return time.monotonic() - started
-
-    for model in ("cosyvoice2", "cosyvoice2_offline"):
-        first, later = timed(model), min(timed(model) for _ in range(2 * BLS_INSTANCES))
-        print(f"{model}: first request {first * 1000:.0f} ms, fastest later one {later * 1000:.0f} ms")
-        assert first < 2 * later + 0.5
-    client.close()
 
 
 # ----- admission control ------------------------------------------------------------------------
