@@ -294,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec, out, templates = parse_args(argv)
     try:
         build(spec, out, templates)
-    except (TemplateError, OSError) as e:
+    except (ValueError, OSError) as e:  # TemplateError, or a setting out of range
         print(f"model_repository: {e}", file=sys.stderr)
         return 1
     for name in sorted(spec.models()):
