@@ -50,6 +50,11 @@ CUDA_MPS=${CUDA_MPS:-auto}                    # auto | on | off
 MPS_DIR=${MPS_DIR:-$repo_root/outputs/mps}    # the daemon's pipes and logs
 BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-4}
 OFFLINE_BLS_INSTANCE_NUM=${OFFLINE_BLS_INSTANCE_NUM:-1}  # cosyvoice2_offline, served next to a streaming cosyvoice2
+BLS_WARM_UP=${BLS_WARM_UP:-true}               # load the BLS's text front-end at start, not on the first request
+# Requests that wait for a free BLS instance at most; one more is refused at once (gRPC UNAVAILABLE,
+# HTTP API 429 with Retry-After), so clients can go to another replica. 0: no limit (queue for ever).
+BLS_MAX_QUEUE_SIZE=${BLS_MAX_QUEUE_SIZE:-$BLS_INSTANCE_NUM}
+OFFLINE_BLS_MAX_QUEUE_SIZE=${OFFLINE_BLS_MAX_QUEUE_SIZE:-$OFFLINE_BLS_INSTANCE_NUM}
 # Speech tokens per request at most: 750 (30 s of audio) as the reference; random-weight bundles
 # never emit end-of-speech, so the tiny one stops at 200 (8 s) to keep CPU runs short.
 MAX_TOKENS=${MAX_TOKENS:-$([ "$MODEL_SOURCE" = tiny ] && echo 200 || echo 750)}
@@ -75,6 +80,11 @@ METRICS_PORT=${METRICS_PORT:-8002}
 SERVER_LOG=${SERVER_LOG:-$repo_root/outputs/tritonserver.log}
 SERVER_PID_FILE=${SERVER_PID_FILE:-$repo_root/outputs/tritonserver.pid}
 SERVER_START_TIMEOUT=${SERVER_START_TIMEOUT:-600}
+# explicit: every model loaded at start, and a model whose Python stub process died (which Triton 24.10
+# does not restart) can be loaded again without a server restart:
+#   curl -X POST localhost:$HTTP_PORT/v2/repository/models/cosyvoice2/load   (docs/operations.md)
+# none: Triton's default (no repository API).
+TRITON_MODEL_CONTROL=${TRITON_MODEL_CONTROL:-explicit}   # explicit | none
 # The OpenAI-compatible API (python -m cosyserve.api) that stage 3 starts next to Triton; API_PORT= (empty): not
 # started. API_KEYS=k1,k2 or API_KEY_FILE: Bearer keys it requires (none: open). docs/api.md.
 API_PORT=${API_PORT-8080}
@@ -88,6 +98,7 @@ MANIFEST=${MANIFEST:-}                        # or a manifest file: utt|prompt_t
 OUT_DIR=${OUT_DIR:-$repo_root/outputs}
 TARGET_TEXT=${TARGET_TEXT:-"身临其境，换新体验。塑造开源语音合成新范式，让智能语音更自然。"}
 
+case "$TRITON_MODEL_CONTROL" in explicit|none) ;; *) die "TRITON_MODEL_CONTROL must be explicit or none (got $TRITON_MODEL_CONTROL)" ;; esac
 case "$CUDA_MPS" in auto|on|off) ;; *) die "CUDA_MPS must be auto, on or off (got $CUDA_MPS)" ;; esac
 
 mps_wanted() {
@@ -197,7 +208,8 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --models-dir "$MODELS_DIR" --llm-backend "$LLM_BACKEND" --llm-engine "$LLM_ENGINE" --llm-protocol "$LLM_PROTOCOL" --llm-url "$LLM_URL" \
     --trt-engine-dir "$TRT_ENGINE_DIR" --trt-kv-cache-tokens "$TRT_KV_CACHE_TOKENS" --decoupled "$DECOUPLED_MODE" \
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
-    --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
+    --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-warm-up "$BLS_WARM_UP" \
+    --offline-bls-max-queue-size "$OFFLINE_BLS_MAX_QUEUE_SIZE" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
     --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" \
     --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \
     --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" --token2wav-precapture-frames "$TOKEN2WAV_PRECAPTURE_FRAMES" \
@@ -217,9 +229,12 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     log "Stage 3: continuing without CUDA MPS (CUDA_MPS=auto)"
   fi
+  model_control=(--model-control-mode=none)
+  [ "$TRITON_MODEL_CONTROL" = none ] || model_control=(--model-control-mode=explicit "--load-model=*")
   "$PY" -m cosyserve.serving.tritonserver start --model-repo "$MODEL_REPO" \
     --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" --metrics-port "$METRICS_PORT" \
-    --log "$SERVER_LOG" --pid-file "$SERVER_PID_FILE" --timeout "$SERVER_START_TIMEOUT"
+    --log "$SERVER_LOG" --pid-file "$SERVER_PID_FILE" --timeout "$SERVER_START_TIMEOUT" \
+    -- "${model_control[@]}"
   log "Triton is ready. Stop it with: bash run.sh stop"
   if [ -n "$API_PORT" ]; then
     "$PY" -m cosyserve.api.service start --pid-file "$API_PID_FILE" --log "$API_LOG" -- --port "$API_PORT" \

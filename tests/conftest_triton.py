@@ -33,11 +33,13 @@ HELD_BACK_SAMPLES = 3840  # HiFT overlap withheld by a non-final chunk (8 mel fr
 
 
 def repository_spec(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
-                    max_batch_size: int = 16) -> CosyVoice2Repository:
-    """The streaming CosyVoice2 repository on the CPU, ``bls_instances`` instances of both BLS models."""
+                    max_batch_size: int = 16, max_queue_size: int | None = None) -> CosyVoice2Repository:
+    """The streaming CosyVoice2 repository on the CPU, ``bls_instances`` instances of both BLS models,
+    each with a queue of ``max_queue_size`` waiting requests (None: run.sh's default, 0: no limit)."""
     return CosyVoice2Repository(models_dir, device="cpu", bls_instances=bls_instances,
-                                offline_bls_instances=bls_instances, max_tokens=max_tokens, min_tokens=min_tokens,
-                                max_batch_size=max_batch_size)
+                                offline_bls_instances=bls_instances, bls_max_queue_size=max_queue_size,
+                                offline_bls_max_queue_size=max_queue_size, max_tokens=max_tokens,
+                                min_tokens=min_tokens, max_batch_size=max_batch_size)
 
 
 def template_values(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
@@ -57,10 +59,11 @@ def copy_of_bundle(tiny_bundle: Path, out: Path) -> Path:
     return out
 
 
-def build_model_repo(models_dir: Path, repo: Path, *, max_tokens: int, min_tokens: int, bls_instances: int) -> Path:
+def build_model_repo(models_dir: Path, repo: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
+                     max_queue_size: int | None = None) -> Path:
     """Streaming ``cosyvoice2`` + its offline twin ``cosyvoice2_offline`` + the four shared models."""
     return build(repository_spec(models_dir, max_tokens=max_tokens, min_tokens=min_tokens,
-                                 bls_instances=bls_instances), repo)
+                                 bls_instances=bls_instances, max_queue_size=max_queue_size), repo)
 
 
 def set_parameter(config: Path, key: str, value: str) -> None:
@@ -261,13 +264,13 @@ def server_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
-def serve_repo(repo: Path, work: Path):
-    """Generator for a module fixture: tritonserver on ``repo`` (free ports, log ``work/server.log``),
-    yielded running and stopped afterwards."""
+def serve_repo(repo: Path, work: Path, extra_args: tuple[str, ...] = ()):
+    """Generator for a module fixture: tritonserver on ``repo`` (free ports, log ``work/server.log``,
+    ``extra_args`` on its command line), yielded running and stopped afterwards."""
     from cosyserve.serving.tritonserver import start_server
 
     http, grpc, metrics_port = free_ports(3)
-    server = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics_port,
+    server = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics_port, extra_args=extra_args,
                           log_file=work / "server.log", timeout=300, env=server_env(), die_with_parent=True)
     yield server
     server.stop()
@@ -326,3 +329,30 @@ def assert_server_idle(server, log_start: int) -> None:
     assert values["cosyserve_llm_active_requests"] == 0, leftovers
     assert values["cosyserve_token2wav_open_streams"] == 0, leftovers
     assert server.process.poll() is None, "tritonserver died"
+
+
+def triton_gauge(server, name: str, model: str) -> float:
+    """One of Triton's own per-model gauges (``nv_inference_pending_request_count``: queued requests)."""
+    page = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    match = re.search(r'^%s\{model="%s",version="1"\} (\S+)$' % (name, model), page, re.MULTILINE)
+    assert match, f"{name} of {model} is not in Triton's metrics"
+    return float(match.group(1))
+
+
+def wait_for(condition, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} after {timeout_s} s"
+        time.sleep(0.05)
+
+
+def fill_to_capacity(server, model: str, instances: int, queued: int, num_tokens: int) -> list[Stream]:
+    """``instances`` requests of ``num_tokens`` running on ``model`` and ``queued`` more waiting, one
+    stream each (bounded queues: model_repo/cosyvoice2/config.pbtxt)."""
+    streams = [Stream(server.grpc_url) for _ in range(instances + queued)]
+    for stream in streams:
+        stream.send(model, [grpc_input("target_text", "你好"), *token_limits(num_tokens)])
+    wait_for(lambda: (metrics(server.metrics_port)["cosyserve_llm_active_requests"] == instances
+                      and triton_gauge(server, "nv_inference_pending_request_count", model) == queued),
+             f"{instances} requests running and {queued} queued")
+    return streams

@@ -28,7 +28,7 @@ import soundfile as sf
 
 from cosyserve.pipeline.tts import MAX_TEXT_CHARS
 from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, _die_with_parent, build_model_repo, copy_of_bundle,
-                             free_ports, serve_repo, server_env, wait_http)
+                             fill_to_capacity, free_ports, serve_repo, server_env, wait_http, wait_until_idle)
 
 pytest.importorskip("pytriton")
 openai = pytest.importorskip("openai")
@@ -298,6 +298,25 @@ def test_triton_errors_map_to_statuses_with_their_message(message, status, expec
 
     error = triton_error(InferenceServerException(msg=message, status=status))
     assert error.status == expected and error.envelope()["error"]["message"] == message
+
+
+def test_past_capacity_speech_is_429_with_retry_after_at_once(api, idle_server):
+    """The server's one BLS instance busy and its queue (run.sh's default: as many as instances)
+    full: a speech request is refused at once with 429 and Retry-After, then served once they end."""
+    streams = fill_to_capacity(idle_server, "cosyvoice2", 1, 1, num_tokens=1500)
+    try:
+        response = http(api, "POST", "/v1/audio/speech", json={"model": "tts-1", "input": TEXT, "voice": "001"})
+        error = assert_error(response, 429)
+        assert error["code"] == "overloaded" and "Exceeds maximum queue size" in error["message"]
+        assert response.headers["Retry-After"] == "1"
+        assert response.elapsed.total_seconds() < 2
+    finally:
+        for stream in streams:
+            stream.close(cancel=True)
+    wait_until_idle(idle_server.metrics_port)
+    speech = http(api, "POST", "/v1/audio/speech", json={"model": "tts-1", "input": TEXT, "voice": "001",
+                                                         "response_format": "pcm"})
+    assert speech.status_code == 200 and len(speech.content) == 2 * SAMPLES_PER_TOKEN * NUM_TOKENS
 
 
 def test_without_triton_health_and_speech_are_503(models_dir, tmp_path):

@@ -86,3 +86,22 @@ def test_run_script_defaults_are_the_settings_defaults(script, tmp_path):
             if field.name in LOCATIONS or field.default is dataclasses.MISSING:
                 continue
             assert getattr(settings, field.name) == field.default, (script, model, field.name)
+
+
+def test_run_sh_default_queues_are_the_builders(tmp_path):
+    """run.sh's BLS_MAX_QUEUE_SIZE / OFFLINE_BLS_MAX_QUEUE_SIZE default to the instance counts, as
+    the model-repository builder's (None) does; 0 there is no limit."""
+    from cosyserve.serving.model_repository import CosyVoice2Repository
+
+    proc = subprocess.run(["bash", str(REPO_ROOT / "run.sh"), "2", "2"], cwd=REPO_ROOT, env=_defaults_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    built = CosyVoice2Repository(tmp_path / "models").models()
+    for model in ("cosyvoice2", "cosyvoice2_offline"):
+        text = (tmp_path / "repo" / model / "config.pbtxt").read_text()
+        queue = re.search(r"max_queue_size: (\d+)", text).group(1)
+        assert queue == built[model].values["max_queue_size"], model
+    assert (built["cosyvoice2"].values["max_queue_size"], built["cosyvoice2_offline"].values["max_queue_size"]) == \
+        ("4", "1")
+    unlimited = CosyVoice2Repository(tmp_path, bls_max_queue_size=0, offline_bls_max_queue_size=0).models()
+    assert unlimited["cosyvoice2"].values["max_queue_size"] == unlimited["cosyvoice2_offline"].values["max_queue_size"] == "0"

@@ -58,8 +58,9 @@ def models_dir(tiny_bundle: Path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(models_dir: Path, tmp_path_factory):
     work = tmp_path_factory.mktemp("e2e_server")
+    # no queue limit: the bursts below send more requests at once than instances + run.sh's queue
     repo = build_model_repo(models_dir, work / "repo", max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS,
-                            bls_instances=BLS_INSTANCES)
+                            bls_instances=BLS_INSTANCES, max_queue_size=0)
     yield from serve_repo(repo, work)
 
 

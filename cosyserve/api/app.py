@@ -30,7 +30,7 @@ from ..errors import InvalidInputError
 from ..frontend.voice_store import VOICES_DIR, UnknownVoiceError, VoiceStore
 from ..pipeline.tts import MAX_TEXT_CHARS
 from .encoding import MEDIA_TYPES, SAMPLE_RATE, make_encoder
-from .errors import APIError, install_handlers, triton_error
+from .errors import RETRY_AFTER_S, APIError, install_handlers, triton_error
 from .triton import Synthesis, TritonTTS
 from .voices import VoiceCatalog, prompt_wav16
 
@@ -183,7 +183,7 @@ def create_app(settings: Settings) -> FastAPI:
         if await state["triton"].ready():
             return JSONResponse({"status": "ok", "model": settings.model})
         raise APIError(503, f"Triton model {settings.model!r} at {settings.triton_url} is not ready",
-                       code="triton_unavailable")
+                       code="triton_unavailable", retry_after_s=RETRY_AFTER_S)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:

@@ -18,23 +18,29 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
 
     def envelope(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.envelope(), status_code=self.status)
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return JSONResponse(self.envelope(), status_code=self.status, headers=headers)
 
 
 # Triton's answers that are not the caller's fault, by a part of their message.
 _OVERLOAD = ("exceeds maximum queue size", "resource exhausted", "too many requests")
+# What a refused client is told to wait (Retry-After): a queued request starts when a running one
+# ends, which takes seconds; one second spreads the retries without idling a freed instance long.
+RETRY_AFTER_S = 1
 _UNAVAILABLE = ("statuscode.unavailable", "unknown model", "is not ready", "failed to connect", "connection refused")
 
 
@@ -51,9 +57,9 @@ def triton_error(exc: InferenceServerException) -> APIError:
     if message.startswith(("unknown voice", "unknown speaker id")):
         return APIError(404, message, param="voice", code="voice_not_found")
     if any(part in lowered for part in _OVERLOAD):
-        return APIError(429, message, code="overloaded")
+        return APIError(429, message, code="overloaded", retry_after_s=RETRY_AFTER_S)
     if any(part in lowered for part in _UNAVAILABLE):
-        return APIError(503, message, code="triton_unavailable")
+        return APIError(503, message, code="triton_unavailable", retry_after_s=RETRY_AFTER_S)
     if message.startswith("internal error") or "statuscode.internal" in lowered:
         return APIError(500, message, code="triton_error")
     return APIError(400, message, code="invalid_input")

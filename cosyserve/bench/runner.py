@@ -131,10 +131,14 @@ def interpreter_venv(out_dir: Path) -> Path:
 
 
 def build_repository(args: argparse.Namespace, variant: Variant, variant_dir: Path) -> Repository:
-    """``bash run.sh 2 2`` with the variant's overrides; output in ``variant_dir/run_sh.log``."""
+    """``bash run.sh 2 2`` with the variant's overrides; output in ``variant_dir/run_sh.log``.
+
+    The BLS queues are unbounded unless the variant bounds them: a closed-loop level measures how
+    requests past the BLS instances wait, and refusals (docs/operations.md) would count as failures."""
     repo = variant_dir / "model_repo"
     env = {**os.environ, "MODELS_DIR": str(args.models_dir), "MODEL_REPO": str(repo), "OUT_DIR": str(variant_dir),
-           "VENV": str(interpreter_venv(args.out_dir)), "PYTHON_BIN": sys.executable, **variant.env}
+           "VENV": str(interpreter_venv(args.out_dir)), "PYTHON_BIN": sys.executable,
+           "BLS_MAX_QUEUE_SIZE": "0", "OFFLINE_BLS_MAX_QUEUE_SIZE": "0", **variant.env}
     log = variant_dir / "run_sh.log"
     with open(log, "w") as out:
         done = subprocess.run(["bash", str(REPO_ROOT / "run.sh"), "2", "2"], env=env, stdout=out,

@@ -149,8 +149,11 @@ class CosyVoice2BLS(TTSBLS):
         return VoiceStore(settings.voices_dir or settings.model_dir / VOICES_DIR)
 
     def build_pipeline(self, tokenizer, settings: BlsSettings) -> TTSPipeline:
-        return TTSPipeline(tokenizer, self.llm, TritonToken2Wav(),
-                           strategy=settings.streaming_strategy, max_text_chars=settings.max_text_chars)
+        pipeline = TTSPipeline(tokenizer, self.llm, TritonToken2Wav(),
+                               strategy=settings.streaming_strategy, max_text_chars=settings.max_text_chars)
+        if settings.warm_up is not False:  # before the server reports ready, not on the first request
+            pipeline.text.warm_up()
+        return pipeline
 
     def build_request(self, inputs: TTSInputs) -> TTSRequest:
         voice = self.voices.resolve(inputs.reference_wav, inputs.reference_text, inputs.speaker_id)

@@ -28,10 +28,11 @@ from .settings import BlsSettings, FrontendSettings, LLMSettings, Token2WavSetti
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
 # Parameters that repositories filled with the keys of NVIDIA's runtime (which has none of them)
-# leave empty: llm_protocol / llm_url of cosyvoice2 (by llm_model_name / a Triton LLM model) and
-# mps_thread_percentage / mps_priority (no cap, normal priority).
+# leave empty: llm_protocol / llm_url of cosyvoice2 (by llm_model_name / a Triton LLM model),
+# bls_warm_up (on) and mps_thread_percentage / mps_priority (no cap, normal priority); max_queue_size
+# 0 is no limit.
 DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0", "llm_protocol": "", "llm_url": "",
-            "mps_thread_percentage": "", "mps_priority": ""}
+            "bls_warm_up": "", "mps_thread_percentage": "", "mps_priority": ""}
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 
 
@@ -118,8 +119,13 @@ class CosyVoice2Repository:
     device: str = Token2WavSettings.device                     # DEVICE
     bls_instances: int = 4                                     # BLS_INSTANCE_NUM
     offline_bls_instances: int = 1                             # OFFLINE_BLS_INSTANCE_NUM
+    # Requests that wait for a BLS instance at most (past that: refused at once, UNAVAILABLE);
+    # None: as many as there are instances, 0: no limit.
+    bls_max_queue_size: int | None = None                      # BLS_MAX_QUEUE_SIZE
+    offline_bls_max_queue_size: int | None = None              # OFFLINE_BLS_MAX_QUEUE_SIZE
     max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
     min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
+    bls_warm_up: str = parameter_value(BlsSettings.warm_up)    # BLS_WARM_UP
     max_batch_size: int = Token2WavSettings.max_batch          # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
     token2wav_dtype: str = Token2WavSettings.dtype             # TOKEN2WAV_*
@@ -171,13 +177,24 @@ class CosyVoice2Repository:
         bls = {"model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
                "llm_tokenizer_dir": llm_dir, "streaming_strategy": self.streaming_strategy,
                "llm_model_name": llm_model, "llm_protocol": self.llm_protocol, "llm_url": self.llm_url,
-               "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens)}
-        models["cosyvoice2"] = ModelEntry("cosyvoice2", {**bls, "bls_instance_num": str(self.bls_instances),
-                                                         "decoupled_mode": str(self.decoupled)})
+               "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
+               "bls_warm_up": self.bls_warm_up}
+        models["cosyvoice2"] = ModelEntry("cosyvoice2", {
+            **bls, "bls_instance_num": str(self.bls_instances), "decoupled_mode": str(self.decoupled),
+            "max_queue_size": str(_queue_size(self.bls_max_queue_size, self.bls_instances))})
         if self.decoupled:
             models["cosyvoice2_offline"] = ModelEntry("cosyvoice2", {
-                **bls, "bls_instance_num": str(self.offline_bls_instances), "decoupled_mode": "False"})
+                **bls, "bls_instance_num": str(self.offline_bls_instances), "decoupled_mode": "False",
+                "max_queue_size": str(_queue_size(self.offline_bls_max_queue_size, self.offline_bls_instances))})
         return models
+
+
+def _queue_size(size: int | None, instances: int) -> int:
+    if size is None:
+        return instances
+    if size < 0:
+        raise ValueError(f"a queue size is 0 (no limit) or more, got {size}")
+    return size
 
 
 @dataclass(frozen=True)
@@ -240,7 +257,13 @@ def build(spec: CosyVoice2Repository | DitRepository, out: str | Path, templates
 def _flag_type(annotation: object):
     if annotation is bool:
         return _boolean
+    if annotation == int | None:
+        return _optional_int
     return annotation if annotation in (int, Path) else str
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "auto") else int(text)
 
 
 def _boolean(text: str) -> bool:
@@ -273,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec, out, templates = parse_args(argv)
     try:
         build(spec, out, templates)
-    except (TemplateError, OSError) as e:
+    except (ValueError, OSError) as e:  # TemplateError, or a setting out of range
         print(f"model_repository: {e}", file=sys.stderr)
         return 1
     for name in sorted(spec.models()):

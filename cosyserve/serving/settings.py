@@ -170,6 +170,7 @@ class BlsSettings:
     torch_threads: int = 0
     max_text_chars: int = MAX_TEXT_CHARS  # the whole request text (cosyvoice2 splits it into segments)
     voices_dir: Path | None = None  # voices uploaded through the HTTP API; default <model_dir>/voices
+    warm_up: bool | None = True  # cosyvoice2: load the text front-end at start (auto: on)
 
 
 @dataclass(frozen=True)

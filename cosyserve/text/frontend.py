@@ -210,6 +210,12 @@ class TextFrontend:
         if not found:
             raise InvalidInputError(f"{what} has no speakable characters left after text normalisation")
 
+    def warm_up(self) -> None:
+        """Load both languages' normalisers now (wetext's grammars, inflect): a process's first
+        request of a language otherwise pays for it (measured on CPU: 0.6 s Chinese, 3.7 s English)."""
+        for sample in ("今天是2024年1月1日，气温25度。", "It is 25 degrees on January 1, 2024."):
+            list(self.segments(sample))
+
     def normalize(self, text: str, enabled: bool = True) -> str:
         """The whole text normalised, unsplit (upstream's ``split=False``, used for prompt texts)."""
         if not enabled or not text or ("<|" in text and "|>" in text):

@@ -1,0 +1,326 @@
+"""Overload, faults and a soak through a real tritonserver (CPU, tiny random-weight bundle).
+
+One server: the streaming ``cosyvoice2`` with 2 BLS instances and a queue of 2, its offline twin
+``cosyvoice2_offline`` with 1 instance and a queue of 1 (the bounded queue run.sh builds, see
+model_repo/cosyvoice2/config.pbtxt). Requests past instances + queue are refused at once. Stub
+processes are killed with SIGKILL to see what a client gets and that the server serves on.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from conftest_triton import (Stream, fill_to_capacity, grpc_input, metrics, serve_repo, set_parameter, stream_tts,
+                             token_limits, wait_until_idle)
+from cosyserve.serving.model_repository import CosyVoice2Repository, build
+
+pytest.importorskip("pytriton")  # the bundled tritonserver
+
+NUM_TOKENS = 40  # max_tokens = min_tokens: every request makes 40 speech tokens
+BLS_INSTANCES, QUEUE = 2, 2
+OFFLINE_INSTANCES, OFFLINE_QUEUE = 1, 1
+LONG_TOKENS = 1500  # a request that is still generating when the test acts on it
+REFUSED = "Exceeds maximum queue size"
+# A token2wav stream whose BLS died is closed after this long without a step (600 s as shipped).
+STREAM_IDLE_TIMEOUT_S = 4
+EXPLICIT_MODEL_CONTROL = ("--model-control-mode=explicit", "--load-model=*")  # as run.sh stage 3
+LLM_SEND_TIMEOUT_S = 2  # the llm model stops a request whose caller is gone after this (10 s as shipped)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle: Path, tmp_path_factory):
+    work = tmp_path_factory.mktemp("faults_server")
+    repo = build(CosyVoice2Repository(
+        tiny_bundle, device="cpu", bls_instances=BLS_INSTANCES, bls_max_queue_size=QUEUE,
+        offline_bls_instances=OFFLINE_INSTANCES, offline_bls_max_queue_size=OFFLINE_QUEUE,
+        max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS), work / "repo")
+    token2wav_config = repo / "token2wav" / "config.pbtxt"
+    token2wav_config.write_text(token2wav_config.read_text().replace(
+        "parameters [", f'parameters [\n  {{ key: "stream_idle_timeout_s", value: {{ string_value: "{STREAM_IDLE_TIMEOUT_S}" }} }},', 1))
+    set_parameter(repo / "llm" / "config.pbtxt", "send_timeout_s", str(LLM_SEND_TIMEOUT_S))
+    # explicit model control: a model whose stub died can be loaded again (what run.sh stage 3 does)
+    yield from serve_repo(repo, work, extra_args=EXPLICIT_MODEL_CONTROL)
+
+
+def long_request(text: str = "你好") -> list:
+    return [grpc_input("target_text", text), *token_limits(LONG_TOKENS)]
+
+
+def assert_refused_at_once(server, model: str) -> None:
+    """One more request on a stream (and a unary one when ``model`` is not decoupled): refused within
+    a second with a clear message, the unary one with gRPC's UNAVAILABLE; the server stays ready."""
+    refused = Stream(server.grpc_url)
+    started = time.monotonic()
+    refused.send(model, long_request())
+    result, error = refused.next(timeout_s=10)
+    waited = time.monotonic() - started
+    refused.close()
+    assert result is None and REFUSED in str(error), (result, error)
+    assert waited < 1.0, f"the refusal took {waited:.2f} s"
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    assert client.is_server_ready() and client.is_model_ready(model)
+    if model == "cosyvoice2":  # decoupled: streams only
+        return
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException, match=REFUSED) as refusal:
+        client.infer(model, long_request())
+    assert time.monotonic() - started < 1.0 and refusal.value.status() == "StatusCode.UNAVAILABLE"
+    assert client.is_server_ready() and client.is_model_ready(model)
+    client.close()
+
+
+def first_chunk(stream: Stream, timeout_s: float = 60):
+    result, error = stream.next(timeout_s)
+    assert error is None, error
+    return result.as_numpy("waveform")
+
+
+# ----- ready means warm (first in this module: the server's first requests) ---------------------
+
+def test_the_first_requests_after_ready_are_as_fast_as_later_ones(idle_server):
+    """The BLS loads its text front-end at start (parameter warm_up): without it, a process's first
+    English request waited 3.7 s for the normaliser, against ~0.75 s for a whole request here.
+    Generous bound (a loaded 2-core machine): the first within 2x + 0.5 s of the fastest later one."""
+    client = grpcclient.InferenceServerClient(idle_server.grpc_url)
+    inputs = [grpc_input("target_text", "Hello there, it is 25 degrees."), *token_limits(SOAK_TOKENS)]
+
+    def timed(model: str) -> float:
+        started = time.monotonic()
+        if model == "cosyvoice2":
+            assert sum(c.size for c in stream_tts(idle_server, inputs)) == SOAK_TOKENS * 960
+        else:
+            assert client.infer(model, inputs).as_numpy("waveform").size == SOAK_TOKENS * 960
+        return time.monotonic() - started
+
+    for model in ("cosyvoice2", "cosyvoice2_offline"):
+        first, later = timed(model), min(timed(model) for _ in range(2 * BLS_INSTANCES))
+        print(f"{model}: first request {first * 1000:.0f} ms, fastest later one {later * 1000:.0f} ms")
+        assert first < 2 * later + 0.5
+    client.close()
+
+
+def streams_with_a_chunk(streams: list[Stream], count: int, timeout_s: float = 60) -> list[Stream]:
+    """The first ``count`` of ``streams`` to deliver an audio chunk (the others are not read)."""
+    ready: list[Stream] = []
+    deadline = time.monotonic() + timeout_s
+    while len(ready) < count:
+        assert time.monotonic() < deadline, f"{len(ready)} of {count} streams sent audio in {timeout_s} s"
+        for stream in streams:
+            if stream in ready:
+                continue
+            try:
+                result, error = stream.next(timeout_s=0.05)
+            except queue.Empty:
+                continue
+            assert error is None, error
+            assert result.as_numpy("waveform").size > 0
+            ready.append(stream)
+    return ready
+
+
+# ----- admission control ------------------------------------------------------------------------
+
+def test_streams_past_instances_and_queue_are_refused_at_once(idle_server):
+    streams = fill_to_capacity(idle_server, "cosyvoice2", BLS_INSTANCES, QUEUE, LONG_TOKENS)
+    try:
+        assert_refused_at_once(idle_server, "cosyvoice2")
+        # the admitted streams go on: the running ones stream, the queued ones start when those end
+        running = streams_with_a_chunk(streams, BLS_INSTANCES)
+        for stream in running:
+            stream.close(cancel=True)
+        streams_with_a_chunk([s for s in streams if s not in running], QUEUE)
+    finally:
+        for stream in streams:
+            stream.close(cancel=True)
+    wait_until_idle(idle_server.metrics_port)
+    assert sum(c.size for c in stream_tts(idle_server, [grpc_input("target_text", "好")])) == NUM_TOKENS * 960
+
+
+def test_offline_requests_past_instance_and_queue_are_refused_at_once(idle_server):
+    streams = fill_to_capacity(idle_server, "cosyvoice2_offline", OFFLINE_INSTANCES, OFFLINE_QUEUE,
+                               LONG_TOKENS)
+    try:
+        assert_refused_at_once(idle_server, "cosyvoice2_offline")
+    finally:
+        for stream in streams:
+            stream.close(cancel=True)
+    wait_until_idle(idle_server.metrics_port)
+
+
+# ----- faults -----------------------------------------------------------------------------------
+
+def stub_pids(server, model: str) -> list[int]:
+    """Process ids of the Python backend stubs of ``model``'s instances (their argv names the model file)."""
+    model_file = str((server.log_file.parent / "repo" / model / "1" / "model.py").resolve())
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # not a process, or one that just ended
+            continue
+        if argv[0].endswith(b"triton_python_backend_stub") and argv[1:2] == [model_file.encode()]:
+            pids.append(int(entry.name))
+    return pids
+
+
+def rss_mb(pids: list[int]) -> float:
+    """Resident memory of these processes together, in MB (``VmRSS`` of /proc/PID/status)."""
+    total_kb = 0
+    for pid in pids:
+        status = Path(f"/proc/{pid}/status").read_text()
+        total_kb += int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE).group(1))
+    return total_kb / 1024
+
+
+def stream_error(stream: Stream, timeout_s: float) -> Exception | None:
+    """Read ``stream`` to its end; its error, or None when it ended normally."""
+    while True:
+        result, error = stream.next(timeout_s)
+        if error is not None:
+            return error
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            return None
+
+
+def assert_idle_and_alive(server) -> None:
+    """No LLM request and no token2wav stream left, tritonserver running (stub crashes allowed)."""
+    values = wait_until_idle(server.metrics_port, timeout_s=STREAM_IDLE_TIMEOUT_S + LLM_SEND_TIMEOUT_S + 20)
+    assert values["cosyserve_llm_active_requests"] == 0, values
+    assert values["cosyserve_token2wav_open_streams"] == 0, values
+    assert server.process.poll() is None, "tritonserver died"
+
+
+def short_stream(server) -> int:
+    return sum(c.size for c in stream_tts(server, [grpc_input("target_text", "好")]))
+
+
+# Not the llm model: a BLS reading a decoupled LLM stream whose stub died waits for ever (docs/operations.md).
+@pytest.mark.parametrize("model", ["cosyvoice2", "token2wav"])
+def test_a_killed_stub_fails_its_requests_until_the_model_is_loaded_again(server, model):
+    """SIGKILL of a model's stub processes mid-stream: the stream ends with an error within
+    seconds (no hang). Triton 24.10's Python backend does not start a new stub: the server and the
+    model still report ready, and every request that reaches the dead instance fails with "Stub
+    process '<instance>' is not healthy." until the model is loaded again (explicit model control);
+    then it serves as before and nothing is left of the failed request."""
+    stream = Stream(server.grpc_url)
+    stream.send("cosyvoice2", long_request())
+    assert first_chunk(stream).size > 0
+    pids = stub_pids(server, model)
+    assert pids, f"no stub process found for {model}"
+    killed_at = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    error = stream_error(stream, timeout_s=30)
+    failed_after = time.monotonic() - killed_at
+    stream.close()
+    print(f"{model}: the stream's error after {failed_after:.2f} s: {error}")
+    assert error is not None, "the stream ended normally though its model was killed"
+    assert failed_after < 30
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    assert client.is_server_ready() and client.is_model_ready(model)  # health does not tell
+    with pytest.raises(InferenceServerException, match="is not healthy"):
+        short_stream(server)
+    started = time.monotonic()
+    client.load_model(model)
+    print(f"{model}: loaded again in {time.monotonic() - started:.1f} s")
+    assert set(stub_pids(server, model)).isdisjoint(pids)
+    assert short_stream(server) == NUM_TOKENS * 960
+    assert_idle_and_alive(server)
+    client.close()
+
+
+# ----- cancellations and a soak -----------------------------------------------------------------
+
+# 120 take about 60 s on a 2-core CPU (each holds a BLS instance until its first chunk or cancel);
+# COSYSERVE_CANCELLING_CLIENTS=200 (say) for more.
+CANCELLING_CLIENTS = int(os.environ.get("COSYSERVE_CANCELLING_CLIENTS", "120"))
+
+
+@pytest.mark.soak
+def test_hundreds_of_clients_cancelling_mid_stream_leave_nothing_behind(idle_server):
+    """Each client retries while refused (instances + queue are full), then cancels its stream:
+    every other one after its first chunk, the rest at once (generating, or still queued).
+    Afterwards no LLM request or token2wav stream is left, and the next request is served."""
+    before = metrics(idle_server.metrics_port)
+    refusals = []
+
+    def client(i: int) -> None:
+        while True:
+            stream = Stream(idle_server.grpc_url)
+            try:
+                stream.send("cosyvoice2", long_request(f"第{i}个"))
+                try:
+                    result, error = stream.next(60 if i % 2 else 0.2)
+                except queue.Empty:  # admitted, no chunk yet: cancelled now
+                    return
+                if error is None:
+                    assert result.as_numpy("waveform").size > 0
+                    return
+                assert REFUSED in str(error), error
+                refusals.append(i)
+            finally:
+                stream.close(cancel=True)
+            time.sleep(0.2)  # as a client told to retry would
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(client, range(CANCELLING_CLIENTS)))
+    after = wait_until_idle(idle_server.metrics_port)
+    generated = after["cosyserve_llm_generated_tokens_total"] - before["cosyserve_llm_generated_tokens_total"]
+    print(f"{CANCELLING_CLIENTS} cancelled streams, {len(refusals)} refusals, {generated:.0f} tokens generated")
+    assert generated < CANCELLING_CLIENTS * LONG_TOKENS / 4, "the cancelled LLM requests were not stopped early"
+    assert sum(c.size for c in stream_tts(idle_server, [grpc_input("target_text", "好")])) == NUM_TOKENS * 960
+
+
+# CI runs the short soak; COSYSERVE_SOAK_REQUESTS=5000 (say) for a long one.
+SOAK_REQUESTS = int(os.environ.get("COSYSERVE_SOAK_REQUESTS", "200"))
+SOAK_TOKENS = 5
+# Growth of the stubs' resident memory from after a warm-up to the end of the soak, in MB.
+SOAK_RSS_GROWTH_MB = 40
+
+
+@pytest.mark.soak
+def test_soak_of_short_requests_keeps_memory_flat(idle_server):
+    pids = [pid for model in ("cosyvoice2", "cosyvoice2_offline", "llm", "token2wav", "audio_tokenizer",
+                              "speaker_embedding") for pid in stub_pids(idle_server, model)]
+    client = grpcclient.InferenceServerClient(idle_server.grpc_url)
+
+    refusals = []
+
+    def request(i: int) -> int:
+        """Streaming and offline in turn; retried when refused (a request's instance is freed just
+        after its client has the answer, so the next one may find instances and queue still full)."""
+        inputs = [grpc_input("target_text", f"第{i}句。"), *token_limits(SOAK_TOKENS)]
+        while True:
+            try:
+                if i % 2:
+                    return client.infer("cosyvoice2_offline", inputs).as_numpy("waveform").size
+                return sum(c.size for c in stream_tts(idle_server, inputs))
+            except InferenceServerException as exc:
+                assert REFUSED in str(exc), exc
+                refusals.append(i)
+                time.sleep(0.05)
+
+    def run(requests: range) -> None:
+        with ThreadPoolExecutor(BLS_INSTANCES) as pool:
+            assert set(pool.map(request, requests)) == {SOAK_TOKENS * 960}
+
+    run(range(40))  # warm-up: caches, allocator pools, lazily built buffers
+    start_mb = rss_mb(pids)
+    started = time.monotonic()
+    run(range(40, 40 + SOAK_REQUESTS))
+    end_mb = rss_mb(pids)
+    print(f"soak: {SOAK_REQUESTS} requests in {time.monotonic() - started:.1f} s, stubs' RSS "
+          f"{start_mb:.0f} -> {end_mb:.0f} MB ({(end_mb - start_mb) / SOAK_REQUESTS * 1000:+.1f} MB per 1000 requests), "
+          f"{len(refusals)} refusals retried")
+    assert end_mb - start_mb < SOAK_RSS_GROWTH_MB
+    client.close()
