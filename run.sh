@@ -52,9 +52,10 @@ BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-4}
 OFFLINE_BLS_INSTANCE_NUM=${OFFLINE_BLS_INSTANCE_NUM:-1}  # cosyvoice2_offline, served next to a streaming cosyvoice2
 BLS_WARM_UP=${BLS_WARM_UP:-true}               # load the BLS's text front-end at start, not on the first request
 # Requests that wait for a free BLS instance at most; one more is refused at once (gRPC UNAVAILABLE,
-# HTTP API 429 with Retry-After), so clients can go to another replica. 0: no limit (queue for ever).
-BLS_MAX_QUEUE_SIZE=${BLS_MAX_QUEUE_SIZE:-$BLS_INSTANCE_NUM}
-OFFLINE_BLS_MAX_QUEUE_SIZE=${OFFLINE_BLS_MAX_QUEUE_SIZE:-$OFFLINE_BLS_INSTANCE_NUM}
+# HTTP API 429 with Retry-After), so clients can go to another replica. 0 (default): no limit, requests
+# queue as in NVIDIA's runtime; no bound is the default until a GPU run shows one safe (docs/operations.md).
+BLS_MAX_QUEUE_SIZE=${BLS_MAX_QUEUE_SIZE:-0}
+OFFLINE_BLS_MAX_QUEUE_SIZE=${OFFLINE_BLS_MAX_QUEUE_SIZE:-0}
 # Speech tokens per request at most: 750 (30 s of audio) as the reference; random-weight bundles
 # never emit end-of-speech, so the tiny one stops at 200 (8 s) to keep CPU runs short.
 MAX_TOKENS=${MAX_TOKENS:-$([ "$MODEL_SOURCE" = tiny ] && echo 200 || echo 750)}

@@ -35,7 +35,7 @@ HELD_BACK_SAMPLES = 3840  # HiFT overlap withheld by a non-final chunk (8 mel fr
 def repository_spec(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
                     max_batch_size: int = 16, max_queue_size: int | None = None) -> CosyVoice2Repository:
     """The streaming CosyVoice2 repository on the CPU, ``bls_instances`` instances of both BLS models,
-    each with a queue of ``max_queue_size`` waiting requests (None: run.sh's default, 0: no limit)."""
+    each with a queue of ``max_queue_size`` waiting requests (None: as many as instances, 0: no limit)."""
     return CosyVoice2Repository(models_dir, device="cpu", bls_instances=bls_instances,
                                 offline_bls_instances=bls_instances, bls_max_queue_size=max_queue_size,
                                 offline_bls_max_queue_size=max_queue_size, max_tokens=max_tokens,

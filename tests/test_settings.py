@@ -89,8 +89,8 @@ def test_run_script_defaults_are_the_settings_defaults(script, tmp_path):
 
 
 def test_run_sh_default_queues_are_the_builders(tmp_path):
-    """run.sh's BLS_MAX_QUEUE_SIZE / OFFLINE_BLS_MAX_QUEUE_SIZE default to the instance counts, as
-    the model-repository builder's (None) does; 0 there is no limit."""
+    """run.sh's BLS_MAX_QUEUE_SIZE / OFFLINE_BLS_MAX_QUEUE_SIZE default to the builder's (0, no
+    limit); None in the builder is as many as there are instances."""
     from cosyserve.serving.model_repository import CosyVoice2Repository
 
     proc = subprocess.run(["bash", str(REPO_ROOT / "run.sh"), "2", "2"], cwd=REPO_ROOT, env=_defaults_env(tmp_path),
@@ -101,7 +101,7 @@ def test_run_sh_default_queues_are_the_builders(tmp_path):
         text = (tmp_path / "repo" / model / "config.pbtxt").read_text()
         queue = re.search(r"max_queue_size: (\d+)", text).group(1)
         assert queue == built[model].values["max_queue_size"], model
-    assert (built["cosyvoice2"].values["max_queue_size"], built["cosyvoice2_offline"].values["max_queue_size"]) == \
-        ("4", "1")
-    unlimited = CosyVoice2Repository(tmp_path, bls_max_queue_size=0, offline_bls_max_queue_size=0).models()
-    assert unlimited["cosyvoice2"].values["max_queue_size"] == unlimited["cosyvoice2_offline"].values["max_queue_size"] == "0"
+    assert built["cosyvoice2"].values["max_queue_size"] == built["cosyvoice2_offline"].values["max_queue_size"] == "0"
+    per_instance = CosyVoice2Repository(tmp_path, bls_max_queue_size=None, offline_bls_max_queue_size=None).models()
+    assert (per_instance["cosyvoice2"].values["max_queue_size"],
+            per_instance["cosyvoice2_offline"].values["max_queue_size"]) == ("4", "1")

@@ -120,9 +120,9 @@ class CosyVoice2Repository:
     bls_instances: int = 4                                     # BLS_INSTANCE_NUM
     offline_bls_instances: int = 1                             # OFFLINE_BLS_INSTANCE_NUM
     # Requests that wait for a BLS instance at most (past that: refused at once, UNAVAILABLE);
-    # None: as many as there are instances, 0: no limit.
-    bls_max_queue_size: int | None = None                      # BLS_MAX_QUEUE_SIZE
-    offline_bls_max_queue_size: int | None = None              # OFFLINE_BLS_MAX_QUEUE_SIZE
+    # 0: no limit (the default: requests queue, as in NVIDIA's runtime); None: as many as instances.
+    bls_max_queue_size: int | None = 0                         # BLS_MAX_QUEUE_SIZE
+    offline_bls_max_queue_size: int | None = 0                 # OFFLINE_BLS_MAX_QUEUE_SIZE
     max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
     min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
     bls_warm_up: str = parameter_value(BlsSettings.warm_up)    # BLS_WARM_UP
