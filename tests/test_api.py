@@ -27,7 +27,8 @@ import pytest
 import soundfile as sf
 
 from cosyserve.pipeline.tts import MAX_TEXT_CHARS
-from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, _die_with_parent, build_model_repo, copy_of_bundle,
+from cosyserve.serving.tritonserver import terminate_with_parent
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, build_model_repo, copy_of_bundle,
                              free_ports, serve_repo, server_env, wait_http)
 
 pytest.importorskip("pytriton")
@@ -64,7 +65,7 @@ class APIProcess:
                 [sys.executable, "-m", "cosyserve.api", "--host", "127.0.0.1", "--port", str(self.port),
                  "--triton-url", triton_url or server.grpc_url, "--model-dir", str(models_dir / "CosyVoice2-0.5B"),
                  "--tokenizer-dir", str(models_dir / "cosyvoice2_llm"), "--max-upload-bytes", str(2 * 1024 * 1024)],
-                stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, preexec_fn=_die_with_parent,
+                stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, preexec_fn=terminate_with_parent,
                 env={**server_env(), "API_KEYS": API_KEY})
         wait_http(f"{self.url}/metrics", self.process)
 
