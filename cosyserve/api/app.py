@@ -29,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 from ..errors import InvalidInputError
 from ..frontend.voice_store import VOICES_DIR, UnknownVoiceError, VoiceStore
 from ..pipeline.tts import MAX_TEXT_CHARS
+from ..runtime import SPK2INFO
 from .encoding import MEDIA_TYPES, SAMPLE_RATE, make_encoder
 from .errors import APIError, install_handlers, triton_error
 from .triton import Synthesis, TritonTTS
@@ -145,7 +146,7 @@ class CountRequests:
 
 def create_app(settings: Settings) -> FastAPI:
     store = VoiceStore(settings.voices_dir or settings.model_dir / VOICES_DIR)
-    catalog = VoiceCatalog(settings.model_dir / "spk2info.pt", store)
+    catalog = VoiceCatalog(settings.model_dir / SPK2INFO, store)
     metrics = Metrics()
     state: dict = {}
 
