@@ -50,12 +50,14 @@ def build_inputs(
     speaker_id: str | None = None,
     max_tokens: int | None = None,
     min_tokens: int | None = None,
+    instruction: str | None = None,
 ) -> list:
     """The request's input tensors for ``protocol`` (``tritonclient.http`` or ``tritonclient.grpc``).
 
     ``waveform=None`` sends no reference (the server must know ``speaker_id`` already, or use
     its cached default speaker). ``max_tokens``/``min_tokens`` override the server's speech-token
-    limits for this request (both equal: exactly that many tokens).
+    limits for this request (both equal: exactly that many tokens). ``instruction`` asks for
+    instruct mode (the BLS's optional ``instruction`` input).
     """
     if not target_text:
         raise InvalidInputError("target text is empty")
@@ -72,6 +74,8 @@ def build_inputs(
     tensors.append(("target_text", _bytes_tensor(target_text), "BYTES"))
     if speaker_id is not None:
         tensors.append(("speaker_id", _bytes_tensor(speaker_id), "BYTES"))
+    if instruction is not None:
+        tensors.append(("instruction", _bytes_tensor(instruction), "BYTES"))
     for name, value, least in (("max_tokens", max_tokens, 1), ("min_tokens", min_tokens, 0)):
         if value is not None:
             if value < least:

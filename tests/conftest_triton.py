@@ -7,12 +7,10 @@ streaming and offline without a second start-up) as busy as ``cosyvoice2``.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +24,7 @@ import tritonclient.grpc as grpcclient
 from cosyserve.bench.prometheus import read_metrics
 from cosyserve.schedule import plan_chunks
 from cosyserve.serving.model_repository import CosyVoice2Repository, build, fill
+from cosyserve.serving.tritonserver import terminate_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLES_PER_TOKEN = 960
@@ -276,10 +275,6 @@ def serve_repo(repo: Path, work: Path, extra_args: tuple[str, ...] = ()):
     server.stop()
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no server outlives a killed test run
-
-
 def wait_http(url: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
     """Poll ``url`` until it answers; fail if ``process`` exits first or after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -301,7 +296,7 @@ def serve_openai_llm(llm_dir: Path, log: Path, max_slots: int):
         process = subprocess.Popen(
             [sys.executable, "-m", "cosyserve.llm.openai_server", "--model-dir", str(llm_dir), "--host", "127.0.0.1",
              "--port", str(port), "--device", "cpu", "--max-slots", str(max_slots)],
-            stdout=out, stderr=subprocess.STDOUT, env=server_env(), cwd=REPO_ROOT, preexec_fn=_die_with_parent)
+            stdout=out, stderr=subprocess.STDOUT, env=server_env(), cwd=REPO_ROOT, preexec_fn=terminate_with_parent)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", process)
         yield f"http://127.0.0.1:{port}/v1", log

@@ -27,8 +27,9 @@ import pytest
 import soundfile as sf
 
 from cosyserve.pipeline.tts import MAX_TEXT_CHARS
-from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, _die_with_parent, build_model_repo, copy_of_bundle,
-                             fill_to_capacity, free_ports, serve_repo, server_env, wait_http, wait_until_idle)
+from cosyserve.serving.tritonserver import terminate_with_parent
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, build_model_repo, copy_of_bundle, fill_to_capacity,
+                             free_ports, serve_repo, server_env, wait_http, wait_until_idle)
 
 pytest.importorskip("pytriton")
 openai = pytest.importorskip("openai")
@@ -64,7 +65,7 @@ class APIProcess:
                 [sys.executable, "-m", "cosyserve.api", "--host", "127.0.0.1", "--port", str(self.port),
                  "--triton-url", triton_url or server.grpc_url, "--model-dir", str(models_dir / "CosyVoice2-0.5B"),
                  "--tokenizer-dir", str(models_dir / "cosyvoice2_llm"), "--max-upload-bytes", str(2 * 1024 * 1024)],
-                stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, preexec_fn=_die_with_parent,
+                stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, preexec_fn=terminate_with_parent,
                 env={**server_env(), "API_KEYS": API_KEY})
         wait_http(f"{self.url}/metrics", self.process)
 
@@ -246,6 +247,9 @@ def test_bad_ids_uploads_and_keys(api, models_dir):
                       files={"audio_sample": ("nan.wav", prompt_wav_bytes(nan=True), "audio/wav")}), 400)
     assert_error(http(api, "POST", "/v1/audio/voices", data={"name": "garbage"},
                       files={"audio_sample": ("x.wav", b"not audio at all", "audio/wav")}), 400)
+    # the transcript goes into every LLM prompt of the voice: one segment at most
+    assert_error(http(api, "POST", "/v1/audio/voices", data={"name": "long", "transcript": "好" * 1001},
+                      files={"audio_sample": ("a.wav", prompt_wav_bytes(), "audio/wav")}), 400, "transcript")
     assert_error(http(api, "GET", "/v1/audio/voices", key=None), 401)
     assert_error(http(api, "GET", "/v1/models", key="wrong"), 401)
     assert http(api, "GET", "/v1/models").json()["data"][0]["id"] == "cosyvoice2"

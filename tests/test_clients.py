@@ -167,6 +167,14 @@ def test_build_inputs_without_reference():
     assert [i.name() for i in inputs] == ["target_text"]
 
 
+def test_build_inputs_instruction():
+    inputs = clients.build_inputs(grpcclient, None, "", "hello", speaker_id="voice_1", instruction="用四川话说")
+    by_name = {i.name(): i for i in inputs}
+    assert list(by_name) == ["target_text", "speaker_id", "instruction"]
+    assert by_name["instruction"].datatype() == "BYTES" and list(by_name["instruction"].shape()) == [1, 1]
+    assert "用四川话说".encode() in by_name["instruction"]._get_content()
+
+
 def test_build_inputs_token_limits():
     inputs = clients.build_inputs(grpcclient, None, "", "hello", max_tokens=150, min_tokens=150)
     by_name = {i.name(): i for i in inputs}

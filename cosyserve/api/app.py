@@ -28,7 +28,8 @@ from tritonclient.utils import InferenceServerException
 
 from ..errors import InvalidInputError
 from ..frontend.voice_store import VOICES_DIR, UnknownVoiceError, VoiceStore
-from ..pipeline.tts import MAX_TEXT_CHARS
+from ..pipeline.tts import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS
+from ..runtime import SPK2INFO
 from .encoding import MEDIA_TYPES, SAMPLE_RATE, make_encoder
 from .errors import RETRY_AFTER_S, APIError, install_handlers, triton_error
 from .triton import Synthesis, TritonTTS
@@ -145,7 +146,7 @@ class CountRequests:
 
 def create_app(settings: Settings) -> FastAPI:
     store = VoiceStore(settings.voices_dir or settings.model_dir / VOICES_DIR)
-    catalog = VoiceCatalog(settings.model_dir / "spk2info.pt", store)
+    catalog = VoiceCatalog(settings.model_dir / SPK2INFO, store)
     metrics = Metrics()
     state: dict = {}
 
@@ -222,8 +223,9 @@ def create_app(settings: Settings) -> FastAPI:
         if len(data) > settings.max_upload_bytes:
             raise APIError(413, f"audio_sample is larger than {settings.max_upload_bytes} bytes", param="audio_sample",
                            code="upload_too_large")
-        if transcript is not None and len(transcript) > settings.max_input_chars:
-            raise APIError(400, f"transcript has {len(transcript)} characters; at most {settings.max_input_chars}",
+        if transcript is not None and len(transcript) > MAX_SEGMENT_CHARS:
+            # it goes into every LLM prompt of the voice, as one segment
+            raise APIError(400, f"transcript has {len(transcript)} characters; at most {MAX_SEGMENT_CHARS}",
                            param="transcript")
         try:
             wav16 = await run_in_threadpool(prompt_wav16, data)

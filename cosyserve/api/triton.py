@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcclient_aio
 from tritonclient.utils import InferenceServerException
 
-from ..clients import build_inputs
+from ..clients import build_inputs, requested_outputs
 
 
 @dataclass(frozen=True)
@@ -45,15 +45,12 @@ class TritonTTS:
     async def stream(self, synthesis: Synthesis) -> AsyncIterator[np.ndarray]:
         """The waveform chunks (float32, 24 kHz) in order; raises InferenceServerException with
         Triton's message when the request fails."""
-        inputs = build_inputs(grpcclient, None, "", synthesis.text, speaker_id=synthesis.speaker_id)
-        if synthesis.instruction is not None:
-            tensor = grpcclient.InferInput("instruction", [1, 1], "BYTES")
-            tensor.set_data_from_numpy(np.array([[synthesis.instruction.encode("utf-8")]], dtype=object))
-            inputs.append(tensor)
+        inputs = build_inputs(grpcclient, None, "", synthesis.text, speaker_id=synthesis.speaker_id,
+                              instruction=synthesis.instruction)
 
         async def one_request():
             yield {"model_name": self.model, "inputs": inputs, "request_id": f"api-{uuid.uuid4().hex[:12]}",
-                   "outputs": [grpcclient.InferRequestedOutput("waveform")]}
+                   "outputs": requested_outputs(grpcclient)}
 
         responses = self.client.stream_infer(one_request())
         finished = False

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import register_voice_prefixes

@@ -13,7 +13,6 @@ Metrics: ``cosyserve_clip_cache_hits_total``, ``cosyserve_clip_cache_misses_tota
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from ..audio.io import TOKENIZER_SAMPLE_RATE, validate_waveform

@@ -18,7 +18,6 @@ Streams and speaker caches live in this process, hence one instance (config.pbtx
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from ..errors import InvalidInputError

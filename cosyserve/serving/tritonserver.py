@@ -286,7 +286,7 @@ def start_server(
         process = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             env=server_environment(install, env), start_new_session=True,
-            preexec_fn=_terminate_with_parent if die_with_parent else None,
+            preexec_fn=terminate_with_parent if die_with_parent else None,
         )
     server = TritonServer(process, http_port, grpc_port, metrics_port, log_file)
     try:
@@ -337,7 +337,7 @@ def _check_ports_free(ports: Mapping[str, int]) -> None:
                 ) from None
 
 
-def _terminate_with_parent() -> None:
+def terminate_with_parent() -> None:
     """preexec_fn: have the kernel send SIGTERM to the server when its parent dies."""
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

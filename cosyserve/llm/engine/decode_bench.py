@@ -58,7 +58,7 @@ def _start_rows(runner: ModelRunner, batch: int, context: int, generator: torch.
 def time_replays(runner: ModelRunner, batch: int, context: int, steps: int, repeats: int,
                  generator: torch.Generator) -> tuple[float, float, float]:
     """(median replay ms, spread ms, median ModelRunner.decode ms) at positions context..context+steps."""
-    shape = runner._shape(batch, context + steps)
+    shape = runner.graph_shape(batch, context + steps)
     graph = runner.decode_graphs[shape]
     per_step = []
     for _ in range(repeats):
@@ -84,7 +84,7 @@ def profile_step(runner: ModelRunner, batch: int, context: int, generator: torch
     """(kernels, summed kernel ms, top-kernel table) of one eager decode step."""
     from torch.profiler import ProfilerActivity, profile
 
-    kv_len = runner._shape(batch, context)[1]
+    kv_len = runner.graph_shape(batch, context)[1]
     with torch.inference_mode():
         _start_rows(runner, batch, context, generator)
         runner.decode_step(batch, kv_len)

@@ -173,13 +173,14 @@ class ModelRunner:
         # Free rows keep counting; the clamp keeps their (ignored) writes inside the cache.
         self.positions[:batch] = (self.positions[:batch] + 1).clamp_(max=self.kv.max_len - 1)
 
-    def _shape(self, num_rows: int, max_position: int) -> tuple[int, int]:
+    def graph_shape(self, num_rows: int, max_position: int) -> tuple[int, int]:
+        """(batch bucket, length bucket) of a decode step: the key of its CUDA graph."""
         return _bucket(self.batch_buckets, num_rows), _bucket(self.length_buckets, max_position + 1)
 
     @torch.inference_mode()
     def decode(self, num_rows: int, max_position: int) -> list[int]:
         """Sample the next token of slots 0..num_rows-1 (window indices)."""
-        shape = self._shape(num_rows, max_position)
+        shape = self.graph_shape(num_rows, max_position)
         graph = self.decode_graphs.get(shape)
         if graph is not None:
             graph.replay()
@@ -190,7 +191,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode_logits(self, num_rows: int, max_position: int) -> torch.Tensor:
         """Logits of the current decode inputs of slots 0..num_rows-1, without sampling (eager)."""
-        return self._decode_logits(*self._shape(num_rows, max_position))[:num_rows]
+        return self._decode_logits(*self.graph_shape(num_rows, max_position))[:num_rows]
 
     @torch.inference_mode()
     def set_decode_input(self, slot: int, token: int, position: int) -> None:
