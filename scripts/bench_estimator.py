@@ -4,7 +4,7 @@
     python scripts/bench_estimator.py                       # fp16 and bf16, all cases, old path too
     python scripts/bench_estimator.py --dtypes fp16 --no-old
 
-Needs a CUDA device. Real-size random weights (cosyserve.models.flow.estimator_bench has the
+Needs a CUDA device. Real-size random weights (cosyserve.bench.estimator has the
 cases, the floors and how each figure is measured).
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cosyserve.models.flow import estimator_bench  # noqa: E402
+from cosyserve.bench import estimator  # noqa: E402
 
 
 def main() -> int:
@@ -27,13 +27,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
-    if unknown := set(dtypes) - set(estimator_bench.DTYPES):
+    if unknown := set(dtypes) - set(estimator.DTYPES):
         parser.error(f"unknown dtypes {sorted(unknown)}")
     if args.sweep:
-        estimator_bench.sweep_linear()
-    ceilings, rows, accuracies = estimator_bench.run(dtypes, old_path=not args.no_old,
+        estimator.sweep_linear()
+    ceilings, rows, accuracies = estimator.run(dtypes, old_path=not args.no_old,
                                                         attention_variant=args.attention_variant, seed=args.seed)
-    print(estimator_bench.table(ceilings, rows, accuracies))
+    print(estimator.table(ceilings, rows, accuracies))
     return 0
 
 

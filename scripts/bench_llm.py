@@ -14,7 +14,7 @@ decode/prefill figures for transformers (generate, greedy). Each figure is print
 memory-bandwidth floor: (weight bytes + KV bytes) / HBM bandwidth.
 
 --decode-paths instead compares the reference and the fused decode step of the model runner
-(cosyserve.llm.engine.decode_bench): graph-replay and ModelRunner.decode ms/step, kernels per step
+(cosyserve.bench.llm_decode): graph-replay and ModelRunner.decode ms/step, kernels per step
 and the floor at each --batches size, then the greedy tokens of both paths.
 """
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cosyserve.bundle.llm import ensure_llm_bundle  # noqa: E402
-from cosyserve.llm.engine.decode_bench import (compare_decode_paths, format_decode_table,  # noqa: E402
+from cosyserve.bench.llm_decode import (compare_decode_paths, format_decode_table,  # noqa: E402
                                                greedy_agreement, logits_accuracy)
 from cosyserve.llm.engine.kv_cache import KVCache  # noqa: E402
 from cosyserve.llm.engine.llm_engine import LLMEngine  # noqa: E402

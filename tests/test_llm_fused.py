@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cosyserve.bundle.llm import ensure_llm_bundle
-from cosyserve.llm.engine import decode_bench
+from cosyserve.bench import llm_decode
 from cosyserve.llm.engine.model_runner import ModelRunner
 from cosyserve.llm.layers import fused
 from cosyserve.llm.layers.attention import DecodeMetadata, attention, decode_bias
@@ -100,25 +100,25 @@ def test_triton_kernels_on_cuda(dtype, tolerance):
 def greedy_tokens(llm_dir, device: str, dtype: torch.dtype, fused_decode: bool) -> list[list[int]]:
     runner = ModelRunner(llm_dir, torch.device(device), dtype, 4, 256, use_cuda_graphs=device != "cpu",
                          fused_decode=fused_decode)
-    return decode_bench.greedy_tokens(runner, decode_bench.random_prompts(3, 40, seed=0), steps=20)
+    return llm_decode.greedy_tokens(runner, llm_decode.random_prompts(3, 40, seed=0), steps=20)
 
 
 def test_fused_structure_keeps_greedy_tokens_on_cpu(llm_dir):
     """The fused model structure (fallback ops) against the reference path, fp32 on the CPU."""
     assert not fused.fused_decode_available(torch.device("cpu"), torch.float32)
-    tokens = {path: greedy_tokens(llm_dir, "cpu", torch.float32, on) for path, on in decode_bench.PATHS.items()}
+    tokens = {path: greedy_tokens(llm_dir, "cpu", torch.float32, on) for path, on in llm_decode.PATHS.items()}
     assert tokens["fused"] == tokens["reference"]
     assert len(tokens["fused"]) == 3 and all(len(row) == 21 for row in tokens["fused"])
-    assert decode_bench.greedy_agreement(tokens).startswith("greedy tokens, fused vs reference: 3/3 rows identical")
+    assert llm_decode.greedy_agreement(tokens).startswith("greedy tokens, fused vs reference: 3/3 rows identical")
 
 
 def test_forced_step_logits_of_both_paths_agree_on_cpu(llm_dir):
-    prompts, inputs = decode_bench.random_prompts(3, 30, seed=3), [5, 600, 6000]
-    logits = {path: decode_bench.forced_step_logits(
+    prompts, inputs = llm_decode.random_prompts(3, 30, seed=3), [5, 600, 6000]
+    logits = {path: llm_decode.forced_step_logits(
         ModelRunner(llm_dir, torch.device("cpu"), torch.float32, 4, 256, False, fused_decode=on), prompts, inputs)
-        for path, on in {**decode_bench.PATHS, "float32": False}.items()}
+        for path, on in {**llm_decode.PATHS, "float32": False}.items()}
     assert logits["fused"].shape == (3, logits["fused"].shape[1]) and rel_err(logits["fused"], logits["float32"]) < 1e-5
-    assert "argmax = float32's in 3/3 rows" in decode_bench.logits_accuracy(logits)
+    assert "argmax = float32's in 3/3 rows" in llm_decode.logits_accuracy(logits)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -126,16 +126,16 @@ def test_fused_decode_on_cuda_is_as_accurate_as_the_reference(llm_dir):
     """bf16 logits of one decode step against float32; and graph replays of the fused step give
     the eager step's tokens."""
     assert fused.fused_decode_available(torch.device("cuda"), torch.bfloat16)
-    prompts, inputs = decode_bench.random_prompts(3, 30, seed=3), [5, 600, 6000]
+    prompts, inputs = llm_decode.random_prompts(3, 30, seed=3), [5, 600, 6000]
     dtypes = {"reference": torch.bfloat16, "fused": torch.bfloat16, "float32": torch.float32}
-    logits = {path: decode_bench.forced_step_logits(
+    logits = {path: llm_decode.forced_step_logits(
         ModelRunner(llm_dir, torch.device("cuda"), dtypes[path], 4, 256, False, fused_decode=path == "fused"),
         prompts, inputs) for path in dtypes}
-    errors = {path: rel_err(logits[path], logits["float32"]) for path in decode_bench.PATHS}
+    errors = {path: rel_err(logits[path], logits["float32"]) for path in llm_decode.PATHS}
     assert errors["fused"] <= 1.5 * errors["reference"] + 1e-3, errors
     graphs = greedy_tokens(llm_dir, "cuda", torch.bfloat16, True)
-    eager = decode_bench.greedy_tokens(ModelRunner(llm_dir, torch.device("cuda"), torch.bfloat16, 4, 256, False,
-                                                   fused_decode=True), decode_bench.random_prompts(3, 40, seed=0), 20)
+    eager = llm_decode.greedy_tokens(ModelRunner(llm_dir, torch.device("cuda"), torch.bfloat16, 4, 256, False,
+                                                   fused_decode=True), llm_decode.random_prompts(3, 40, seed=0), 20)
     assert graphs == eager
 
 

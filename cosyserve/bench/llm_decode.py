@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ..prompt import NUM_SPEECH_TOKENS, OUTPUT_WINDOW_START, SOS_ID, SPEECH_TOKEN_OFFSET, TASK_ID
-from ..sampling import SamplingParams
-from .kv_cache import KVCache
-from .model_runner import ModelRunner, PrefillItem
+from ..llm.prompt import NUM_SPEECH_TOKENS, OUTPUT_WINDOW_START, SOS_ID, SPEECH_TOKEN_OFFSET, TASK_ID
+from ..llm.sampling import SamplingParams
+from ..llm.engine.kv_cache import KVCache
+from ..llm.engine.model_runner import ModelRunner, PrefillItem
 
 PATHS = {"reference": False, "fused": True}
 

@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..models.flow.estimator_bench import count_kernels, graph_ms, measure_ceilings
+from .estimator import count_kernels, graph_ms, measure_ceilings
+from .token2wav import rel_l2
 from ..models.hift import HiFTGenerator, HiftConfig, load_hift
-from .graphs import HiftRunner
-from .vocoder_stream import MEL_CACHE_FRAMES
+from ..token2wav.graphs import HiftRunner
+from ..token2wav.vocoder_stream import MEL_CACHE_FRAMES
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -105,10 +106,6 @@ def strict_float32(call: Callable[[], torch.Tensor]) -> torch.Tensor:
         return call()
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = previous
-
-
-def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).norm() / want.double().norm())
 
 
 def run(hift32: HiFTGenerator, dtypes: Sequence[str], rows_list: Sequence[int], frame_counts: Sequence[int],

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend
 
-from .cache import StreamWindow
-from .cfm import CausalConditionalCFM
-from .config import FlowConfig
-from .fused import FusedEstimator, StepRows
+from ..models.flow.cache import StreamWindow
+from ..models.flow.cfm import CausalConditionalCFM
+from ..models.flow.config import FlowConfig
+from ..models.flow.fused import FusedEstimator, StepRows
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -370,7 +370,7 @@ SWEEP_TILES = {
 def sweep_linear(rows_frames: dict[str, tuple[int, int]] | None = None, log: Callable[[str], None] = print) -> None:
     """Time each kind of fused_linear call of a real-size step (fp16) under several tiles: us per launch
     in a CUDA graph of 20 launches. For choosing the built-in tiles."""
-    from . import fused_triton
+    from ..models.flow import fused_triton
     device, dtype = torch.device("cuda"), torch.float16
     rows_frames = rows_frames or {"small": (2, 64), "mid": (32, 64)}
     for size, (rows, frames) in rows_frames.items():
