@@ -347,7 +347,8 @@ def fill_to_capacity(server, model: str, instances: int, queued: int, num_tokens
     streams = [Stream(server.grpc_url) for _ in range(instances + queued)]
     for stream in streams:
         stream.send(model, [grpc_input("target_text", "你好"), *token_limits(num_tokens)])
-    wait_for(lambda: (metrics(server.metrics_port)["cosyserve_llm_active_requests"] == instances
-                      and triton_gauge(server, "nv_inference_pending_request_count", model) == queued),
+    # a request waiting in Triton's queue means every instance is busy (in the LLM or in token2wav)
+    wait_for(lambda: (triton_gauge(server, "nv_inference_pending_request_count", model) == queued
+                      and (queued > 0 or metrics(server.metrics_port)["cosyserve_llm_active_requests"] == instances)),
              f"{instances} requests running and {queued} queued")
     return streams
