@@ -32,9 +32,10 @@ HELD_BACK_SAMPLES = 3840  # HiFT overlap withheld by a non-final chunk (8 mel fr
 
 
 def repository_spec(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
-                    max_batch_size: int = 16, max_queue_size: int | None = None) -> CosyVoice2Repository:
+                    max_batch_size: int = 16, max_queue_size: int | None = 0) -> CosyVoice2Repository:
     """The streaming CosyVoice2 repository on the CPU, ``bls_instances`` instances of both BLS models,
-    each with a queue of ``max_queue_size`` waiting requests (None: as many as instances, 0: no limit)."""
+    each with a queue of ``max_queue_size`` waiting requests (0: no limit, run.sh's default; None: as
+    many as instances)."""
     return CosyVoice2Repository(models_dir, device="cpu", bls_instances=bls_instances,
                                 offline_bls_instances=bls_instances, bls_max_queue_size=max_queue_size,
                                 offline_bls_max_queue_size=max_queue_size, max_tokens=max_tokens,
@@ -59,7 +60,7 @@ def copy_of_bundle(tiny_bundle: Path, out: Path) -> Path:
 
 
 def build_model_repo(models_dir: Path, repo: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
-                     max_queue_size: int | None = None) -> Path:
+                     max_queue_size: int | None = 0) -> Path:
     """Streaming ``cosyvoice2`` + its offline twin ``cosyvoice2_offline`` + the four shared models."""
     return build(repository_spec(models_dir, max_tokens=max_tokens, min_tokens=min_tokens,
                                  bls_instances=bls_instances, max_queue_size=max_queue_size), repo)

@@ -51,7 +51,9 @@ def models_dir(tiny_bundle: Path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(models_dir: Path, tmp_path_factory):
     work = tmp_path_factory.mktemp("api_triton")
-    repo = build_model_repo(models_dir, work / "repo", max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_instances=1)
+    # a queue of one waiting request: the 429 test fills it
+    repo = build_model_repo(models_dir, work / "repo", max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_instances=1,
+                            max_queue_size=1)
     yield from serve_repo(repo, work)
 
 
@@ -305,8 +307,7 @@ def test_triton_errors_map_to_statuses_with_their_message(message, status, expec
 
 
 def test_past_capacity_speech_is_429_with_retry_after_at_once(api, idle_server):
-    """The server's one BLS instance busy and its queue (run.sh's default: as many as instances)
-    full: a speech request is refused at once with 429 and Retry-After, then served once they end."""
+    """The server's one BLS instance busy and its queue of one full: a speech request is refused at once with 429 and Retry-After, then served once they end."""
     streams = fill_to_capacity(idle_server, "cosyvoice2", 1, 1, num_tokens=1500)
     try:
         response = http(api, "POST", "/v1/audio/speech", json={"model": "tts-1", "input": TEXT, "voice": "001"})
