@@ -20,3 +20,7 @@ class ModelLoadError(CosyServeError, RuntimeError):
 
 class RequestCancelledError(CosyServeError):
     """A request was cancelled (client disconnect, deadline) while it was running."""
+
+
+class CapacityError(CosyServeError, RuntimeError):
+    """The server cannot take this request now (state memory full, queue full); retrying later may work."""
