@@ -10,7 +10,7 @@ import torch
 from cosyserve.errors import CapacityError, InvalidInputError
 from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
 from cosyserve.schedule import plan_chunks
-from cosyserve.token2wav.flow_engine import FlowEngine
+from cosyserve.token2wav.flow_engine import EngineGraphs, FlowEngine
 
 torch.set_num_threads(1)
 
@@ -85,19 +85,28 @@ def test_chunks_equal_full_rerun(flow, schedule_kind: str, prompt_tokens: int):
     for repeat in range(2):  # the second stream starts from the cached prefix
         stream = engine.open(*voice)
         ref = Reference(flow, voice, tokens, schedule)
+        chunks = []
         for count, finalize in schedule:
             got = engine.run([(stream, tokens[:, :count], finalize)])[0]
             expected = ref.expected(count, finalize)
             assert got.shape == expected.shape and _rel(got, expected) < REL_L2, (repeat, count, _rel(got, expected))
+            chunks.append((got, expected))
             ref.done += got.size(2)
         assert stream.closed
+        # the mels handed out are the caller's: later runs (same shapes, same workspaces) leave them alone
+        assert all(_rel(got, expected) < REL_L2 for got, expected in chunks)
     assert engine.cached_voices == 1 and engine.open_streams == 0
 
 
-def test_mixed_voices_and_batch_compositions(flow):
+@pytest.mark.parametrize("shapes", ["exact", "captured"])
+def test_mixed_voices_and_batch_compositions(flow, shapes: str):
     """Streams of several voices (cached and not) at different points of their schedules, packed in
-    random groups: each chunk equals the full re-run, and a packed row equals the same row alone."""
+    random groups: each chunk equals the full re-run, and a packed row equals the same row alone.
+    "captured": the CUDA-graph path's fixed shapes (padding pairs, frames and context slots, one
+    shared context buffer), run eagerly."""
     engine, alone = _engine(flow), _engine(flow)
+    if shapes == "captured":
+        engine.graphs = EngineGraphs(engine.fused, replay=False)
     voices = [_voice(p, seed=10 + p) for p in (20, 33, 60)]
     rng = random.Random(0)
     streams = []
@@ -125,6 +134,8 @@ def test_mixed_voices_and_batch_compositions(flow):
                 pending[k] = following
     assert engine.open_streams == 0
     assert engine.pool.free_pages == engine.pool.pages - sum(len(v.state.pages) for v in engine._voices.values())
+    if shapes == "captured":
+        assert engine.graphs.captured > 1  # several shapes were used
 
 
 def test_pages_return_after_finish_cancel_and_error(flow):
@@ -169,3 +180,94 @@ def test_voices_are_keyed_by_content(flow):
     engine.open(tokens, feat + 0.1, embedding).close()
     engine.open(tokens, feat, embedding).close()
     assert engine.cached_voices == 2
+
+
+def test_unaligned_chunk_sizes_and_left_chunk_limit():
+    """Encoder blocks (10 tokens = 20 frames) that do not line up with estimator blocks (30 frames,
+    the page size then), and an estimator that only looks one block back."""
+    from cosyserve.models.flow import EncoderConfig, EstimatorConfig
+
+    cfg = FlowConfig(
+        input_size=32,
+        encoder=EncoderConfig(input_size=32, output_size=32, attention_heads=2, linear_units=64, num_blocks=1,
+                              static_chunk_size=10),
+        estimator=EstimatorConfig(channels=(32,), attention_head_dim=8, num_heads=2, n_blocks=1, num_mid_blocks=1,
+                                  static_chunk_size=30, num_decoding_left_chunks=1),
+    )
+    model = CosyVoice2Flow(cfg)
+    model.load_state_dict(random_flow_state_dict(cfg, seed=2))
+    model.eval()
+    engine = _engine(model)
+    voice, tokens = _voice(29, seed=1), _tokens(80, seed=2)
+    stream = engine.open(*voice)
+    assert stream.voice.frames == 30 and engine.pool.page_frames == 30
+    ref = Reference(model, voice, tokens, [])
+    for count, finalize in [(5, False), (17, False), (18, False), (40, False), (41, False), (66, False), (80, True)]:
+        got = engine.run([(stream, tokens[:, :count], finalize)])[0]
+        assert _rel(got, ref.expected(count, finalize)) < REL_L2, count
+        ref.done += got.size(2)
+
+
+def test_window_and_pages_stay_bounded(flow):
+    """Each chunk recomputes at most its new frames plus one open estimator block; a stream holds one
+    page per complete block beyond its voice's."""
+    engine = _engine(flow)
+    voice, tokens = _voice(20, seed=3), _tokens(400, seed=4)
+    stream = engine.open(*voice)
+    block = flow.cfg.estimator.static_chunk_size
+    for count in range(28, 400, 25):
+        frames = 2 * (20 + count - LOOKAHEAD)
+        window = frames - stream.context_frames
+        new = engine.run([(stream, tokens[:, :count], False)])[0].shape[2]
+        assert new == 50 and window < new + block
+        assert stream.private_pages == stream.context_frames // block - stream.voice.frames // block
+    stream.close()
+    assert engine.open_streams == 0
+
+
+def test_reference_chunks_of_the_fixture(parity_dir):
+    """The fixture's Triton schedule: the engine's non-final chunks equal the reference's chunk{i}/mel
+    (its final chunk is the non-streaming pass, which runs outside the engine: check_parity)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from cosyserve.models.flow import flow_from_state_dict
+
+    fixtures = parity_dir / "cosyvoice2"
+    if not (fixtures / "flow_tiny_io.safetensors").is_file():
+        pytest.skip(f"no flow fixtures in {fixtures}")
+    cfg = FlowConfig.from_fixture_json(json.loads((fixtures / "flow_tiny_config.json").read_text()))
+    model = flow_from_state_dict(cfg, torch.load(fixtures / "flow_tiny.pt", weights_only=True), "flow_tiny.pt")
+    io = load_file(fixtures / "flow_tiny_io.safetensors")
+    chunks = json.loads((fixtures / "fixture_meta.json").read_text())["flow_io"]["chunks"]
+    engine = _engine(model)
+    stream = engine.open(io["prompt_token"], io["prompt_feat"], io["embedding"])
+    done = 0
+    for i, chunk in enumerate(chunks):
+        if chunk["finalize"]:
+            continue
+        got = engine.run([(stream, io["token"][:, :chunk["num_tokens"]], False)])[0]
+        assert _rel(got, io[f"chunk{i}/mel"][:, :, done:]) < REL_L2
+        done += got.size(2)
+
+
+def test_bad_chunks_fail_clearly_and_close_the_stream(flow):
+    voice, tokens = _voice(20, seed=5), _tokens(60, seed=6)
+    engine = _engine(flow)
+    other = tokens.clone()
+    other[0, 2] += 1
+    for bad, message in [(other[:, :30], "extend the 18 tokens"), (tokens[:, :10], "extend"),
+                         (tokens[:, :18], "no frames beyond the 30"), (torch.cat([tokens, tokens])[:, :30], r"\(1, n\)"),
+                         (tokens[:, :30].float(), "integer")]:
+        stream = engine.open(*voice)
+        engine.run([(stream, tokens[:, :18], False)])
+        with pytest.raises(InvalidInputError, match=message):
+            engine.run([(stream, bad, False)])
+        assert stream.closed
+    with pytest.raises(InvalidInputError, match="prompt_feat"):
+        engine.open(voice[0], voice[1][:, :-1], voice[2])
+    with pytest.raises(InvalidInputError, match="batch size"):
+        engine.open(torch.cat([voice[0]] * 2), torch.cat([voice[1]] * 2), torch.cat([voice[2]] * 2))
+    assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - sum(
+        len(v.state.pages) for v in engine._voices.values())

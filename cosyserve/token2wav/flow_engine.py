@@ -1,10 +1,23 @@
 """The incremental, batched streaming flow of CosyVoice2: many streams' chunks in one packed step.
 
-Under streaming masks the flow is chunk-causal (:mod:`cosyserve.models.flow.stream` explains why):
-once a 50-frame estimator block is complete, its state at every Euler step never changes. So a
-stream keeps, per Euler step, the keys/values of every attention layer for its complete blocks
-and the left input frames of every causal conv; each chunk computes only its *window* (the open
-block of the previous chunk plus the new frames) against that cached context.
+The reference re-runs the flow over prompt + all tokens on every streaming chunk and drops the
+frames voiced before. Under streaming masks the flow is chunk-causal, which makes most of that
+work repeat itself exactly:
+
+* encoder: attention is block-causal over 25-token blocks counted from the first prompt token
+  (50-frame blocks after up-sampling); the pre-lookahead conv ties token i to tokens i+1..i+3,
+  which a non-final chunk always has (its look-ahead tokens); every other conv is causal;
+* estimator: attention is block-causal over 50-frame blocks, convs are causal, and the initial
+  noise of frame k is fixed (frame k of the fixed buffer).
+
+So once a block is complete, its outputs (mu, and the ODE state at each Euler step, in both CFG
+rows) never change. A block still open does: it is bidirectional inside. A stream therefore keeps
+the encoder's keys/values and conv context of its complete token blocks and, per Euler step, the
+keys/values of every estimator attention layer and the left input frames of every causal conv of
+its complete frame blocks; each chunk computes only its *window* (the open block of the previous
+chunk plus the new frames, ~25 extra frames on average) against that cached context. Its output
+equals the full re-run with the earlier frames dropped, up to float rounding (the re-run revises
+the open block and drops it again, as here).
 
 :class:`FlowEngine` runs the windows of several streams together: the encoder per stream (it is
 ~1 % of the work), then each of the 10 guided Euler steps as one
@@ -42,7 +55,8 @@ from ..errors import CapacityError, InvalidInputError
 from ..models.flow import CosyVoice2Flow, fixed_noise
 from ..models.flow.cache import FrameBuffer, StreamWindow, copy_states
 from ..models.flow.cfm import N_TIMESTEPS
-from ..models.flow.fused import FusedEstimator
+from ..models.flow.fused import FusedEstimator, StepRows, StepState, context_slots, conv_views
+from .graphs import FlowCounters
 
 # Voices whose prefix is kept when nothing else limits them (pages are freed earlier under pressure).
 DEFAULT_MAX_VOICES = 64
@@ -182,6 +196,125 @@ class _Window:
         return self.frames - self.frame_start
 
 
+class StepBuffers:
+    """What one packed Euler step reads and writes, for ``pairs`` streams of up to ``frames`` new
+    frames and ``slots`` context frames: the rows' layout, their context (:class:`StepState`), the
+    input, the step's time bias and dt, the commit points and the conv context kept at them.
+
+    Eager: allocated per run, :meth:`step` calls the fused step. Captured
+    (:meth:`capture`): allocated once per shape, :meth:`step` replays a CUDA graph of the same call;
+    ``kv`` then gives the context buffer, shared by every captured shape (one shape runs at a time).
+    """
+
+    def __init__(self, fused: FusedEstimator, pairs: int, frames: int, slots: int,
+                 kv: torch.Tensor | None = None) -> None:
+        self.fused, self.pairs, self.frames, self.slots = fused, pairs, frames, slots
+        rows = 2 * pairs
+        device, dtype = fused.device, fused.dtype
+        if kv is None:
+            self.state = fused.new_state(rows, slots, frames)
+        else:
+            kv_all = kv[:, :rows, :slots + frames]
+            conv_all = torch.zeros(rows, fused.conv_width, device=device, dtype=dtype)
+            self.state = StepState(kv_all, conv_all, list(kv_all.unbind(0)), conv_views(conv_all, fused.conv_shapes))
+        self.valid = torch.zeros(rows, device=device, dtype=torch.int32)
+        self.attn_bias = torch.zeros(rows, 1, frames, slots + frames, device=device, dtype=dtype)
+        self.rows = StepRows(frames, self.valid, (0,) * rows, slots, True, self.attn_bias)
+        self.inp = fused.input_buffer(rows, frames)
+        self.time_bias = torch.zeros(len(fused.resnets), rows, fused.width, device=device, dtype=dtype)
+        self.dt = torch.zeros(pairs, device=device, dtype=dtype)
+        self.commit = torch.zeros(rows, device=device, dtype=torch.long)
+        self.kept = torch.zeros(rows, fused.conv_width, device=device, dtype=dtype)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.x_out: torch.Tensor | None = None
+
+    def set_rows(self, rows: StepRows) -> None:
+        """Take over a packing's valid frames and attention mask (same shape)."""
+        self.valid.copy_(rows.valid)
+        if rows.attn_bias is None:
+            self.attn_bias.zero_()
+        else:
+            self.attn_bias.copy_(rows.attn_bias)
+
+    def _call(self) -> torch.Tensor:
+        x_out, _ = self.fused.step(self.rows, self.state, self.inp, self.time_bias, self.dt,
+                                   keep_context=(self.commit, self.kept))
+        return x_out
+
+    def capture(self, pool) -> None:
+        """Run the step once (Triton compiles its kernels), then capture it."""
+        self._call()
+        torch.cuda.synchronize(self.fused.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.x_out = self._call()
+
+    def step(self) -> torch.Tensor:
+        """One guided Euler step of every row; x after it (pairs, frames, 80), a view."""
+        if self.graph is None:
+            return self._call()
+        self.graph.replay()
+        return self.x_out
+
+
+# Captured shapes of the engine's step: streams per run, new frames per window (a first chunk
+# with the prompt's open block is ~40-90 frames, later ones up to 2 x 100 tokens + 49), cached
+# frames (a 10 s prompt with 20 s of speech is 1,500). Bigger runs are eager.
+GRAPH_PAIRS = (1, 2, 4, 8, 16)
+GRAPH_FRAMES = (64, 128, 256)
+GRAPH_SLOTS = (256, 512, 768, 1024, 1536)
+
+
+class EngineGraphs:
+    """CUDA graphs of the engine's step for every shape of :data:`GRAPH_PAIRS` x :data:`GRAPH_FRAMES`
+    x :data:`GRAPH_SLOTS`, captured lazily or all at once by :meth:`capture_all`.
+
+    The context of every shape is a view of one buffer sized for the largest (layers x 32 rows x
+    1,792 frames x 1,024 values: 6.6 GB in fp16 for the released model): it is gathered from the
+    page pool before every step, as in the eager path. ``replay`` False keeps the shapes, buffers and
+    padding but runs each step eagerly (what tests on the CPU check of this path).
+    """
+
+    def __init__(self, fused: FusedEstimator, replay: bool = True) -> None:
+        self.fused = fused
+        self.replay = replay
+        rows, keys = 2 * GRAPH_PAIRS[-1], GRAPH_SLOTS[-1] + GRAPH_FRAMES[-1]
+        self.kv = torch.zeros(len(fused.attention_layers), rows, keys, 2 * fused.inner, device=fused.device,
+                              dtype=fused.dtype)
+        self.pool = torch.cuda.graph_pool_handle() if replay else None
+        if fused.kernels == "triton":  # the largest shape's scratch first: the captures then never grow it
+            from ..models.flow.fused_triton import reserve_row_scratch
+            reserve_row_scratch(fused.device, rows * GRAPH_FRAMES[-1], fused.width)
+        self._buffers: dict[tuple[int, int, int], StepBuffers] = {}
+
+    @property
+    def captured(self) -> int:
+        return len(self._buffers)
+
+    def get(self, pairs: int, frames: int, context: int) -> StepBuffers | None:
+        """The captured step for a run of this size (captured now if new), or None past the shapes."""
+        key = tuple(_bucket(value, sizes) for value, sizes in
+                    ((pairs, GRAPH_PAIRS), (frames, GRAPH_FRAMES), (context, GRAPH_SLOTS)))
+        if None in key:
+            return None
+        if key not in self._buffers:
+            buffers = StepBuffers(self.fused, *key, kv=self.kv)
+            if self.replay:
+                buffers.capture(self.pool)
+            self._buffers[key] = buffers
+        return self._buffers[key]
+
+    def capture_all(self) -> None:
+        for pairs in GRAPH_PAIRS:
+            for frames in GRAPH_FRAMES:
+                for slots in GRAPH_SLOTS:
+                    self.get(pairs, frames, slots)
+
+
+def _bucket(value: int, sizes: tuple[int, ...]) -> int | None:
+    return next((size for size in sizes if value <= size), None)
+
+
 class FlowEngine:
     """Incremental streaming flow over packed rows (see the module docstring). Thread-safe.
 
@@ -189,10 +322,14 @@ class FlowEngine:
     of :attr:`page_bytes` each. ``max_voices``: voice
     prefixes kept (least recently used dropped first; under page pressure unused ones go early).
     ``kernels``: the :class:`FusedEstimator` kernels ("auto": Triton on CUDA in fp16/bf16).
+    ``cuda_graphs``: replay the step from CUDA graphs (:class:`EngineGraphs`; captured at
+    construction with ``precapture``, else when a shape is first used). ``counters``: where runs,
+    windows and their frames (computed, and with the padding of a captured shape) are counted.
     """
 
     def __init__(self, flow: CosyVoice2Flow, pool_bytes: int = 0, *, pool_pages: int = 0,
-                 max_voices: int = DEFAULT_MAX_VOICES, kernels: str = "auto", n_timesteps: int = N_TIMESTEPS) -> None:
+                 max_voices: int = DEFAULT_MAX_VOICES, kernels: str = "auto", n_timesteps: int = N_TIMESTEPS,
+                 cuda_graphs: bool = False, precapture: bool = False, counters: FlowCounters | None = None) -> None:
         self.flow = flow
         weight = flow.spk_embed_affine_layer.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -208,6 +345,11 @@ class FlowEngine:
                 f"the token2wav state pool of {pool_bytes} bytes holds no page of {self.page_bytes} bytes")
         self.pool = PagePool(pages, n_timesteps, layers, page_frames, 2 * self.fused.inner, self.device, self.dtype)
         self.max_voices = max_voices
+        self.counters = counters or FlowCounters()
+        self.graphs = EngineGraphs(self.fused) if cuda_graphs else None
+        if self.graphs is not None and precapture:
+            with torch.inference_mode():
+                self.graphs.capture_all()
         self._voices: OrderedDict[str, VoicePrefix] = OrderedDict()
         self._lock = threading.RLock()
         self.open_streams = 0
@@ -311,7 +453,8 @@ class FlowEngine:
             mels = []
             for j, w in enumerate(windows):
                 stream = w.stream
-                mels.append(x[j, stream._frames_out - w.frame_start:w.width].T[None].float())
+                # a copy: x is a workspace the next run of this shape overwrites
+                mels.append(x[j, stream._frames_out - w.frame_start:w.width].T[None].to(torch.float32, copy=True))
                 self._take_blocks(w)
                 stream._frames_out = w.frames
                 if w.finalize:
@@ -365,40 +508,48 @@ class FlowEngine:
 
     def _run_windows(self, windows: list[_Window]) -> torch.Tensor:
         """The 10 guided Euler steps of every window, packed; returns x after the last step
-        (windows, frames, 80), a view valid until the next run of this shape."""
+        (pairs, frames, 80; window j in row j), a view valid until the next run of this shape."""
         fused, pool, page = self.fused, self.pool, self.pool.page_frames
         count = len(windows)
-        frames = max(w.width for w in windows)
         widths = [w.width for w in windows]
         contexts = [w.frame_start for w in windows]
-        rows = fused.rows(widths * 2, contexts * 2, frames, streaming=True)
-        state = fused.new_state(2 * count, rows.slots, frames)
-        inp = fused.input_buffer(2 * count, frames)
+        buffers = self.graphs.get(count, max(widths), max(contexts)) if self.graphs is not None else None
+        if buffers is None:
+            buffers = StepBuffers(fused, count, max(widths), context_slots(max(contexts), max(widths)))
+        pairs, frames = buffers.pairs, buffers.frames
+        counters = self.counters
+        counters.calls, counters.rows = counters.calls + 1, counters.rows + count
+        counters.frames, counters.padded_frames = counters.frames + sum(widths), counters.padded_frames + pairs * frames
+        idle = [0] * (pairs - count)  # padding pairs of a captured shape: no frames, no context
+        buffers.set_rows(fused.rows((widths + idle) * 2, (contexts + idle) * 2, frames, streaming=True,
+                                    slots=buffers.slots))
+        inp = buffers.inp
+        inp.zero_()
         for j, w in enumerate(windows):
             end = w.frames
             voice = w.stream.voice
             x = fixed_noise(end, self.device, self.dtype)[:, :, w.frame_start:]
             cond = self.flow.prompt_condition(voice.prompt_feat, w.frame_start, end)
-            fused.fill_input(inp, (j, count + j), x, w.mu, voice.spks, cond)
-        pair_rows = [torch.tensor([j, count + j], device=self.device) for j in range(count)]
-        commit = torch.tensor([w.frame_commit - w.frame_start for w in windows] * 2, device=self.device)
-        kept = torch.empty_like(state.conv_all)
+            fused.fill_input(inp, (j, pairs + j), x, w.mu, voice.spks, cond)
+        pair_rows = [torch.tensor([j, pairs + j], device=self.device) for j in range(count)]
+        commits = [w.frame_commit - w.frame_start for w in windows] + idle
+        buffers.commit.copy_(torch.tensor(commits * 2))
+        kv_all, conv_all = buffers.state.kv_all, buffers.state.conv_all
         for step in range(self.n_timesteps):
             for j, w in enumerate(windows):
                 if w.state.pages:
                     context = pool.data[w.state.pages, step]  # (pages, layers, 2, page, width)
-                    state.kv_all[:, pair_rows[j], :w.frame_start] = \
-                        context.permute(1, 2, 0, 3, 4).flatten(2, 3)
-                state.conv_all[pair_rows[j]] = w.state.conv[step]
-            time_bias = self._time_bias[step][:, None, :].expand(-1, 2 * count, -1)
-            x_out, _ = fused.step(rows, state, inp, time_bias, self._dt[step].expand(count),
-                                  keep_context=(commit, kept))
+                    kv_all[:, pair_rows[j], :w.frame_start] = context.permute(1, 2, 0, 3, 4).flatten(2, 3)
+                conv_all[pair_rows[j]] = w.state.conv[step]
+            buffers.time_bias.copy_(self._time_bias[step][:, None, :].expand(-1, 2 * pairs, -1))
+            buffers.dt.copy_(self._dt[step].expand(pairs))
+            x_out = buffers.step()
             for j, w in enumerate(windows):
                 if w.finalize:
                     continue
-                w.state.conv[step] = kept[pair_rows[j]]
+                w.state.conv[step] = buffers.kept[pair_rows[j]]
                 if w.new_pages:
-                    new = state.kv_all[:, pair_rows[j], rows.slots:rows.slots + w.frame_commit - w.frame_start]
+                    new = kv_all[:, pair_rows[j], buffers.slots:buffers.slots + w.frame_commit - w.frame_start]
                     pool.data[w.new_pages, step] = new.unflatten(2, (len(w.new_pages), page)).permute(2, 0, 1, 3, 4)
         return x_out
 
