@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from cosyserve.bench.flow_engine import DTYPES, markdown, run  # noqa: E402
+from cosyserve.bench.flow_engine import DTYPES, HEADER, markdown_row, run  # noqa: E402
 
 
 def main() -> int:
@@ -32,7 +32,9 @@ def main() -> int:
     args = parser.parse_args()
     if "graphs" in args.modes and not args.device.startswith("cuda"):
         parser.error("graphs need --device cuda")
-    print(markdown(run(args)), flush=True)
+    print(HEADER, flush=True)
+    for row in run(args):
+        print(markdown_row(row), flush=True)
     return 0
 
 

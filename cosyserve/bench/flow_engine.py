@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def run(args: argparse.Namespace) -> list[Row]:
+def run(args: argparse.Namespace) -> Iterator[Row]:
+    """The rows, as they are measured."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     cfg = FlowConfig.real() if args.config == "real" else FlowConfig.tiny()
     torch.manual_seed(args.seed)
@@ -57,7 +59,6 @@ def run(args: argparse.Namespace) -> list[Row]:
              torch.randn(1, 2 * args.prompt_tokens, cfg.output_size, generator=g).to(device, dtype),
              torch.randn(1, cfg.spk_embed_dim, generator=g).to(device, dtype))
     tokens = torch.randint(0, cfg.vocab_size, (1, FINAL), generator=g)
-    rows: list[Row] = []
     with torch.inference_mode():
         full = []  # the re-run's frames that each chunk voices
         for i, count in enumerate(CHUNKS):
@@ -66,16 +67,16 @@ def run(args: argparse.Namespace) -> list[Row]:
             _timed(rerun, device)  # warm-up
             mel, ms = _timed(rerun, device)
             full.append(mel[:, :, 0 if i == 0 else 2 * (CHUNKS[i - 1] - 3):])
-            rows.append(Row("re-run (reference)", 1, f"chunk at {count} tokens", ms))
+            yield Row("re-run (reference)", 1, f"chunk at {count} tokens", ms)
         for mode in args.modes:
             started = time.perf_counter()
             engine = FlowEngine(flow, pool_bytes=int(args.pool_gb * (1 << 30)), cuda_graphs=mode == "graphs",
                                 precapture=mode == "graphs")
             if mode == "graphs":
-                rows.append(Row(mode, 0, f"capture of {engine.graphs.captured} step graphs",
-                                (time.perf_counter() - started) * 1000))
+                yield Row(mode, 0, f"capture of {engine.graphs.captured} step graphs",
+                          (time.perf_counter() - started) * 1000)
             _, ms = _timed(lambda: engine.open(*voice).close(), device)
-            rows.append(Row(mode, 1, "voice prefix (prompt state, once per voice)", ms))
+            yield Row(mode, 1, "voice prefix (prompt state, once per voice)", ms)
             for streams in args.streams:
                 for repeat in range(2):  # the first round warms up (Triton compiles, eager shapes)
                     opened = [engine.open(*voice) for _ in range(streams)]
@@ -83,15 +84,14 @@ def run(args: argparse.Namespace) -> list[Row]:
                         mels, ms = _timed(lambda: engine.run([(s, tokens[:, :count], False) for s in opened]),
                                           device)
                         if repeat:
-                            rows.append(Row(mode, streams, f"chunk at {count} tokens", ms, _rel(mels[0], full[i])))
+                            yield Row(mode, streams, f"chunk at {count} tokens", ms, _rel(mels[0], full[i]))
                     if repeat and streams == 1:
-                        rows += _final_chunk(flow, engine, opened[0], voice, tokens, mode, device)
+                        yield from _final_chunk(flow, engine, opened[0], voice, tokens, mode, device)
                     for stream in opened:
                         stream.close()
             engine = None  # its pool and graphs go before the next mode's
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return rows
 
 
 def _final_chunk(flow: CosyVoice2Flow, engine: FlowEngine, stream, voice, tokens: torch.Tensor, mode: str,
@@ -106,9 +106,9 @@ def _final_chunk(flow: CosyVoice2Flow, engine: FlowEngine, stream, voice, tokens
                 _rel(streamed, reference[:, :, done:]))]
 
 
-def markdown(rows: list[Row]) -> str:
-    lines = ["| path | streams | what | ms | rel-L2 vs re-run |", "|---|---:|---|---:|---:|"]
-    for r in rows:
-        rel = "" if r.rel_l2 is None else f"{r.rel_l2:.1e}"
-        lines.append(f"| {r.mode} | {r.streams or ''} | {r.what} | {r.ms:.1f} | {rel} |")
-    return "\n".join(lines)
+HEADER = "| path | streams | what | ms | rel-L2 vs re-run |\n|---|---:|---|---:|---:|"
+
+
+def markdown_row(r: Row) -> str:
+    rel = "" if r.rel_l2 is None else f"{r.rel_l2:.1e}"
+    return f"| {r.mode} | {r.streams or ''} | {r.what} | {r.ms:.1f} | {rel} |"
