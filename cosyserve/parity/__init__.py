@@ -16,7 +16,10 @@ from pathlib import Path
 import torch
 
 # Suite modules, in the order their tables are printed. Each is cosyserve.parity.<name>.
-SUITES = ("cv2_frontend", "cv2_flow", "cv2_hift", "cv2_token2wav", "dit")
+SUITES = ("cv2_frontend", "cv2_flow", "cv2_hift", "cv2_token2wav", "dit", "cv3_flow")
+# The CosyVoice3 set reuses CosyVoice2's file names (flow_tiny.pt, hift_tiny_io.safetensors, ...); its yaml
+# tells the two apart.
+COSYVOICE3_MARKER = "cosyvoice3_tiny.yaml"
 
 
 @dataclass
@@ -68,6 +71,10 @@ def compare(
 def check(suite: str, case: str, ok: bool, note: str = "") -> CaseResult:
     """A pass/fail case that is not a tensor comparison (exact ids, strict loads...)."""
     return CaseResult(suite, case, 0.0 if ok else float("nan"), 0.0 if ok else float("nan"), "exact", ok, note)
+
+
+def is_cosyvoice3_fixture(fixture_dir: str | Path) -> bool:
+    return (Path(fixture_dir) / COSYVOICE3_MARKER).is_file()
 
 
 def run_fixture_dir(fixture_dir: str | Path, suites: tuple[str, ...] = SUITES) -> list[CaseResult]:

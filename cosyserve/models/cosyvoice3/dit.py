@@ -1,0 +1,214 @@
+"""DiT velocity estimator of the CosyVoice3 flow (upstream ``cosyvoice.flow.DiT.dit.DiT``).
+
+An F5-TTS-style transformer: input projection of [x ‖ cond ‖ mu ‖ speaker] plus a causal
+convolutional position embedding, adaLN-Zero blocks (attention + GELU-tanh feed-forward) and an
+adaptive final norm. Sequences are time-major (B, T, D) inside. Parameter names follow
+upstream so released ``flow.pt`` files load strictly. Differences from the Step-Audio-2 DiT
+(:mod:`cosyserve.models.dit`) that make it a different network: rotary positions (on the first
+head only), no per-block convolution, no QK-norm, a learned position convolution at the input,
+and sin-before-cos time features.
+
+Attention masks (fixture README §4.3): full attention, or block-causal with blocks of
+``static_chunk_size`` frames counted from frame 0 of prompt + target (query i sees key j iff
+j < (⌊i/chunk⌋ + 1)·chunk).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..dit.estimator import modulate
+from .config import Cv3EstimatorConfig
+
+TIME_FREQ_DIM = 256  # width of the sinusoidal time features
+TIME_SCALE = 1000.0
+POS_CONV_KERNEL = 31
+POS_CONV_GROUPS = 16
+ROPE_BASE = 10000.0
+NORM_EPS = 1e-6
+
+
+def block_causal_mask(frames: int, chunk: int, device: torch.device) -> torch.Tensor:
+    """(T, T) bool: query i may attend key j iff j < (⌊i/chunk⌋ + 1)·chunk."""
+    idx = torch.arange(frames, device=device)
+    return idx[None, :] < ((idx // chunk + 1) * chunk)[:, None]
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x₂ₘ, x₂ₘ₊₁) -> (−x₂ₘ₊₁, x₂ₘ) for every interleaved pair of the last dim."""
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+class TimestepEmbedding(nn.Module):
+    """t -> [sin(1000·t·f) ‖ cos(1000·t·f)], f_j = exp(−j·ln(10000)/(127)), then Linear, SiLU, Linear."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.time_mlp = nn.Sequential(nn.Linear(TIME_FREQ_DIM, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        half = TIME_FREQ_DIM // 2
+        step = math.log(10000) / (half - 1)
+        freqs = torch.exp(torch.arange(half, device=t.device).float() * -step)
+        args = TIME_SCALE * t.float().unsqueeze(1) * freqs.unsqueeze(0)
+        return self.time_mlp(torch.cat((args.sin(), args.cos()), dim=-1).to(self.time_mlp[0].weight.dtype))
+
+
+class CausalConvPositionEmbedding(nn.Module):
+    """Two causal grouped convolutions (kernel 31, 16 groups), each followed by Mish."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, POS_CONV_KERNEL, groups=POS_CONV_GROUPS), nn.Mish())
+        self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, POS_CONV_KERNEL, groups=POS_CONV_GROUPS), nn.Mish())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, D) -> (B, T, D)."""
+        h = self.conv1(F.pad(x.transpose(1, 2), (POS_CONV_KERNEL - 1, 0)))
+        h = self.conv2(F.pad(h, (POS_CONV_KERNEL - 1, 0)))
+        return h.transpose(1, 2)
+
+
+class InputEmbedding(nn.Module):
+    def __init__(self, cfg: Cv3EstimatorConfig):
+        super().__init__()
+        self.proj = nn.Linear(cfg.mel_dim + cfg.mel_dim + cfg.mu_dim + cfg.spk_dim, cfg.dim)
+        self.conv_pos_embed = CausalConvPositionEmbedding(cfg.dim)
+
+    def project(self, x, cond, mu, spks) -> torch.Tensor:
+        """(B, T, 80) each, spks (B, 80) -> Linear([x ‖ cond ‖ mu ‖ spks]) (B, T, D) (upstream's order)."""
+        spks = spks.unsqueeze(1).expand(-1, x.shape[1], -1)
+        return self.proj(torch.cat((x, cond, mu, spks), dim=-1))
+
+    def forward(self, x, cond, mu, spks) -> torch.Tensor:
+        h = self.project(x, cond, mu, spks)
+        return self.conv_pos_embed(h) + h
+
+
+class RotaryEmbedding(nn.Module):
+    """x-transformers' rotary embedding: angle(t, 2m) = angle(t, 2m+1) = t·base^(−2m/dim)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        inv_freq = 1.0 / (ROPE_BASE ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("inv_freq", inv_freq)  # in upstream's state dict, so persistent
+
+    def angles(self, frames: int) -> torch.Tensor:
+        """(T, dim) rotation angle of every position and channel."""
+        positions = torch.arange(frames, device=self.inv_freq.device).type_as(self.inv_freq)
+        freqs = positions[:, None] * self.inv_freq[None]
+        return torch.stack((freqs, freqs), dim=-1).flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``angles.shape[-1]`` channels of x (B, T, C) — upstream rotates the
+    projection before splitting heads, so only head 0 gets positions; the rest pass through."""
+    width = angles.shape[-1]
+    rotated, rest = x[..., :width], x[..., width:]
+    rotated = rotated * angles.cos() + rotate_pairs(rotated) * angles.sin()
+    return torch.cat((rotated, rest), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Cv3EstimatorConfig):
+        super().__init__()
+        self.heads, self.dim_head = cfg.heads, cfg.dim_head
+        self.to_q = nn.Linear(cfg.dim, cfg.inner_dim)
+        self.to_k = nn.Linear(cfg.dim, cfg.inner_dim)
+        self.to_v = nn.Linear(cfg.dim, cfg.inner_dim)
+        self.to_out = nn.ModuleList([nn.Linear(cfg.inner_dim, cfg.dim)])  # key "to_out.0" (upstream: + Dropout)
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """x (B, T, D); angles (T, dim_head); attn_mask bool broadcastable to (B, heads, T, T) or None."""
+        batch, frames, _ = x.shape
+        q = apply_rotary(self.to_q(x), angles)
+        k = apply_rotary(self.to_k(x), angles)
+        v = self.to_v(x)
+        q, k, v = (h.view(batch, frames, self.heads, self.dim_head).transpose(1, 2) for h in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.to_out[0](out.transpose(1, 2).reshape(batch, frames, -1))
+
+
+class AdaLayerNormZero(nn.Module):
+    """SiLU(t_emb) -> Linear(D -> 6D) = shift, scale, gate (attention), shift, scale, gate (feed-forward)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 6 * dim)
+
+    def forward(self, t_emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(m.unsqueeze(1) for m in self.linear(F.silu(t_emb)).chunk(6, dim=-1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int):
+        super().__init__()
+        # Keys ff.0.0 / ff.2 as upstream's Sequential(Sequential(Linear, GELU), Dropout, Linear).
+        self.ff = nn.Sequential(nn.Sequential(nn.Linear(dim, dim * mult), nn.GELU(approximate="tanh")),
+                                nn.Identity(), nn.Linear(dim * mult, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(x)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, cfg: Cv3EstimatorConfig):
+        super().__init__()
+        self.attn_norm = AdaLayerNormZero(cfg.dim)
+        self.attn = Attention(cfg)
+        self.ff = FeedForward(cfg.dim, cfg.ff_mult)
+
+    def forward(self, x, t_emb, angles, attn_mask) -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(t_emb)
+        norm = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
+        x = x + gate_msa * self.attn(modulate(norm, shift_msa, scale_msa), angles, attn_mask)
+        norm = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
+        return x + gate_mlp * self.ff(modulate(norm, shift_mlp, scale_mlp))
+
+
+class AdaLayerNormFinal(nn.Module):
+    """SiLU(t_emb) -> Linear(D -> 2D) split into scale first, then shift."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
+        scale, shift = (m.unsqueeze(1) for m in self.linear(F.silu(t_emb)).chunk(2, dim=-1))
+        return modulate(F.layer_norm(x, x.shape[-1:], eps=NORM_EPS), shift, scale)
+
+
+class Cv3DiT(nn.Module):
+    def __init__(self, cfg: Cv3EstimatorConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.time_embed = TimestepEmbedding(cfg.dim)
+        self.input_embed = InputEmbedding(cfg)
+        self.rotary_embed = RotaryEmbedding(cfg.dim_head)
+        self.transformer_blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.depth))
+        self.norm_out = AdaLayerNormFinal(cfg.dim)
+        self.proj_out = nn.Linear(cfg.dim, cfg.out_channels)
+
+    def attention_mask(self, mask: torch.Tensor, streaming: bool) -> torch.Tensor | None:
+        """mask (B, 1, T) frame validity -> bool (B, 1, T, T) for SDPA, or None (all valid, full attention)."""
+        frames = mask.shape[-1]
+        keys = mask.bool()  # (B, 1, T): padded keys are never attended
+        if not streaming:
+            return None if bool(keys.all()) else keys.unsqueeze(1)
+        blocks = block_causal_mask(frames, self.cfg.static_chunk_size, mask.device)
+        return (blocks[None] & keys).unsqueeze(1)
+
+    def forward(self, x, mask, mu, t, spks, cond, streaming: bool = False) -> torch.Tensor:
+        """x, mu, cond (B, 80, T); mask (B, 1, T); t (B,); spks (B, 80) -> velocity (B, 80, T)."""
+        t_emb = self.time_embed(t)
+        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
+        angles = self.rotary_embed.angles(h.shape[1])
+        attn_mask = self.attention_mask(mask, streaming)
+        for block in self.transformer_blocks:
+            h = block(h, t_emb, angles, attn_mask)
+        return self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
