@@ -22,7 +22,7 @@ from ..models.cosyvoice3.config import Cv3FlowConfig
 from ..models.cosyvoice3.flow import CosyVoice3Flow, load_cosyvoice3_flow
 from ..models.dit.cfm import cosine_time_grid
 from ..models.flow.cfm import fixed_noise
-from . import CaseResult, check, compare, is_cosyvoice3_fixture
+from . import CaseResult, check, compare, is_cosyvoice3_fixture, manifest_case
 
 SUITE = "cv3_flow"
 CHECKPOINT, IO_FILE, CONFIG_FILE, YAML_FILE = ("flow_tiny.pt", "flow_tiny_io.safetensors", "flow_tiny_config.json",
@@ -52,7 +52,8 @@ def run(fixture_dir: Path) -> list[CaseResult]:
         results += _nonstream_cases(model, io)
         results += _call_cases(model, io, _schedule(fixture_dir))
     if (fixture_dir / MANIFEST_FILE).is_file():
-        results.append(_manifest_case(json.loads((fixture_dir / MANIFEST_FILE).read_text())))
+        manifest = json.loads((fixture_dir / MANIFEST_FILE).read_text())
+        results.append(manifest_case(SUITE, Cv3FlowConfig, CosyVoice3Flow, manifest))
     return results
 
 
@@ -142,29 +143,3 @@ def _call_cases(model: CosyVoice3Flow, io: dict, schedule: list[dict]) -> list[C
         results.append(check(SUITE, "chunk schedule", False, "chunk*/mel stored but fixture_meta.json has no "
                                                              "triton_schedule"))
     return results
-
-
-def _manifest_case(manifest: dict) -> CaseResult:
-    """The real-size key/shape/dtype list loads strictly into the flow built from its config."""
-    case = "real manifest/strict load"
-    try:
-        cfg = Cv3FlowConfig.from_fixture_json(manifest)
-        with torch.device("meta"):
-            model = CosyVoice3Flow(cfg)
-        ours = {k: (list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.state_dict().items()}
-        theirs = {e["name"]: (e["shape"], e["dtype"]) for e in manifest["keys"]}
-        if list(ours) != list(theirs):
-            return check(SUITE, case, False, f"key lists differ: only ours {sorted(ours.keys() - theirs.keys())[:3]}, "
-                                             f"only theirs {sorted(theirs.keys() - ours.keys())[:3]}")
-        differing = [k for k in ours if ours[k] != theirs[k]]
-        if differing:
-            return check(SUITE, case, False, f"{len(differing)} shapes differ, e.g. {differing[:3]}")
-        state = {k: torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for k, (shape, dtype) in
-                 theirs.items()}
-        model.load_state_dict(state, strict=True, assign=True)
-    except (ModelLoadError, KeyError, RuntimeError) as exc:
-        return check(SUITE, case, False, str(exc)[:200])
-    numel = sum(v.numel() for v in state.values())
-    same = "= Cv3FlowConfig.real()" if cfg == Cv3FlowConfig.real() else "!= Cv3FlowConfig.real()"
-    return check(SUITE, case, numel == manifest.get("num_elements", numel),
-                 f"{len(theirs)} tensors, {numel} values, config {same}")

@@ -9,8 +9,10 @@ implementation does not support are rejected with :class:`ModelLoadError`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
 
-from ...config import Tagged, tagged_kwargs
+from ...config import Tagged, load_hyperpyyaml, tagged_kwargs
 from ...errors import ModelLoadError
 from ..dit.config import _checked  # the same required/fixed/unknown-key rule as the Step-Audio-2 DiT config
 from ..hift.config import HiftConfig
@@ -21,6 +23,7 @@ CFM_CLASS = "cosyvoice.flow.flow_matching.CausalConditionalCFM"
 ESTIMATOR_CLASS = "cosyvoice.flow.DiT.dit.DiT"
 HIFT_CLASS = "cosyvoice.hifigan.generator.CausalHiFTGenerator"
 F0_PREDICTOR_CLASS = "cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor"
+CONFIG_FILE = "cosyvoice3.yaml"
 
 # Training-only or derived arguments: accepted and not used at inference.
 _FLOW_INERT = {"output_type", "input_frame_rate", "only_mask_loss"}
@@ -93,7 +96,8 @@ class Cv3FlowConfig:
         if "flow" not in tree:
             raise ModelLoadError("cosyvoice3.yaml has no 'flow' node")
         flow = dict(tagged_kwargs(tree["flow"], "CausalMaskedDiffWithDiT", "flow"))
-        lookahead = tagged_kwargs(flow.pop("pre_lookahead_layer", None), "PreLookaheadLayer", "flow.pre_lookahead_layer")
+        lookahead = tagged_kwargs(flow.pop("pre_lookahead_layer", None), "PreLookaheadLayer",
+                                  "flow.pre_lookahead_layer")
         cfm = dict(tagged_kwargs(flow.pop("decoder", None), "CausalConditionalCFM", "flow.decoder"))
         estimator = tagged_kwargs(cfm.pop("estimator", None), "DiT", "flow.decoder.estimator")
         params = cfm.pop("cfm_params", None)
@@ -202,3 +206,12 @@ class CausalHiftConfig(HiftConfig):
         generator["f0_predictor"] = Tagged("new", F0_PREDICTOR_CLASS, kwargs=f0)
         return Tagged("new", HIFT_CLASS, kwargs=generator)
 
+
+
+Config = TypeVar("Config", Cv3FlowConfig, CausalHiftConfig)
+
+
+def config_from_model_dir(model_dir: str | Path, kind: type[Config]) -> Config:
+    """``kind`` read from ``model_dir/cosyvoice3.yaml``; the released values where the directory has none."""
+    path = Path(model_dir) / CONFIG_FILE
+    return kind.from_yaml_tree(load_hyperpyyaml(path)) if path.is_file() else kind.real()

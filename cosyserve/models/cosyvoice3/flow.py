@@ -19,14 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...config import load_hyperpyyaml
 from ...errors import InvalidInputError, ModelLoadError
 from ..dit.cfm import cosine_time_grid
 from ..flow.cfm import N_TIMESTEPS, fixed_noise
-from .config import Cv3FlowConfig
+from .config import Cv3FlowConfig, config_from_model_dir
 from .dit import Cv3DiT
 
-CONFIG_FILE = "cosyvoice3.yaml"
 WEIGHTS_FILE = "flow.pt"
 
 
@@ -130,7 +128,8 @@ class CosyVoice3Flow(nn.Module):
             raise InvalidInputError("the CosyVoice3 flow takes one request: tokens and prompt tokens of shape (1, n)")
         all_tokens = torch.cat([prompt_tokens, tokens], dim=1).to(w.device)
         if all_tokens.numel() and int(all_tokens.max()) >= self.cfg.vocab_size:
-            raise InvalidInputError(f"speech token ids must be below {self.cfg.vocab_size}; got {int(all_tokens.max())}")
+            raise InvalidInputError(
+                f"speech token ids must be below {self.cfg.vocab_size}; got {int(all_tokens.max())}")
         lookahead = 0 if finalize else self.cfg.pre_lookahead_len
         if all_tokens.shape[1] <= lookahead:
             raise InvalidInputError(f"a non-final flow call needs more than {lookahead} tokens (look-ahead)")
@@ -167,10 +166,7 @@ def load_cosyvoice3_flow(model_dir: str | Path, device: torch.device | str = "cp
     """Build the flow from ``model_dir/cosyvoice3.yaml`` (or ``config``) and strictly load
     ``model_dir/flow.pt`` (or ``weights``)."""
     model_dir = Path(model_dir)
-    if config is None:
-        yaml_path = model_dir / CONFIG_FILE
-        config = Cv3FlowConfig.from_yaml_tree(load_hyperpyyaml(yaml_path)) if yaml_path.is_file() \
-            else Cv3FlowConfig.real()
+    config = config or config_from_model_dir(model_dir, Cv3FlowConfig)
     path = Path(weights) if weights is not None else model_dir / WEIGHTS_FILE
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
