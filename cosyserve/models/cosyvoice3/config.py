@@ -24,6 +24,9 @@ ESTIMATOR_CLASS = "cosyvoice.flow.DiT.dit.DiT"
 HIFT_CLASS = "cosyvoice.hifigan.generator.CausalHiFTGenerator"
 F0_PREDICTOR_CLASS = "cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor"
 CONFIG_FILE = "cosyvoice3.yaml"
+# The prompt mel's upper band edge: cosyvoice3.yaml (and the reference runtime) pass fmax=None, i.e. the
+# Nyquist frequency (12 kHz), where CosyVoice2 used 8 kHz; the other Matcha mel settings are the same.
+PROMPT_MEL_FMAX = None
 
 # Training-only or derived arguments: accepted and not used at inference.
 _FLOW_INERT = {"output_type", "input_frame_rate", "only_mask_loss"}
