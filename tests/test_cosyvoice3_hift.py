@@ -72,3 +72,27 @@ def test_wrong_checkpoint_is_a_load_error(tmp_path):
     torch.save({"conv_pre.bias": torch.zeros(3)}, tmp_path / "hift.pt")
     with pytest.raises(ModelLoadError, match="does not match"):
         load_causal_hift(tmp_path, config=CausalHiftConfig.tiny())
+
+
+def test_tiny_bundle_loads_strictly(tmp_path):
+    """make_bundle(parts=cosyvoice3) writes the released file names; both models load strictly from them
+    with the configs the yaml describes, and run."""
+    from cosyserve.bundle import make_bundle
+    from cosyserve.bundle.cosyvoice3 import COSYVOICE3_DIR
+    from cosyserve.config import load_hyperpyyaml
+    from cosyserve.models.cosyvoice3.config import Cv3FlowConfig
+    from cosyserve.models.cosyvoice3.flow import load_cosyvoice3_flow
+
+    model_dir = make_bundle(tmp_path, "tiny", seed=0, parts=("cosyvoice3",)) / COSYVOICE3_DIR
+    assert sorted(p.name for p in model_dir.iterdir()) == ["cosyvoice3.yaml", "flow.pt", "hift.pt"]
+    tree = load_hyperpyyaml(model_dir / "cosyvoice3.yaml")
+    assert Cv3FlowConfig.from_yaml_tree(tree) == Cv3FlowConfig.tiny()
+    assert CausalHiftConfig.from_yaml_tree(tree) == CausalHiftConfig.tiny()
+    assert tree["llm"].target == "cosyvoice.llm.llm.CosyVoice3LM"
+    flow, hift = load_cosyvoice3_flow(model_dir), load_causal_hift(model_dir)
+    assert all(v.dtype == torch.float32 for v in torch.load(model_dir / "hift.pt", weights_only=True).values())
+    tokens = torch.randint(0, 6561, (1, 12), generator=torch.Generator().manual_seed(0))
+    mel = flow.inference(tokens, tokens[:, :4], torch.zeros(1, 8, 80), torch.ones(1, 192), streaming=False,
+                         finalize=True)
+    speech, _ = hift.inference(mel, True)
+    assert mel.shape == (1, 80, 24) and speech.shape == (1, 24 * 480) and torch.isfinite(speech).all()
