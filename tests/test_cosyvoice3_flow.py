@@ -86,3 +86,28 @@ def test_wrong_checkpoint_is_a_load_error(tmp_path):
     torch.save({"input_embedding.weight": torch.zeros(3, 80)}, tmp_path / "flow.pt")
     with pytest.raises(ModelLoadError, match="does not match"):
         load_cosyvoice3_flow(tmp_path, config=Cv3FlowConfig.tiny())
+
+
+def test_incremental_stream_equals_block_masked_recompute(tiny_flow):
+    """Every push returns the new frames of the reference's streaming=True call on all tokens so far,
+    whatever the chunk sizes (blocks completed one or several at a time, pushes that add no frame)."""
+    from cosyserve.models.cosyvoice3.flow import Cv3FlowStream
+
+    gen = torch.Generator().manual_seed(2)
+    prompt, tokens = torch.randint(0, 6561, (1, 13), generator=gen), torch.randint(0, 6561, (1, 120), generator=gen)
+    feat, emb = torch.randn(1, 26, 80, generator=gen), torch.randn(1, 192, generator=gen)
+    stream, received, emitted = Cv3FlowStream(tiny_flow, prompt, feat, emb), 0, 0
+    for size in (1, 2, 15, 40, 3, 27, 60, 0):
+        finalize = size == 0
+        new = stream.push(tokens[:, received:received + size] if size else tokens[:, received:], finalize)
+        received = received + size if size else tokens.shape[1]
+        if received <= 3 and not finalize:  # everything is look-ahead: no frame yet
+            assert new.shape == (1, 80, 0)
+            continue
+        full = tiny_flow.inference(tokens[:, :received], prompt, feat, emb, streaming=True, finalize=finalize)
+        torch.testing.assert_close(new, full[:, :, emitted:], rtol=0, atol=1e-5)
+        emitted = full.shape[2]
+        assert stream.committed % 50 == 0 or finalize
+    assert emitted == 2 * tokens.shape[1] and stream.finished
+    with pytest.raises(InvalidInputError, match="finished"):
+        stream.push(tokens[:, :1])

@@ -8,6 +8,10 @@ the new frames appended to a mel buffer, the vocoder re-run over the whole buffe
   carries its state — fed the same mel chunks, against the emitted waveform of the Triton BLS
   composition (block-masked flow), its full-attention variant (what a TensorRT flow computes),
   upstream's python streaming schedule (``cli``) and the zero-noise variant;
+* :class:`Cv3FlowStream` — our incremental flow (block masks, per-step cached keys/values of complete
+  blocks) — call by call against the reference's block-masked calls (the Triton BLS's non-final
+  calls; for the final call the block-masked ``stream_full/mel``, since the reference's final call
+  uses full attention);
 * the offline path (one flow call, one final vocoder call);
 * tokens -> waveform: our flow feeding our incremental vocoder (chaotic in f0, README §2, so
   meaningful only because the flow matches to ~1e-7).
@@ -22,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..models.cosyvoice3.config import CausalHiftConfig, Cv3FlowConfig
-from ..models.cosyvoice3.flow import CosyVoice3Flow, load_cosyvoice3_flow
+from ..models.cosyvoice3.flow import CosyVoice3Flow, Cv3FlowStream, load_cosyvoice3_flow
 from ..models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, load_causal_hift
 from . import CaseResult, check, compare, is_cosyvoice3_fixture
 
@@ -61,6 +65,7 @@ def run(fixture_dir: Path) -> list[CaseResult]:
     results = []
     with torch.inference_mode():
         results += _reference_calls(flow, hift, ref, flow_io, chunks)
+        results += _incremental_flow(flow, ref, flow_io, chunks)
         stream_mels = [ref[f"stream/chunk{i}/token2wav_mel"] for i in range(len(chunks))]
         results += _incremental(hift, "stream/waveform", stream_mels, chunks, ref, per_chunk=True)
         results += _incremental(silent, "stream_zero/waveform", stream_mels, chunks, ref)
@@ -96,6 +101,22 @@ def _reference_calls(flow: CosyVoice3Flow, hift: CausalHiFTGenerator, ref: dict,
         if f"stream/chunk{i}/hift_source" in ref:
             results.append(compare(SUITE, f"stream/chunk{i}/hift_source", source, ref[f"stream/chunk{i}/hift_source"],
                                    rel_l2=SINE))
+    return results
+
+
+def _incremental_flow(flow: CosyVoice3Flow, ref: dict, flow_io: dict, chunks: list[dict]) -> list[CaseResult]:
+    """Cv3FlowStream fed the Triton schedule's new tokens; each call's new frames against the reference."""
+    stream = Cv3FlowStream(flow, flow_io["prompt_token"], flow_io["prompt_feat"], flow_io["embedding"])
+    results, received = [], 0
+    for i, c in enumerate(chunks):
+        mel = stream.push(flow_io["token"][:, received:c["num_tokens"]], c["finalize"])
+        received = c["num_tokens"]
+        if c["finalize"]:
+            key, expected = f"stream_full/mel[-{mel.shape[2]}:]", flow_io["stream_full/mel"][:, :, -mel.shape[2]:]
+        else:
+            key, expected = f"stream/chunk{i}/token2wav_mel", ref[f"stream/chunk{i}/token2wav_mel"]
+        results.append(compare(SUITE, f"{key} incremental flow", mel, expected, rel_l2=FLOW_REL_L2,
+                               note=f"committed {stream.committed} frames"))
     return results
 
 

@@ -11,11 +11,17 @@ and sin-before-cos time features.
 Attention masks (fixture README §4.3): full attention, or block-causal with blocks of
 ``static_chunk_size`` frames counted from frame 0 of prompt + target (query i sees key j iff
 j < (⌊i/chunk⌋ + 1)·chunk).
+
+:meth:`Cv3DiT.forward_window` runs the block-masked estimator on a window of frames that follows
+frames already *committed* (complete blocks, whose values never change under block masks): it
+attends to their cached keys/values and continues the causal position convolutions from their
+cached inputs (:class:`WindowState`), so a stream recomputes only its incomplete block and new frames.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -69,9 +75,18 @@ class CausalConvPositionEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D)."""
-        h = self.conv1(F.pad(x.transpose(1, 2), (POS_CONV_KERNEL - 1, 0)))
-        h = self.conv2(F.pad(h, (POS_CONV_KERNEL - 1, 0)))
-        return h.transpose(1, 2)
+        return self.with_context(x, None)[0]
+
+    def with_context(self, x: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor] | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, D) after ``context`` = the last kernel−1 inputs of each convolution (B, D, 30), zeros
+        at the start. Returns the output (B, T, D) and the two convolutions' inputs (context included)."""
+        if context is None:
+            zeros = x.new_zeros(x.shape[0], x.shape[2], POS_CONV_KERNEL - 1)
+            context = (zeros, zeros)
+        inputs1 = torch.cat([context[0], x.transpose(1, 2)], dim=2)
+        inputs2 = torch.cat([context[1], self.conv1(inputs1)], dim=2)
+        return self.conv2(inputs2).transpose(1, 2), inputs1, inputs2
 
 
 class InputEmbedding(nn.Module):
@@ -123,15 +138,20 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(cfg.dim, cfg.inner_dim)
         self.to_out = nn.ModuleList([nn.Linear(cfg.inner_dim, cfg.dim)])  # key "to_out.0" (upstream: + Dropout)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """x (B, T, D); angles (T, dim_head); attn_mask bool broadcastable to (B, heads, T, T) or None."""
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, attn_mask: torch.Tensor | None,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x (B, T, D); angles (T, dim_head) of x's positions; attn_mask bool broadcastable to
+        (B, heads, T, T_past + T) or None; past: keys and values (B, heads, T_past, dim_head) of earlier
+        positions. Returns the output and x's own keys (rotated) and values."""
         batch, frames, _ = x.shape
         q = apply_rotary(self.to_q(x), angles)
         k = apply_rotary(self.to_k(x), angles)
         v = self.to_v(x)
         q, k, v = (h.view(batch, frames, self.heads, self.dim_head).transpose(1, 2) for h in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        return self.to_out[0](out.transpose(1, 2).reshape(batch, frames, -1))
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2))
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
+        return self.to_out[0](out.transpose(1, 2).reshape(batch, frames, -1)), (k, v)
 
 
 class AdaLayerNormZero(nn.Module):
@@ -163,12 +183,17 @@ class DiTBlock(nn.Module):
         self.attn = Attention(cfg)
         self.ff = FeedForward(cfg.dim, cfg.ff_mult)
 
-    def forward(self, x, t_emb, angles, attn_mask) -> torch.Tensor:
+    def forward(self, x, t_emb, angles, attn_mask, past=None) -> torch.Tensor:
+        return self.forward_with_kv(x, t_emb, angles, attn_mask, past)[0]
+
+    def forward_with_kv(self, x, t_emb, angles, attn_mask, past=None):
+        """The block on x (B, T, D), attending also to ``past`` keys/values; returns x and x's keys/values."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(t_emb)
         norm = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
-        x = x + gate_msa * self.attn(modulate(norm, shift_msa, scale_msa), angles, attn_mask)
+        attn, kv = self.attn(modulate(norm, shift_msa, scale_msa), angles, attn_mask, past)
+        x = x + gate_msa * attn
         norm = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
-        return x + gate_mlp * self.ff(modulate(norm, shift_mlp, scale_mlp))
+        return x + gate_mlp * self.ff(modulate(norm, shift_mlp, scale_mlp)), kv
 
 
 class AdaLayerNormFinal(nn.Module):
@@ -181,6 +206,16 @@ class AdaLayerNormFinal(nn.Module):
     def forward(self, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
         scale, shift = (m.unsqueeze(1) for m in self.linear(F.silu(t_emb)).chunk(2, dim=-1))
         return modulate(F.layer_norm(x, x.shape[-1:], eps=NORM_EPS), shift, scale)
+
+
+@dataclass
+class WindowState:
+    """What the estimator keeps of the committed frames [0, frames) of one stream, for one Euler step."""
+
+    frames: int
+    keys: list[torch.Tensor]  # per block: (B, heads, frames, dim_head), rotated
+    values: list[torch.Tensor]
+    conv_context: tuple[torch.Tensor, torch.Tensor] | None  # last 30 inputs of each position conv (B, D, 30)
 
 
 class Cv3DiT(nn.Module):
@@ -212,3 +247,31 @@ class Cv3DiT(nn.Module):
         for block in self.transformer_blocks:
             h = block(h, t_emb, angles, attn_mask)
         return self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
+
+    def empty_window_state(self) -> WindowState:
+        return WindowState(0, [None] * len(self.transformer_blocks), [None] * len(self.transformer_blocks), None)
+
+    def forward_window(self, x, mu, t, spks, cond, state: WindowState, commit: int
+                       ) -> tuple[torch.Tensor, WindowState]:
+        """Block-masked velocity of frames [state.frames, state.frames + W): x, mu, cond (B, 80, W), t (B,),
+        spks (B, 80). ``state.frames`` must be a multiple of the block size. Returns the velocity (B, 80, W)
+        and the state with the window's first ``commit`` frames committed."""
+        start, width, chunk = state.frames, x.shape[2], self.cfg.static_chunk_size
+        if start % chunk or not 0 <= commit <= width:
+            raise ValueError(f"window at frame {start} (block {chunk}) cannot commit {commit} of {width} frames")
+        t_emb = self.time_embed(t)
+        proj = self.input_embed.project(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
+        pos, inputs1, inputs2 = self.input_embed.conv_pos_embed.with_context(proj, state.conv_context)
+        h = pos + proj
+        angles = self.rotary_embed.angles(start + width)[start:]
+        mask = block_causal_mask(start + width, chunk, x.device)[start:]
+        keys, values = [], []
+        for block, past_k, past_v in zip(self.transformer_blocks, state.keys, state.values):
+            h, (k, v) = block.forward_with_kv(h, t_emb, angles, mask, None if past_k is None else (past_k, past_v))
+            keys.append(k[:, :, :commit] if past_k is None else torch.cat([past_k, k[:, :, :commit]], dim=2))
+            values.append(v[:, :, :commit] if past_v is None else torch.cat([past_v, v[:, :, :commit]], dim=2))
+        context_end = POS_CONV_KERNEL - 1 + commit  # the convolution inputs end with the window's frames
+        context = (inputs1[:, :, context_end - (POS_CONV_KERNEL - 1):context_end],
+                   inputs2[:, :, context_end - (POS_CONV_KERNEL - 1):context_end])
+        velocity = self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
+        return velocity, WindowState(start + commit, keys, values, context)

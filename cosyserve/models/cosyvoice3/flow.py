@@ -23,7 +23,7 @@ from ...errors import InvalidInputError, ModelLoadError
 from ..dit.cfm import cosine_time_grid
 from ..flow.cfm import N_TIMESTEPS, fixed_noise
 from .config import Cv3FlowConfig, config_from_model_dir
-from .dit import Cv3DiT
+from .dit import Cv3DiT, WindowState
 
 WEIGHTS_FILE = "flow.pt"
 
@@ -54,6 +54,11 @@ class PreLookaheadLayer(nn.Module):
         return h.transpose(1, 2) + x
 
 
+def _with_uncond(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """[conditional rows ‖ zeros]: the classifier-free guidance batch of mu, speaker, cond."""
+    return [torch.cat([v, torch.zeros_like(v)]) for v in tensors]
+
+
 class Cv3CFM(nn.Module):
     """``CausalConditionalCFM`` around the DiT: Euler steps with classifier-free guidance.
 
@@ -69,15 +74,35 @@ class Cv3CFM(nn.Module):
     def euler_steps(self, z, mask, mu, spks, cond, *, streaming: bool,
                     n_timesteps: int = N_TIMESTEPS) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Yield (t given to the estimator, raw estimator output (2B, 80, T), state after the step)."""
-        def with_zeros(v: torch.Tensor) -> torch.Tensor:
-            return torch.cat([v, torch.zeros_like(v)])
+        mask2, mu2, spks2, cond2 = torch.cat([mask, mask]), *_with_uncond(mu, spks, cond)
 
-        mask2, mu2, spks2, cond2 = torch.cat([mask, mask]), with_zeros(mu), with_zeros(spks), with_zeros(cond)
-        t_span = cosine_time_grid(n_timesteps, mu.device, mu.dtype)
+        def estimate(_step: int, x2: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
+            return self.estimator(x2, mask2, mu2, t2, spks2, cond2, streaming=streaming)
+
+        return self._integrate(z, n_timesteps, estimate)
+
+    def window_steps(self, z, mu, spks, cond, states: list[WindowState], commit: int
+                     ) -> tuple[torch.Tensor, list[WindowState]]:
+        """Block-masked sampling of a window of frames after committed ones (:meth:`Cv3DiT.forward_window`):
+        one estimator state per Euler step. Returns the sampled window and the states after committing
+        the window's first ``commit`` frames."""
+        mu2, spks2, cond2 = _with_uncond(mu, spks, cond)
+        new_states = []
+
+        def estimate(step: int, x2: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
+            out, state = self.estimator.forward_window(x2, mu2, t2, spks2, cond2, states[step], commit)
+            new_states.append(state)
+            return out
+
+        for _, _, x in self._integrate(z, len(states), estimate):
+            pass
+        return x, new_states
+
+    def _integrate(self, z: torch.Tensor, n_timesteps: int, estimate) -> Iterator[tuple[torch.Tensor, ...]]:
+        t_span = cosine_time_grid(n_timesteps, z.device, z.dtype)
         x, t, dt = z, t_span[0], t_span[1] - t_span[0]
         for step in range(1, n_timesteps + 1):
-            out = self.estimator(torch.cat([x, x]), mask2, mu2, t.expand(2 * x.shape[0]), spks2, cond2,
-                                 streaming=streaming)
+            out = estimate(step - 1, torch.cat([x, x]), t.expand(2 * x.shape[0]))
             v_cond, v_uncond = out.chunk(2)
             x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
             yield t, out, x
@@ -146,6 +171,8 @@ class CosyVoice3Flow(nn.Module):
         else:
             h = self.pre_lookahead_layer(token_emb[:, :-lookahead], context=token_emb[:, -lookahead:])
         mu = h.repeat_interleave(self.cfg.token_mel_ratio, dim=1).transpose(1, 2)
+        if mu.shape[2] < prompt_frames:
+            raise InvalidInputError(f"{tokens.shape[1]} target tokens leave no frame after the look-ahead")
         cond = torch.zeros_like(mu)
         cond[:, :, :prompt_frames] = prompt_feat.to(w.device, w.dtype).transpose(1, 2)
         mask = torch.ones_like(mu[:, :1])
@@ -158,6 +185,54 @@ class CosyVoice3Flow(nn.Module):
         inputs = self.prepare(tokens, prompt_tokens, prompt_feat, embedding, finalize=finalize)
         mel = self.decoder(inputs.mu, inputs.mask, inputs.spks, inputs.cond, streaming=streaming)
         return mel[:, :, inputs.prompt_frames:].float()
+
+
+class Cv3FlowStream:
+    """Incremental block-masked flow for one utterance: each :meth:`push` samples only the frames after
+    the last complete 50-frame block (the incomplete block is re-solved, complete ones never change
+    under block masks), attending to the cached per-Euler-step keys/values of the committed blocks.
+
+    Every call's output equals the reference's ``streaming=True`` call on all tokens so far (the
+    Triton BLS's non-final calls, ``flow_tiny_io`` ``chunk{i}/mel``) restricted to the new frames; the
+    final call is block-masked too (``stream_full/mel``), where the reference's final call uses full
+    attention. The token conditions (embedding, pre-look-ahead conv) are recomputed over all tokens
+    each call: they cost little next to the DiT.
+    """
+
+    def __init__(self, flow: CosyVoice3Flow, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor,
+                 embedding: torch.Tensor):
+        self.flow = flow
+        self.prompt = (prompt_tokens, prompt_feat, embedding)
+        self.tokens = prompt_tokens.new_zeros(1, 0)
+        self.states = [flow.decoder.estimator.empty_window_state() for _ in range(N_TIMESTEPS)]
+        self.committed = 0  # frames (prompt included) whose estimator state is cached
+        self.emitted = prompt_feat.shape[1]  # frames returned so far, counting the prompt's
+        self.finished = False
+
+    @torch.inference_mode()
+    def push(self, tokens: torch.Tensor, finalize: bool = False) -> torch.Tensor:
+        """Append target tokens (1, n) and return the new mel frames (1, 80, f) float32. Non-final calls
+        keep the last ``pre_lookahead_len`` tokens as look-ahead, as the reference does."""
+        if self.finished:
+            raise InvalidInputError("this flow stream is finished")
+        flow, chunk = self.flow, self.flow.cfg.estimator.static_chunk_size
+        self.tokens = torch.cat([self.tokens, tokens.to(self.tokens.device)], dim=1)
+        prompt_tokens, prompt_feat, embedding = self.prompt
+        lookahead = 0 if finalize else flow.cfg.pre_lookahead_len
+        if prompt_tokens.shape[1] + self.tokens.shape[1] <= lookahead or \
+                flow.cfg.token_mel_ratio * (prompt_tokens.shape[1] + self.tokens.shape[1] - lookahead) <= self.emitted:
+            self.finished = finalize
+            return prompt_feat.new_zeros(1, flow.cfg.output_size, 0)
+        c = flow.prepare(self.tokens, prompt_tokens, prompt_feat, embedding, finalize=finalize)
+        start, end = self.committed, c.mu.shape[2]
+        commit = end - start if finalize else end // chunk * chunk - start
+        window = slice(start, end)
+        z = fixed_noise(end, c.mu.device, c.mu.dtype)[:, :, window]
+        mel, self.states = flow.decoder.window_steps(z, c.mu[:, :, window], c.spks, c.cond[:, :, window], self.states,
+                                                     commit)
+        new = mel[:, :, self.emitted - start:].float()
+        self.committed, self.emitted, self.finished = start + commit, end, finalize
+        return new
 
 
 def load_cosyvoice3_flow(model_dir: str | Path, device: torch.device | str = "cpu",
