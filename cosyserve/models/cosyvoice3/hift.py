@@ -4,7 +4,7 @@ Same layer names and widths as CosyVoice2's HiFT (:mod:`cosyserve.models.hift`),
 convolution is one-sided, up-sampling is a nearest-neighbour repeat followed by a plain
 convolution, the F0 predictor is causal and runs in float64, and the harmonic phase is
 piecewise constant per mel frame. Nothing random is drawn at inference: the additive noise of the
-source is a fixed buffer drawn once at construction (:class:`SourceNoiseBuffer`).
+source is upstream's fixed construction-time buffer, which :class:`SourceNoiseBuffer` reproduces.
 
 Look-ahead (fixture README §5.1): the F0 predictor reads 3 mel frames ahead, ``conv_pre`` 4 more,
 and the inverse STFT's last frame needs one more: a non-final call (``finalize=False``) returns
@@ -30,6 +30,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from ...errors import InvalidInputError, ModelLoadError
 from ..hift.generator import MAX_MAGNITUDE, POST_LRELU_SLOPE, ResBlock
 from ..hift.loading import _read_state_dict, normalise_hift_keys
+from ..flow.cfm import NOISE_CHANNELS, NOISE_FRAMES, NOISE_SEED
 from ..hift.source import HarmonicSource
 from .config import CausalHiftConfig, config_from_model_dir
 
@@ -45,9 +46,7 @@ STREAM_CONTEXT_FRAMES = 36
 # Upstream's construction order before the source noise is drawn (fixture README §5.2): the CFM
 # reseeds torch with 0 and draws its noise, the flow builds its token embedding and speaker
 # projection, the HiFT its F0 predictor; then SineGen2 draws rand_ini and the noise buffer.
-CFM_NOISE_SHAPE = (1, 80, 15000)
-NOISE_SEED = 0
-MAX_NOISE_SECONDS = 300
+NOISE_SAMPLES = 300 * 24000  # upstream's buffer: 300 s at 24 kHz
 
 
 class CausalResBlock(ResBlock):
@@ -111,10 +110,13 @@ class SourceNoiseBuffer:
         gen = torch.Generator().manual_seed(NOISE_SEED)
 
         def draw(shape: tuple[int, ...], normal: bool = False) -> None:
-            t = torch.empty(shape, device="cpu")
-            t.normal_(generator=gen) if normal else t.uniform_(generator=gen)
+            """Advance ``gen`` as an init of a tensor of this shape does (the values are discarded)."""
+            if normal:
+                torch.empty(shape, device="cpu").normal_(generator=gen)
+            else:
+                torch.empty(shape, device="cpu").uniform_(generator=gen)
 
-        draw(CFM_NOISE_SHAPE, normal=True)
+        draw((1, NOISE_CHANNELS, NOISE_FRAMES), normal=True)  # the CFM's noise (same seed as its buffer)
         draw((vocab_size, token_dim), normal=True)  # flow.input_embedding
         for shape in _linear_init_shapes(spk_embed_dim, token_dim):  # flow.spk_embed_affine_layer
             draw(shape)
@@ -139,8 +141,8 @@ class SourceNoiseBuffer:
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Noise of absolute output samples [start, stop): (1, stop − start, harmonics), float32 CPU."""
-        if stop > MAX_NOISE_SECONDS * 24000:
-            raise InvalidInputError(f"the causal HiFT's noise covers {MAX_NOISE_SECONDS} s; {stop} samples asked")
+        if stop > NOISE_SAMPLES:
+            raise InvalidInputError(f"the causal HiFT's noise covers {NOISE_SAMPLES} samples (300 s); {stop} asked")
         with self._lock:
             if self._generator is None:
                 self._generator = self._replay()
