@@ -73,6 +73,7 @@ def run(fixture_dir: Path) -> list[CaseResult]:
                         :, :, 2 * c["token_offset"]:] for i, c in enumerate(chunks)]
         results += _incremental(hift, "stream_fullattn/waveform", fullattn, chunks, ref)
         if cli_chunks:
+            results += _cli_flow(flow, ref, flow_io, cli_chunks)
             accumulated = [ref[f"cli/chunk{i}/hift_mel_in"] for i in range(len(cli_chunks))]
             starts = [0] + [m.shape[2] for m in accumulated[:-1]]
             results += _incremental(hift, "cli/waveform", [m[:, :, s:] for m, s in zip(accumulated, starts)],
@@ -117,6 +118,28 @@ def _incremental_flow(flow: CosyVoice3Flow, ref: dict, flow_io: dict, chunks: li
             key, expected = f"stream/chunk{i}/token2wav_mel", ref[f"stream/chunk{i}/token2wav_mel"]
         results.append(compare(SUITE, f"{key} incremental flow", mel, expected, rel_l2=FLOW_REL_L2,
                                note=f"committed {stream.committed} frames"))
+    return results
+
+
+def _cli_flow(flow: CosyVoice3Flow, ref: dict, flow_io: dict, chunks: list[dict]) -> list[CaseResult]:
+    """Upstream's python schedule (first hop aligned to the 50-frame blocks): the accumulated mel of each
+    call, from our flow re-run over the prefix and from the incremental flow (non-final calls; the final
+    call of that schedule uses full attention)."""
+    stream = Cv3FlowStream(flow, flow_io["prompt_token"], flow_io["prompt_feat"], flow_io["embedding"])
+    results, accumulated, received = [], [], 0
+    for i, c in enumerate(chunks):
+        tokens = flow_io["token"][:, :c["num_tokens"]]
+        mel = flow.inference(tokens, flow_io["prompt_token"], flow_io["prompt_feat"], flow_io["embedding"],
+                             streaming=c["flow_streaming"], finalize=c["finalize"])
+        accumulated.append(mel[:, :, 2 * c["token_offset"]:])
+        expected = ref[f"cli/chunk{i}/hift_mel_in"]
+        results.append(compare(SUITE, f"cli/chunk{i}/hift_mel_in (flow)", torch.cat(accumulated, dim=2), expected,
+                               rel_l2=FLOW_REL_L2))
+        if c["flow_streaming"]:
+            new = stream.push(flow_io["token"][:, received:c["num_tokens"]], c["finalize"])
+            results.append(compare(SUITE, f"cli/chunk{i} incremental flow", new, expected[:, :, -new.shape[2]:],
+                                   rel_l2=FLOW_REL_L2, note=f"committed {stream.committed} frames"))
+        received = c["num_tokens"]
     return results
 
 
