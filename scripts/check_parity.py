@@ -3,6 +3,7 @@
 
     python scripts/check_parity.py --fixtures ../shared/parity/cosyvoice2
     python scripts/check_parity.py --fixtures ../shared/parity/dit
+    python scripts/check_parity.py --fixtures ../shared/parity/cosyvoice3
 
 Prints one row per case (max abs error, rel-L2, tolerance, verdict) and exits 1 if any fails.
 """

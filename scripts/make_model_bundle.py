@@ -21,7 +21,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--parts", default="cosyvoice2,llm",
-                        help="comma-separated subset of cosyvoice2,llm,dit (default: cosyvoice2,llm)")
+                        help="comma-separated subset of cosyvoice2,llm,dit,cosyvoice3 (default: cosyvoice2,llm)")
     args = parser.parse_args()
     start = time.perf_counter()
     out = make_bundle(args.out, args.size, args.seed, tuple(p for p in args.parts.split(",") if p))

@@ -10,6 +10,7 @@ Layout written under ``out_dir`` (the same directory names the download stage us
     CosyVoice2-0.5B/            cosyvoice2.yaml flow.pt hift.pt campplus.onnx
                                 speech_tokenizer_v2.onnx spk2info.pt
     cosyvoice2_llm/             HuggingFace Qwen2 checkpoint + tokenizer (llm_layout.md)
+    Fun-CosyVoice3-0.5B-2512/   cosyvoice3.yaml flow.pt hift.pt (part "cosyvoice3")
     assets/prompt_audio.wav     a synthetic 16 kHz prompt and assets/prompt_text.txt
 """
 
@@ -21,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import Tagged, dump_hyperpyyaml
 from ..runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO
+from .model_yaml import write_model_yaml
 
 SIZES = ("tiny", "real")
 ASSETS_DIR = "assets"
@@ -51,26 +52,6 @@ def _set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _write_cosyvoice2_yaml(path: Path, flow_cfg, hift_cfg) -> None:
-    tree = {
-        "sample_rate": 24000,
-        "llm_input_size": 896,
-        "llm_output_size": 896,
-        "spk_embed_dim": 192,
-        "token_frame_rate": 25,
-        "token_mel_ratio": 2,
-        "chunk_size": 25,
-        "num_decoding_left_chunks": -1,
-        "flow": flow_cfg.to_yaml_node(),
-        "hift": hift_cfg.to_yaml_node(),
-        # The LLM is served from the HuggingFace-format directory; this entry only mirrors the
-        # released file so that tools which look for it find the class name.
-        "llm": Tagged("new", "cosyvoice.llm.llm.Qwen2LM", kwargs={
-            "llm_input_size": 896, "llm_output_size": 896, "speech_token_size": 6561}),
-    }
-    dump_hyperpyyaml(tree, path)
-
-
 def make_cosyvoice2_dir(out_dir: Path, size: str, seed: int) -> Path:
     """Write ``CosyVoice2-0.5B/`` (flow, HiFT, ONNX front-end models, yaml, spk2info)."""
     from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
@@ -87,7 +68,7 @@ def make_cosyvoice2_dir(out_dir: Path, size: str, seed: int) -> Path:
         flow_cfg, hift_cfg = FlowConfig.tiny(), HiftConfig.tiny()
     else:
         flow_cfg, hift_cfg = FlowConfig.real(), HiftConfig.real()
-    _write_cosyvoice2_yaml(model_dir / "cosyvoice2.yaml", flow_cfg, hift_cfg)
+    write_model_yaml(model_dir / "cosyvoice2.yaml", flow_cfg, hift_cfg)
     _set_seed(seed)
     torch.save(CosyVoice2Flow(flow_cfg).state_dict(), model_dir / "flow.pt")
     _set_seed(seed + 1)
@@ -121,9 +102,9 @@ def make_bundle(out_dir: str | Path, size: str = "tiny", seed: int = 0, parts: t
     """Write the requested parts of a random-weight bundle into ``out_dir``; returns it."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-    unknown = set(parts) - {"cosyvoice2", "llm", "dit"}
+    unknown = set(parts) - {"cosyvoice2", "llm", "dit", "cosyvoice3"}
     if unknown:
-        raise ValueError(f"unknown bundle parts {sorted(unknown)}; known: cosyvoice2, llm, dit")
+        raise ValueError(f"unknown bundle parts {sorted(unknown)}; known: cosyvoice2, llm, dit, cosyvoice3")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_assets(out_dir, seed)
@@ -140,4 +121,8 @@ def make_bundle(out_dir: str | Path, size: str = "tiny", seed: int = 0, parts: t
         if not (cosyvoice2_dir / "campplus.onnx").exists():  # the DiT's front-end models are these
             make_cosyvoice2_dir(out_dir, size, seed + 20)
         make_dit_dir(out_dir, size, seed + 20, cosyvoice2_dir)
+    if "cosyvoice3" in parts:
+        from .cosyvoice3 import make_cosyvoice3_dir
+
+        make_cosyvoice3_dir(out_dir, size, seed + 30)
     return out_dir

@@ -15,8 +15,13 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ModelLoadError
+
 # Suite modules, in the order their tables are printed. Each is cosyserve.parity.<name>.
-SUITES = ("cv2_frontend", "cv2_flow", "cv2_hift", "cv2_token2wav", "dit")
+SUITES = ("cv2_frontend", "cv2_flow", "cv2_hift", "cv2_token2wav", "dit", "cv3_frontend", "cv3_flow", "cv3_hift", "cv3_token2wav")
+# The CosyVoice3 set reuses CosyVoice2's file names (flow_tiny.pt, hift_tiny_io.safetensors, ...); its yaml
+# tells the two apart.
+COSYVOICE3_MARKER = "cosyvoice3_tiny.yaml"
 
 
 @dataclass
@@ -68,6 +73,35 @@ def compare(
 def check(suite: str, case: str, ok: bool, note: str = "") -> CaseResult:
     """A pass/fail case that is not a tensor comparison (exact ids, strict loads...)."""
     return CaseResult(suite, case, 0.0 if ok else float("nan"), 0.0 if ok else float("nan"), "exact", ok, note)
+
+
+def manifest_case(suite: str, config_cls, model_cls, manifest: dict) -> CaseResult:
+    """A real-size manifest (``config`` in the fixture's JSON layout; ``keys``: name, shape, dtype in module
+    order) against ``model_cls(config_cls.from_fixture_json(manifest))`` built on the meta device: the
+    same keys in the same order, the same shapes and dtypes."""
+    case = "real manifest/strict load"
+    try:
+        cfg = config_cls.from_fixture_json(manifest)
+        theirs = {e["name"]: (list(e["shape"]), e["dtype"]) for e in manifest["keys"]}
+    except (ModelLoadError, KeyError, TypeError) as exc:
+        return check(suite, case, False, f"malformed manifest: {exc}"[:200])
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    ours = {k: (list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.state_dict().items()}
+    if list(ours) != list(theirs):
+        return check(suite, case, False, f"key lists differ: only ours {sorted(ours.keys() - theirs.keys())[:3]}, "
+                                         f"only theirs {sorted(theirs.keys() - ours.keys())[:3]}")
+    differing = [k for k in ours if ours[k] != theirs[k]]
+    if differing:
+        return check(suite, case, False, f"{len(differing)} shapes or dtypes differ, e.g. {differing[:3]}")
+    numel = sum(torch.Size(shape).numel() for shape, _ in theirs.values())
+    released = "=" if cfg == config_cls.real() else "!="
+    return check(suite, case, numel == manifest.get("num_elements", numel),
+                 f"{len(theirs)} tensors, {numel} values, config {released} {config_cls.__name__}.real()")
+
+
+def is_cosyvoice3_fixture(fixture_dir: str | Path) -> bool:
+    return (Path(fixture_dir) / COSYVOICE3_MARKER).is_file()
 
 
 def run_fixture_dir(fixture_dir: str | Path, suites: tuple[str, ...] = SUITES) -> list[CaseResult]:

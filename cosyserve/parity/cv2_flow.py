@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from ..errors import ModelLoadError
 from ..models.flow import CosyVoice2Flow, FlowConfig, fixed_noise, flow_from_state_dict, load_flow_state_dict
 from ..models.flow.config import NUM_UP_BLOCKS, check_fixed_encoder_parts
-from . import CaseResult, check, compare
+from . import CaseResult, check, compare, is_cosyvoice3_fixture
 
 SUITE = "cv2_flow"
 # README section 2: fp32 reference vs fp64 lands at ~2.5e-6.
@@ -24,7 +24,8 @@ FLOW_REL_L2 = 1e-4
 
 
 def detect(fixture_dir: Path) -> bool:
-    return (fixture_dir / "flow_tiny.pt").is_file() and (fixture_dir / "flow_tiny_io.safetensors").is_file()
+    return not is_cosyvoice3_fixture(fixture_dir) and (fixture_dir / "flow_tiny.pt").is_file() and \
+        (fixture_dir / "flow_tiny_io.safetensors").is_file()
 
 
 def run(fixture_dir: Path) -> list[CaseResult]:

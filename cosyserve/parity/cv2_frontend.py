@@ -25,7 +25,7 @@ from ..audio.features import (
     whisper_log_mel,
 )
 from ..audio.io import FLOW_SAMPLE_RATE, prompt_audio_from_array, read_audio
-from . import CaseResult, check, compare
+from . import CaseResult, check, compare, is_cosyvoice3_fixture
 
 SUITE = "cv2_frontend"
 FEATURES_FILE = "frontend.safetensors"
@@ -40,7 +40,7 @@ FILTER_MAX_ABS = 1e-7  # filters are O(1e-2): this is a few float32 ulps
 
 
 def detect(fixture_dir: Path) -> bool:
-    return (Path(fixture_dir) / FEATURES_FILE).is_file()
+    return not is_cosyvoice3_fixture(fixture_dir) and (Path(fixture_dir) / FEATURES_FILE).is_file()
 
 
 def _waveform_info(fixture_dir: Path, names: list[str]) -> dict[str, dict]:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ..errors import ModelLoadError
 from ..models.hift import HiFTGenerator, HiftConfig, SourceNoise, draw_source_noise, load_hift, load_hift_state_dict
-from . import CaseResult, check, compare
+from . import CaseResult, check, compare, is_cosyvoice3_fixture
 
 SUITE = "cv2_hift"
 CHECKPOINT, IO_FILE, CONFIG_FILE = "hift_tiny.pt", "hift_tiny_io.safetensors", "hift_tiny_config.json"
@@ -26,7 +26,8 @@ SINE = 1e-2  # anything downstream of the float32 sine phase
 
 
 def detect(fixture_dir: Path) -> bool:
-    return (fixture_dir / CHECKPOINT).is_file() and (fixture_dir / IO_FILE).is_file()
+    return not is_cosyvoice3_fixture(fixture_dir) and (fixture_dir / CHECKPOINT).is_file() and \
+        (fixture_dir / IO_FILE).is_file()
 
 
 def run(fixture_dir: Path) -> list[CaseResult]:

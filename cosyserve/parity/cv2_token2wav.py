@@ -19,7 +19,7 @@ from ..errors import ModelLoadError
 from ..models.flow import FlowConfig, flow_from_state_dict
 from ..models.hift import HiftConfig, load_hift
 from ..token2wav import CosyVoice2Token2Wav, SineNoiseProvider, Token2WavOptions
-from . import CaseResult, check, compare
+from . import CaseResult, check, compare, is_cosyvoice3_fixture
 
 SUITE = "cv2_token2wav"
 STREAM_FILE, FLOW_CHECKPOINT, HIFT_CHECKPOINT = "token2wav_stream.safetensors", "flow_tiny.pt", "hift_tiny.pt"
@@ -31,7 +31,8 @@ SINE = 1e-2  # anything downstream of the HiFT sine phase
 
 
 def detect(fixture_dir: Path) -> bool:
-    return all((fixture_dir / f).is_file() for f in (STREAM_FILE, FLOW_CHECKPOINT, HIFT_CHECKPOINT))
+    return not is_cosyvoice3_fixture(fixture_dir) and \
+        all((fixture_dir / f).is_file() for f in (STREAM_FILE, FLOW_CHECKPOINT, HIFT_CHECKPOINT))
 
 
 def run(fixture_dir: Path) -> list[CaseResult]:

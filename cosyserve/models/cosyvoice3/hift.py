@@ -1,0 +1,407 @@
+"""Causal HiFT vocoder of CosyVoice3 (upstream ``CausalHiFTGenerator``): mel (1, 80, M) -> 24 kHz speech.
+
+Same layer names and widths as CosyVoice2's HiFT (:mod:`cosyserve.models.hift`), but every
+convolution is one-sided, up-sampling is a nearest-neighbour repeat followed by a plain
+convolution, the F0 predictor is causal and runs in float64, and the harmonic phase is
+piecewise constant per mel frame. Nothing random is drawn at inference: the additive noise of the
+source is upstream's fixed construction-time buffer, which :class:`SourceNoiseBuffer` reproduces.
+
+Look-ahead (fixture README §5.1): the F0 predictor reads 3 mel frames ahead, ``conv_pre`` 4 more,
+and the inverse STFT's last frame needs one more: a non-final call (``finalize=False``) returns
+480·(M − 8) samples, which later calls on a longer mel reproduce; a final call pads with zeros
+and returns 480·M. Because the network is causal, :class:`CausalHiftStream` vocodes only the new
+frames of a stream (plus a bounded left context) and carries the F0 look-back, the harmonic
+phase and the noise position between calls, instead of re-vocoding the whole mel as the
+reference runtime does.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+from ...errors import InvalidInputError, ModelLoadError
+from ..hift.generator import MAX_MAGNITUDE, POST_LRELU_SLOPE, ResBlock
+from ..hift.loading import _read_state_dict, normalise_hift_keys
+from ..flow.cfm import NOISE_CHANNELS, NOISE_FRAMES, NOISE_SEED
+from ..hift.source import HarmonicSource
+from .config import CausalHiftConfig, config_from_model_dir
+
+WEIGHTS_FILE = "hift.pt"
+F0_LOOKAHEAD = 3  # right context of the F0 predictor's first convolution (kernel 4)
+F0_LAYERS = 5
+F0_LEFT_REACH = 8  # 4 causal kernel-3 convolutions: f0 frame j reads mel frames j-8 .. j+3
+# Left context, in mel frames, that a windowed decode needs so that its first emitted sample equals the
+# full pass: the decoder's receptive field (a change of the excitation in frame 0 reaches output frame 29,
+# one of the mel in frame 0 frame 21) plus margin for the zero/reflect padding at the window start.
+STREAM_CONTEXT_FRAMES = 36
+
+# Upstream's construction order before the source noise is drawn (fixture README §5.2): the CFM
+# reseeds torch with 0 and draws its noise, the flow builds its token embedding and speaker
+# projection, the HiFT its F0 predictor; then SineGen2 draws rand_ini and the noise buffer.
+NOISE_SAMPLES = 300 * 24000  # upstream's buffer: 300 s at 24 kHz
+
+
+class CausalResBlock(ResBlock):
+    """CosyVoice2's ResBlock with all its padding moved to the left (zeros before the signal)."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
+        super().__init__(channels, kernel_size, dilations)
+        for conv in (*self.convs1, *self.convs2):
+            conv.padding = (0,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            h = conv1(F.pad(act1(x), (conv1.dilation[0] * (conv1.kernel_size[0] - 1), 0)))
+            x = x + conv2(F.pad(act2(h), (conv2.kernel_size[0] - 1, 0)))
+        return x
+
+
+class CausalF0Predictor(nn.Module):
+    """Mel (B, 80, M) -> F0 in Hz (B, M or M − 3): weight-normed Conv1d k4 reading 3 frames ahead,
+    4 × causal Conv1d k3, ELU after each, Linear, abs (upstream ``CausalConvRNNF0Predictor``)."""
+
+    def __init__(self, in_channels: int, cond_channels: int, num_class: int = 1):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(F0_LAYERS):
+            kernel = F0_LOOKAHEAD + 1 if i == 0 else 3
+            layers += [weight_norm(nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, kernel)),
+                       nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, num_class)
+
+    def forward(self, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
+        h = F.pad(mel, (0, F0_LOOKAHEAD)) if finalize else mel
+        for i in range(0, len(self.condnet), 2):
+            conv, act = self.condnet[i], self.condnet[i + 1]
+            h = act(conv(h if i == 0 else F.pad(h, (conv.kernel_size[0] - 1, 0))))
+        return self.classifier(h.transpose(1, 2)).squeeze(-1).abs()
+
+
+class SourceNoiseBuffer:
+    """The fixed uniform noise of the causal source (upstream ``SineGen2.sine_waves``), drawn lazily.
+
+    Upstream draws ``torch.rand(1, 7_200_000, harmonics)`` from the global CPU generator right after a
+    fixed chain of draws (CFM noise, flow embedding and speaker projection, F0 predictor init),
+    so the buffer depends on those shapes. We replay that chain on a private generator and draw
+    only as many rows as calls need (the CPU generator fills a tensor sequentially, so a prefix
+    of the draw is the draw of the prefix), continuing the same generator when more are needed.
+    """
+
+    def __init__(self, harmonics: int, f0_in_channels: int, f0_cond_channels: int, *, vocab_size: int = 6561,
+                 token_dim: int = 80, spk_embed_dim: int = 192):
+        self.harmonics = harmonics
+        self._shapes = (f0_in_channels, f0_cond_channels, vocab_size, token_dim, spk_embed_dim)
+        self._generator: torch.Generator | None = None  # replayed on first use
+        self._rand_ini = torch.empty(0)
+        self._rows = torch.empty(1, 0, harmonics)
+        self._lock = threading.Lock()
+
+    def _replay(self) -> torch.Generator:
+        f0_in, f0_cond, vocab_size, token_dim, spk_embed_dim = self._shapes
+        gen = torch.Generator().manual_seed(NOISE_SEED)
+
+        def draw(shape: tuple[int, ...], normal: bool = False) -> None:
+            """Advance ``gen`` as an init of a tensor of this shape does (the values are discarded)."""
+            if normal:
+                torch.empty(shape, device="cpu").normal_(generator=gen)
+            else:
+                torch.empty(shape, device="cpu").uniform_(generator=gen)
+
+        draw((1, NOISE_CHANNELS, NOISE_FRAMES), normal=True)  # the CFM's noise (same seed as its buffer)
+        draw((vocab_size, token_dim), normal=True)  # flow.input_embedding
+        for shape in _linear_init_shapes(spk_embed_dim, token_dim):  # flow.spk_embed_affine_layer
+            draw(shape)
+        for i in range(F0_LAYERS):  # hift.f0_predictor convolutions (weight, bias), then its classifier
+            kernel = F0_LOOKAHEAD + 1 if i == 0 else 3
+            draw((f0_cond, f0_in if i == 0 else f0_cond, kernel))
+            draw((f0_cond,))
+        for shape in _linear_init_shapes(f0_cond, 1):
+            draw(shape)
+        self._rand_ini = torch.rand(1, self.harmonics, generator=gen, device="cpu")
+        self._rand_ini[:, 0] = 0
+        return gen
+
+    @property
+    def rand_ini(self) -> torch.Tensor:
+        """Upstream's initial phases (1, harmonics): drawn to advance the generator; they have no
+        effect on the output (README §5.2), but reproduce the reference's values."""
+        with self._lock:
+            if self._generator is None:
+                self._generator = self._replay()
+            return self._rand_ini
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Noise of absolute output samples [start, stop): (1, stop − start, harmonics), float32 CPU."""
+        if stop > NOISE_SAMPLES:
+            raise InvalidInputError(f"the causal HiFT's noise covers {NOISE_SAMPLES} samples (300 s); {stop} asked")
+        with self._lock:
+            if self._generator is None:
+                self._generator = self._replay()
+            if stop > self._rows.shape[1]:
+                more = torch.rand(1, stop - self._rows.shape[1], self.harmonics, generator=self._generator,
+                                  device="cpu")
+                self._rows = torch.cat([self._rows, more], dim=1)
+            return self._rows[:, start:stop]
+
+
+def _linear_init_shapes(in_features: int, out_features: int) -> tuple[tuple[int, ...], ...]:
+    return (out_features, in_features), (out_features,)
+
+
+class CausalHarmonicSource(HarmonicSource):
+    """Frame-rate F0 -> excitation (B, 1, 480·T), with the phase carried across calls.
+
+    Upstream (SineGen2, causal) integrates (k·f0/24000 mod 1) at frame rate with a float32 cumsum
+    (accumulated in float64 on the CPU, each partial sum rounded), scales by 2π·480 and repeats each
+    frame's phase over its 480 samples (nearest up-sampling, unlike CosyVoice2's linear one). We
+    keep the float64 running sum, so a stream continues the phase exactly where it stopped.
+    """
+
+    def forward(self, f0: torch.Tensor, noise: torch.Tensor,
+                phase_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """f0 (B, T) float32; noise (B, 480·T, H) uniform; phase_sum (B, H) float64 running sum of the
+        cycles per sample before these frames (None: start of the utterance).
+        Returns the excitation (B, 1, 480·T) and the new running sum."""
+        f0 = f0.float()
+        harmonics = torch.arange(1, self.num_harmonics + 1, dtype=torch.float32, device=f0.device)
+        cycles = (f0.unsqueeze(-1) * harmonics / self.sampling_rate) % 1  # (B, T, H)
+        if phase_sum is None:
+            phase_sum = torch.zeros(f0.shape[0], self.num_harmonics, dtype=torch.float64, device=f0.device)
+        sums = phase_sum.unsqueeze(1) + torch.cumsum(cycles.double(), dim=1)
+        phase = sums.float() * 2 * math.pi * self.upsample_scale
+        scale = self.upsample_scale
+        sines = torch.sin(phase).repeat_interleave(scale, dim=1) * self.sine_amp  # (B, 480·T, H)
+        voiced = (f0 > self.voiced_threshold).float().repeat_interleave(scale, dim=1).unsqueeze(-1)
+        noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
+        excitation = sines * voiced + noise_amp * noise.to(f0.device, torch.float32)
+        merged = torch.tanh(self.l_linear(excitation.to(self.l_linear.weight.dtype)))
+        return merged.transpose(1, 2), (sums[:, -1] if sums.shape[1] else phase_sum)
+
+
+class CausalHiFTGenerator(nn.Module):
+    def __init__(self, cfg: CausalHiftConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.hop_length = cfg.hop_length
+        spectrum_channels = cfg.istft_n_fft + 2
+        stages = len(cfg.upsample_rates)
+        # Registration order = upstream's, so state_dict() lists keys in the same order.
+        self.m_source = CausalHarmonicSource(cfg.sampling_rate, self.hop_length, cfg.nb_harmonics, cfg.nsf_alpha,
+                                             cfg.nsf_sigma, cfg.nsf_voiced_threshold)
+        self.conv_pre = weight_norm(nn.Conv1d(cfg.in_channels, cfg.base_channels, cfg.conv_pre_look_right + 1))
+        self.ups = nn.ModuleList(
+            weight_norm(nn.Conv1d(cfg.base_channels // 2**i, cfg.base_channels // 2 ** (i + 1), k))
+            for i, k in enumerate(cfg.upsample_kernel_sizes))
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        for i, (kernel, dilations) in enumerate(zip(cfg.source_resblock_kernel_sizes,
+                                                    cfg.source_resblock_dilation_sizes)):
+            channels = cfg.base_channels // 2 ** (i + 1)
+            stride = math.prod(cfg.upsample_rates[i + 1:])
+            self.source_downs.append(nn.Conv1d(spectrum_channels, channels, 1) if stride == 1
+                                     else nn.Conv1d(spectrum_channels, channels, 2 * stride, stride))
+            self.source_resblocks.append(CausalResBlock(channels, kernel, dilations))
+        self.resblocks = nn.ModuleList(
+            CausalResBlock(cfg.base_channels // 2 ** (i + 1), k, d)
+            for i in range(stages) for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes))
+        self.conv_post = weight_norm(nn.Conv1d(cfg.base_channels // 2**stages, spectrum_channels, 7))
+        self.f0_predictor = CausalF0Predictor(cfg.f0_in_channels, cfg.f0_cond_channels, cfg.f0_num_class)
+        window = torch.hann_window(cfg.istft_n_fft, periodic=True, dtype=torch.float64).float()
+        self.register_buffer("stft_window", window, persistent=False)
+        self.noise = SourceNoiseBuffer(self.m_source.num_harmonics, cfg.f0_in_channels, cfg.f0_cond_channels)
+
+    @property
+    def lookahead_frames(self) -> int:
+        """Mel frames a non-final call holds back: F0 look-ahead, conv_pre look-ahead, the iSTFT tail."""
+        return F0_LOOKAHEAD + self.cfg.conv_pre_look_right + 1
+
+    def fold_weight_norm(self) -> "CausalHiFTGenerator":
+        """Replace every weight-normalised weight by g·v/‖v‖, computed in each layer's own dtype
+        (float64 for the F0 predictor once :meth:`f0_in_float64` ran)."""
+        for module in self.modules():
+            if parametrize.is_parametrized(module, "weight"):
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+        return self
+
+    def f0_in_float64(self) -> "CausalHiFTGenerator":
+        """Upstream runs the F0 predictor (weight norm included) in float64; keep it there."""
+        self.f0_predictor.double()
+        return self
+
+    # ----- pieces -----
+
+    def predict_f0(self, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
+        """mel (B, 80, M) -> F0 (B, M or M − 3) float32, computed in the F0 predictor's dtype (float64)."""
+        dtype = self.f0_predictor.classifier.weight.dtype
+        cudnn = torch.backends.cudnn
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                         allow_tf32=False):
+            return self.f0_predictor(mel.to(dtype), finalize).float()
+
+    def compute_source(self, f0: torch.Tensor, start_frame: int = 0,
+                       phase_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """F0 (1, T) of frames [start_frame, start_frame + T) -> excitation (1, 1, 480·T) and the phase sum."""
+        hop = self.hop_length
+        noise = self.noise.rows(start_frame * hop, (start_frame + f0.shape[1]) * hop)
+        return self.m_source(f0, noise.expand(f0.shape[0], -1, -1), phase_sum)
+
+    def _stft(self, x: torch.Tensor) -> torch.Tensor:
+        n_fft = self.cfg.istft_n_fft
+        spec = torch.stft(x.float(), n_fft, self.cfg.istft_hop_len, n_fft, window=self.stft_window,
+                          return_complex=True)
+        return torch.cat([spec.real, spec.imag], dim=1)
+
+    def predict_spectrum(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool) -> torch.Tensor:
+        """Decoder input mel (B, 80, F) + excitation (B, 1, 480·F) -> conv_post output (B, 18, 120·F' + 1),
+        F' = F (finalize) or F − conv_pre_look_right."""
+        look = self.cfg.conv_pre_look_right
+        source_spec = self._stft(source.squeeze(1))
+        if finalize:
+            mel = F.pad(mel, (0, look))
+        else:
+            source_spec = source_spec[:, :, :source_spec.shape[2] - look * self.hop_length // self.cfg.istft_hop_len]
+        x = self.conv_pre(mel)
+        n_kernels = len(self.cfg.resblock_kernel_sizes)
+        for i, (up, rate) in enumerate(zip(self.ups, self.cfg.upsample_rates)):
+            x = F.leaky_relu(x, self.cfg.lrelu_slope).repeat_interleave(rate, dim=2)
+            x = up(F.pad(x, (up.kernel_size[0] - 1, 0)))
+            if i == len(self.ups) - 1:
+                x = F.pad(x, (1, 0), mode="reflect")  # one more frame: the STFT is centred
+            down = self.source_downs[i]
+            s = down(F.pad(source_spec, (down.stride[0] - 1, 0)))
+            x = x + self.source_resblocks[i](s)
+            blocks = self.resblocks[i * n_kernels:(i + 1) * n_kernels]
+            x = sum(block(x) for block in blocks) / n_kernels
+        x = F.leaky_relu(x, POST_LRELU_SLOPE)
+        return self.conv_post(F.pad(x, (self.conv_post.kernel_size[0] - 1, 0)))
+
+    def spectrum_to_wave(self, spectrum: torch.Tensor, finalize: bool) -> torch.Tensor:
+        """conv_post output -> speech (B, 4·(frames − 1)), minus the last 480 samples unless finalizing."""
+        bins = self.cfg.istft_n_fft // 2 + 1
+        spectrum = spectrum.float()
+        magnitude = torch.exp(spectrum[:, :bins]).clamp(max=MAX_MAGNITUDE)
+        phase = torch.sin(spectrum[:, bins:])  # upstream: a sine of the raw output, used as the angle
+        complex_spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        n_fft = self.cfg.istft_n_fft
+        wave = torch.istft(complex_spec, n_fft, self.cfg.istft_hop_len, n_fft, window=self.stft_window)
+        if not finalize:
+            wave = wave[:, :wave.shape[1] - self.hop_length]
+        return wave.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool) -> torch.Tensor:
+        """Decoder input mel (B, 80, F) + excitation (B, 1, 480·F) -> speech (B, 480·F) or (B, 480·(F − 5))."""
+        return self.spectrum_to_wave(self.predict_spectrum(mel, source, finalize), finalize)
+
+    # ----- whole calls -----
+
+    @torch.inference_mode()
+    def inference(self, mel: torch.Tensor, finalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Upstream's call on a whole mel (1, 80, M) from the utterance start: (speech, excitation).
+        speech has 480·M samples (finalize) or 480·(M − 8)."""
+        self._check_mel(mel, 1 if finalize else self.lookahead_frames + 1)
+        mel = mel.to(self.conv_pre.weight.device, torch.float32)
+        f0 = self.predict_f0(mel, finalize)
+        source, _ = self.compute_source(f0)
+        return self.decode(mel[:, :, :f0.shape[1]], source, finalize), source
+
+    def _check_mel(self, mel: torch.Tensor, min_frames: int) -> None:
+        if mel.dim() != 3 or mel.shape[0] != 1 or mel.shape[1] != self.cfg.in_channels or mel.shape[2] < min_frames:
+            raise InvalidInputError(
+                f"the causal HiFT expects a mel of shape (1, {self.cfg.in_channels}, M ≥ {min_frames}), "
+                f"got {tuple(mel.shape)}")
+
+
+class CausalHiftStream:
+    """One utterance vocoded chunk by chunk: each :meth:`push` runs the vocoder only over the new mel
+    frames plus ``STREAM_CONTEXT_FRAMES`` of left context, and returns only new samples.
+
+    The concatenated output equals upstream's re-vocode-everything composition (and one final call
+    on the whole mel) to float rounding: F0 of a frame is computed once, from its own 8 frames of
+    look-back and 3 of look-ahead; the harmonic phase continues from its running sum; the noise is
+    read at absolute sample positions; the decoder's context covers its receptive field.
+    """
+
+    def __init__(self, hift: CausalHiFTGenerator, context_frames: int = STREAM_CONTEXT_FRAMES):
+        self.hift = hift
+        self.context = context_frames
+        device = hift.conv_pre.weight.device
+        self.mel = torch.empty(1, hift.cfg.in_channels, 0, device=device)  # frames [mel_start, frames)
+        self.mel_start = 0
+        self.frames = 0
+        self.f0_frames = 0  # frames whose F0 and excitation are known (final)
+        self.source = torch.empty(1, 1, 0, device=device)  # excitation of frames [source_start, f0_frames)
+        self.source_start = 0
+        self.phase_sum: torch.Tensor | None = None
+        self.emitted = 0  # samples returned so far
+        self.finished = False
+
+    @torch.inference_mode()
+    def push(self, mel: torch.Tensor, finalize: bool = False) -> torch.Tensor:
+        """Append mel frames (1, 80, n) (n may be 0 on the last call) and return the new samples (1, s)."""
+        if self.finished:
+            raise InvalidInputError("this vocoder stream is finished")
+        self.hift._check_mel(mel, 0)
+        hop = self.hift.hop_length
+        self.mel = torch.cat([self.mel, mel.to(self.mel.device, torch.float32)], dim=2)
+        self.frames += mel.shape[2]
+        self.finished = finalize
+        f0_end = self.frames if finalize else self.frames - F0_LOOKAHEAD
+        if f0_end > self.f0_frames:
+            first = max(0, self.f0_frames - F0_LEFT_REACH)
+            f0 = self.hift.predict_f0(self._mel(first, self.frames), finalize)[:, self.f0_frames - first:]
+            source, self.phase_sum = self.hift.compute_source(f0, self.f0_frames, self.phase_sum)
+            self.source = torch.cat([self.source, source], dim=2)
+            self.f0_frames = f0_end
+        speech_end = hop * (self.frames if finalize else self.frames - self.hift.lookahead_frames)
+        if speech_end <= self.emitted:
+            return self.mel.new_zeros(1, 0)
+        start = max(0, self.emitted // hop - self.context)
+        speech = self.hift.decode(self._mel(start, self.f0_frames),
+                                  self.source[:, :, (start - self.source_start) * hop:], finalize)
+        new = speech[:, self.emitted - start * hop:speech_end - start * hop]
+        self.emitted = speech_end
+        self._trim()
+        return new
+
+    def _mel(self, start: int, stop: int) -> torch.Tensor:
+        return self.mel[:, :, start - self.mel_start:stop - self.mel_start]
+
+    def _trim(self) -> None:
+        """Drop the frames no later call reads: before the next decode window and the F0 look-back."""
+        next_window = max(0, self.emitted // self.hift.hop_length - self.context)
+        keep_mel = min(next_window, max(0, self.f0_frames - F0_LEFT_REACH))
+        self.mel = self.mel[:, :, keep_mel - self.mel_start:]
+        self.mel_start = keep_mel
+        self.source = self.source[:, :, (next_window - self.source_start) * self.hift.hop_length:]
+        self.source_start = next_window
+
+
+def load_causal_hift(model_dir: str | Path, device: torch.device | str = "cpu", *,
+                     config: CausalHiftConfig | None = None, weights: str | Path | None = None,
+                     fold_weight_norm: bool = True) -> CausalHiFTGenerator:
+    """Build the vocoder from ``model_dir/cosyvoice3.yaml`` (or ``config``; released values when
+    neither) and strictly load ``model_dir/hift.pt`` (or ``weights``; ``generator.`` prefixes and
+    old weight-norm key spellings accepted). The network is float32, the F0 predictor float64."""
+    model_dir = Path(model_dir)
+    config = config or config_from_model_dir(model_dir, CausalHiftConfig)
+    path = Path(weights) if weights is not None else model_dir / WEIGHTS_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"causal HiFT checkpoint {path} not found")
+    model = CausalHiFTGenerator(config)
+    try:
+        model.load_state_dict(normalise_hift_keys(_read_state_dict(path)), strict=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"{path} does not match the causal HiFT config {config}: {exc}") from exc
+    model.f0_in_float64()
+    if fold_weight_norm:
+        model.fold_weight_norm()
+    return model.to(device).eval().requires_grad_(False)

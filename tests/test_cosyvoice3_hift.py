@@ -1,0 +1,98 @@
+"""CosyVoice3 causal HiFT: parity (vocoder and token2wav composition), incremental streaming, call contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosyserve.config import dump_hyperpyyaml
+from cosyserve.errors import InvalidInputError, ModelLoadError
+from cosyserve.models.cosyvoice3.config import CausalHiftConfig
+from cosyserve.models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, load_causal_hift
+from cosyserve.parity import cv3_hift, cv3_token2wav
+
+
+@pytest.fixture(scope="module")
+def tiny_hift(tmp_path_factory) -> CausalHiFTGenerator:
+    model_dir = tmp_path_factory.mktemp("cv3hift")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        torch.save(CausalHiFTGenerator(CausalHiftConfig.tiny()).state_dict(), model_dir / "hift.pt")
+    dump_hyperpyyaml({"hift": CausalHiftConfig.tiny().to_yaml_node()}, model_dir / "cosyvoice3.yaml")
+    return load_causal_hift(model_dir)
+
+
+@pytest.mark.parametrize("suite", [cv3_hift, cv3_token2wav], ids=["cv3_hift", "cv3_token2wav"])
+def test_parity(parity_dir, suite):
+    fixture_dir = parity_dir / "cosyvoice3"
+    if not suite.detect(fixture_dir):
+        pytest.skip(f"no {suite.SUITE} fixtures in {fixture_dir}")
+    results = suite.run(fixture_dir)
+    failed = [r for r in results if not r.passed]
+    assert len(results) >= 20 and not failed, failed
+
+
+def test_incremental_stream_equals_one_final_pass(tiny_hift):
+    """Chunks of every size, with windows that start deep inside the utterance, give the samples of
+    one final call on the whole mel; non-final pushes hold back 8 frames, the last push none."""
+    gen = torch.Generator().manual_seed(3)
+    mel = torch.randn(1, 80, 160, generator=gen) * 2 - 4
+    expected, _ = tiny_hift.inference(mel, True)
+    stream, pieces, start = CausalHiftStream(tiny_hift), [], 0
+    for size in (2, 9, 1, 17, 30, 5, 41, 3):
+        pieces.append(stream.push(mel[:, :, start:start + size]))
+        start += size
+        assert sum(p.shape[1] for p in pieces) == 480 * max(0, start - 8)
+    pieces.append(stream.push(mel[:, :, start:], finalize=True))
+    got = torch.cat(pieces, dim=1)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert stream.mel.shape[2] < 60, "the stream keeps a bounded mel window"
+
+
+def test_finished_stream_and_bad_mels_are_rejected(tiny_hift):
+    stream = CausalHiftStream(tiny_hift)
+    assert stream.push(torch.zeros(1, 80, 3)).shape == (1, 0)
+    assert stream.push(torch.zeros(1, 80, 0), finalize=True).shape == (1, 3 * 480)
+    with pytest.raises(InvalidInputError, match="finished"):
+        stream.push(torch.zeros(1, 80, 4))
+    with pytest.raises(InvalidInputError, match="shape"):
+        CausalHiftStream(tiny_hift).push(torch.zeros(1, 81, 4))
+    with pytest.raises(InvalidInputError, match="shape"):
+        tiny_hift.inference(torch.zeros(1, 80, 8), finalize=False)
+
+
+def test_f0_predictor_runs_in_float64(tiny_hift):
+    assert tiny_hift.f0_predictor.classifier.weight.dtype == torch.float64
+    assert tiny_hift.conv_pre.weight.dtype == torch.float32
+    assert tiny_hift.predict_f0(torch.zeros(1, 80, 5), True).dtype == torch.float32
+
+
+def test_wrong_checkpoint_is_a_load_error(tmp_path):
+    torch.save({"conv_pre.bias": torch.zeros(3)}, tmp_path / "hift.pt")
+    with pytest.raises(ModelLoadError, match="does not match"):
+        load_causal_hift(tmp_path, config=CausalHiftConfig.tiny())
+
+
+def test_tiny_bundle_loads_strictly(tmp_path):
+    """make_bundle(parts=cosyvoice3) writes the released file names; both models load strictly from them
+    with the configs the yaml describes, and run."""
+    from cosyserve.bundle import make_bundle
+    from cosyserve.bundle.cosyvoice3 import COSYVOICE3_DIR
+    from cosyserve.config import load_hyperpyyaml
+    from cosyserve.models.cosyvoice3.config import Cv3FlowConfig
+    from cosyserve.models.cosyvoice3.flow import load_cosyvoice3_flow
+
+    model_dir = make_bundle(tmp_path, "tiny", seed=0, parts=("cosyvoice3",)) / COSYVOICE3_DIR
+    assert sorted(p.name for p in model_dir.iterdir()) == ["cosyvoice3.yaml", "flow.pt", "hift.pt"]
+    tree = load_hyperpyyaml(model_dir / "cosyvoice3.yaml")
+    assert Cv3FlowConfig.from_yaml_tree(tree) == Cv3FlowConfig.tiny()
+    assert CausalHiftConfig.from_yaml_tree(tree) == CausalHiftConfig.tiny()
+    assert tree["llm"].target == "cosyvoice.llm.llm.CosyVoice3LM"
+    flow, hift = load_cosyvoice3_flow(model_dir), load_causal_hift(model_dir)
+    assert all(v.dtype == torch.float32 for v in torch.load(model_dir / "hift.pt", weights_only=True).values())
+    tokens = torch.randint(0, 6561, (1, 12), generator=torch.Generator().manual_seed(0))
+    mel = flow.inference(tokens, tokens[:, :4], torch.zeros(1, 8, 80), torch.ones(1, 192), streaming=False,
+                         finalize=True)
+    speech, _ = hift.inference(mel, True)
+    assert mel.shape == (1, 80, 24) and speech.shape == (1, 24 * 480) and torch.isfinite(speech).all()
