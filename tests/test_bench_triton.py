@@ -354,6 +354,7 @@ def test_driver_end_to_end(tiny_bundle, tmp_path, monkeypatch, capsys):
             "--requests-per-level", str(REQUESTS), "--num-prompts", str(PROMPTS), "--variant", "ours:DEVICE=cpu",
             "--offline-inference", "cpu:--device cpu --batch-size 2 --threads 1",
             "--rates", "4", "--requests-per-rate", str(RATE_REQUESTS),
+            "--long-text-chars", "400", "--long-text-seconds", "0.2",
             "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     assert bench.main(argv) == 0
     printed = capsys.readouterr().out
@@ -406,6 +407,13 @@ def test_driver_end_to_end(tiny_bundle, tmp_path, monkeypatch, capsys):
     assert md in printed
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+    # the long text: one request, every segment 0.2 s (5 tokens) of speech, in its own table
+    (long_text,) = result["long_text"]
+    assert long_text["text_chars"] == 400 and long_text["requests"] == 1 and long_text["failed"] == 0
+    segments = round(long_text["audio_s"] / 0.2)
+    assert segments >= 3 and long_text["audio_s"] == pytest.approx(0.2 * segments, abs=1e-9)
+    assert long_text["requests_with_underrun"] is not None and "## Long text" in md
 
     # the open loop: the same accounting per rate, the client's seeded arrivals
     rates = result["open_loop"]

@@ -93,6 +93,6 @@ def write_long_text_manifest(out_dir: Path, base: Path, chars: int, seed: int = 
     first = load_manifest(base)[0]
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = out_dir / "long_text.txt"
-    manifest.write_text(f"long_{chars}|{first.prompt_text}|{Path(first.prompt_wav).resolve()}|"
+    manifest.write_text(f"long_{chars}|{first.reference_text}|{Path(first.reference_audio).resolve()}|"
                         f"{mixed_long_text(chars, seed)}\n", encoding="utf-8")
     return manifest
