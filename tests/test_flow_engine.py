@@ -271,3 +271,17 @@ def test_bad_chunks_fail_clearly_and_close_the_stream(flow):
         engine.open(torch.cat([voice[0]] * 2), torch.cat([voice[1]] * 2), torch.cat([voice[2]] * 2))
     assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - sum(
         len(v.state.pages) for v in engine._voices.values())
+
+
+def test_a_long_prompt_is_cached_in_pieces(flow):
+    """A 230-token prompt runs through the flow in three pieces (103, 203, 230 tokens): the cached
+    prefix equals one pass over the whole prompt, and the chunks after it equal the full re-run."""
+    engine = _engine(flow)
+    voice, tokens = _voice(230, seed=11), _tokens(60, seed=12)
+    stream = engine.open(*voice)
+    assert stream.voice.frames == 50 * ((230 - 3) // 25) and engine.counters.calls == 3
+    ref = Reference(flow, voice, tokens, [])
+    for count, finalize in triton_schedule(60):
+        got = engine.run([(stream, tokens[:, :count], finalize)])[0]
+        assert _rel(got, ref.expected(count, finalize)) < REL_L2, count
+        ref.done += got.size(2)

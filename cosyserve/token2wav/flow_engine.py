@@ -60,6 +60,9 @@ from .graphs import FlowCounters
 
 # Voices whose prefix is kept when nothing else limits them (pages are freed earlier under pressure).
 DEFAULT_MAX_VOICES = 64
+# A voice's prompt runs through the flow in pieces of this many tokens (windows of at most
+# 2 x 100 + 49 frames: inside the captured shapes, whatever the prompt's length).
+PREFIX_PIECE_TOKENS = 100
 
 
 class PagePool:
@@ -217,6 +220,10 @@ class StepBuffers:
             kv_all = kv[:, :rows, :slots + frames]
             conv_all = torch.zeros(rows, fused.conv_width, device=device, dtype=dtype)
             self.state = StepState(kv_all, conv_all, list(kv_all.unbind(0)), conv_views(conv_all, fused.conv_shapes))
+        # keys of row r, slot k at r * key_stride + k of kv_flat (layers, rows * key_stride, values)
+        base = self.state.kv_all if kv is None else kv
+        self.key_stride = base.size(2)
+        self.kv_flat = base.view(base.size(0), base.size(1) * base.size(2), base.size(3))
         self.valid = torch.zeros(rows, device=device, dtype=torch.int32)
         self.attn_bias = torch.zeros(rows, 1, frames, slots + frames, device=device, dtype=dtype)
         self.rows = StepRows(frames, self.valid, (0,) * rows, slots, True, self.attn_bias)
@@ -394,13 +401,17 @@ class FlowEngine:
         spks = flow.speaker_vector(embedding.to(self.device, self.dtype))
         conv = torch.zeros(self.n_timesteps, 2, self.fused.conv_width, device=self.device, dtype=self.dtype)
         voice = VoicePrefix(key, tokens, feat, spks, _FlowState({}, FrameBuffer(dim=2), conv))
-        # The prompt alone, as a non-final chunk without output: its complete blocks are the prefix.
+        # The prompt alone, as non-final chunks without output: their complete blocks are the prefix.
+        # Pieces of PREFIX_PIECE_TOKENS keep every window inside the captured shapes.
         stream = EngineStream(self, voice)
+        lookahead = flow.cfg.pre_lookahead_len
         try:
-            if tokens.size(1) - flow.cfg.pre_lookahead_len >= flow.cfg.encoder.static_chunk_size:
-                window = self._window(stream, tokens[:, :0], finalize=False)
-                self._run_windows([window])
-                self._take_blocks(window)
+            if tokens.size(1) - lookahead >= flow.cfg.encoder.static_chunk_size:
+                ends = list(range(lookahead + PREFIX_PIECE_TOKENS, tokens.size(1), PREFIX_PIECE_TOKENS))
+                for end in ends + [tokens.size(1)]:
+                    window = self._window(stream, tokens[:, :end], finalize=False)
+                    self._run_windows([window])
+                    self._take_blocks(window)
             voice.state = stream._state
             stream._state = None  # its pages now belong to the voice
             stream.closed = True
@@ -442,7 +453,9 @@ class FlowEngine:
             windows = []
             try:
                 for stream, tokens, finalize in chunks:
-                    windows.append(self._window(stream, self._validated(stream, tokens, finalize), finalize))
+                    target = self._validated(stream, tokens, finalize)
+                    windows.append(self._window(stream, torch.cat([stream.voice.prompt_tokens, target], dim=1),
+                                                finalize))
                 x = self._run_windows(windows)
             except BaseException:
                 for window in windows:
@@ -482,11 +495,11 @@ class FlowEngine:
         stream._target = tokens
         return tokens
 
-    def _window(self, stream: EngineStream, target: torch.Tensor, finalize: bool) -> _Window:
-        """Run the encoder over the stream's new tokens; plan its estimator window and pages."""
+    def _window(self, stream: EngineStream, tokens: torch.Tensor, finalize: bool) -> _Window:
+        """Run the encoder over the stream's new tokens (``tokens``: prompt + target so far, (1, n));
+        plan its estimator window and pages."""
         flow, cfg, state = self.flow, self.flow.cfg, stream._state
         ratio = cfg.token_mel_ratio
-        tokens = torch.cat([stream.voice.prompt_tokens, target], dim=1)
         valid_tokens = tokens.size(1) - (0 if finalize else cfg.pre_lookahead_len)
         token_start = state.token_commit
         token_commit = token_start if finalize else _floor_to(valid_tokens, cfg.encoder.static_chunk_size)
@@ -531,26 +544,43 @@ class FlowEngine:
             x = fixed_noise(end, self.device, self.dtype)[:, :, w.frame_start:]
             cond = self.flow.prompt_condition(voice.prompt_feat, w.frame_start, end)
             fused.fill_input(inp, (j, pairs + j), x, w.mu, voice.spks, cond)
-        pair_rows = [torch.tensor([j, pairs + j], device=self.device) for j in range(count)]
         commits = [w.frame_commit - w.frame_start for w in windows] + idle
         buffers.commit.copy_(torch.tensor(commits * 2))
-        kv_all, conv_all = buffers.state.kv_all, buffers.state.conv_all
+        # Every index is built once per run and moved in one copy each: per step, all streams'
+        # context moves in one gather + one scatter, and their new blocks back in one of each.
+        rows = torch.tensor(list(range(count)) + list(range(pairs, pairs + count)), device=self.device)
+        context_pages, context_keys, new_pages, new_keys = [], [], [], []
+        for j, w in enumerate(windows):
+            cfg_rows = (j * buffers.key_stride, (pairs + j) * buffers.key_stride)
+            for q, number in enumerate(w.state.pages):
+                context_pages.append(number)
+                context_keys += [row + q * page for row in cfg_rows]
+            if not w.finalize:
+                for q, number in enumerate(w.new_pages):
+                    new_pages.append(number)
+                    new_keys += [row + buffers.slots + q * page for row in cfg_rows]
+        context_pages, context_keys, new_pages, new_keys = (
+            torch.tensor(v, device=self.device, dtype=torch.long) if v else None
+            for v in (context_pages, _page_keys(context_keys, page), new_pages, _page_keys(new_keys, page)))
+        conv = torch.stack([w.state.conv for w in windows])  # (windows, steps, 2, conv width)
+        kept = torch.empty_like(conv)
+        kv, conv_all = buffers.kv_flat, buffers.state.conv_all
+        layers, width = kv.size(0), kv.size(2)
         for step in range(self.n_timesteps):
-            for j, w in enumerate(windows):
-                if w.state.pages:
-                    context = pool.data[w.state.pages, step]  # (pages, layers, 2, page, width)
-                    kv_all[:, pair_rows[j], :w.frame_start] = context.permute(1, 2, 0, 3, 4).flatten(2, 3)
-                conv_all[pair_rows[j]] = w.state.conv[step]
+            if context_pages is not None:
+                context = pool.data[context_pages, step]  # (pages, layers, 2, page, width)
+                kv.index_copy_(1, context_keys, context.transpose(0, 1).reshape(layers, -1, width))
+            conv_all.index_copy_(0, rows, conv[:, step].transpose(0, 1).reshape(2 * count, -1))
             buffers.time_bias.copy_(self._time_bias[step][:, None, :].expand(-1, 2 * pairs, -1))
             buffers.dt.copy_(self._dt[step].expand(pairs))
             x_out = buffers.step()
-            for j, w in enumerate(windows):
-                if w.finalize:
-                    continue
-                w.state.conv[step] = buffers.kept[pair_rows[j]]
-                if w.new_pages:
-                    new = kv_all[:, pair_rows[j], buffers.slots:buffers.slots + w.frame_commit - w.frame_start]
-                    pool.data[w.new_pages, step] = new.unflatten(2, (len(w.new_pages), page)).permute(2, 0, 1, 3, 4)
+            kept[:, step] = buffers.kept.index_select(0, rows).unflatten(0, (2, count)).transpose(0, 1)
+            if new_pages is not None:
+                blocks = kv.index_select(1, new_keys).unflatten(1, (len(new_pages), 2, page))
+                pool.data[new_pages, step] = blocks.transpose(0, 1)
+        for j, w in enumerate(windows):
+            if not w.finalize:
+                w.state.conv.copy_(kept[j])
         return x_out
 
     @staticmethod
@@ -558,6 +588,11 @@ class FlowEngine:
         """The window's complete blocks become the stream's context."""
         w.state.pages += w.new_pages
         w.state.token_commit, w.state.frame_commit = w.token_commit, w.frame_commit
+
+
+def _page_keys(starts: list[int], page: int) -> list[int]:
+    """Key indices of whole pages: each start, then the page's frames after it."""
+    return [start + f for start in starts for f in range(page)]
 
 
 def _floor_to(value: int, multiple: int) -> int:
