@@ -53,9 +53,10 @@ import torch
 
 from ..errors import CapacityError, InvalidInputError
 from ..models.flow import CosyVoice2Flow, fixed_noise
-from ..models.flow.cache import FrameBuffer, StreamWindow, copy_states
+from ..models.flow.cache import FrameBuffer, copy_states
 from ..models.flow.cfm import N_TIMESTEPS
 from ..models.flow.fused import FusedEstimator, StepRows, StepState, context_slots, conv_views
+from ..models.flow.packed_encoder import EncoderWindow, encode_windows
 from .graphs import FlowCounters
 
 # Voices whose prefix is kept when nothing else limits them (pages are freed earlier under pressure).
@@ -409,7 +410,7 @@ class FlowEngine:
             if tokens.size(1) - lookahead >= flow.cfg.encoder.static_chunk_size:
                 ends = list(range(lookahead + PREFIX_PIECE_TOKENS, tokens.size(1), PREFIX_PIECE_TOKENS))
                 for end in ends + [tokens.size(1)]:
-                    window = self._window(stream, tokens[:, :end], finalize=False)
+                    (window,) = self._windows([(stream, tokens[:, :end], False)])
                     self._run_windows([window])
                     self._take_blocks(window)
             voice.state = stream._state
@@ -452,10 +453,9 @@ class FlowEngine:
         with self._lock, torch.inference_mode():
             windows = []
             try:
-                for stream, tokens, finalize in chunks:
-                    target = self._validated(stream, tokens, finalize)
-                    windows.append(self._window(stream, torch.cat([stream.voice.prompt_tokens, target], dim=1),
-                                                finalize))
+                windows = self._windows([(stream, torch.cat([stream.voice.prompt_tokens,
+                                                              self._validated(stream, tokens, finalize)], dim=1),
+                                          finalize) for stream, tokens, finalize in chunks])
                 x = self._run_windows(windows)
             except BaseException:
                 for window in windows:
@@ -495,29 +495,49 @@ class FlowEngine:
         stream._target = tokens
         return tokens
 
-    def _window(self, stream: EngineStream, tokens: torch.Tensor, finalize: bool) -> _Window:
-        """Run the encoder over the stream's new tokens (``tokens``: prompt + target so far, (1, n));
-        plan its estimator window and pages."""
-        flow, cfg, state = self.flow, self.flow.cfg, stream._state
-        ratio = cfg.token_mel_ratio
-        valid_tokens = tokens.size(1) - (0 if finalize else cfg.pre_lookahead_len)
-        token_start = state.token_commit
-        token_commit = token_start if finalize else _floor_to(valid_tokens, cfg.encoder.static_chunk_size)
-        window = StreamWindow(token_start, token_commit - token_start, state.encoder_states)
-        encoder_out = flow.encode(tokens[:, token_start:], streaming=True, finalize=finalize, window=window)
-        mu = state.mu.extend(flow.project(encoder_out), commit=ratio * (token_commit - token_start))
-        frame_start = state.frame_commit
-        frame_commit = frame_start if finalize else _floor_to(ratio * token_commit, self.pool.page_frames)
-        new_pages = self.pool.allocate((frame_commit - frame_start) // self.pool.page_frames) or []
-        if len(new_pages) * self.pool.page_frames != frame_commit - frame_start:
-            freed = self._trim_voices(0)  # unused voices go first
-            new_pages = self.pool.allocate((frame_commit - frame_start) // self.pool.page_frames)
-            if new_pages is None:
+    def _windows(self, chunks: list[tuple[EngineStream, torch.Tensor, bool]]) -> list[_Window]:
+        """Run the encoder over the streams' new tokens, all windows at once (``chunks``: stream,
+        prompt + target tokens so far (1, n), finalize); plan their estimator windows and pages."""
+        flow, cfg = self.flow, self.flow.cfg
+        ratio, lookahead = cfg.token_mel_ratio, cfg.pre_lookahead_len
+        plans, encoder_windows = [], []
+        for stream, tokens, finalize in chunks:
+            state = stream._state
+            valid_tokens = tokens.size(1) - (0 if finalize else lookahead)
+            token_start = state.token_commit
+            token_commit = token_start if finalize else _floor_to(valid_tokens, cfg.encoder.static_chunk_size)
+            plans.append((stream, state, finalize, valid_tokens, token_commit))
+            embedded = flow.input_embedding(tokens[0, token_start:].clamp(min=0))
+            encoder_windows.append(EncoderWindow(embedded, token_start, token_commit - token_start,
+                                                 0 if finalize else lookahead, state.encoder_states))
+        outputs = encode_windows(flow.encoder, encoder_windows)
+        mus = flow.project(torch.cat(outputs)[None]).split([o.size(0) for o in outputs], dim=2)
+        windows = []
+        try:
+            for (stream, state, finalize, valid_tokens, token_commit), mu in zip(plans, mus):
+                mu = state.mu.extend(mu, commit=ratio * (token_commit - state.token_commit))
+                frame_start = state.frame_commit
+                frame_commit = frame_start if finalize else _floor_to(ratio * token_commit, self.pool.page_frames)
+                windows.append(_Window(stream, state, finalize, ratio * valid_tokens, frame_start, frame_commit,
+                                       token_commit, mu[:, :, frame_start:],
+                                       self._allocate((frame_commit - frame_start) // self.pool.page_frames)))
+        except BaseException:
+            for window in windows:
+                self.pool.release(window.new_pages)
+            raise
+        return windows
+
+    def _allocate(self, pages: int) -> list[int]:
+        """``pages`` free pages, dropping unused voices if need be; CapacityError when there are none."""
+        allocated = self.pool.allocate(pages)
+        if allocated is None:
+            freed = self._trim_voices(0)
+            allocated = self.pool.allocate(pages)
+            if allocated is None:
                 raise CapacityError(
                     f"the token2wav state pool is full ({self.pool.pages} pages, {freed} freed from unused voices); "
                     "retry later")
-        return _Window(stream, state, finalize, ratio * valid_tokens, frame_start, frame_commit, token_commit,
-                       mu[:, :, frame_start:], new_pages)
+        return allocated
 
     def _run_windows(self, windows: list[_Window]) -> torch.Tensor:
         """The 10 guided Euler steps of every window, packed; returns x after the last step
