@@ -19,10 +19,11 @@ chunk plus the new frames, ~25 extra frames on average) against that cached cont
 equals the full re-run with the earlier frames dropped, up to float rounding (the re-run revises
 the open block and drops it again, as here).
 
-:class:`FlowEngine` runs the windows of several streams together: the encoder per stream (it is
-~1 % of the work), then each of the 10 guided Euler steps as one
-:class:`~cosyserve.models.flow.fused.FusedEstimator` step over all streams' rows, every row
-attending to its own context.
+:class:`FlowEngine` runs the windows of several streams together: the encoder over all windows
+as one batch (:func:`~cosyserve.models.flow.packed_encoder.encode_windows`), then each of the 10
+guided Euler steps as one :class:`~cosyserve.models.flow.fused.FusedEstimator` step over all
+streams' rows, every row attending to its own context (CUDA graphs of the step per shape bucket on
+a GPU, :class:`EngineGraphs`).
 
 State lives in a :class:`PagePool`: one page holds one estimator block (50 frames) of K/V for
 every step, layer and CFG row (114.7 MB in fp16 for the released model). A stream's context is
