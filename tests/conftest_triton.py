@@ -334,6 +334,9 @@ def assert_server_idle(server, log_start: int) -> None:
     assert values["cosyserve_llm_active_requests"] == 0, leftovers
     assert values["cosyserve_token2wav_open_streams"] == 0, leftovers
     assert values.get("cosyserve_bls_requests_in_progress", 0) == 0, leftovers
+    # the flow engine's state: only cached voices hold pages once no stream is open
+    assert values.get("cosyserve_token2wav_state_pages_in_use", 0) == \
+        values.get("cosyserve_token2wav_state_voice_pages", 0), leftovers
     assert server.process.poll() is None, "tritonserver died"
 
 

@@ -15,7 +15,9 @@ for where the time goes, ``cosyserve_token2wav_{flow,hift}_seconds_total`` (devi
 (wall time inside ``execute``), ``cosyserve_token2wav_flow_{calls,rows,frames,padded_frames}_total``
 (:class:`~cosyserve.token2wav.graphs.FlowCounters`: batch fill and padding). With the flow engine
 (``incremental_stream``): ``cosyserve_token2wav_state_pages{,_in_use}`` (its page pool) and
-``cosyserve_token2wav_voices_cached``; the default speaker's prompt state is computed at load.
+``cosyserve_token2wav_voices_cached`` (and ``cosyserve_token2wav_state_voice_pages``: the pages in use that hold them; the
+rest belong to open streams, 0 when none is open); the default speaker's prompt state is computed
+at load.
 """
 
 from __future__ import annotations
@@ -83,12 +85,15 @@ class Token2WavModel:
                                        "state pages held by streams and cached voices", config["name"])
             self.voices_cached = Metric("cosyserve_token2wav_voices_cached", "voices whose prompt state is kept",
                                         config["name"])
+            self.voice_pages = Metric("cosyserve_token2wav_state_voice_pages",
+                                      "state pages holding cached voices' prompt state", config["name"])
             self._publish_engine()
 
     def _publish_engine(self) -> None:
         if self.engine is not None:
             self.pages_in_use.set(self.engine.pool.pages - self.engine.pool.free_pages)
             self.voices_cached.set(self.engine.cached_voices)
+            self.voice_pages.set(self.engine.voice_pages)
 
     def execute(self, requests) -> list:
         started = time.perf_counter()

@@ -379,6 +379,12 @@ class FlowEngine:
         with self._lock:
             return len(self._voices)
 
+    @property
+    def voice_pages(self) -> int:
+        """Pages holding cached voices' prompt state; the others in use belong to open streams."""
+        with self._lock:
+            return sum(len(voice.state.pages) for voice in self._voices.values())
+
     def open(self, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor) -> EngineStream:
         """A stream of this voice (prompt_tokens (1, P) long, prompt_feat (1, 2P, 80), embedding
         (1, 192)), starting from the voice's cached prefix, computed here on first use."""
