@@ -51,6 +51,9 @@ MPS_DIR=${MPS_DIR:-$repo_root/outputs/mps}    # the daemon's pipes and logs
 BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-4}
 OFFLINE_BLS_INSTANCE_NUM=${OFFLINE_BLS_INSTANCE_NUM:-1}  # cosyvoice2_offline, served next to a streaming cosyvoice2
 BLS_WARM_UP=${BLS_WARM_UP:-true}               # load the BLS's text front-end at start, not on the first request
+# Seconds a request may run once a BLS instance has taken it; past that it ends with "request timed out
+# after N s" (HTTP API: 504) and frees its LLM slot and token2wav state at once. 0: no limit.
+REQUEST_TIMEOUT_S=${REQUEST_TIMEOUT_S:-0}
 # Requests that wait for a free BLS instance at most; one more is refused at once (gRPC UNAVAILABLE,
 # HTTP API 429 with Retry-After), so clients can go to another replica. 0 (default): no limit, requests
 # queue as in NVIDIA's runtime; no bound is the default until a GPU run shows one safe (docs/operations.md).
@@ -210,6 +213,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --trt-engine-dir "$TRT_ENGINE_DIR" --trt-kv-cache-tokens "$TRT_KV_CACHE_TOKENS" --decoupled "$DECOUPLED_MODE" \
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
     --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-warm-up "$BLS_WARM_UP" \
+    --request-timeout-s "$REQUEST_TIMEOUT_S" \
     --offline-bls-max-queue-size "$OFFLINE_BLS_MAX_QUEUE_SIZE" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
     --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" \
     --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \

@@ -20,3 +20,7 @@ class ModelLoadError(CosyServeError, RuntimeError):
 
 class RequestCancelledError(CosyServeError):
     """A request was cancelled (client disconnect, deadline) while it was running."""
+
+
+class RequestTimeoutError(RequestCancelledError):
+    """A request ran past its time limit (the ``request_timeout_s`` of the BLS) and was stopped."""

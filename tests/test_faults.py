@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest_triton import (Stream, fill_to_capacity, grpc_input, metrics, serve_repo, set_parameter, stream_tts,
+from conftest_triton import (Stream, assert_server_idle, fill_to_capacity, grpc_input, metrics, serve_repo, set_parameter, stream_tts,
                              token_limits, wait_until_idle)
 from cosyserve.serving.model_repository import CosyVoice2Repository, build
 
@@ -254,6 +254,58 @@ def test_a_killed_stub_fails_its_requests_until_the_model_is_loaded_again(own_se
     assert set(stub_pids(server, model)).isdisjoint(pids)
     assert short_stream(server) == NUM_TOKENS * 960
     assert_idle_and_alive(server)
+    client.close()
+
+
+# ----- per-request timeout -----------------------------------------------------------------------
+
+REQUEST_TIMEOUT_S = 3  # a LONG_TOKENS request takes far longer on the CPU; a NUM_TOKENS one ~1 s
+
+
+@pytest.fixture(scope="module")
+def timeout_server(tiny_bundle: Path, tmp_path_factory):
+    """One instance of each BLS, with a request timeout (run.sh's REQUEST_TIMEOUT_S)."""
+    work = tmp_path_factory.mktemp("timeout_server")
+    repo = build(CosyVoice2Repository(
+        tiny_bundle, device="cpu", bls_instances=1, offline_bls_instances=1, max_tokens=NUM_TOKENS,
+        min_tokens=NUM_TOKENS, request_timeout_s=REQUEST_TIMEOUT_S), work / "repo")
+    yield from serve_repo(repo, work)
+
+
+def test_a_request_past_its_timeout_fails_alone_and_releases_what_it_held(timeout_server):
+    """A stream and an offline request still running after REQUEST_TIMEOUT_S end with "request
+    timed out after 3 s" (the offline one with gRPC's UNAVAILABLE, which the API turns into 504);
+    their LLM request and token2wav session are released at once; the other model's request, and
+    the next ones, are served in full."""
+    server = timeout_server
+    log_start = server.log_file.stat().st_size
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    stream = Stream(server.grpc_url)
+    started = time.monotonic()
+    stream.send("cosyvoice2", long_request())
+    assert first_chunk(stream).size > 0  # a token2wav session is open
+    # the offline model, meanwhile: a short request is served, a long one times out
+    short = [grpc_input("target_text", "好"), *token_limits(NUM_TOKENS)]
+    assert client.infer("cosyvoice2_offline", short).as_numpy("waveform").size == NUM_TOKENS * 960
+    error = stream_error(stream, timeout_s=30)
+    timed_out_after = time.monotonic() - started
+    stream.close()
+    assert error is not None and f"request timed out after {REQUEST_TIMEOUT_S} s" in str(error), error
+    assert REQUEST_TIMEOUT_S <= timed_out_after < REQUEST_TIMEOUT_S + 3, timed_out_after
+    values = wait_until_idle(server.metrics_port, timeout_s=2)  # released at once, not after an idle timeout
+    assert values["cosyserve_llm_active_requests"] == values["cosyserve_token2wav_open_streams"] == 0, values
+
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException, match=f"request timed out after {REQUEST_TIMEOUT_S} s") as timeout:
+        client.infer("cosyvoice2_offline", long_request())
+    assert timeout.value.status() == "StatusCode.UNAVAILABLE"
+    assert time.monotonic() - started < REQUEST_TIMEOUT_S + 3
+    values = wait_until_idle(server.metrics_port, timeout_s=2)
+    assert values["cosyserve_llm_active_requests"] == 0, values
+
+    assert short_stream(server) == NUM_TOKENS * 960
+    assert client.infer("cosyvoice2_offline", short).as_numpy("waveform").size == NUM_TOKENS * 960
+    assert_server_idle(server, log_start)
     client.close()
 
 
