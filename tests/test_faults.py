@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 from conftest_triton import (Stream, assert_server_idle, fill_to_capacity, grpc_input, metrics, serve_repo, set_parameter, stream_tts,
                              token_limits, wait_until_idle)
 from cosyserve.serving.model_repository import CosyVoice2Repository, build
+from cosyserve.serving.tritonserver import is_ready
 
 pytest.importorskip("pytriton")  # the bundled tritonserver
 
@@ -48,7 +49,13 @@ def own_server(tiny_bundle: Path, tmp_path):
     yield from serve_faults_repo(tiny_bundle, tmp_path)
 
 
-def serve_faults_repo(tiny_bundle: Path, work: Path):
+@pytest.fixture
+def watched_server(tiny_bundle: Path, tmp_path):
+    """A server of its own with the stub watch (run.sh's EXIT_ON_STUB_CRASH=true)."""
+    yield from serve_faults_repo(tiny_bundle, tmp_path, watch_stubs=True)
+
+
+def serve_faults_repo(tiny_bundle: Path, work: Path, watch_stubs: bool = False):
     repo = build(CosyVoice2Repository(
         tiny_bundle, device="cpu", bls_instances=BLS_INSTANCES, bls_max_queue_size=QUEUE,
         offline_bls_instances=OFFLINE_INSTANCES, offline_bls_max_queue_size=OFFLINE_QUEUE,
@@ -58,7 +65,7 @@ def serve_faults_repo(tiny_bundle: Path, work: Path):
         "parameters [", f'parameters [\n  {{ key: "stream_idle_timeout_s", value: {{ string_value: "{STREAM_IDLE_TIMEOUT_S}" }} }},', 1))
     set_parameter(repo / "llm" / "config.pbtxt", "send_timeout_s", str(LLM_SEND_TIMEOUT_S))
     # explicit model control: a model whose stub died can be loaded again (what run.sh stage 3 does)
-    yield from serve_repo(repo, work, extra_args=EXPLICIT_MODEL_CONTROL)
+    yield from serve_repo(repo, work, extra_args=EXPLICIT_MODEL_CONTROL, watch_stubs=watch_stubs)
 
 
 def long_request(text: str = "你好") -> list:
@@ -216,7 +223,8 @@ def short_stream(server) -> int:
     return sum(c.size for c in stream_tts(server, [grpc_input("target_text", "好")]))
 
 
-# Not the llm model: a BLS reading a decoupled LLM stream whose stub died waits for ever (docs/operations.md).
+# Not the llm model: without the stub watch, a BLS reading a decoupled LLM stream whose stub died
+# waits for ever (docs/operations.md); the next test covers it.
 @pytest.mark.parametrize("model", ["cosyvoice2", "token2wav"])
 def test_a_killed_stub_fails_its_requests_until_the_model_is_loaded_again(own_server, model):
     """SIGKILL of a model's stub processes mid-stream: the stream ends with an error within
@@ -257,6 +265,46 @@ def test_a_killed_stub_fails_its_requests_until_the_model_is_loaded_again(own_se
     client.close()
 
 
+STUB_WATCH_LINE = "cosyserve stub watch: the Python stub of model instance '{model}_0_"
+
+
+@pytest.mark.parametrize("model", ["llm", "token2wav", "cosyvoice2"])
+def test_a_killed_stub_ends_the_watched_server_and_its_requests_within_seconds(watched_server, model):
+    """With the stub watch (run.sh's default), SIGKILL of a model's stubs while a stream and an
+    offline request are in flight: both fail within seconds, the llm case included (which hangs
+    without the watch), tritonserver is killed (non-zero exit status) with one log line naming the
+    dead instance, and its health endpoint stops answering ready."""
+    server = watched_server
+    stream = Stream(server.grpc_url)
+    stream.send("cosyvoice2", long_request())
+    assert first_chunk(stream).size > 0
+    offline = grpcclient.InferenceServerClient(server.grpc_url)
+    offline_errors: queue.Queue = queue.Queue()
+    offline.async_infer("cosyvoice2_offline", long_request(), lambda result, error: offline_errors.put(error))
+    pids = stub_pids(server, model)
+    assert pids, f"no stub process found for {model}"
+    killed_at = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    error = stream_error(stream, timeout_s=30)
+    stream_failed_after = time.monotonic() - killed_at
+    offline_error = offline_errors.get(timeout=30)
+    offline_failed_after = time.monotonic() - killed_at
+    server.process.wait(timeout=30)
+    exited_after = time.monotonic() - killed_at
+    stream.close()
+    offline.close()
+    print(f"{model}: stream failed after {stream_failed_after:.2f} s ({error}), offline after "
+          f"{offline_failed_after:.2f} s ({offline_error}), server exited {server.process.returncode} after "
+          f"{exited_after:.2f} s")
+    assert error is not None and offline_error is not None
+    assert stream_failed_after < 10 and offline_failed_after < 10 and exited_after < 10
+    assert server.process.returncode != 0
+    log = server.log_file.read_text(errors="replace")
+    assert STUB_WATCH_LINE.format(model=model) in log, log[-3000:]
+    assert not is_ready(server.http_port)
+
+
 # ----- per-request timeout -----------------------------------------------------------------------
 
 REQUEST_TIMEOUT_S = 3  # a LONG_TOKENS request takes far longer on the CPU; a NUM_TOKENS one ~1 s
@@ -264,12 +312,12 @@ REQUEST_TIMEOUT_S = 3  # a LONG_TOKENS request takes far longer on the CPU; a NU
 
 @pytest.fixture(scope="module")
 def timeout_server(tiny_bundle: Path, tmp_path_factory):
-    """One instance of each BLS, with a request timeout (run.sh's REQUEST_TIMEOUT_S)."""
+    """One instance of each BLS, with a request timeout (run.sh's REQUEST_TIMEOUT_S) and the stub watch."""
     work = tmp_path_factory.mktemp("timeout_server")
     repo = build(CosyVoice2Repository(
         tiny_bundle, device="cpu", bls_instances=1, offline_bls_instances=1, max_tokens=NUM_TOKENS,
         min_tokens=NUM_TOKENS, request_timeout_s=REQUEST_TIMEOUT_S), work / "repo")
-    yield from serve_repo(repo, work)
+    yield from serve_repo(repo, work, watch_stubs=True)
 
 
 def test_a_request_past_its_timeout_fails_alone_and_releases_what_it_held(timeout_server):
@@ -307,6 +355,10 @@ def test_a_request_past_its_timeout_fails_alone_and_releases_what_it_held(timeou
     assert client.infer("cosyvoice2_offline", short).as_numpy("waveform").size == NUM_TOKENS * 960
     assert_server_idle(server, log_start)
     client.close()
+    # a graceful stop (SIGTERM: the models unload, their stubs end) is not taken for a crash
+    server.stop()
+    assert server.process.returncode == 0
+    assert "stub watch" not in server.log_file.read_text(errors="replace")
 
 
 # ----- cancellations and a soak -----------------------------------------------------------------
