@@ -76,7 +76,10 @@ TOKEN2WAV_MPS_THREAD_PERCENTAGE=${TOKEN2WAV_MPS_THREAD_PERCENTAGE:-}
 LLM_MPS_THREAD_PERCENTAGE=${LLM_MPS_THREAD_PERCENTAGE:-}
 TOKEN2WAV_MPS_PRIORITY=${TOKEN2WAV_MPS_PRIORITY:-}
 LLM_MPS_PRIORITY=${LLM_MPS_PRIORITY:-}
-TOKEN2WAV_INCREMENTAL_STREAM=${TOKEN2WAV_INCREMENTAL_STREAM:-false}  # true: streaming steps cost only their new frames
+TOKEN2WAV_INCREMENTAL_STREAM=${TOKEN2WAV_INCREMENTAL_STREAM:-true}  # false: every chunk re-runs the flow over everything (the reference)
+TOKEN2WAV_FINAL=${TOKEN2WAV_FINAL:-reference}  # incremental streams' last chunk: reference | streaming (README)
+TOKEN2WAV_STATE_POOL_GB=${TOKEN2WAV_STATE_POOL_GB:-0}  # their state memory; 0: a third of the free GPU memory
+TOKEN2WAV_MAX_VOICES=${TOKEN2WAV_MAX_VOICES:-64}  # voice prompt states kept for them
 MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
 HTTP_PORT=${HTTP_PORT:-8000}
 GRPC_PORT=${GRPC_PORT:-8001}
@@ -224,6 +227,8 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" \
     --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \
     --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" --token2wav-precapture-frames "$TOKEN2WAV_PRECAPTURE_FRAMES" \
+    --token2wav-final "$TOKEN2WAV_FINAL" --token2wav-state-pool-gb "$TOKEN2WAV_STATE_POOL_GB" \
+    --token2wav-max-voices "$TOKEN2WAV_MAX_VOICES" \
     --token2wav-compile "$TOKEN2WAV_COMPILE" --token2wav-hift-graphs "$TOKEN2WAV_HIFT_GRAPHS" \
     --token2wav-hift-dtype "$TOKEN2WAV_HIFT_DTYPE" \
     --token2wav-mps-thread-percentage "$TOKEN2WAV_MPS_THREAD_PERCENTAGE" --token2wav-mps-priority "$TOKEN2WAV_MPS_PRIORITY" \

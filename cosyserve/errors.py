@@ -24,3 +24,7 @@ class RequestCancelledError(CosyServeError):
 
 class RequestTimeoutError(RequestCancelledError):
     """A request ran past its time limit (the ``request_timeout_s`` of the BLS) and was stopped."""
+
+
+class CapacityError(CosyServeError, RuntimeError):
+    """The server cannot take this request now (state memory full, queue full); retrying later may work."""

@@ -36,6 +36,10 @@ incremental one as two variants: ``--variant reference:TOKEN2WAV_INCREMENTAL_STR
 incremental:TOKEN2WAV_INCREMENTAL_STREAM=true``; a token2wav engine's switch is one more run.sh
 setting in the same way.
 
+With ``--long-text-chars N`` each variant also streams one request of an N-character mixed Chinese
+and English text alone (the text front-end splits it into segments, each ``--long-text-seconds``
+of speech): its first chunk, underruns and stall, in its own table.
+
 Then each ``--offline-inference NAME:ARGS`` runs offline_inference.py on the same manifest, fixed
 seconds and seed (ARGS are appended, so they can override). Without ``--manifest`` a synthetic
 benchmark set like seed-tts' wenetspeech4tts split is written first: 26 prompts of 3-8 s of seeded
@@ -87,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     per_rate.add_argument("--requests-per-rate", type=int, help="arrivals per rate")
     per_rate.add_argument("--seconds-per-rate", type=float,
                           help="per rate, the arrivals of this many seconds (default: 10, at least 26 arrivals)")
+    p.add_argument("--long-text-chars", type=int, default=0, metavar="N",
+                   help="also stream one N-character mixed zh/en text alone per variant (0: not)")
+    p.add_argument("--long-text-seconds", type=float, default=2.0, help="speech per segment of that text")
     p.add_argument("--manifest", type=Path, help="utt|prompt_text|prompt_wav|target_text lines (default: synthetic)")
     p.add_argument("--num-prompts", type=int, default=26, help="items of the synthetic manifest")
     p.add_argument("--variant", dest="variants", type=parse_variant, action="append",

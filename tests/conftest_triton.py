@@ -197,12 +197,21 @@ def metrics(port: int) -> dict[str, float]:
     return read_metrics(port, host="127.0.0.1")
 
 
+def pending_requests(port: int) -> float:
+    """Requests waiting in Triton's queues, over every model (``nv_inference_pending_request_count``)."""
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(value) for value in re.findall(r"^nv_inference_pending_request_count\{.*\} (\S+)$", page,
+                                                    re.MULTILINE))
+
+
 def wait_until_idle(port: int, timeout_s: float = 20.0) -> dict[str, float]:
-    """Poll until no LLM request is active and no token2wav stream is open; returns the metrics."""
+    """Poll until nothing is queued, no BLS instance holds a request, no LLM request is active and no
+    token2wav stream is open; returns the metrics."""
     deadline = time.monotonic() + timeout_s
     while True:
         values = metrics(port)
-        idle = values["cosyserve_llm_active_requests"] == 0 and values["cosyserve_token2wav_open_streams"] == 0
+        idle = (values["cosyserve_llm_active_requests"] == 0 and values["cosyserve_token2wav_open_streams"] == 0
+                and values.get("cosyserve_bls_requests_in_progress", 0) == 0 and pending_requests(port) == 0)
         if idle or time.monotonic() > deadline:
             return values
         time.sleep(0.1)
@@ -326,6 +335,7 @@ def assert_server_idle(server, log_start: int) -> None:
     leftovers = f"{values}\nserver log:\n{crash_report(server.log_file) or 'no crash reported'}"
     assert values["cosyserve_llm_active_requests"] == 0, leftovers
     assert values["cosyserve_token2wav_open_streams"] == 0, leftovers
+    assert values.get("cosyserve_bls_requests_in_progress", 0) == 0, leftovers
     assert server.process.poll() is None, "tritonserver died"
 
 
@@ -346,12 +356,24 @@ def wait_for(condition, what: str, timeout_s: float = 60) -> None:
 
 def fill_to_capacity(server, model: str, instances: int, queued: int, num_tokens: int) -> list[Stream]:
     """``instances`` requests of ``num_tokens`` running on ``model`` and ``queued`` more waiting, one
-    stream each (bounded queues: model_repo/cosyvoice2/config.pbtxt)."""
+    stream each (bounded queues: model_repo/cosyvoice2/config.pbtxt).
+
+    The running ones go first and the queued ones only once every instance holds one: sent all at
+    once, a request can still sit in the queue while an instance is about to take it, and the
+    last one is then refused as past the queue's bound."""
     streams = [Stream(server.grpc_url) for _ in range(instances + queued)]
-    for stream in streams:
-        stream.send(model, [grpc_input("target_text", "你好"), *token_limits(num_tokens)])
-    # a request waiting in Triton's queue means every instance is busy (in the LLM or in token2wav)
-    wait_for(lambda: (triton_gauge(server, "nv_inference_pending_request_count", model) == queued
-                      and (queued > 0 or metrics(server.metrics_port)["cosyserve_llm_active_requests"] == instances)),
+
+    def send(group: list[Stream]) -> None:
+        for stream in group:
+            stream.send(model, [grpc_input("target_text", "你好"), *token_limits(num_tokens)])
+
+    def in_progress() -> float:
+        return metrics(server.metrics_port).get("cosyserve_bls_requests_in_progress", 0)
+
+    before = in_progress()  # the model's twin (offline / streaming) may be busy too
+    send(streams[:instances])
+    wait_for(lambda: in_progress() == before + instances, f"{instances} requests running")
+    send(streams[instances:])
+    wait_for(lambda: triton_gauge(server, "nv_inference_pending_request_count", model) == queued,
              f"{instances} requests running and {queued} queued")
     return streams

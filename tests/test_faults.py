@@ -20,8 +20,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest_triton import (Stream, assert_server_idle, fill_to_capacity, grpc_input, metrics, serve_repo, set_parameter, stream_tts,
-                             token_limits, wait_until_idle)
+from conftest_triton import (Stream, assert_server_idle, fill_to_capacity, grpc_input, metrics, serve_repo,
+                             set_parameter, stream_tts, token_limits, wait_until_idle)
 from cosyserve.bench.soak import BAD_INPUTS, SoakConfig, format_report, run_soak, write_report
 from cosyserve.serving.model_repository import CosyVoice2Repository, build
 from cosyserve.serving.tritonserver import is_ready
@@ -147,9 +147,6 @@ def streams_with_a_chunk(streams: list[Stream], count: int, timeout_s: float = 6
 
 # ----- admission control ------------------------------------------------------------------------
 
-@pytest.mark.skip(reason="flaky on the merged tree: failed in 2 of the last 3 CPU runs, passed alone once (the "
-                         "refusal of a decoupled stream past instances + queue); not yet understood, issue 16 keeps it "
-                         "open. The unary and API refusals are tested below and in test_api")
 def test_streams_past_instances_and_queue_are_refused_at_once(idle_server):
     streams = fill_to_capacity(idle_server, "cosyvoice2", BLS_INSTANCES, QUEUE, LONG_TOKENS)
     try:

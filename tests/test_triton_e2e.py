@@ -23,6 +23,8 @@ import soundfile as sf
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from cosyserve.bench.workload import mixed_long_text
+
 from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_llm_caller_repo, build_model_repo,
                              copy_of_bundle, crash_report, expected_chunk_samples, free_ports, grpc_input, metrics,
                              serve_repo, server_env, stream_tts, template_values, token_limits, wait_until_idle)
@@ -187,6 +189,21 @@ def test_long_text_streams_its_segments_in_order_as_one_stream(idle_server):
     assert after - before == 3 * 20
     offline = grpc_client(idle_server).infer("cosyvoice2_offline", [grpc_input("target_text", text), *token_limits(20)])
     assert offline.as_numpy("waveform").size == 3 * 20 * SAMPLES_PER_TOKEN
+
+
+def test_a_20000_character_mixed_text_streams_as_one_request(idle_server):
+    """Issue 17: 20,000 characters of Chinese and English (numbers, prices, years) through the text
+    front-end, ~220 segments of 5 tokens each, streamed as one request: every segment's chunk plan
+    back to back, 960 samples for every token the LLM generated."""
+    text = mixed_long_text(20_000, seed=0)
+    before = wait_until_idle(idle_server.metrics_port)["cosyserve_llm_generated_tokens_total"]
+    chunks = stream_tts(idle_server, [grpc_input("target_text", text), *token_limits(5)])
+    tokens = wait_until_idle(idle_server.metrics_port)["cosyserve_llm_generated_tokens_total"] - before
+    segments = tokens // 5
+    assert tokens == 5 * segments and segments > 150
+    assert [c.size for c in chunks] == expected_chunk_samples(5) * int(segments)
+    audio = np.concatenate(chunks)
+    assert audio.size == tokens * SAMPLES_PER_TOKEN and np.isfinite(audio).all()
 
 
 def test_text_front_end_switch_and_errors(idle_server):

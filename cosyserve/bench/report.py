@@ -156,6 +156,11 @@ def markdown(bench: dict) -> str:
                   "from the first arrival to the last reply; sender late = how far behind its arrival time the "
                   "client started a request (large values mean the client, not the server, limited the load).", "",
                   rate_table(rates).rstrip()]
+    if bench.get("long_text"):
+        lines += ["", "## Long text", "",
+                  f"One streaming request of a {bench['long_text'][0]['text_chars']}-character mixed Chinese/English "
+                  "text, alone; every text segment gets the fixed output length.", "",
+                  level_table(bench["long_text"]).rstrip()]
     if bench["offline_inference"]:
         lines += ["", "## offline_inference.py", "", offline_table(bench["offline_inference"]).rstrip()]
     lines += ["", "## Triton compute time per level", "",

@@ -33,7 +33,7 @@ from .openloop import poisson_arrivals
 from .prometheus import counter_deltas, scrape_metrics
 from .report import fmt, git_commit, gpu_name, load_label
 from .targets import check_targets
-from .workload import write_synthetic_manifest
+from .workload import write_long_text_manifest, write_synthetic_manifest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODES = ("streaming", "offline")
@@ -174,13 +174,15 @@ def read_repository(repo: Path) -> Repository:
 
 
 def client_command(args: argparse.Namespace, model: str, mode: str, concurrency: int, requests: int,
-                   manifest: Path, level_dir: Path, arrival_rate: float | None = None) -> list[str]:
+                   manifest: Path, level_dir: Path, arrival_rate: float | None = None,
+                   fixed_output_seconds: list[float] | None = None) -> list[str]:
     """client_grpc.py: ``concurrency`` closed-loop tasks, or open loop at ``arrival_rate`` req/s."""
     load = ["--arrival-rate", str(arrival_rate)] if arrival_rate else ["--num-tasks", str(concurrency)]
+    seconds = fixed_output_seconds or args.fixed_output_seconds
     return [sys.executable, str(REPO_ROOT / "client_grpc.py"), "--server-addr", "localhost",
             "--server-port", str(args.grpc_port), "--model-name", model, "--mode", mode,
             *load, "--num-requests", str(requests), "--manifest-path", str(manifest),
-            "--fixed-output-seconds", *map(str, args.fixed_output_seconds),
+            "--fixed-output-seconds", *map(str, seconds),
             "--tokens-per-second", str(args.tokens_per_second), "--seed", str(args.seed),
             "--log-dir", str(level_dir), "--json-report", str(level_dir / "report.json"),
             "--log-interval", "0", "--request-timeout", str(args.request_timeout)]
@@ -269,6 +271,7 @@ def run_variant(args: argparse.Namespace, variant: Variant, manifest: Path,
             try:
                 levels = measure_levels(args, variant, repo, server, manifest, items_used, variant_dir)
                 rates = measure_rates(args, variant, repo, server, manifest, variant_dir)
+                facts["long_text"] = measure_long_text(args, variant, repo, server, manifest, variant_dir)
             finally:
                 server.stop()
     except TritonServerError as e:  # the MPS daemon or the server did not start
@@ -321,6 +324,22 @@ def measure_rates(args: argparse.Namespace, variant: Variant, repo: Repository, 
             rows.append(measured_row(args, variant, server, mode, model, {"rate": rate}, requests, command,
                                      level_dir))
     return rows
+
+
+def measure_long_text(args: argparse.Namespace, variant: Variant, repo: Repository, server: TritonServer,
+                      manifest: Path, variant_dir: Path) -> list[dict]:
+    """With ``--long-text-chars N``: one streaming request of an N-character mixed Chinese/English
+    text (the first voice of the manifest; each of its segments is ``--long-text-seconds`` long), alone."""
+    if not args.long_text_chars or "streaming" not in args.modes:
+        return []
+    level_dir = variant_dir / f"streaming_long_text_{args.long_text_chars}"
+    text_manifest = write_long_text_manifest(level_dir, manifest, args.long_text_chars, args.seed)
+    command = client_command(args, repo.models["streaming"], "streaming", 1, 1, text_manifest, level_dir,
+                             fixed_output_seconds=[args.long_text_seconds])
+    row = measured_row(args, variant, server, "streaming", repo.models["streaming"], {"concurrency": 1}, 1, command,
+                       level_dir)
+    row["text_chars"] = args.long_text_chars
+    return [row]
 
 
 def measured_row(args: argparse.Namespace, variant: Variant, server: TritonServer, mode: str, model: str,
@@ -425,16 +444,18 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
         rates += variant_rates
         variants.append(facts)
     offline_rows = [run_offline_inference(args, run, manifest) for run in args.offline_runs]
+    long_text = [row for facts in variants for row in facts.get("long_text", [])]
     for row in levels + rates:
         if not row.get("error") and abs(row["audio_s"] - row["requested_audio_s"]) > 1e-6:
             print(f"warning: {row['variant']} {row['mode']} {load_label(row)}: {row['audio_s']:.3f} s of audio "
                   f"for {row['requested_audio_s']:.3f} s requested", file=sys.stderr)
-    return {"header": header, "variants": variants, "levels": levels, "open_loop": rates,
+    return {"header": header, "variants": variants, "levels": levels, "open_loop": rates, "long_text": long_text,
             "offline_inference": offline_rows, "targets": check_targets(levels, variants, offline_rows)}
 
 
 def failed(bench: dict) -> bool:
     """A variant, level, rate or offline run failed, or any request did."""
     return (any(v.get("error") for v in bench["variants"])
-            or any(r.get("error") or r["failed"] for r in bench["levels"] + bench["open_loop"])
+            or any(r.get("error") or r["failed"] for r in bench["levels"] + bench["open_loop"]
+                   + bench.get("long_text", []))
             or any(r.get("error") for r in bench["offline_inference"]))

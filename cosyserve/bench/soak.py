@@ -4,8 +4,7 @@
 at a time, in a seeded order:
 
 * streaming (``cosyvoice2``) and offline (``cosyvoice2_offline``) requests in turn, each retried
-  while the server refuses it as overloaded (``Exceeds maximum queue size``, as a client told to
-  retry would);
+  while the server refuses it as overloaded (:data:`REFUSALS`, as a client told to retry would);
 * ``cancel_fraction`` of them streams cancelled by the client after their first chunk;
 * ``bad_fraction`` of them bad inputs (:data:`BAD_INPUTS`: empty text, 10k characters in one
   segment, NaN / Inf / empty / silent / 60 s reference audio, a wrong data type, an unknown
@@ -13,7 +12,7 @@ at a time, in a seeded order:
   the expected message, not an internal error, not audio;
 * every ``burst_every`` requests, a burst of ``burst_size`` streams sent at once on top of the
   running ones (above capacity when it exceeds instances + queue): each is admitted (and served in
-  full) or refused with the overload message, never anything else; refusals are not retried. The
+  full) or refused as overloaded, never anything else; refusals are not retried. The
   first burst comes halfway through the warm-up, so that the buffers a first burst widens are
   not counted as growth.
 
@@ -21,9 +20,8 @@ Meanwhile a sampler reads, every ``sample_interval_s`` seconds, the resident mem
 tritonserver and of every Python stub process it runs (by instance name), and the GPU memory in
 use (``nvidia-smi``, when there is one). After ``warmup`` requests (caches, allocator pools,
 lazily built buffers), the memory slope is the least-squares fit of memory against requests
-completed, in MB per 1,000 requests. At the end the server must be ready and idle: no LLM request
-and no token2wav stream left (``cosyserve_llm_active_requests``,
-``cosyserve_token2wav_open_streams`` back to 0).
+completed, in MB per 1,000 requests. At the end the server must be ready and idle: no LLM request,
+no token2wav stream and no request in a BLS instance left (:data:`IDLE_GAUGES` back to 0).
 
 A failure is unexpected when it is none of the above: an error on a valid request, a bad input that
 got audio or an internal error, a burst stream failing with something other than a refusal, a
@@ -55,10 +53,16 @@ from ..serving.stub_watch import python_stubs
 from ..serving.tritonserver import is_ready
 from .prometheus import read_metrics
 
-REFUSED = "Exceeds maximum queue size"  # Triton's refusal past instances + queue (docs/operations.md)
-IDLE_GAUGES = ("cosyserve_llm_active_requests", "cosyserve_token2wav_open_streams")
+# Refusals as overloaded: Triton's past instances + queue (docs/operations.md), the token2wav
+# engine's when its state pool is full.
+REFUSALS = ("Exceeds maximum queue size", "retry later")
+IDLE_GAUGES = ("cosyserve_llm_active_requests", "cosyserve_token2wav_open_streams", "cosyserve_bls_requests_in_progress")
 REFERENCE_RATE = 16000
 SAMPLES_PER_TOKEN = 960  # 24 kHz audio per speech token
+
+
+def is_refusal(message: str) -> bool:
+    return any(refusal in message for refusal in REFUSALS)
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
@@ -283,7 +287,7 @@ class SoakClient:
         started, refusals = time.monotonic(), 0
         while True:
             samples, error = send()
-            if error is None or REFUSED not in error:
+            if error is None or not is_refusal(error):
                 result, message = check(samples, error)
                 return Outcome(kind, result, message, refusals, time.monotonic() - started)
             refusals += 1
@@ -335,7 +339,7 @@ class SoakClient:
         inputs = [_text("target_text", f"第{index}次，突发。"), *self._limits(tokens)]
         started = time.monotonic()
         samples, error = self._stream(inputs)
-        if error is not None and REFUSED in error:
+        if error is not None and is_refusal(error):
             return Outcome("burst", "refused", error, 0, time.monotonic() - started)
         result, message = self._served(tokens)(samples, error)
         return Outcome("burst", result, message, 0, time.monotonic() - started)

@@ -58,3 +58,41 @@ def write_synthetic_manifest(out_dir: Path, count: int = 26, seed: int = 0) -> P
     manifest = out_dir / "manifest.txt"
     manifest.write_text("".join(lines), encoding="utf-8")
     return manifest
+
+
+ENGLISH_WORDS = ("the", "voice", "agent", "reads", "every", "chapter", "aloud", "while", "listeners", "wait",
+                 "for", "news", "about", "weather", "markets", "and", "sports", "today", "model", "server")
+
+
+def english_sentence(rng: random.Random) -> str:
+    """A plain English sentence of 6-14 words, now and then with a number, a year or a price
+    (what the text front-end normalises)."""
+    words = [rng.choice(ENGLISH_WORDS) for _ in range(rng.randint(6, 14))]
+    extra = rng.choice(["", f" in {rng.randint(1990, 2030)}", f" for ${rng.randint(1, 99)}.{rng.randint(10, 99)}",
+                        f" at {rng.randint(2, 98)}%"])
+    return " ".join(words).capitalize() + extra + "."
+
+
+def mixed_long_text(chars: int, seed: int = 0) -> str:
+    """About ``chars`` characters of alternating Chinese and English sentences (at least ``chars``,
+    at most one sentence more): the long-text workload of the text front-end issue."""
+    rng = random.Random(seed)
+    parts, length = [], 0
+    while length < chars:
+        sentence = chinese_sentence(rng, rng.randint(*TARGET_CHARACTERS)) if len(parts) % 2 == 0 \
+            else " " + english_sentence(rng) + " "
+        parts.append(sentence)
+        length += len(sentence)
+    return "".join(parts).strip()
+
+
+def write_long_text_manifest(out_dir: Path, base: Path, chars: int, seed: int = 0) -> Path:
+    """One item: the first voice of the manifest ``base`` reading :func:`mixed_long_text`."""
+    from ..data import load_manifest
+
+    first = load_manifest(base)[0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = out_dir / "long_text.txt"
+    manifest.write_text(f"long_{chars}|{first.prompt_text}|{Path(first.prompt_wav).resolve()}|"
+                        f"{mixed_long_text(chars, seed)}\n", encoding="utf-8")
+    return manifest

@@ -33,7 +33,7 @@ from ..pipeline.local import LocalSpeechTokens
 from ..pipeline.tts import TokenLimits, VoiceResolver, validate_text, with_timeout
 from ..runtime import SPK2INFO
 from .settings import BlsSettings
-from .triton_utils import (FINAL, error_response, limit_torch_threads, model_settings, optional_input,
+from .triton_utils import (FINAL, Metric, error_response, limit_torch_threads, model_settings, optional_input,
                            optional_scalar, optional_text, raise_response_error, reference_wav, tensor)
 
 
@@ -122,6 +122,10 @@ class TTSBLS(ABC):
         tokenizer = AutoTokenizer.from_pretrained(settings.llm_tokenizer_dir)
         self.llm = self.speech_tokens(settings, tokenizer, registry)
         self.pipeline = self.build_pipeline(tokenizer, settings)
+        # an instance is busy from the moment execute takes a request until its last response is
+        # out, including clean-up after a cancellation: the LLM and token2wav gauges miss that part
+        self.in_progress = Metric("cosyserve_bls_requests_in_progress", "requests inside a BLS instance",
+                                  config["name"])
 
     @abstractmethod
     def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry):
@@ -148,11 +152,15 @@ class TTSBLS(ABC):
         """Called before a request's last response is sent, while it is still open."""
 
     def execute(self, requests):
-        if self.decoupled:
-            for request in requests:
-                self._stream(request)
-            return None
-        return [self._offline(request) for request in requests]
+        self.in_progress.increment(len(requests))
+        try:
+            if self.decoupled:
+                for request in requests:
+                    self._stream(request)
+                return None
+            return [self._offline(request) for request in requests]
+        finally:
+            self.in_progress.increment(-len(requests))
 
     def _parse(self, request):
         return self.build_request(parse_tts_inputs(request, self.limits, self.pipeline.max_text_chars))

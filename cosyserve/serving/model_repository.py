@@ -132,6 +132,9 @@ class CosyVoice2Repository:
     token2wav_dtype: str = Token2WavSettings.dtype             # TOKEN2WAV_*
     token2wav_cuda_graphs: str = parameter_value(Token2WavSettings.cuda_graphs)
     token2wav_incremental_stream: str = parameter_value(Token2WavSettings.incremental_stream)
+    token2wav_final: str = Token2WavSettings.final
+    token2wav_state_pool_gb: float = Token2WavSettings.state_pool_gb
+    token2wav_max_voices: int = Token2WavSettings.max_voices
     token2wav_precapture_frames: str = parameter_value(Token2WavSettings.precapture_frames)
     token2wav_compile: str = parameter_value(Token2WavSettings.compile)
     token2wav_hift_graphs: str = parameter_value(Token2WavSettings.hift_graphs)
@@ -150,6 +153,8 @@ class CosyVoice2Repository:
         models = {"token2wav": ModelEntry("token2wav", {
             **common, "token2wav_dtype": self.token2wav_dtype, "token2wav_cuda_graphs": self.token2wav_cuda_graphs,
             "token2wav_incremental_stream": self.token2wav_incremental_stream,
+            "token2wav_final": self.token2wav_final, "token2wav_state_pool_gb": f"{self.token2wav_state_pool_gb:g}",
+            "token2wav_max_voices": str(self.token2wav_max_voices),
             "token2wav_precapture_frames": self.token2wav_precapture_frames,
             "token2wav_compile": self.token2wav_compile, "token2wav_hift_graphs": self.token2wav_hift_graphs,
             "token2wav_hift_dtype": self.token2wav_hift_dtype,

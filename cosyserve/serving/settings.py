@@ -106,8 +106,11 @@ class Token2WavSettings(GpuSharingSettings):
     frames at load; 0: lazily); ``hift_graphs`` (auto: as ``cuda_graphs``: HiFT graphs of the
     non-final streaming chunk shapes of the exponential schedule for up to ``hift_max_tokens``
     tokens, captured at load; other shapes run eagerly); ``compile`` (torch.compile the flow
-    estimator); ``incremental_stream`` (streaming steps compute only their new frames, at ~115 MB
-    of state per second of audio per stream); ``max_batch`` (units per flow batch).
+    estimator); ``incremental_stream`` (streaming steps run through the flow engine and compute only
+    their new frames, at ~115 MB of state per second of audio per stream in fp16); ``final``
+    (reference | streaming: how such a stream's final chunk is voiced); ``state_pool_gb`` (the
+    engine's state memory; 0: a third of the GPU memory free at load, 2 GB on the CPU);
+    ``max_voices`` (voice prompt states kept); ``max_batch`` (units per flow batch).
     """
 
     model_dir: Path
@@ -118,7 +121,10 @@ class Token2WavSettings(GpuSharingSettings):
     hift_max_tokens: int = 750
     hift_dtype: str = AUTO
     compile: bool | None = False
-    incremental_stream: bool | None = False
+    incremental_stream: bool | None = True
+    final: str = "reference"
+    state_pool_gb: float = 0.0
+    max_voices: int = 64
     max_batch: int = 16
     stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
 
@@ -133,11 +139,17 @@ class Token2WavSettings(GpuSharingSettings):
         precapture = self.precapture_frames
         if precapture is None:
             precapture = DEFAULT_PRECAPTURE_FRAMES if cuda_graphs else 0
+        incremental = bool(self.incremental_stream)
         return Token2WavOptions(
+            # incremental streams run their non-final chunks through the engine: only the
+            # non-streaming (offline, final pass) flow graphs are needed then
             cuda_graphs=cuda_graphs, compile=bool(self.compile), precapture_frames=precapture,
+            precapture_streaming=not incremental,
             precapture_batch=self.max_batch, hift_graphs=hift_graphs,
             hift_precapture_frames=streaming_vocoder_frames(self.hift_max_tokens) if hift_graphs else (),
-            incremental_stream=bool(self.incremental_stream), hift_dtype=self.hift_dtype)
+            incremental_stream=incremental, final=self.final,
+            state_pool_bytes=int(self.state_pool_gb * (1 << 30)), max_voices=self.max_voices,
+            hift_dtype=self.hift_dtype)
 
 
 @dataclass(frozen=True)

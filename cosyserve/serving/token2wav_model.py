@@ -13,7 +13,9 @@ Metrics: ``cosyserve_token2wav_open_streams``, ``cosyserve_token2wav_batched_uni
 for where the time goes, ``cosyserve_token2wav_{flow,hift}_seconds_total`` (device time per stage,
 :class:`~cosyserve.token2wav.cosyvoice2.Token2WavCounters`), ``cosyserve_token2wav_execute_seconds_total``
 (wall time inside ``execute``), ``cosyserve_token2wav_flow_{calls,rows,frames,padded_frames}_total``
-(:class:`~cosyserve.token2wav.graphs.FlowCounters`: batch fill and padding).
+(:class:`~cosyserve.token2wav.graphs.FlowCounters`: batch fill and padding). With the flow engine
+(``incremental_stream``): ``cosyserve_token2wav_state_pages{,_in_use}`` (its page pool) and
+``cosyserve_token2wav_voices_cached``; the default speaker's prompt state is computed at load.
 """
 
 from __future__ import annotations
@@ -70,6 +72,23 @@ class Token2WavModel:
         })
         self.execute_seconds = Metric("cosyserve_token2wav_execute_seconds_total",
                                       "wall time inside execute", config["name"], kind="counter")
+        self.engine = model.engine
+        if self.engine is not None:
+            features = self.default_voice.features
+            self.engine.open(features.speech_tokens.reshape(1, -1).long(), features.speech_feat.reshape(
+                1, -1, features.speech_feat.shape[-1]), features.embedding.reshape(1, -1)).close()
+            Metric("cosyserve_token2wav_state_pages", "pages of the flow engine's state pool",
+                   config["name"]).set(self.engine.pool.pages)
+            self.pages_in_use = Metric("cosyserve_token2wav_state_pages_in_use",
+                                       "state pages held by streams and cached voices", config["name"])
+            self.voices_cached = Metric("cosyserve_token2wav_voices_cached", "voices whose prompt state is kept",
+                                        config["name"])
+            self._publish_engine()
+
+    def _publish_engine(self) -> None:
+        if self.engine is not None:
+            self.pages_in_use.set(self.engine.pool.pages - self.engine.pool.free_pages)
+            self.voices_cached.set(self.engine.cached_voices)
 
     def execute(self, requests) -> list:
         started = time.perf_counter()
@@ -91,6 +110,7 @@ class Token2WavModel:
             outcomes[index] = result
         self.batch_units.increment(len(calls))
         self.open_streams.set(self.token2wav.open_sessions)
+        self._publish_engine()
         self.work_metrics.publish()
         responses = [error_response(o) if isinstance(o, Exception) else
                      pb_utils.InferenceResponse(output_tensors=[tensor("waveform", o)]) for o in outcomes]

@@ -16,7 +16,7 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutError
+from ..errors import CapacityError, InvalidInputError, RequestCancelledError, RequestTimeoutError
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from .settings import Settings, parse_settings
 
@@ -132,13 +132,15 @@ def tensor(name: str, array: np.ndarray) -> "pb_utils.Tensor":
 
 def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
     """A per-request error: bad input -> INVALID_ARG (HTTP 400), timed out -> UNAVAILABLE (the
-    API's 504), cancelled -> CANCELLED, else INTERNAL."""
+    API's 504), cancelled -> CANCELLED, out of capacity -> UNAVAILABLE, else INTERNAL."""
     if isinstance(exc, InvalidInputError):
         error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
     elif isinstance(exc, RequestTimeoutError):
         error = pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)
     elif isinstance(exc, RequestCancelledError):
         error = pb_utils.TritonError(str(exc), pb_utils.TritonError.CANCELLED)
+    elif isinstance(exc, CapacityError):
+        error = pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)
     else:
         pb_utils.Logger.log_error("".join(traceback.format_exception(exc)))
         error = pb_utils.TritonError(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)

@@ -1,6 +1,6 @@
 """Speech tokens → waveform: CosyVoice2 flow + HiFT, offline and streaming."""
 
-from .cosyvoice2 import CosyVoice2Token2Wav, Token2WavStream, load_token2wav
+from .cosyvoice2 import CosyVoice2Token2Wav, Token2WavOptions, Token2WavStream, load_token2wav
 from .vocoder_stream import MEL_CACHE_FRAMES, HiftStream, SineNoiseProvider, VocoderChunk, crossfade
 
 __all__ = [
@@ -8,6 +8,7 @@ __all__ = [
     "CosyVoice2Token2Wav",
     "HiftStream",
     "SineNoiseProvider",
+    "Token2WavOptions",
     "Token2WavStream",
     "VocoderChunk",
     "crossfade",

@@ -15,9 +15,10 @@ Work of several requests runs packed together through :meth:`CosyVoice2Token2Wav
 (streaming, finalize) kind, one HiFT batch per mel shape; each result equals the request run
 alone up to float rounding. :class:`Token2WavOptions` holds the opt-in speed-ups (all off by
 default, which keeps the reference computation): CUDA graphs captured ahead of time
-(:mod:`.graphs`), a compiled estimator, and the incremental streaming flow
-(:class:`~cosyserve.models.flow.FlowStream`); and HiFT's network dtype, whose default is float32
-on the CPU and float16 on CUDA.
+(:mod:`.graphs`), a compiled estimator, and the incremental streaming flow engine
+(:class:`~.flow_engine.FlowEngine`: the chunks of all streams of a batch packed into one step per
+Euler step, each computing only its new frames); and HiFT's network dtype, whose default is
+float32 on the CPU and float16 on CUDA.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from typing import Any
 import torch
 
 from ..errors import InvalidInputError
-from ..models.flow import CosyVoice2Flow, FlowStream, load_flow
+from ..models.flow import CosyVoice2Flow, load_flow
 from ..models.hift import HiFTGenerator, draw_source_noise, load_hift
+from .flow_engine import EngineStream, FlowEngine
 from .graphs import FlowSampler, HiftRunner
 from ..schedule import plan_chunks
 from .vocoder_stream import MEL_CACHE_FRAMES, HiftStream, SineNoiseProvider, VocoderCall, VocoderChunk
@@ -61,6 +63,19 @@ def resolve_hift_dtype(name: str, device: torch.device) -> torch.dtype:
     return HIFT_DTYPES[name]
 
 
+FINAL_CHUNKS = ("reference", "streaming")
+
+
+def default_state_pool_bytes(device: torch.device) -> int:
+    """The flow engine's page pool when none is asked for: a third of the GPU memory free at load
+    (the LLM, HiFT and activations need the rest), 512 MiB of host memory on the CPU (hundreds of
+    pages of the tiny test models, two of the released one in fp32)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 3
+    return 512 << 20
+
+
 def default_flow_dtype(device: torch.device) -> torch.dtype:
     """The flow's dtype when none is asked for (CosyVoice2 and DiT): fp16 on CUDA, as deployed
     (HiFT's own dtype: ``Token2WavOptions.hift_dtype``), fp32 on CPU."""
@@ -76,15 +91,21 @@ class Token2WavOptions:
     graphs): capture every flow graph for up to ``precapture_batch`` requests of up to that many
     frames (prompt + target) when the model is built, so that no request runs eagerly or waits
     for a capture (about a minute at start-up for 1500 frames and batch 16); with
-    ``precapture_streaming`` False only the non-streaming (offline) graphs. ``hift_graphs``: also
+    ``precapture_streaming`` False only the non-streaming (offline) graphs; the flow engine's step
+    graphs (``incremental_stream``) are captured then too. ``hift_graphs``: also
     replay HiFT's network, keyed by exact shapes; with ``hift_precapture_frames`` (mel frame counts,
     e.g. :func:`streaming_vocoder_frames`) those shapes are captured for up to ``precapture_batch``
     rows when the model is built and every other shape runs eagerly, otherwise shapes are captured
     the second time they are seen (churn when chunk lengths vary). ``compile``: run
     the flow estimator through ``torch.compile`` (needs a C compiler and, on CUDA, Triton; the
-    first call of each attention kind compiles). ``incremental_stream``: non-final streaming
-    steps compute only their new frames (:class:`FlowStream`; same output up to rounding, but the
-    stream holds per-frame state, ~115 MB per second of audio for the released model in fp16).
+    first call of each attention kind compiles). ``incremental_stream``: streaming steps run
+    through the :class:`~.flow_engine.FlowEngine` and compute only their new frames (same output
+    up to rounding); each stream holds per-frame state in a page pool of ``state_pool_bytes``
+    (~115 MB per second of audio for the released model in fp16), a voice's prompt state is kept
+    for up to ``max_voices`` voices. ``final``: how an incremental stream's final chunk is voiced:
+    "reference" (the reference's non-streaming pass over prompt + all tokens, exactly its output)
+    or "streaming" (streaming masks like every chunk before it, incremental and cheap; the last
+    chunk's frames then differ from the reference's).
     ``tensorrt_plan`` / ``tensorrt_streaming_plan``: run the estimator from TensorRT plans
     (:mod:`.tensorrt`; non-streaming / streaming attention), CUDA only, not with ``cuda_graphs``.
     ``hift_dtype``: dtype of HiFT's up-sampling network ("float32", "float16", "bfloat16"; its F0,
@@ -99,6 +120,9 @@ class Token2WavOptions:
     precapture_batch: int = 16
     precapture_streaming: bool = True
     incremental_stream: bool = False
+    final: str = "reference"
+    state_pool_bytes: int = 0
+    max_voices: int = 64
     hift_precapture_frames: tuple[int, ...] = ()
     bucket_frames: int = 50
     max_graphs: int = 256
@@ -145,7 +169,8 @@ class BatchItem:
 
     @property
     def incremental(self) -> bool:
-        return self.stream is not None and self.stream._flow_stream is not None and not self.finalize
+        return self.stream is not None and self.stream._engine_stream is not None and (
+            not self.finalize or self.stream.owner.options.final == "streaming")
 
 
 class CosyVoice2Token2Wav:
@@ -189,6 +214,14 @@ class CosyVoice2Token2Wav:
             if not (options.cuda_graphs and options.hift_graphs):
                 raise InvalidInputError("hift_precapture_frames needs cuda_graphs and hift_graphs")
             self.vocoder.precapture(options.precapture_batch, options.hift_precapture_frames)
+        if options.final not in FINAL_CHUNKS:
+            raise InvalidInputError(f"final must be one of {FINAL_CHUNKS}, got {options.final!r}")
+        self.engine = None
+        if options.incremental_stream:
+            # after the flow and HiFT graphs: the pool is sized from the memory they leave free
+            self.engine = FlowEngine(self.flow, options.state_pool_bytes or default_state_pool_bytes(self.device),
+                                     max_voices=options.max_voices, cuda_graphs=options.cuda_graphs,
+                                     precapture=options.precapture_frames > 0, counters=self.sampler.counters)
         self.counters = Token2WavCounters()
         self.sample_rate = self.hift.cfg.sampling_rate
         self._streams: dict[str, Token2WavStream] = {}
@@ -229,13 +262,19 @@ class CosyVoice2Token2Wav:
         """Start a streaming session for ``request_id`` (must not already be open). HiFT randomness
         as in :meth:`offline`; one generator serves all chunks of the session in order."""
         prompt = self._prompt(prompt_tokens, prompt_feat, embedding)
+        if request_id in self.open_stream_ids:  # checked again below; this spares the voice's flow pass
+            raise InvalidInputError(f"a token2wav stream for request id {request_id!r} is already open")
+        engine_stream = None
+        if self.engine is not None:
+            with self._run_lock:  # a new voice's prompt runs through the flow
+                engine_stream = self.engine.open(prompt.tokens, prompt.feat, prompt.embedding)
         with self._lock:
             if request_id in self._streams:
+                if engine_stream is not None:
+                    engine_stream.close()
                 raise InvalidInputError(f"a token2wav stream for request id {request_id!r} is already open")
             vocoder = HiftStream(self.hift, generator=generator, sine_noise=sine_noise)
-            flow_stream = (FlowStream(self.flow, prompt.tokens, prompt.feat, prompt.embedding)
-                           if self.options.incremental_stream else None)
-            stream = Token2WavStream(self, request_id, prompt, vocoder, flow_stream)
+            stream = Token2WavStream(self, request_id, prompt, vocoder, engine_stream)
             self._streams[request_id] = stream
         return stream
 
@@ -309,10 +348,13 @@ class CosyVoice2Token2Wav:
         """Each unit's not yet voiced mel (1, 80, f) float32: one flow batch per (streaming, finalize)."""
         mels: list[torch.Tensor | None] = [None] * len(work)
         groups: dict[tuple[bool, bool], list[int]] = {}
+        incremental = [i for i, w in enumerate(work) if w.incremental]
+        if incremental:
+            chunks = [(work[i].stream._engine_stream, work[i].tokens, work[i].finalize) for i in incremental]
+            for i, mel in zip(incremental, self.engine.run(chunks)):
+                mels[i] = mel
         for i, w in enumerate(work):
-            if w.incremental:
-                mels[i] = w.stream._flow_stream.step(w.tokens, False)
-            else:
+            if not w.incremental:
                 groups.setdefault((w.streaming, w.finalize), []).append(i)
         for (streaming, finalize), members in groups.items():
             items = [work[i] for i in members]
@@ -410,12 +452,12 @@ class Token2WavStream:
     """
 
     def __init__(self, owner: CosyVoice2Token2Wav, request_id: str, prompt: _Prompt, vocoder: HiftStream,
-                 flow_stream: FlowStream | None = None):
+                 engine_stream: EngineStream | None = None):
         self.owner = owner
         self.request_id = request_id
         self._prompt: _Prompt | None = prompt
         self._vocoder = vocoder
-        self._flow_stream = flow_stream
+        self._engine_stream = engine_stream
         self._frames_done = 0  # mel frames already handed to the vocoder
 
     @property
@@ -481,8 +523,8 @@ class Token2WavStream:
         """Release the caches and leave the owner's registry (idempotent)."""
         self._prompt = None
         self._vocoder.close()
-        if self._flow_stream is not None:
-            self._flow_stream.close()
+        if self._engine_stream is not None:
+            self._engine_stream.close()
         self.owner._forget(self)
 
     def __enter__(self) -> "Token2WavStream":

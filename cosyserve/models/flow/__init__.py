@@ -12,7 +12,6 @@ from .flow import (
     load_flow_state_dict,
     random_flow_state_dict,
 )
-from .stream import FlowStream
 
 __all__ = [
     "CFMConfig",
@@ -23,7 +22,6 @@ __all__ = [
     "EstimatorConfig",
     "FlowConditions",
     "FlowConfig",
-    "FlowStream",
     "UpsampleConformerEncoder",
     "fixed_noise",
     "flow_from_state_dict",

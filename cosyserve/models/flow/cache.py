@@ -13,7 +13,7 @@ of the window, the ones that became final.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -75,6 +75,14 @@ class FrameBuffer:
         self.committed += commit
         return view
 
+    def copy(self) -> FrameBuffer:
+        """An independent buffer holding a copy of the committed frames."""
+        twin = FrameBuffer(self.dim)
+        if self._storage is not None:
+            twin._storage = self._storage.narrow(self.dim, 0, self.committed).clone()
+            twin.committed = self.committed
+        return twin
+
     def committed_frames(self) -> torch.Tensor | None:
         """A view of the committed frames (None before the first call)."""
         return None if self._storage is None else self._storage.narrow(self.dim, 0, self.committed)
@@ -99,6 +107,11 @@ class KeyValueCache:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
+    def copy(self) -> KeyValueCache:
+        """An independent cache with a copy of the committed keys and values (other fields shared:
+        they are replaced, never changed in place)."""
+        return replace(self, keys=self.keys.copy(), values=self.values.copy())
+
 
 def with_left_context(x: torch.Tensor, frames: int, owner: nn.Module, window: StreamWindow | None) -> torch.Tensor:
     """x (B, C, T) with ``frames`` frames prepended for a causal convolution.
@@ -112,6 +125,11 @@ def with_left_context(x: torch.Tensor, frames: int, owner: nn.Module, window: St
     padded = torch.cat([left, x], dim=2)
     window.states[owner] = padded[:, :, window.commit:window.commit + frames]
     return padded
+
+
+def copy_states(states: dict[nn.Module, Any]) -> dict[nn.Module, Any]:
+    """An independent copy of one network pass's state (a stream forked from another's state)."""
+    return {owner: state.clone() if isinstance(state, torch.Tensor) else state.copy() for owner, state in states.items()}
 
 
 def state_bytes(states: dict[nn.Module, Any]) -> int:

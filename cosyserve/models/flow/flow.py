@@ -4,9 +4,8 @@
 upstream (no flow cache). Streaming calls use block-causal masks; non-final streaming calls
 (``finalize=False``) hold back the last ``pre_lookahead_len`` tokens as look-ahead context, so
 they produce no frames. :meth:`CosyVoice2Flow.inference_batch` runs requests of different
-lengths together (right padding + masks; each result equals the request run alone), and
-:class:`~.stream.FlowStream` is an incremental stream over it that computes only each chunk's
-new frames.
+lengths together (right padding + masks; each result equals the request run alone). Streams that
+compute only each chunk's new frames: :mod:`cosyserve.token2wav.flow_engine`.
 """
 
 from __future__ import annotations

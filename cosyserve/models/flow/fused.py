@@ -147,11 +147,15 @@ class StepRows:
 class StepState:
     """One Euler step's cached context for every row: K/V per attention layer, left input frames per causal conv.
 
-    ``kv[l]`` (R, slots + frames, 2 * heads * head_dim): [keys ‖ values] of the context frames in
-    slots [0, context[r]), then this step's new frames, which the Q/K/V kernel writes in place.
-    ``conv[c]`` (R, kernel - 1, C_in): the input frames just before the window.
+    ``kv_all`` (layers, R, slots + frames, 2 * heads * head_dim): per layer ``kv[l]``, [keys ‖ values]
+    of the context frames in slots [0, context[r]), then this step's new frames from slot ``slots``
+    on, which the Q/K/V kernel writes in place. ``conv_all`` (R, sum over convs of (kernel - 1) *
+    C_in): per conv ``conv[c]`` (R, kernel - 1, C_in), the input frames just before the window.
+    One tensor each, so that a row's whole context moves in one copy.
     """
 
+    kv_all: torch.Tensor
+    conv_all: torch.Tensor
     kv: list[torch.Tensor]
     conv: list[torch.Tensor]
 
@@ -172,6 +176,15 @@ class StepState:
         for conv, left in zip(convs, self.conv):
             if conv in states:
                 left[index] = states[conv].transpose(1, 2).to(left.dtype)
+
+
+def conv_views(flat: torch.Tensor, shapes: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views (R, frames, channels) per conv of ``flat`` (R, sum of frames * channels)."""
+    views, offset = [], 0
+    for frames, channels in shapes:
+        views.append(flat[:, offset:offset + frames * channels].view(flat.size(0), frames, channels))
+        offset += frames * channels
+    return views
 
 
 @dataclass(frozen=True)
@@ -368,13 +381,22 @@ class FusedEstimator:
             bias = bias.unsqueeze(1)
         return StepRows(frames, valid_t, tuple(context), slots, streaming, bias)
 
+    @property
+    def conv_shapes(self) -> list[tuple[int, int]]:
+        """(left frames, input channels) of each causal conv's context, in :class:`StepState` order."""
+        return [(c.kernel_size[0] - 1, c.in_channels) for c in self.conv_layers]
+
+    @property
+    def conv_width(self) -> int:
+        """Values per row of :attr:`StepState.conv_all`."""
+        return sum(frames * channels for frames, channels in self.conv_shapes)
+
     def new_state(self, rows: int, slots: int, frames: int) -> StepState:
         """Zeroed context of ``rows`` rows (fill it with :meth:`StepState.load_stream_states` or by earlier steps)."""
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, device=self.device, dtype=self.dtype)
-        kv = [zeros(rows, slots + frames, 2 * self.inner) for _ in self.attention_layers]
-        conv = [zeros(rows, c.kernel_size[0] - 1, c.in_channels) for c in self.conv_layers]
-        return StepState(kv, conv)
+        kv_all = torch.zeros(len(self.attention_layers), rows, slots + frames, 2 * self.inner, device=self.device,
+                             dtype=self.dtype)
+        conv_all = torch.zeros(rows, self.conv_width, device=self.device, dtype=self.dtype)
+        return StepState(kv_all, conv_all, list(kv_all.unbind(0)), conv_views(conv_all, self.conv_shapes))
 
     def input_buffer(self, rows: int, frames: int) -> torch.Tensor:
         """(rows, frames, in_channels) channels-last estimator input [x, mu, speaker, cond] (zeroed)."""
@@ -393,16 +415,22 @@ class FusedEstimator:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self, rows: StepRows, state: StepState, inp: torch.Tensor, time_bias: torch.Tensor,
-             dt: torch.Tensor, update_input: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+             dt: torch.Tensor, update_input: bool = True,
+             keep_context: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One guided Euler step of every row pair.
 
         inp (R, frames, in_channels): [x, mu, speaker, cond] channels-last (zeros after x in the
         unconditional rows); time_bias (resnets, R, width) per row (rows may sit at different
         steps); dt (R/2,). Writes the new frames' K/V into ``state`` and, with ``update_input``,
-        x + dt v into ``inp``'s x channels. Returns views (valid until the next step of this shape)
-        of x + dt v and the guided velocity v, both (R/2, frames, out_channels).
+        x + dt v into ``inp``'s x channels. ``keep_context`` = (commit (R,) long, out (R, conv_width)):
+        also write, per row, each causal conv's input frames just before new frame ``commit[r]``
+        (the context of a next window that starts there) into ``out`` (:attr:`StepState.conv_all`
+        layout). Returns views (valid until the next step of this shape) of x + dt v and the guided
+        velocity v, both (R/2, frames, out_channels).
         """
         linear, ws = self._linear, self._workspace(rows.rows, rows.frames)
+        if keep_context is not None:
+            linear = self._keeping_context(linear, *keep_context)
         convs, kvs = iter(state.conv), iter(state.kv)
         skip, mid_out = ws.up_in[:, :, self.width:], ws.up_in[:, :, :self.width]
         (down, down_blocks, down_conv), *mids, (up, up_blocks, up_conv) = self._stages
@@ -432,6 +460,20 @@ class FusedEstimator:
         x = inp[:, :, :self.out_channels]
         self._cfg_euler(ws.h1, *self._proj, rows.valid, dt, x, ws.x_out, ws.velocity, self.cfg_rate, update_input)
         return ws.x_out, ws.velocity
+
+    def _keeping_context(self, linear, commit: torch.Tensor, out: torch.Tensor):
+        """``linear`` that also keeps each causal conv's input frames before ``commit`` (see :meth:`step`)."""
+        kept = iter(conv_views(out, self.conv_shapes))
+
+        def keeping(a: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor, taps: int = 1,
+                    context: torch.Tensor | None = None, **epilogue) -> None:
+            if taps > 1:
+                # before the call: its output may be the next conv's input, never its own
+                padded = torch.cat([context.to(a.dtype), a], dim=1)  # frame i of a sits at taps - 1 + i
+                index = commit[:, None] + torch.arange(taps - 1, device=a.device)[None, :]
+                next(kept).copy_(padded.gather(1, index[:, :, None].expand(-1, -1, a.size(2))))
+            linear(a, w, out=out, taps=taps, context=context, **epilogue)
+        return keeping
 
     def _transformers(self, rows: StepRows, blocks: list[_Transformer], kvs, ws: _Workspace, stream: torch.Tensor,
                       stage_out: torch.Tensor) -> None:

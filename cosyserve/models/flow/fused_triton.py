@@ -177,6 +177,8 @@ def _strides(t: torch.Tensor | None) -> tuple[int, int]:
 
 
 _scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+# Buffers outgrown by a larger shape stay allocated: CUDA graphs captured earlier still use them.
+_retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def _row_scratch(device: torch.device, elements: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,6 +191,8 @@ def _row_scratch(device: torch.device, elements: int, counters: int) -> tuple[to
     if held is None or held[0].numel() < 2 * elements or held[1].numel() < counters:
         size = max(2 * elements, 0 if held is None else held[0].numel())
         count = max(counters, 0 if held is None else held[1].numel())
+        if device in _scratch:
+            _retired.append(_scratch[device])
         held = (torch.empty(size, device=device, dtype=torch.float32),
                 torch.zeros(count, device=device, dtype=torch.int32))
         _scratch[device] = held

@@ -1,0 +1,114 @@
+"""The token2wav flow engine alone: time per packed chunk run, eager and from CUDA graphs, beside
+the reference's full re-run of the prefix (``scripts/bench_flow_engine.py``).
+
+Random weights of the real (or tiny) shapes; every stream speaks one voice, whose prompt state is
+computed once (timed as "voice prefix") and shared. Per streams count S, the S streams run their
+chunks of the reference BLS schedule (18, 43, 93 tokens: hops 15, 25, 50 with 3 look-ahead)
+together: one ``FlowEngine.run`` per chunk index, timed after a warm-up round. The rel-L2 compares
+stream 0's mel with ``CosyVoice2Flow.inference`` over the whole prefix in the same dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..models.flow import CosyVoice2Flow, FlowConfig
+from ..token2wav.flow_engine import FlowEngine
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+CHUNKS = (18, 43, 93)  # tokens so far at each non-final chunk of the reference schedule
+FINAL = 150  # tokens of the utterance: the final chunk voices tokens 90..150
+
+
+@dataclass
+class Row:
+    mode: str
+    streams: int
+    what: str
+    ms: float
+    rel_l2: float | None = None
+
+
+def _timed(fn, device: torch.device) -> tuple[object, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, (time.perf_counter() - start) * 1000
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def run(args: argparse.Namespace) -> Iterator[Row]:
+    """The rows, as they are measured."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    cfg = FlowConfig.real() if args.config == "real" else FlowConfig.tiny()
+    torch.manual_seed(args.seed)
+    flow = CosyVoice2Flow(cfg).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(args.seed)
+    voice = (torch.randint(0, cfg.vocab_size, (1, args.prompt_tokens), generator=g),
+             torch.randn(1, 2 * args.prompt_tokens, cfg.output_size, generator=g).to(device, dtype),
+             torch.randn(1, cfg.spk_embed_dim, generator=g).to(device, dtype))
+    tokens = torch.randint(0, cfg.vocab_size, (1, FINAL), generator=g)
+    with torch.inference_mode():
+        full = []  # the re-run's frames that each chunk voices
+        for i, count in enumerate(CHUNKS):
+            def rerun():
+                return flow.inference(tokens[:, :count], *voice, streaming=True, finalize=False)
+            _timed(rerun, device)  # warm-up
+            mel, ms = _timed(rerun, device)
+            full.append(mel[:, :, 0 if i == 0 else 2 * (CHUNKS[i - 1] - 3):])
+            yield Row("re-run (reference)", 1, f"chunk at {count} tokens", ms)
+        for mode in args.modes:
+            started = time.perf_counter()
+            engine = FlowEngine(flow, pool_bytes=int(args.pool_gb * (1 << 30)), cuda_graphs=mode == "graphs",
+                                precapture=mode == "graphs")
+            if mode == "graphs":
+                yield Row(mode, 0, f"capture of {engine.graphs.captured} step graphs",
+                          (time.perf_counter() - started) * 1000)
+            _, ms = _timed(lambda: engine.open(*voice).close(), device)
+            yield Row(mode, 1, "voice prefix (prompt state, once per voice)", ms)
+            for streams in args.streams:
+                for repeat in range(2):  # the first round warms up (Triton compiles, eager shapes)
+                    opened = [engine.open(*voice) for _ in range(streams)]
+                    for i, count in enumerate(CHUNKS):
+                        mels, ms = _timed(lambda: engine.run([(s, tokens[:, :count], False) for s in opened]),
+                                          device)
+                        if repeat:
+                            yield Row(mode, streams, f"chunk at {count} tokens", ms, _rel(mels[0], full[i]))
+                    if repeat and streams == 1:
+                        yield from _final_chunk(flow, engine, opened[0], voice, tokens, mode, device)
+                    for stream in opened:
+                        stream.close()
+            engine = None  # its pool and graphs go before the next mode's
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _final_chunk(flow: CosyVoice2Flow, engine: FlowEngine, stream, voice, tokens: torch.Tensor, mode: str,
+                 device: torch.device) -> list[Row]:
+    """The last chunk both ways: the reference's non-streaming pass over everything, and the engine's
+    streaming final (TOKEN2WAV_FINAL=streaming); the rel-L2 between their frames."""
+    done = 2 * (CHUNKS[-1] - 3)
+    reference, ms_ref = _timed(lambda: flow.inference(tokens, *voice, streaming=False, finalize=True), device)
+    streamed, ms = _timed(lambda: engine.run([(stream, tokens, True)])[0], device)
+    return [Row("re-run (reference)", 1, f"final chunk at {FINAL} tokens (non-streaming pass)", ms_ref),
+            Row(mode, 1, f"final chunk at {FINAL} tokens (streaming final; rel-L2 vs the reference's final)", ms,
+                _rel(streamed, reference[:, :, done:]))]
+
+
+HEADER = "| path | streams | what | ms | rel-L2 vs re-run |\n|---|---:|---|---:|---:|"
+
+
+def markdown_row(r: Row) -> str:
+    rel = "" if r.rel_l2 is None else f"{r.rel_l2:.1e}"
+    return f"| {r.mode} | {r.streams or ''} | {r.what} | {r.ms:.1f} | {rel} |"

@@ -1,0 +1,564 @@
+"""The incremental, batched streaming flow of CosyVoice2: many streams' chunks in one packed step.
+
+The reference re-runs the flow over prompt + all tokens on every streaming chunk and drops the
+frames voiced before. Under streaming masks the flow is chunk-causal, which makes most of that
+work repeat itself exactly:
+
+* encoder: attention is block-causal over 25-token blocks counted from the first prompt token
+  (50-frame blocks after up-sampling); the pre-lookahead conv ties token i to tokens i+1..i+3,
+  which a non-final chunk always has (its look-ahead tokens); every other conv is causal;
+* estimator: attention is block-causal over 50-frame blocks, convs are causal, and the initial
+  noise of frame k is fixed (frame k of the fixed buffer).
+
+So once a block is complete, its outputs (mu, and the ODE state at each Euler step, in both CFG
+rows) never change. A block still open does: it is bidirectional inside. A stream therefore keeps
+the encoder's keys/values and conv context of its complete token blocks and, per Euler step, the
+keys/values of every estimator attention layer and the left input frames of every causal conv of
+its complete frame blocks; each chunk computes only its *window* (the open block of the previous
+chunk plus the new frames, ~25 extra frames on average) against that cached context. Its output
+equals the full re-run with the earlier frames dropped, up to float rounding (the re-run revises
+the open block and drops it again, as here).
+
+:class:`FlowEngine` runs the windows of several streams together: the encoder per stream (it is
+~1 % of the work), then each of the 10 guided Euler steps as one
+:class:`~cosyserve.models.flow.fused.FusedEstimator` step over all streams' rows, every row
+attending to its own context.
+
+State lives in a :class:`PagePool`: one page holds one estimator block (50 frames) of K/V for
+every step, layer and CFG row (114.7 MB in fp16 for the released model). A stream's context is
+its voice's pages followed by its own.
+
+A voice's prompt frames depend only on the voice (prompt tokens, prompt mel, speaker embedding,
+the fixed noise): the first ``50 * floor((P - 3) / 25)`` frames of a P-token prompt are complete
+blocks before any target token arrives. :class:`VoicePrefix` computes them once per voice,
+keyed by content, and every stream of that voice starts from them (pages shared, refcounted),
+so a first chunk computes its ~36-80 new frames rather than prompt + new frames.
+
+Every chunk's mel equals the full re-run's (``CosyVoice2Flow.inference`` over prompt + all tokens
+so far, streaming masks) up to float rounding; a final chunk through the engine
+(``TOKEN2WAV_FINAL=streaming``) equals ``inference(streaming=True, finalize=True)``. The
+reference's final chunk, a non-streaming pass over everything, is not incremental and runs
+outside the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import CapacityError, InvalidInputError
+from ..models.flow import CosyVoice2Flow, fixed_noise
+from ..models.flow.cache import FrameBuffer, StreamWindow, copy_states
+from ..models.flow.cfm import N_TIMESTEPS
+from ..models.flow.fused import FusedEstimator, StepRows, StepState, context_slots, conv_views
+from .graphs import FlowCounters
+
+# Voices whose prefix is kept when nothing else limits them (pages are freed earlier under pressure).
+DEFAULT_MAX_VOICES = 64
+
+
+class PagePool:
+    """Fixed pages of per-step estimator state, allocated once (no allocation while serving).
+
+    ``data`` (pages, steps, layers, 2 CFG rows, page_frames, 2 * inner). Pages are refcounted: a
+    voice prefix's pages are shared by its streams.
+    """
+
+    def __init__(self, pages: int, steps: int, layers: int, page_frames: int, width: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.page_frames = page_frames
+        self.data = torch.zeros(pages, steps, layers, 2, page_frames, width, device=device, dtype=dtype)
+        self._free = list(range(pages - 1, -1, -1))
+        self._refs = np.zeros(pages, dtype=np.int64)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def page_bytes(steps: int, layers: int, page_frames: int, width: int, dtype: torch.dtype) -> int:
+        return steps * layers * 2 * page_frames * width * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def pages(self) -> int:
+        return self.data.size(0)
+
+    @property
+    def free_pages(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` pages (refcount 1), or None when fewer are free."""
+        with self._lock:
+            if count > len(self._free):
+                return None
+            pages = [self._free.pop() for _ in range(count)]
+            self._refs[pages] = 1
+            return pages
+
+    def share(self, pages: list[int]) -> None:
+        with self._lock:
+            self._refs[pages] += 1
+
+    def release(self, pages: list[int]) -> None:
+        with self._lock:
+            for page in pages:
+                self._refs[page] -= 1
+                if self._refs[page] == 0:
+                    self._free.append(page)
+
+
+@dataclass
+class _FlowState:
+    """Where an incremental flow stands: encoder state, committed mu, estimator context per step."""
+
+    encoder_states: dict
+    mu: FrameBuffer
+    conv: torch.Tensor  # (steps, 2 CFG rows, conv width): conv context at frame_commit
+    pages: list[int] = field(default_factory=list)  # estimator blocks [0, frame_commit), voice first
+    token_commit: int = 0  # tokens (prompt included) in complete encoder blocks
+    frame_commit: int = 0  # frames (prompt included) in complete estimator blocks
+
+
+@dataclass
+class VoicePrefix:
+    """A voice's flow state after its prompt alone (read-only; streams fork it)."""
+
+    key: str
+    prompt_tokens: torch.Tensor  # (1, P) long, on the device
+    prompt_feat: torch.Tensor  # (1, 2P, 80)
+    spks: torch.Tensor  # (1, 80) projected speaker vector
+    state: _FlowState
+    streams: int = 0  # open streams forked from it
+
+    @property
+    def frames(self) -> int:
+        return self.state.frame_commit
+
+
+class EngineStream:
+    """One request's incremental flow: :meth:`FlowEngine.run` steps it; :meth:`close` frees its pages."""
+
+    def __init__(self, engine: FlowEngine, voice: VoicePrefix) -> None:
+        self.engine = engine
+        self.voice = voice
+        prefix = voice.state
+        engine.pool.share(prefix.pages)
+        self._state = _FlowState(copy_states(prefix.encoder_states), prefix.mu.copy(), prefix.conv.clone(),
+                                 list(prefix.pages), prefix.token_commit, prefix.frame_commit)
+        self._target = voice.prompt_tokens[:, :0]  # target tokens so far
+        self._prompt_frames = voice.prompt_feat.size(1)
+        self._frames_out = self._prompt_frames  # frames (prompt included) returned, or prompt
+        self.closed = False
+
+    @property
+    def frames_returned(self) -> int:
+        """Target mel frames returned so far."""
+        return self._frames_out - self._prompt_frames
+
+    @property
+    def context_frames(self) -> int:
+        """Frames (prompt included) whose estimator state is cached: the next window starts here."""
+        return self._state.frame_commit
+
+    @property
+    def private_pages(self) -> int:
+        return len(self._state.pages) - len(self.voice.state.pages)
+
+    def close(self) -> None:
+        """Free the stream's pages and its share of the voice's (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.engine._closed(self, self._state.pages)
+        self._state = None
+
+
+@dataclass
+class _Window:
+    """One stream's part of a packed run (frames are absolute, prompt included)."""
+
+    stream: EngineStream
+    state: _FlowState
+    finalize: bool
+    frames: int  # frames known after this chunk
+    frame_start: int  # first window frame = cached context length
+    frame_commit: int  # frames complete after this chunk
+    token_commit: int
+    mu: torch.Tensor  # (1, 80, frames - frame_start)
+    new_pages: list[int]
+
+    @property
+    def width(self) -> int:
+        return self.frames - self.frame_start
+
+
+class StepBuffers:
+    """What one packed Euler step reads and writes, for ``pairs`` streams of up to ``frames`` new
+    frames and ``slots`` context frames: the rows' layout, their context (:class:`StepState`), the
+    input, the step's time bias and dt, the commit points and the conv context kept at them.
+
+    Eager: allocated per run, :meth:`step` calls the fused step. Captured
+    (:meth:`capture`): allocated once per shape, :meth:`step` replays a CUDA graph of the same call;
+    ``kv`` then gives the context buffer, shared by every captured shape (one shape runs at a time).
+    """
+
+    def __init__(self, fused: FusedEstimator, pairs: int, frames: int, slots: int,
+                 kv: torch.Tensor | None = None) -> None:
+        self.fused, self.pairs, self.frames, self.slots = fused, pairs, frames, slots
+        rows = 2 * pairs
+        device, dtype = fused.device, fused.dtype
+        if kv is None:
+            self.state = fused.new_state(rows, slots, frames)
+        else:
+            kv_all = kv[:, :rows, :slots + frames]
+            conv_all = torch.zeros(rows, fused.conv_width, device=device, dtype=dtype)
+            self.state = StepState(kv_all, conv_all, list(kv_all.unbind(0)), conv_views(conv_all, fused.conv_shapes))
+        self.valid = torch.zeros(rows, device=device, dtype=torch.int32)
+        self.attn_bias = torch.zeros(rows, 1, frames, slots + frames, device=device, dtype=dtype)
+        self.rows = StepRows(frames, self.valid, (0,) * rows, slots, True, self.attn_bias)
+        self.inp = fused.input_buffer(rows, frames)
+        self.time_bias = torch.zeros(len(fused.resnets), rows, fused.width, device=device, dtype=dtype)
+        self.dt = torch.zeros(pairs, device=device, dtype=dtype)
+        self.commit = torch.zeros(rows, device=device, dtype=torch.long)
+        self.kept = torch.zeros(rows, fused.conv_width, device=device, dtype=dtype)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.x_out: torch.Tensor | None = None
+
+    def set_rows(self, rows: StepRows) -> None:
+        """Take over a packing's valid frames and attention mask (same shape)."""
+        self.valid.copy_(rows.valid)
+        if rows.attn_bias is None:
+            self.attn_bias.zero_()
+        else:
+            self.attn_bias.copy_(rows.attn_bias)
+
+    def _call(self) -> torch.Tensor:
+        x_out, _ = self.fused.step(self.rows, self.state, self.inp, self.time_bias, self.dt,
+                                   keep_context=(self.commit, self.kept))
+        return x_out
+
+    def capture(self, pool) -> None:
+        """Run the step once (Triton compiles its kernels), then capture it."""
+        self._call()
+        torch.cuda.synchronize(self.fused.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.x_out = self._call()
+
+    def step(self) -> torch.Tensor:
+        """One guided Euler step of every row; x after it (pairs, frames, 80), a view."""
+        if self.graph is None:
+            return self._call()
+        self.graph.replay()
+        return self.x_out
+
+
+# Captured shapes of the engine's step: streams per run, new frames per window (a first chunk
+# with the prompt's open block is ~40-90 frames, later ones up to 2 x 100 tokens + 49), cached
+# frames (a 10 s prompt with 20 s of speech is 1,500). Bigger runs are eager.
+GRAPH_PAIRS = (1, 2, 4, 8, 16)
+GRAPH_FRAMES = (64, 128, 256)
+GRAPH_SLOTS = (256, 512, 768, 1024, 1536)
+
+
+class EngineGraphs:
+    """CUDA graphs of the engine's step for every shape of :data:`GRAPH_PAIRS` x :data:`GRAPH_FRAMES`
+    x :data:`GRAPH_SLOTS`, captured lazily or all at once by :meth:`capture_all`.
+
+    The context of every shape is a view of one buffer sized for the largest (layers x 32 rows x
+    1,792 frames x 1,024 values: 6.6 GB in fp16 for the released model): it is gathered from the
+    page pool before every step, as in the eager path. ``replay`` False keeps the shapes, buffers and
+    padding but runs each step eagerly (what tests on the CPU check of this path).
+    """
+
+    def __init__(self, fused: FusedEstimator, replay: bool = True) -> None:
+        self.fused = fused
+        self.replay = replay
+        rows, keys = 2 * GRAPH_PAIRS[-1], GRAPH_SLOTS[-1] + GRAPH_FRAMES[-1]
+        self.kv = torch.zeros(len(fused.attention_layers), rows, keys, 2 * fused.inner, device=fused.device,
+                              dtype=fused.dtype)
+        self.pool = torch.cuda.graph_pool_handle() if replay else None
+        if fused.kernels == "triton":  # the largest shape's scratch first: the captures then never grow it
+            from ..models.flow.fused_triton import reserve_row_scratch
+            reserve_row_scratch(fused.device, rows * GRAPH_FRAMES[-1], fused.width)
+        self._buffers: dict[tuple[int, int, int], StepBuffers] = {}
+
+    @property
+    def captured(self) -> int:
+        return len(self._buffers)
+
+    def get(self, pairs: int, frames: int, context: int) -> StepBuffers | None:
+        """The captured step for a run of this size (captured now if new), or None past the shapes."""
+        key = tuple(_bucket(value, sizes) for value, sizes in
+                    ((pairs, GRAPH_PAIRS), (frames, GRAPH_FRAMES), (context, GRAPH_SLOTS)))
+        if None in key:
+            return None
+        if key not in self._buffers:
+            buffers = StepBuffers(self.fused, *key, kv=self.kv)
+            if self.replay:
+                buffers.capture(self.pool)
+            self._buffers[key] = buffers
+        return self._buffers[key]
+
+    def capture_all(self) -> None:
+        for pairs in GRAPH_PAIRS:
+            for frames in GRAPH_FRAMES:
+                for slots in GRAPH_SLOTS:
+                    self.get(pairs, frames, slots)
+
+
+def _bucket(value: int, sizes: tuple[int, ...]) -> int | None:
+    return next((size for size in sizes if value <= size), None)
+
+
+class FlowEngine:
+    """Incremental streaming flow over packed rows (see the module docstring). Thread-safe.
+
+    ``pool_bytes``: memory of the page pool (allocated at construction), or ``pool_pages`` pages
+    of :attr:`page_bytes` each. ``max_voices``: voice
+    prefixes kept (least recently used dropped first; under page pressure unused ones go early).
+    ``kernels``: the :class:`FusedEstimator` kernels ("auto": Triton on CUDA in fp16/bf16).
+    ``cuda_graphs``: replay the step from CUDA graphs (:class:`EngineGraphs`; captured at
+    construction with ``precapture``, else when a shape is first used). ``counters``: where runs,
+    windows and their frames (computed, and with the padding of a captured shape) are counted.
+    """
+
+    def __init__(self, flow: CosyVoice2Flow, pool_bytes: int = 0, *, pool_pages: int = 0,
+                 max_voices: int = DEFAULT_MAX_VOICES, kernels: str = "auto", n_timesteps: int = N_TIMESTEPS,
+                 cuda_graphs: bool = False, precapture: bool = False, counters: FlowCounters | None = None) -> None:
+        self.flow = flow
+        weight = flow.spk_embed_affine_layer.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.fused = FusedEstimator(flow.decoder, kernels=kernels)
+        self.n_timesteps = n_timesteps
+        _, self._dt, self._time_bias = self.fused.schedule(n_timesteps)
+        layers = len(self.fused.attention_layers)
+        page_frames = flow.cfg.estimator.static_chunk_size
+        self.page_bytes = PagePool.page_bytes(n_timesteps, layers, page_frames, 2 * self.fused.inner, self.dtype)
+        pages = pool_pages or pool_bytes // self.page_bytes
+        if pages < 1:
+            raise InvalidInputError(
+                f"the token2wav state pool of {pool_bytes} bytes holds no page of {self.page_bytes} bytes")
+        self.pool = PagePool(pages, n_timesteps, layers, page_frames, 2 * self.fused.inner, self.device, self.dtype)
+        self.max_voices = max_voices
+        self.counters = counters or FlowCounters()
+        self.graphs = EngineGraphs(self.fused) if cuda_graphs else None
+        if self.graphs is not None and precapture:
+            with torch.inference_mode():
+                self.graphs.capture_all()
+        self._voices: OrderedDict[str, VoicePrefix] = OrderedDict()
+        self._lock = threading.RLock()
+        self.open_streams = 0
+
+    # ----- voices and streams -----
+
+    @staticmethod
+    def voice_key(prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor) -> str:
+        """Content hash of a voice's flow inputs (two clips with one transcript never collide)."""
+        digest = hashlib.blake2b(digest_size=16)
+        for tensor in (prompt_tokens.to(torch.long), prompt_feat.float(), embedding.float()):
+            digest.update(str(tuple(tensor.shape)).encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
+    @property
+    def cached_voices(self) -> int:
+        with self._lock:
+            return len(self._voices)
+
+    def open(self, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor) -> EngineStream:
+        """A stream of this voice (prompt_tokens (1, P) long, prompt_feat (1, 2P, 80), embedding
+        (1, 192)), starting from the voice's cached prefix, computed here on first use."""
+        self.flow.check_prompt(prompt_tokens, prompt_feat, embedding, batch=1)
+        key = self.voice_key(prompt_tokens, prompt_feat, embedding)
+        with self._lock:
+            voice = self._voices.get(key)
+            if voice is None:
+                voice = self._prefix(key, prompt_tokens, prompt_feat, embedding)
+                self._voices[key] = voice
+                self._trim_voices(self.max_voices)
+            self._voices.move_to_end(key)
+            voice.streams += 1
+            self.open_streams += 1
+            return EngineStream(self, voice)
+
+    @torch.inference_mode()
+    def _prefix(self, key: str, prompt_tokens, prompt_feat, embedding) -> VoicePrefix:
+        flow = self.flow
+        tokens = prompt_tokens.to(self.device, torch.long)
+        feat = prompt_feat.to(self.device, self.dtype)
+        spks = flow.speaker_vector(embedding.to(self.device, self.dtype))
+        conv = torch.zeros(self.n_timesteps, 2, self.fused.conv_width, device=self.device, dtype=self.dtype)
+        voice = VoicePrefix(key, tokens, feat, spks, _FlowState({}, FrameBuffer(dim=2), conv))
+        # The prompt alone, as a non-final chunk without output: its complete blocks are the prefix.
+        stream = EngineStream(self, voice)
+        try:
+            if tokens.size(1) - flow.cfg.pre_lookahead_len >= flow.cfg.encoder.static_chunk_size:
+                window = self._window(stream, tokens[:, :0], finalize=False)
+                self._run_windows([window])
+                self._take_blocks(window)
+            voice.state = stream._state
+            stream._state = None  # its pages now belong to the voice
+            stream.closed = True
+        except BaseException:
+            stream.close()
+            raise
+        return voice
+
+    def _trim_voices(self, keep: int) -> int:
+        """Drop least recently used voices without open streams down to ``keep``; returns pages freed."""
+        freed = 0
+        for key in list(self._voices):
+            if len(self._voices) <= keep:
+                break
+            voice = self._voices[key]
+            if voice.streams == 0:
+                del self._voices[key]
+                self.pool.release(voice.state.pages)
+                freed += len(voice.state.pages)
+        return freed
+
+    def _closed(self, stream: EngineStream, pages: list[int]) -> None:
+        with self._lock:
+            self.pool.release(pages)
+            stream.voice.streams -= 1
+            self.open_streams -= 1
+
+    # ----- chunks -----
+
+    def run(self, chunks: list[tuple[EngineStream, torch.Tensor, bool]]) -> list[torch.Tensor]:
+        """Step several streams at once: per (stream, target tokens so far (1, n), finalize), the
+        float32 mel (1, 80, f) of the frames not returned before.
+
+        A non-final chunk returns frames up to 2(n - 3) (the last 3 tokens are look-ahead), a final
+        one up to 2n and closes its stream. A stream that fails (bad tokens, no state pages) is
+        closed; an error in the packed run closes every stream of the run.
+        """
+        with self._lock, torch.inference_mode():
+            windows = []
+            try:
+                for stream, tokens, finalize in chunks:
+                    windows.append(self._window(stream, self._validated(stream, tokens, finalize), finalize))
+                x = self._run_windows(windows)
+            except BaseException:
+                for window in windows:
+                    self.pool.release(window.new_pages)
+                for stream, _, _ in chunks:
+                    stream.close()
+                raise
+            mels = []
+            for j, w in enumerate(windows):
+                stream = w.stream
+                # a copy: x is a workspace the next run of this shape overwrites
+                mels.append(x[j, stream._frames_out - w.frame_start:w.width].T[None].to(torch.float32, copy=True))
+                self._take_blocks(w)
+                stream._frames_out = w.frames
+                if w.finalize:
+                    stream.close()
+            return mels
+
+    def _validated(self, stream: EngineStream, tokens: torch.Tensor, finalize: bool) -> torch.Tensor:
+        flow = self.flow
+        if stream.closed:
+            raise InvalidInputError("the flow stream is closed (finalized, cancelled or failed)")
+        flow.check_ids("tokens_so_far", tokens)
+        if tokens.size(0) != 1:
+            raise InvalidInputError(f"tokens_so_far must be (1, n), got {tuple(tokens.shape)}")
+        flow.check_length(stream.voice.prompt_tokens.size(1), tokens.size(1), finalize)
+        tokens = tokens.to(self.device, torch.long)
+        seen = stream._target.size(1)
+        if tokens.size(1) < seen or not torch.equal(tokens[:, :seen], stream._target):
+            raise InvalidInputError(f"tokens_so_far must extend the {seen} tokens of the previous step")
+        lookahead = 0 if finalize else flow.cfg.pre_lookahead_len
+        frames = stream._prompt_frames + flow.cfg.token_mel_ratio * (tokens.size(1) - lookahead)
+        if frames <= stream._frames_out:
+            raise InvalidInputError(
+                f"{tokens.size(1)} tokens give no frames beyond the {stream.frames_returned} already returned"
+                + ("" if finalize else f" (the last {lookahead} tokens are look-ahead only)"))
+        stream._target = tokens
+        return tokens
+
+    def _window(self, stream: EngineStream, target: torch.Tensor, finalize: bool) -> _Window:
+        """Run the encoder over the stream's new tokens; plan its estimator window and pages."""
+        flow, cfg, state = self.flow, self.flow.cfg, stream._state
+        ratio = cfg.token_mel_ratio
+        tokens = torch.cat([stream.voice.prompt_tokens, target], dim=1)
+        valid_tokens = tokens.size(1) - (0 if finalize else cfg.pre_lookahead_len)
+        token_start = state.token_commit
+        token_commit = token_start if finalize else _floor_to(valid_tokens, cfg.encoder.static_chunk_size)
+        window = StreamWindow(token_start, token_commit - token_start, state.encoder_states)
+        encoder_out = flow.encode(tokens[:, token_start:], streaming=True, finalize=finalize, window=window)
+        mu = state.mu.extend(flow.project(encoder_out), commit=ratio * (token_commit - token_start))
+        frame_start = state.frame_commit
+        frame_commit = frame_start if finalize else _floor_to(ratio * token_commit, self.pool.page_frames)
+        new_pages = self.pool.allocate((frame_commit - frame_start) // self.pool.page_frames) or []
+        if len(new_pages) * self.pool.page_frames != frame_commit - frame_start:
+            freed = self._trim_voices(0)  # unused voices go first
+            new_pages = self.pool.allocate((frame_commit - frame_start) // self.pool.page_frames)
+            if new_pages is None:
+                raise CapacityError(
+                    f"the token2wav state pool is full ({self.pool.pages} pages, {freed} freed from unused voices); "
+                    "retry later")
+        return _Window(stream, state, finalize, ratio * valid_tokens, frame_start, frame_commit, token_commit,
+                       mu[:, :, frame_start:], new_pages)
+
+    def _run_windows(self, windows: list[_Window]) -> torch.Tensor:
+        """The 10 guided Euler steps of every window, packed; returns x after the last step
+        (pairs, frames, 80; window j in row j), a view valid until the next run of this shape."""
+        fused, pool, page = self.fused, self.pool, self.pool.page_frames
+        count = len(windows)
+        widths = [w.width for w in windows]
+        contexts = [w.frame_start for w in windows]
+        buffers = self.graphs.get(count, max(widths), max(contexts)) if self.graphs is not None else None
+        if buffers is None:
+            buffers = StepBuffers(fused, count, max(widths), context_slots(max(contexts), max(widths)))
+        pairs, frames = buffers.pairs, buffers.frames
+        counters = self.counters
+        counters.calls, counters.rows = counters.calls + 1, counters.rows + count
+        counters.frames, counters.padded_frames = counters.frames + sum(widths), counters.padded_frames + pairs * frames
+        idle = [0] * (pairs - count)  # padding pairs of a captured shape: no frames, no context
+        buffers.set_rows(fused.rows((widths + idle) * 2, (contexts + idle) * 2, frames, streaming=True,
+                                    slots=buffers.slots))
+        inp = buffers.inp
+        inp.zero_()
+        for j, w in enumerate(windows):
+            end = w.frames
+            voice = w.stream.voice
+            x = fixed_noise(end, self.device, self.dtype)[:, :, w.frame_start:]
+            cond = self.flow.prompt_condition(voice.prompt_feat, w.frame_start, end)
+            fused.fill_input(inp, (j, pairs + j), x, w.mu, voice.spks, cond)
+        pair_rows = [torch.tensor([j, pairs + j], device=self.device) for j in range(count)]
+        commits = [w.frame_commit - w.frame_start for w in windows] + idle
+        buffers.commit.copy_(torch.tensor(commits * 2))
+        kv_all, conv_all = buffers.state.kv_all, buffers.state.conv_all
+        for step in range(self.n_timesteps):
+            for j, w in enumerate(windows):
+                if w.state.pages:
+                    context = pool.data[w.state.pages, step]  # (pages, layers, 2, page, width)
+                    kv_all[:, pair_rows[j], :w.frame_start] = context.permute(1, 2, 0, 3, 4).flatten(2, 3)
+                conv_all[pair_rows[j]] = w.state.conv[step]
+            buffers.time_bias.copy_(self._time_bias[step][:, None, :].expand(-1, 2 * pairs, -1))
+            buffers.dt.copy_(self._dt[step].expand(pairs))
+            x_out = buffers.step()
+            for j, w in enumerate(windows):
+                if w.finalize:
+                    continue
+                w.state.conv[step] = buffers.kept[pair_rows[j]]
+                if w.new_pages:
+                    new = kv_all[:, pair_rows[j], buffers.slots:buffers.slots + w.frame_commit - w.frame_start]
+                    pool.data[w.new_pages, step] = new.unflatten(2, (len(w.new_pages), page)).permute(2, 0, 1, 3, 4)
+        return x_out
+
+    @staticmethod
+    def _take_blocks(w: _Window) -> None:
+        """The window's complete blocks become the stream's context."""
+        w.state.pages += w.new_pages
+        w.state.token_commit, w.state.frame_commit = w.token_commit, w.frame_commit
+
+
+def _floor_to(value: int, multiple: int) -> int:
+    return value // multiple * multiple

@@ -1,0 +1,273 @@
+"""The token2wav flow engine (incremental, packed streams, voice prefixes) against the full re-run of every prefix."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cosyserve.errors import CapacityError, InvalidInputError
+from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
+from cosyserve.schedule import plan_chunks
+from cosyserve.token2wav.flow_engine import EngineGraphs, FlowEngine
+
+torch.set_num_threads(1)
+
+REL_L2 = 1e-5  # fp32: the issue's bound for "equal up to rounding"
+LOOKAHEAD = 3
+
+
+@pytest.fixture(scope="module")
+def flow() -> CosyVoice2Flow:
+    cfg = FlowConfig.tiny()
+    model = CosyVoice2Flow(cfg)
+    model.load_state_dict(random_flow_state_dict(cfg, seed=5))
+    return model.eval()
+
+
+def _voice(prompt_tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 6561, (1, prompt_tokens), generator=g),
+            torch.randn(1, 2 * prompt_tokens, 80, generator=g), torch.randn(1, 192, generator=g))
+
+
+def _tokens(count: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 6561, (1, count), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _engine(flow: CosyVoice2Flow, pages: int = 200, **kwargs) -> FlowEngine:
+    return FlowEngine(flow, pool_pages=pages, **kwargs)
+
+
+def upstream_schedule(prompt_tokens: int, total: int) -> list[tuple[int, bool]]:
+    """Upstream CosyVoice's own Python streaming: the first hop padded so that prompt + hop ends on
+    the 25-token grid, then 25, 50, 100 (capped), each with 3 look-ahead tokens; then the final."""
+    first = 25 - prompt_tokens % 25 or 25
+    chunks, count, hop = [], first, 25
+    while count + LOOKAHEAD < total:
+        chunks.append((count + LOOKAHEAD, False))
+        count += hop
+        hop = min(2 * hop, 100)
+    return chunks + [(total, True)]
+
+
+def triton_schedule(total: int) -> list[tuple[int, bool]]:
+    """The reference BLS's: 15 + 3 look-ahead, then 25 * 2^k."""
+    chunks = plan_chunks(total)
+    return [(c.num_tokens, c.finalize) for c in chunks]
+
+
+class Reference:
+    """One stream's chunks and the full re-run's mel for each (streaming masks throughout)."""
+
+    def __init__(self, flow, voice, tokens, schedule):
+        self.flow, self.voice, self.tokens, self.schedule = flow, voice, tokens, schedule
+        self.done = 0
+
+    def expected(self, count: int, finalize: bool) -> torch.Tensor:
+        full = self.flow.inference(self.tokens[:, :count], *self.voice, streaming=True, finalize=finalize)
+        return full[:, :, self.done:]
+
+
+@pytest.mark.parametrize("schedule_kind", ["triton", "upstream"])
+@pytest.mark.parametrize("prompt_tokens", [20, 28, 53, 75])
+def test_chunks_equal_full_rerun(flow, schedule_kind: str, prompt_tokens: int):
+    """Every chunk of a stream equals the full re-run, with the voice prefix cached or not (P mod 25
+    across 0..3 and beyond: the prompt tail crossing into the target through the look-ahead)."""
+    engine = _engine(flow)
+    voice, tokens = _voice(prompt_tokens, seed=prompt_tokens), _tokens(140, seed=1)
+    schedule = triton_schedule(140) if schedule_kind == "triton" else upstream_schedule(prompt_tokens, 140)
+    for repeat in range(2):  # the second stream starts from the cached prefix
+        stream = engine.open(*voice)
+        ref = Reference(flow, voice, tokens, schedule)
+        chunks = []
+        for count, finalize in schedule:
+            got = engine.run([(stream, tokens[:, :count], finalize)])[0]
+            expected = ref.expected(count, finalize)
+            assert got.shape == expected.shape and _rel(got, expected) < REL_L2, (repeat, count, _rel(got, expected))
+            chunks.append((got, expected))
+            ref.done += got.size(2)
+        assert stream.closed
+        # the mels handed out are the caller's: later runs (same shapes, same workspaces) leave them alone
+        assert all(_rel(got, expected) < REL_L2 for got, expected in chunks)
+    assert engine.cached_voices == 1 and engine.open_streams == 0
+
+
+@pytest.mark.parametrize("shapes", ["exact", "captured"])
+def test_mixed_voices_and_batch_compositions(flow, shapes: str):
+    """Streams of several voices (cached and not) at different points of their schedules, packed in
+    random groups: each chunk equals the full re-run, and a packed row equals the same row alone.
+    "captured": the CUDA-graph path's fixed shapes (padding pairs, frames and context slots, one
+    shared context buffer), run eagerly."""
+    engine, alone = _engine(flow), _engine(flow)
+    if shapes == "captured":
+        engine.graphs = EngineGraphs(engine.fused, replay=False)
+    voices = [_voice(p, seed=10 + p) for p in (20, 33, 60)]
+    rng = random.Random(0)
+    streams = []
+    for k in range(5):
+        voice = voices[k % len(voices)]
+        tokens = _tokens(rng.randint(60, 130), seed=100 + k)
+        schedule = triton_schedule(tokens.size(1)) if k % 2 else upstream_schedule(voice[0].size(1), tokens.size(1))
+        streams.append((engine.open(*voice), alone.open(*voice), Reference(flow, voice, tokens, schedule), iter(schedule)))
+    pending = {k: next(s[3]) for k, s in enumerate(streams)}
+    while pending:
+        group = rng.sample(sorted(pending), rng.randint(1, len(pending)))
+        chunks = [(streams[k][0], streams[k][2].tokens[:, :pending[k][0]], pending[k][1]) for k in group]
+        mels = engine.run(chunks)
+        for k, mel in zip(group, mels):
+            _, lone, ref, schedule = streams[k]
+            count, finalize = pending[k]
+            assert _rel(mel, ref.expected(count, finalize)) < REL_L2, (k, count)
+            solo = alone.run([(lone, ref.tokens[:, :count], finalize)])[0]
+            assert _rel(mel, solo) < REL_L2
+            ref.done += mel.size(2)
+            following = next(schedule, None)
+            if following is None:
+                del pending[k]
+            else:
+                pending[k] = following
+    assert engine.open_streams == 0
+    assert engine.pool.free_pages == engine.pool.pages - sum(len(v.state.pages) for v in engine._voices.values())
+    if shapes == "captured":
+        assert engine.graphs.captured > 1  # several shapes were used
+
+
+def test_pages_return_after_finish_cancel_and_error(flow):
+    engine = _engine(flow)
+    voice, tokens = _voice(60, seed=3), _tokens(150, seed=4)
+    engine.open(*voice).close()  # computes the prefix
+    voice_pages = engine.pool.pages - engine.pool.free_pages
+    assert voice_pages == 2  # 50 * floor((60 - 3) / 25) frames = 100 frames = 2 pages
+
+    cancelled = engine.open(*voice)
+    engine.run([(cancelled, tokens[:, :93], False)])
+    assert engine.pool.pages - engine.pool.free_pages > voice_pages
+    cancelled.close()
+    cancelled.close()  # idempotent
+    failed = engine.open(*voice)
+    engine.run([(failed, tokens[:, :43], False)])
+    with pytest.raises(InvalidInputError, match="extend"):
+        engine.run([(failed, _tokens(60, seed=9), False)])
+    assert failed.closed
+    with pytest.raises(InvalidInputError, match="closed"):
+        engine.run([(failed, tokens[:, :60], False)])
+    assert engine.open_streams == 0 and engine.pool.pages - engine.pool.free_pages == voice_pages
+
+
+def test_full_pool_refuses_a_stream_and_evicts_unused_voices(flow):
+    engine = _engine(flow, pages=5)
+    engine.open(*_voice(60, seed=1)).close()  # 2 pages kept for the voice, unused
+    stream = engine.open(*_voice(20, seed=2))  # no prefix pages
+    tokens = _tokens(160, seed=5)
+    engine.run([(stream, tokens[:, :103], False)])  # 200 complete frames: 4 pages, the unused voice's freed
+    assert engine.cached_voices == 1 and engine.pool.free_pages == 1
+    with pytest.raises(CapacityError, match="state pool is full"):
+        engine.run([(stream, tokens[:, :153], False)])  # 300 frames: 2 more pages
+    assert stream.closed and engine.pool.free_pages == engine.pool.pages
+
+
+def test_voices_are_keyed_by_content(flow):
+    """Same prompt tokens, different clip: two voices (the reference keys speakers by transcript alone)."""
+    engine = _engine(flow)
+    tokens, feat, embedding = _voice(40, seed=7)
+    engine.open(tokens, feat, embedding).close()
+    engine.open(tokens, feat + 0.1, embedding).close()
+    engine.open(tokens, feat, embedding).close()
+    assert engine.cached_voices == 2
+
+
+def test_unaligned_chunk_sizes_and_left_chunk_limit():
+    """Encoder blocks (10 tokens = 20 frames) that do not line up with estimator blocks (30 frames,
+    the page size then), and an estimator that only looks one block back."""
+    from cosyserve.models.flow import EncoderConfig, EstimatorConfig
+
+    cfg = FlowConfig(
+        input_size=32,
+        encoder=EncoderConfig(input_size=32, output_size=32, attention_heads=2, linear_units=64, num_blocks=1,
+                              static_chunk_size=10),
+        estimator=EstimatorConfig(channels=(32,), attention_head_dim=8, num_heads=2, n_blocks=1, num_mid_blocks=1,
+                                  static_chunk_size=30, num_decoding_left_chunks=1),
+    )
+    model = CosyVoice2Flow(cfg)
+    model.load_state_dict(random_flow_state_dict(cfg, seed=2))
+    model.eval()
+    engine = _engine(model)
+    voice, tokens = _voice(29, seed=1), _tokens(80, seed=2)
+    stream = engine.open(*voice)
+    assert stream.voice.frames == 30 and engine.pool.page_frames == 30
+    ref = Reference(model, voice, tokens, [])
+    for count, finalize in [(5, False), (17, False), (18, False), (40, False), (41, False), (66, False), (80, True)]:
+        got = engine.run([(stream, tokens[:, :count], finalize)])[0]
+        assert _rel(got, ref.expected(count, finalize)) < REL_L2, count
+        ref.done += got.size(2)
+
+
+def test_window_and_pages_stay_bounded(flow):
+    """Each chunk recomputes at most its new frames plus one open estimator block; a stream holds one
+    page per complete block beyond its voice's."""
+    engine = _engine(flow)
+    voice, tokens = _voice(20, seed=3), _tokens(400, seed=4)
+    stream = engine.open(*voice)
+    block = flow.cfg.estimator.static_chunk_size
+    for count in range(28, 400, 25):
+        frames = 2 * (20 + count - LOOKAHEAD)
+        window = frames - stream.context_frames
+        new = engine.run([(stream, tokens[:, :count], False)])[0].shape[2]
+        assert new == 50 and window < new + block
+        assert stream.private_pages == stream.context_frames // block - stream.voice.frames // block
+    stream.close()
+    assert engine.open_streams == 0
+
+
+def test_reference_chunks_of_the_fixture(parity_dir):
+    """The fixture's Triton schedule: the engine's non-final chunks equal the reference's chunk{i}/mel
+    (its final chunk is the non-streaming pass, which runs outside the engine: check_parity)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from cosyserve.models.flow import flow_from_state_dict
+
+    fixtures = parity_dir / "cosyvoice2"
+    if not (fixtures / "flow_tiny_io.safetensors").is_file():
+        pytest.skip(f"no flow fixtures in {fixtures}")
+    cfg = FlowConfig.from_fixture_json(json.loads((fixtures / "flow_tiny_config.json").read_text()))
+    model = flow_from_state_dict(cfg, torch.load(fixtures / "flow_tiny.pt", weights_only=True), "flow_tiny.pt")
+    io = load_file(fixtures / "flow_tiny_io.safetensors")
+    chunks = json.loads((fixtures / "fixture_meta.json").read_text())["flow_io"]["chunks"]
+    engine = _engine(model)
+    stream = engine.open(io["prompt_token"], io["prompt_feat"], io["embedding"])
+    done = 0
+    for i, chunk in enumerate(chunks):
+        if chunk["finalize"]:
+            continue
+        got = engine.run([(stream, io["token"][:, :chunk["num_tokens"]], False)])[0]
+        assert _rel(got, io[f"chunk{i}/mel"][:, :, done:]) < REL_L2
+        done += got.size(2)
+
+
+def test_bad_chunks_fail_clearly_and_close_the_stream(flow):
+    voice, tokens = _voice(20, seed=5), _tokens(60, seed=6)
+    engine = _engine(flow)
+    other = tokens.clone()
+    other[0, 2] += 1
+    for bad, message in [(other[:, :30], "extend the 18 tokens"), (tokens[:, :10], "extend"),
+                         (tokens[:, :18], "no frames beyond the 30"), (torch.cat([tokens, tokens])[:, :30], r"\(1, n\)"),
+                         (tokens[:, :30].float(), "integer")]:
+        stream = engine.open(*voice)
+        engine.run([(stream, tokens[:, :18], False)])
+        with pytest.raises(InvalidInputError, match=message):
+            engine.run([(stream, bad, False)])
+        assert stream.closed
+    with pytest.raises(InvalidInputError, match="prompt_feat"):
+        engine.open(voice[0], voice[1][:, :-1], voice[2])
+    with pytest.raises(InvalidInputError, match="batch size"):
+        engine.open(torch.cat([voice[0]] * 2), torch.cat([voice[1]] * 2), torch.cat([voice[2]] * 2))
+    assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - sum(
+        len(v.state.pages) for v in engine._voices.values())
