@@ -18,3 +18,4 @@ def test_a_stub_replaced_by_a_reload_has_not():
 
 def test_a_stub_of_a_model_being_unloaded_has_not():
     assert crashed_stubs({10: LLM, 11: T2W}, {11: T2W}, {"token2wav"}) == []
+

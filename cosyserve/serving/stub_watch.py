@@ -17,7 +17,11 @@ closes), the health endpoints stop answering, and the server's exit status is no
 signal 9), so a supervisor (compose ``restart:``, Kubernetes, the container's own loop) starts it
 again. The watcher ends with the server.
 
-    python -m cosyserve.serving.stub_watch --server-pid PID --http-port 8000 [--interval-s 1]
+    python -m cosyserve.serving.stub_watch --server-pid PID --http-port 8000 [--interval-s 1] \\
+        [--stub PID MODEL INSTANCE ...]
+
+``--stub``: stubs the launcher saw when the server became ready, so that one that dies before the
+watcher's first look is still known (on a loaded machine the watcher may start seconds late).
 """
 
 from __future__ import annotations
@@ -89,10 +93,11 @@ def crashed_stubs(seen: dict[int, Stub], alive: dict[int, Stub], ready: set[str]
             if pid not in alive and stub.instance not in serving and stub.model in ready]
 
 
-def watch(server_pid: int, http_port: int, interval_s: float = DEFAULT_INTERVAL_S) -> Stub | None:
-    """Until the server exits (None) or one of its stubs crashes: then the server's process group is
-    killed and the stub returned."""
-    seen: dict[int, Stub] = {}
+def watch(server_pid: int, http_port: int, interval_s: float = DEFAULT_INTERVAL_S,
+          known: Sequence[Stub] = ()) -> Stub | None:
+    """Until the server exits (None) or one of its stubs (``known`` ones or any seen since) crashes:
+    then the server's process group is killed and the stub returned."""
+    seen = {stub.pid: stub for stub in known}
     while is_running(server_pid):
         alive = python_stubs(server_pid)
         gone = {pid: stub for pid, stub in seen.items() if pid not in alive}
@@ -120,8 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--server-pid", type=int, required=True)
     parser.add_argument("--http-port", type=int, required=True)
     parser.add_argument("--interval-s", type=float, default=DEFAULT_INTERVAL_S)
+    parser.add_argument("--stub", nargs=3, action="append", default=[], metavar=("PID", "MODEL", "INSTANCE"),
+                        help="a stub process already running (repeat for each)")
     args = parser.parse_args(argv)
-    watch(args.server_pid, args.http_port, args.interval_s)
+    known = [Stub(int(pid), model, instance) for pid, model, instance in args.stub]
+    watch(args.server_pid, args.http_port, args.interval_s, known)
     return 0
 
 

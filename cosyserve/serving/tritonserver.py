@@ -305,10 +305,14 @@ def start_server(
         server.stop(timeout=10.0)
         raise
     if watch_stubs:
+        from .stub_watch import python_stubs  # it imports this module
+
+        known = [arg for stub in python_stubs(process.pid).values()
+                 for arg in ("--stub", str(stub.pid), stub.model, stub.instance)]
         with open(log_file, "ab") as log:
             server.stub_watch = subprocess.Popen(
                 [sys.executable, "-m", "cosyserve.serving.stub_watch", "--server-pid", str(process.pid),
-                 "--http-port", str(http_port)],
+                 "--http-port", str(http_port), *known],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=preexec_fn)
     return server
