@@ -51,6 +51,9 @@ MPS_DIR=${MPS_DIR:-$repo_root/outputs/mps}    # the daemon's pipes and logs
 BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-4}
 OFFLINE_BLS_INSTANCE_NUM=${OFFLINE_BLS_INSTANCE_NUM:-1}  # cosyvoice2_offline, served next to a streaming cosyvoice2
 BLS_WARM_UP=${BLS_WARM_UP:-true}               # load the BLS's text front-end at start, not on the first request
+# Seconds a request may run once a BLS instance has taken it; past that it ends with "request timed out
+# after N s" (HTTP API: 504) and frees its LLM slot and token2wav state at once. 0: no limit.
+REQUEST_TIMEOUT_S=${REQUEST_TIMEOUT_S:-0}
 # Requests that wait for a free BLS instance at most; one more is refused at once (gRPC UNAVAILABLE,
 # HTTP API 429 with Retry-After), so clients can go to another replica. 0 (default): no limit, requests
 # queue as in NVIDIA's runtime; no bound is the default until a GPU run shows one safe (docs/operations.md).
@@ -89,6 +92,11 @@ SERVER_START_TIMEOUT=${SERVER_START_TIMEOUT:-600}
 #   curl -X POST localhost:$HTTP_PORT/v2/repository/models/cosyvoice2/load   (docs/operations.md)
 # none: Triton's default (no repository API).
 TRITON_MODEL_CONTROL=${TRITON_MODEL_CONTROL:-explicit}   # explicit | none
+# true: when a model's Python stub process dies (which Triton 24.10 neither replaces nor reports on its
+# health endpoints, and which can leave requests hanging), a watcher kills tritonserver (non-zero exit,
+# one line in SERVER_LOG) so that its supervisor restarts it; false: the server stays up, and the model
+# must be loaded again by hand (docs/operations.md).
+EXIT_ON_STUB_CRASH=${EXIT_ON_STUB_CRASH:-true}   # true | false
 # The OpenAI-compatible API (python -m cosyserve.api) that stage 3 starts next to Triton; API_PORT= (empty): not
 # started. API_KEYS=k1,k2 or API_KEY_FILE: Bearer keys it requires (none: open). docs/api.md.
 API_PORT=${API_PORT-8080}
@@ -103,6 +111,7 @@ OUT_DIR=${OUT_DIR:-$repo_root/outputs}
 TARGET_TEXT=${TARGET_TEXT:-"身临其境，换新体验。塑造开源语音合成新范式，让智能语音更自然。"}
 
 case "$TRITON_MODEL_CONTROL" in explicit|none) ;; *) die "TRITON_MODEL_CONTROL must be explicit or none (got $TRITON_MODEL_CONTROL)" ;; esac
+case "$EXIT_ON_STUB_CRASH" in true|false) ;; *) die "EXIT_ON_STUB_CRASH must be true or false (got $EXIT_ON_STUB_CRASH)" ;; esac
 case "$CUDA_MPS" in auto|on|off) ;; *) die "CUDA_MPS must be auto, on or off (got $CUDA_MPS)" ;; esac
 
 mps_wanted() {
@@ -213,6 +222,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --trt-engine-dir "$TRT_ENGINE_DIR" --trt-kv-cache-tokens "$TRT_KV_CACHE_TOKENS" --decoupled "$DECOUPLED_MODE" \
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
     --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-warm-up "$BLS_WARM_UP" \
+    --request-timeout-s "$REQUEST_TIMEOUT_S" \
     --offline-bls-max-queue-size "$OFFLINE_BLS_MAX_QUEUE_SIZE" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
     --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" \
     --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \
@@ -237,10 +247,12 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
   fi
   model_control=(--model-control-mode=none)
   [ "$TRITON_MODEL_CONTROL" = none ] || model_control=(--model-control-mode=explicit "--load-model=*")
+  watch_stubs=()
+  [ "$EXIT_ON_STUB_CRASH" = false ] || watch_stubs=(--watch-stubs)
   "$PY" -m cosyserve.serving.tritonserver start --model-repo "$MODEL_REPO" \
     --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" --metrics-port "$METRICS_PORT" \
     --log "$SERVER_LOG" --pid-file "$SERVER_PID_FILE" --timeout "$SERVER_START_TIMEOUT" \
-    -- "${model_control[@]}"
+    "${watch_stubs[@]}" -- "${model_control[@]}"
   log "Triton is ready. Stop it with: bash run.sh stop"
   if [ -n "$API_PORT" ]; then
     "$PY" -m cosyserve.api.service start --pid-file "$API_PID_FILE" --log "$API_LOG" -- --port "$API_PORT" \

@@ -22,5 +22,9 @@ class RequestCancelledError(CosyServeError):
     """A request was cancelled (client disconnect, deadline) while it was running."""
 
 
+class RequestTimeoutError(RequestCancelledError):
+    """A request ran past its time limit (the ``request_timeout_s`` of the BLS) and was stopped."""
+
+
 class CapacityError(CosyServeError, RuntimeError):
     """The server cannot take this request now (state memory full, queue full); retrying later may work."""

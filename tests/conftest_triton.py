@@ -273,14 +273,16 @@ def server_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
-def serve_repo(repo: Path, work: Path, extra_args: tuple[str, ...] = ()):
+def serve_repo(repo: Path, work: Path, extra_args: tuple[str, ...] = (), watch_stubs: bool = False):
     """Generator for a module fixture: tritonserver on ``repo`` (free ports, log ``work/server.log``,
-    ``extra_args`` on its command line), yielded running and stopped afterwards."""
+    ``extra_args`` on its command line, the stub watch with ``watch_stubs``), yielded running and
+    stopped afterwards."""
     from cosyserve.serving.tritonserver import start_server
 
     http, grpc, metrics_port = free_ports(3)
     server = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics_port, extra_args=extra_args,
-                          log_file=work / "server.log", timeout=300, env=server_env(), die_with_parent=True)
+                          log_file=work / "server.log", timeout=300, env=server_env(), die_with_parent=True,
+                          watch_stubs=watch_stubs)
     yield server
     server.stop()
 

@@ -295,6 +295,8 @@ def test_health_and_metrics(api, client):
     ("Request for unknown model: 'cosyvoice2' is not found", None, 503),
     ("failed to connect to all addresses", "StatusCode.UNAVAILABLE", 503),
     ("Exceeds maximum queue size", None, 429),
+    ("request timed out after 3 s", "StatusCode.UNAVAILABLE", 504),
+    ("request timed out after 3 s", None, 504),
     ("internal error: RuntimeError: the LLM produced no speech tokens", None, 500),
 ])
 def test_triton_errors_map_to_statuses_with_their_message(message, status, expected):

@@ -20,9 +20,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest_triton import (Stream, fill_to_capacity, grpc_input, metrics, serve_repo, set_parameter, stream_tts,
-                             token_limits, wait_until_idle)
+from conftest_triton import (Stream, assert_server_idle, fill_to_capacity, grpc_input, metrics, serve_repo,
+                             set_parameter, stream_tts, token_limits, wait_until_idle)
+from cosyserve.bench.soak import BAD_INPUTS, SoakConfig, format_report, run_soak, write_report
 from cosyserve.serving.model_repository import CosyVoice2Repository, build
+from cosyserve.serving.tritonserver import is_ready
 
 pytest.importorskip("pytriton")  # the bundled tritonserver
 
@@ -48,7 +50,13 @@ def own_server(tiny_bundle: Path, tmp_path):
     yield from serve_faults_repo(tiny_bundle, tmp_path)
 
 
-def serve_faults_repo(tiny_bundle: Path, work: Path):
+@pytest.fixture
+def watched_server(tiny_bundle: Path, tmp_path):
+    """A server of its own with the stub watch (run.sh's EXIT_ON_STUB_CRASH=true)."""
+    yield from serve_faults_repo(tiny_bundle, tmp_path, watch_stubs=True)
+
+
+def serve_faults_repo(tiny_bundle: Path, work: Path, watch_stubs: bool = False):
     repo = build(CosyVoice2Repository(
         tiny_bundle, device="cpu", bls_instances=BLS_INSTANCES, bls_max_queue_size=QUEUE,
         offline_bls_instances=OFFLINE_INSTANCES, offline_bls_max_queue_size=OFFLINE_QUEUE,
@@ -58,7 +66,7 @@ def serve_faults_repo(tiny_bundle: Path, work: Path):
         "parameters [", f'parameters [\n  {{ key: "stream_idle_timeout_s", value: {{ string_value: "{STREAM_IDLE_TIMEOUT_S}" }} }},', 1))
     set_parameter(repo / "llm" / "config.pbtxt", "send_timeout_s", str(LLM_SEND_TIMEOUT_S))
     # explicit model control: a model whose stub died can be loaded again (what run.sh stage 3 does)
-    yield from serve_repo(repo, work, extra_args=EXPLICIT_MODEL_CONTROL)
+    yield from serve_repo(repo, work, extra_args=EXPLICIT_MODEL_CONTROL, watch_stubs=watch_stubs)
 
 
 def long_request(text: str = "你好") -> list:
@@ -182,15 +190,6 @@ def stub_pids(server, model: str) -> list[int]:
     return pids
 
 
-def rss_mb(pids: list[int]) -> float:
-    """Resident memory of these processes together, in MB (``VmRSS`` of /proc/PID/status)."""
-    total_kb = 0
-    for pid in pids:
-        status = Path(f"/proc/{pid}/status").read_text()
-        total_kb += int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE).group(1))
-    return total_kb / 1024
-
-
 def stream_error(stream: Stream, timeout_s: float) -> Exception | None:
     """Read ``stream`` to its end; its error, or None when it ended normally."""
     while True:
@@ -213,7 +212,26 @@ def short_stream(server) -> int:
     return sum(c.size for c in stream_tts(server, [grpc_input("target_text", "好")]))
 
 
-# Not the llm model: a BLS reading a decoupled LLM stream whose stub died waits for ever (docs/operations.md).
+def streaming_long_request(server) -> Stream:
+    """A LONG_TOKENS stream whose first chunk has come (its token2wav session is open)."""
+    stream = Stream(server.grpc_url)
+    stream.send("cosyvoice2", long_request())
+    assert first_chunk(stream).size > 0
+    return stream
+
+
+def kill_stubs(server, model: str) -> tuple[list[int], float]:
+    """SIGKILL every stub process of ``model``; their pids and when."""
+    pids = stub_pids(server, model)
+    assert pids, f"no stub process found for {model}"
+    killed_at = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids, killed_at
+
+
+# Not the llm model: without the stub watch, a BLS reading a decoupled LLM stream whose stub died
+# waits for ever (docs/operations.md); the next test covers it.
 @pytest.mark.parametrize("model", ["cosyvoice2", "token2wav"])
 def test_a_killed_stub_fails_its_requests_until_the_model_is_loaded_again(own_server, model):
     """SIGKILL of a model's stub processes mid-stream: the stream ends with an error within
@@ -224,14 +242,8 @@ def test_a_killed_stub_fails_its_requests_until_the_model_is_loaded_again(own_se
     rarely (seen once in about seven kills) tritonserver itself exits, which must be non-zero so
     that a supervisor restarts it."""
     server = own_server
-    stream = Stream(server.grpc_url)
-    stream.send("cosyvoice2", long_request())
-    assert first_chunk(stream).size > 0
-    pids = stub_pids(server, model)
-    assert pids, f"no stub process found for {model}"
-    killed_at = time.monotonic()
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+    stream = streaming_long_request(server)
+    pids, killed_at = kill_stubs(server, model)
     error = stream_error(stream, timeout_s=30)
     failed_after = time.monotonic() - killed_at
     stream.close()
@@ -252,6 +264,96 @@ def test_a_killed_stub_fails_its_requests_until_the_model_is_loaded_again(own_se
     assert short_stream(server) == NUM_TOKENS * 960
     assert_idle_and_alive(server)
     client.close()
+
+
+STUB_WATCH_LINE = "cosyserve stub watch: the Python stub of model instance '{model}_0_"
+
+
+@pytest.mark.parametrize("model", ["llm", "token2wav", "cosyvoice2"])
+def test_a_killed_stub_ends_the_watched_server_and_its_requests_within_seconds(watched_server, model):
+    """With the stub watch (run.sh's default), SIGKILL of a model's stubs while a stream and an
+    offline request are in flight: both fail within seconds, the llm case included (which hangs
+    without the watch), tritonserver is killed (non-zero exit status) with one log line naming the
+    dead instance, and its health endpoint stops answering ready."""
+    server = watched_server
+    stream = streaming_long_request(server)
+    offline = grpcclient.InferenceServerClient(server.grpc_url)
+    offline_errors: queue.Queue = queue.Queue()
+    offline.async_infer("cosyvoice2_offline", long_request(), lambda result, error: offline_errors.put(error))
+    _, killed_at = kill_stubs(server, model)
+    error = stream_error(stream, timeout_s=30)
+    stream_failed_after = time.monotonic() - killed_at
+    offline_error = offline_errors.get(timeout=30)
+    offline_failed_after = time.monotonic() - killed_at
+    server.process.wait(timeout=30)
+    exited_after = time.monotonic() - killed_at
+    stream.close()
+    offline.close()
+    print(f"{model}: stream failed after {stream_failed_after:.2f} s ({error}), offline after "
+          f"{offline_failed_after:.2f} s ({offline_error}), server exited {server.process.returncode} after "
+          f"{exited_after:.2f} s")
+    assert error is not None and offline_error is not None
+    assert stream_failed_after < 10 and offline_failed_after < 10 and exited_after < 10
+    assert server.process.returncode != 0
+    log = server.log_file.read_text(errors="replace")
+    assert STUB_WATCH_LINE.format(model=model) in log, log[-3000:]
+    assert not is_ready(server.http_port)
+
+
+# ----- per-request timeout -----------------------------------------------------------------------
+
+REQUEST_TIMEOUT_S = 3  # a LONG_TOKENS request takes far longer on the CPU; a NUM_TOKENS one ~1 s
+
+
+@pytest.fixture(scope="module")
+def timeout_server(tiny_bundle: Path, tmp_path_factory):
+    """One instance of each BLS, with a request timeout (run.sh's REQUEST_TIMEOUT_S) and the stub watch."""
+    work = tmp_path_factory.mktemp("timeout_server")
+    repo = build(CosyVoice2Repository(
+        tiny_bundle, device="cpu", bls_instances=1, offline_bls_instances=1, max_tokens=NUM_TOKENS,
+        min_tokens=NUM_TOKENS, request_timeout_s=REQUEST_TIMEOUT_S), work / "repo")
+    yield from serve_repo(repo, work, watch_stubs=True)
+
+
+def test_a_request_past_its_timeout_fails_alone_and_releases_what_it_held(timeout_server):
+    """A stream and an offline request still running after REQUEST_TIMEOUT_S end with "request
+    timed out after 3 s" (the offline one with gRPC's UNAVAILABLE, which the API turns into 504);
+    their LLM request and token2wav session are released at once; the other model's request, and
+    the next ones, are served in full."""
+    server = timeout_server
+    log_start = server.log_file.stat().st_size
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    stream = Stream(server.grpc_url)
+    started = time.monotonic()
+    stream.send("cosyvoice2", long_request())
+    assert first_chunk(stream).size > 0  # a token2wav session is open
+    # the offline model, meanwhile: a short request is served, a long one times out
+    short = [grpc_input("target_text", "好"), *token_limits(NUM_TOKENS)]
+    assert client.infer("cosyvoice2_offline", short).as_numpy("waveform").size == NUM_TOKENS * 960
+    error = stream_error(stream, timeout_s=30)
+    timed_out_after = time.monotonic() - started
+    stream.close()
+    assert error is not None and f"request timed out after {REQUEST_TIMEOUT_S} s" in str(error), error
+    assert REQUEST_TIMEOUT_S <= timed_out_after < REQUEST_TIMEOUT_S + 3, timed_out_after
+    values = wait_until_idle(server.metrics_port, timeout_s=2)  # released at once, not after an idle timeout
+    assert values["cosyserve_llm_active_requests"] == values["cosyserve_token2wav_open_streams"] == 0, values
+
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException, match=f"request timed out after {REQUEST_TIMEOUT_S} s") as timeout:
+        client.infer("cosyvoice2_offline", long_request())
+    assert timeout.value.status() == "StatusCode.UNAVAILABLE"
+    assert time.monotonic() - started < REQUEST_TIMEOUT_S + 3
+    values = wait_until_idle(server.metrics_port, timeout_s=2)
+    assert values["cosyserve_llm_active_requests"] == 0, values
+
+    assert short_stream(server) == NUM_TOKENS * 960
+    assert client.infer("cosyvoice2_offline", short).as_numpy("waveform").size == NUM_TOKENS * 960
+    assert_server_idle(server, log_start)
+    client.close()
+    # a graceful stop (SIGTERM: the models unload, their stubs end) is not taken for a crash
+    server.stop()
+    assert server.process.returncode == 0
+    assert "stub watch" not in server.log_file.read_text(errors="replace")
 
 
 # ----- cancellations and a soak -----------------------------------------------------------------
@@ -298,44 +400,40 @@ def test_hundreds_of_clients_cancelling_mid_stream_leave_nothing_behind(idle_ser
 
 # CI runs the short soak; COSYSERVE_SOAK_REQUESTS=5000 (say) for a long one.
 SOAK_REQUESTS = int(os.environ.get("COSYSERVE_SOAK_REQUESTS", "200"))
+SOAK_WARMUP = 40  # requests before memory counts: caches, allocator pools, lazily built buffers
 SOAK_TOKENS = 5
-# Growth of the stubs' resident memory from after a warm-up to the end of the soak, in MB.
+# Growth of the stubs' resident memory from after the warm-up to the end of the soak, in MB.
 SOAK_RSS_GROWTH_MB = 40
+# The least-squares slope of tritonserver's and the stubs' resident memory together, in MB per
+# 1000 requests after the warm-up. Measured here on a fresh server: +13 (+159 before the warm-up
+# held a burst and each kind of bad input: one-off steps of ~10 MB); a leak of 1 MB per request
+# would be +1000.
+SOAK_SLOPE_MB_PER_1000 = 100
 
 
 @pytest.mark.soak
-def test_soak_of_short_requests_keeps_memory_flat(idle_server):
-    pids = [pid for model in ("cosyvoice2", "cosyvoice2_offline", "llm", "token2wav", "audio_tokenizer",
-                              "speaker_embedding") for pid in stub_pids(idle_server, model)]
-    client = grpcclient.InferenceServerClient(idle_server.grpc_url)
-
-    refusals = []
-
-    def request(i: int) -> int:
-        """Streaming and offline in turn; retried when refused (a request's instance is freed just
-        after its client has the answer, so the next one may find instances and queue still full)."""
-        inputs = [grpc_input("target_text", f"第{i}句。"), *token_limits(SOAK_TOKENS)]
-        while True:
-            try:
-                if i % 2:
-                    return client.infer("cosyvoice2_offline", inputs).as_numpy("waveform").size
-                return sum(c.size for c in stream_tts(idle_server, inputs))
-            except InferenceServerException as exc:
-                assert REFUSED in str(exc), exc
-                refusals.append(i)
-                time.sleep(0.05)
-
-    def run(requests: range) -> None:
-        with ThreadPoolExecutor(BLS_INSTANCES) as pool:
-            assert set(pool.map(request, requests)) == {SOAK_TOKENS * 960}
-
-    run(range(40))  # warm-up: caches, allocator pools, lazily built buffers
-    start_mb = rss_mb(pids)
-    started = time.monotonic()
-    run(range(40, 40 + SOAK_REQUESTS))
-    end_mb = rss_mb(pids)
-    print(f"soak: {SOAK_REQUESTS} requests in {time.monotonic() - started:.1f} s, stubs' RSS "
-          f"{start_mb:.0f} -> {end_mb:.0f} MB ({(end_mb - start_mb) / SOAK_REQUESTS * 1000:+.1f} MB per 1000 requests), "
-          f"{len(refusals)} refusals retried")
-    assert end_mb - start_mb < SOAK_RSS_GROWTH_MB
-    client.close()
+def test_soak_with_cancels_bad_inputs_and_bursts_keeps_memory_flat(idle_server, tmp_path):
+    """scripts/soak.py's run, short: SOAK_REQUESTS requests after a warm-up, 2 at a time, streaming
+    and offline in turn, 10 % cancelled mid-stream, 5 % bad inputs of every kind, a burst of 8
+    streams every 50 requests (above 2 instances + a queue of 2). No unexpected failure; every bad
+    input answered with its own clear error; memory flat; nothing left over. The report is written
+    to the test's tmp_path (soak.json)."""
+    config = SoakConfig(
+        url=idle_server.grpc_url, http_port=idle_server.http_port, metrics_port=idle_server.metrics_port,
+        server_pid=idle_server.pid, requests=SOAK_WARMUP + SOAK_REQUESTS, concurrency=BLS_INSTANCES,
+        burst_every=50, burst_size=8, tokens=SOAK_TOKENS, cancel_tokens=LONG_TOKENS, warmup=SOAK_WARMUP,
+        sample_interval_s=1.0, request_timeout_s=120)
+    report = run_soak(config)
+    print(format_report(report))
+    write_report(report, tmp_path / "soak.json")
+    assert report.unexpected == 0, format_report(report)
+    rejected = {kind.removeprefix("bad:") for kind, results in report.outcomes.items() if kind.startswith("bad:")}
+    assert rejected == {bad.name for bad in BAD_INPUTS}, "not every kind of bad input was sent"
+    for kind, results in report.outcomes.items():
+        assert not kind.startswith("bad:") or set(results) == {"rejected"}, (kind, results)
+    assert report.outcomes["cancel"] == {"cancelled": round(config.requests * config.cancel_fraction)}
+    assert report.burst_refused > 0, "no burst went past capacity"
+    stubs = [name for name in report.memory_growth_mb if re.fullmatch(r".+_\d+_\d+", name)]
+    assert {name.rsplit("_", 2)[0] for name in stubs} >= {"cosyvoice2", "cosyvoice2_offline", "llm", "token2wav"}
+    assert report.memory_growth_mb["stubs"] < SOAK_RSS_GROWTH_MB
+    assert report.memory_slope_mb_per_1000["total"] < SOAK_SLOPE_MB_PER_1000

@@ -14,7 +14,7 @@ from tritonclient.utils import InferenceServerException
 logger = logging.getLogger("cosyserve.api")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "service_unavailable"}
+               500: "server_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
 class APIError(Exception):
@@ -52,6 +52,8 @@ def triton_error(exc: InferenceServerException) -> APIError:
     """
     message = exc.message() or str(exc)
     lowered = f"{exc.status() or ''} {message}".lower()
+    if "request timed out after" in lowered:  # the BLS's request_timeout_s (REQUEST_TIMEOUT_S)
+        return APIError(504, message, code="timeout")
     if lowered.strip().startswith("statuscode.cancelled"):
         return APIError(499, message, code="cancelled")
     if message.startswith(("unknown voice", "unknown speaker id")):

@@ -33,11 +33,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
+import time
+
 import numpy as np
 
 from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..clip_cache import ClipCache
-from ..errors import InvalidInputError, RequestCancelledError
+from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutError
 from ..frontend.prompt import PromptFeatures, Voice, build_prompt_features
 from ..frontend.voice_store import VoiceStore, is_voice_id
 from ..llm.prompt import MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, build_prompt_ids
@@ -187,6 +189,24 @@ class VoiceResolver:
 
 def never_cancelled() -> bool:
     return False
+
+
+def with_timeout(is_cancelled: Callable[[], bool], timeout_s: float) -> Callable[[], bool]:
+    """``is_cancelled`` for a request that may run ``timeout_s`` seconds from now (0: no limit).
+
+    Past that the check raises :class:`~cosyserve.errors.RequestTimeoutError`, which ends the
+    request as a cancellation does (its LLM request stopped, its token2wav session closed), with
+    its own message. The pipelines check between LLM pieces and token2wav calls."""
+    if not timeout_s:
+        return is_cancelled
+    deadline = time.monotonic() + timeout_s
+
+    def cancelled_or_timed_out() -> bool:
+        if time.monotonic() > deadline:
+            raise RequestTimeoutError(f"request timed out after {timeout_s:g} s")
+        return is_cancelled()
+
+    return cancelled_or_timed_out
 
 
 class TTSPipeline:

@@ -138,8 +138,11 @@ class CosyVoice2BLS(TTSBLS):
             return openai_speech_tokens(settings, tokenizer, registry)
         model_name = settings.llm_model_name
         protocol = resolve_protocol(settings.llm_protocol, model_name)
+        # Tokens as they come when streaming, and offline too under a request timeout: the deadline
+        # is checked as each piece arrives, so one response with every token would let the LLM run on.
+        streaming = self.decoupled or bool(settings.request_timeout_s)
         # the tensorrt_llm protocol's embedding_bias is the head bias of this (HuggingFace) directory
-        return TritonSpeechTokens(model_name, TritonLLMInputs(protocol, REFERENCE_SAMPLING, self.decoupled,
+        return TritonSpeechTokens(model_name, TritonLLMInputs(protocol, REFERENCE_SAMPLING, streaming,
                                                               settings.llm_tokenizer_dir))
 
     def speaker_encoder(self) -> RemoteSpeakerEncoder:

@@ -30,7 +30,7 @@ from ..llm.backends import create_backend
 from ..llm.prompt import SPEECH_TOKEN_OFFSET, register_voice_prefixes
 from ..llm.sampling import REFERENCE_SAMPLING
 from ..pipeline.local import LocalSpeechTokens
-from ..pipeline.tts import TokenLimits, VoiceResolver, validate_text
+from ..pipeline.tts import TokenLimits, VoiceResolver, validate_text, with_timeout
 from ..runtime import SPK2INFO
 from .settings import BlsSettings
 from .triton_utils import (FINAL, Metric, error_response, limit_torch_threads, model_settings, optional_input,
@@ -118,6 +118,7 @@ class TTSBLS(ABC):
         self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), self.speaker_encoder(),
                                     store=self.voice_store(settings))
         self.limits = TokenLimits(settings.max_tokens, settings.min_tokens)
+        self.request_timeout_s = settings.request_timeout_s
         tokenizer = AutoTokenizer.from_pretrained(settings.llm_tokenizer_dir)
         self.llm = self.speech_tokens(settings, tokenizer, registry)
         self.pipeline = self.build_pipeline(tokenizer, settings)
@@ -169,7 +170,8 @@ class TTSBLS(ABC):
         last = None  # the final response: nothing more, or the error
         try:
             # closed here, on an error too: its clean-up makes BLS calls, which only work inside execute
-            with closing(self.pipeline.stream(self._parse(request), sender.is_cancelled)) as chunks:
+            is_cancelled = with_timeout(sender.is_cancelled, self.request_timeout_s)
+            with closing(self.pipeline.stream(self._parse(request), is_cancelled)) as chunks:
                 for chunk in chunks:
                     sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", chunk)]))
         except Exception as exc:
@@ -179,7 +181,8 @@ class TTSBLS(ABC):
 
     def _offline(self, request):
         try:
-            waveform = self.pipeline.synthesize(self._parse(request), request.is_cancelled)
+            is_cancelled = with_timeout(request.is_cancelled, self.request_timeout_s)
+            waveform = self.pipeline.synthesize(self._parse(request), is_cancelled)
             response = pb_utils.InferenceResponse(output_tensors=[tensor("waveform", waveform)])
         except Exception as exc:
             response = error_response(exc)

@@ -29,10 +29,10 @@ from .settings import BlsSettings, FrontendSettings, LLMSettings, Token2WavSetti
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
 # Parameters that repositories filled with the keys of NVIDIA's runtime (which has none of them)
 # leave empty: llm_protocol / llm_url of cosyvoice2 (by llm_model_name / a Triton LLM model),
-# bls_warm_up (on) and mps_thread_percentage / mps_priority (no cap, normal priority); max_queue_size
-# 0 is no limit.
+# bls_warm_up (on), request_timeout_s (no limit) and mps_thread_percentage / mps_priority (no cap,
+# normal priority); max_queue_size 0 is no limit.
 DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0", "llm_protocol": "", "llm_url": "",
-            "bls_warm_up": "", "mps_thread_percentage": "", "mps_priority": ""}
+            "bls_warm_up": "", "request_timeout_s": "", "mps_thread_percentage": "", "mps_priority": ""}
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 
 
@@ -126,6 +126,7 @@ class CosyVoice2Repository:
     max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
     min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
     bls_warm_up: str = parameter_value(BlsSettings.warm_up)    # BLS_WARM_UP
+    request_timeout_s: float = BlsSettings.request_timeout_s   # REQUEST_TIMEOUT_S
     max_batch_size: int = Token2WavSettings.max_batch          # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
     token2wav_dtype: str = Token2WavSettings.dtype             # TOKEN2WAV_*
@@ -183,7 +184,7 @@ class CosyVoice2Repository:
                "llm_tokenizer_dir": llm_dir, "streaming_strategy": self.streaming_strategy,
                "llm_model_name": llm_model, "llm_protocol": self.llm_protocol, "llm_url": self.llm_url,
                "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
-               "bls_warm_up": self.bls_warm_up}
+               "bls_warm_up": self.bls_warm_up, "request_timeout_s": parameter_value(self.request_timeout_s)}
         models["cosyvoice2"] = ModelEntry("cosyvoice2", {
             **bls, "bls_instance_num": str(self.bls_instances), "decoupled_mode": str(self.decoupled),
             "max_queue_size": str(_queue_size(self.bls_max_queue_size, self.bls_instances))})

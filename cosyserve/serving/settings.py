@@ -183,6 +183,9 @@ class BlsSettings:
     max_text_chars: int = MAX_TEXT_CHARS  # the whole request text (cosyvoice2 splits it into segments)
     voices_dir: Path | None = None  # voices uploaded through the HTTP API; default <model_dir>/voices
     warm_up: bool | None = True  # cosyvoice2: load the text front-end at start (auto: on)
+    # seconds a request may run once an instance has taken it (0: no limit); past that it ends with
+    # "request timed out after N s" and releases its LLM request and token2wav session
+    request_timeout_s: float = 0.0
 
 
 @dataclass(frozen=True)

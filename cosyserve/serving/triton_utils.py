@@ -16,7 +16,7 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..errors import CapacityError, InvalidInputError, RequestCancelledError
+from ..errors import CapacityError, InvalidInputError, RequestCancelledError, RequestTimeoutError
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from .settings import Settings, parse_settings
 
@@ -131,10 +131,12 @@ def tensor(name: str, array: np.ndarray) -> "pb_utils.Tensor":
 # ----- errors -----
 
 def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
-    """A per-request error: bad input -> INVALID_ARG (HTTP 400), cancelled -> CANCELLED, out of
-    capacity -> UNAVAILABLE, else INTERNAL."""
+    """A per-request error: bad input -> INVALID_ARG (HTTP 400), timed out -> UNAVAILABLE (the
+    API's 504), cancelled -> CANCELLED, out of capacity -> UNAVAILABLE, else INTERNAL."""
     if isinstance(exc, InvalidInputError):
         error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+    elif isinstance(exc, RequestTimeoutError):
+        error = pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)
     elif isinstance(exc, RequestCancelledError):
         error = pb_utils.TritonError(str(exc), pb_utils.TritonError.CANCELLED)
     elif isinstance(exc, CapacityError):

@@ -28,11 +28,13 @@ Command line (``run.sh`` stage 3)::
 
     python -m cosyserve.serving.tritonserver start --model-repo DIR --http-port 8000 \\
         --grpc-port 8001 --metrics-port 8002 --log FILE --pid-file FILE [--timeout 300] \\
-        [-- extra tritonserver arguments]
+        [--watch-stubs] [-- extra tritonserver arguments]
     python -m cosyserve.serving.tritonserver stop --pid-file FILE
 
 ``start`` returns once ``/v2/health/ready`` answers 200 and leaves the server running in its
-own session; ``stop`` sends SIGTERM, then SIGKILL to its process group after a grace period.
+own session (with ``--watch-stubs``, also :mod:`cosyserve.serving.stub_watch`, which kills the
+server when one of its Python stub processes dies); ``stop`` sends SIGTERM, then SIGKILL to its
+process group after a grace period.
 """
 
 from __future__ import annotations
@@ -228,6 +230,7 @@ class TritonServer:
     grpc_port: int
     metrics_port: int
     log_file: Path
+    stub_watch: subprocess.Popen | None = None  # :mod:`.stub_watch`, when started
 
     @property
     def pid(self) -> int:
@@ -242,6 +245,9 @@ class TritonServer:
         return f"localhost:{self.grpc_port}"
 
     def stop(self, timeout: float = DEFAULT_STOP_TIMEOUT_S) -> None:
+        if self.stub_watch is not None:  # first: the stubs end while their models unload
+            self.stub_watch.terminate()
+            self.stub_watch.wait()
         stop_process(self.pid, timeout)
         self.process.wait()
 
@@ -264,11 +270,14 @@ def start_server(
     install: TritonInstallation | None = None,
     env: Mapping[str, str] | None = None,
     die_with_parent: bool = False,
+    watch_stubs: bool = False,
 ) -> TritonServer:
     """Start tritonserver on ``model_repo`` and return once it is ready.
 
     Output goes to ``log_file`` (truncated). The server runs in its own session, so it
-    outlives this process unless ``die_with_parent`` (handy in tests). Raises
+    outlives this process unless ``die_with_parent`` (handy in tests). ``watch_stubs``: once it
+    is ready, start :mod:`.stub_watch` (its own session too, writing to the same log), which
+    kills the server when one of its Python stub processes dies. Raises
     :class:`TritonServerError` with the log's last lines if the server exits or is not ready
     within ``timeout`` seconds (it is then stopped).
     """
@@ -282,11 +291,12 @@ def start_server(
     log_file.parent.mkdir(parents=True, exist_ok=True)
     cmd = server_command(install, model_repo, http_port=http_port, grpc_port=grpc_port,
                          metrics_port=metrics_port, extra_args=extra_args)
-    with open(log_file, "wb") as log:
+    log_file.write_bytes(b"")
+    preexec_fn = terminate_with_parent if die_with_parent else None
+    with open(log_file, "ab") as log:  # appending: the stub watch writes to it too
         process = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env=server_environment(install, env), start_new_session=True,
-            preexec_fn=terminate_with_parent if die_with_parent else None,
+            env=server_environment(install, env), start_new_session=True, preexec_fn=preexec_fn,
         )
     server = TritonServer(process, http_port, grpc_port, metrics_port, log_file)
     try:
@@ -294,6 +304,17 @@ def start_server(
     except BaseException:
         server.stop(timeout=10.0)
         raise
+    if watch_stubs:
+        from .stub_watch import python_stubs  # it imports this module
+
+        known = [arg for stub in python_stubs(process.pid).values()
+                 for arg in ("--stub", str(stub.pid), stub.model, stub.instance)]
+        with open(log_file, "ab") as log:
+            server.stub_watch = subprocess.Popen(
+                [sys.executable, "-m", "cosyserve.serving.stub_watch", "--server-pid", str(process.pid),
+                 "--http-port", str(http_port), *known],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=preexec_fn)
     return server
 
 
@@ -481,6 +502,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     start.add_argument("--log", required=True, type=Path, help="server output (truncated)")
     start.add_argument("--pid-file", required=True, type=Path)
     start.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    start.add_argument("--watch-stubs", action="store_true",
+                       help="kill the server when one of its Python stub processes dies (cosyserve.serving.stub_watch)")
     start.add_argument("server_args", nargs="*", help="extra tritonserver arguments, after `--`")
     stop = commands.add_parser("stop", help="stop the server recorded in a pid file")
     stop.add_argument("--pid-file", required=True, type=Path)
@@ -500,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise TritonServerError(f"tritonserver from {args.pid_file} is already running (pid {running}); stop it first")
         server = start_server(args.model_repo, http_port=args.http_port, grpc_port=args.grpc_port,
                               metrics_port=args.metrics_port, log_file=args.log, timeout=args.timeout,
-                              extra_args=args.server_args)
+                              extra_args=args.server_args, watch_stubs=args.watch_stubs)
         write_pid_file(args.pid_file, server.pid)
         print(f"tritonserver ready (pid {server.pid}): http {server.http_url}, grpc {server.grpc_url}, "
               f"metrics localhost:{server.metrics_port}; log {server.log_file}")
