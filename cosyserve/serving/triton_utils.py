@@ -183,12 +183,15 @@ def reference_wav(request) -> np.ndarray:
 
 
 def raise_response_error(response, model_name: str) -> None:
-    """Re-raise a BLS response's error; a sub-model's INVALID_ARG stays an InvalidInputError."""
+    """Re-raise a BLS response's error; a sub-model's INVALID_ARG stays an InvalidInputError and
+    its UNAVAILABLE (out of capacity) a CapacityError, so the caller's client gets the same code."""
     if not response.has_error():
         return
     error = response.error()
     if error.code() == pb_utils.TritonError.INVALID_ARG:
         raise InvalidInputError(error.message())
+    if error.code() == pb_utils.TritonError.UNAVAILABLE:
+        raise CapacityError(f"model {model_name!r}: {error.message()}")
     raise RuntimeError(f"model {model_name!r} failed: {error.message()}")
 
 
