@@ -16,8 +16,8 @@ for where the time goes, ``cosyserve_token2wav_{flow,hift}_seconds_total`` (devi
 (:class:`~cosyserve.token2wav.graphs.FlowCounters`: batch fill and padding). With the flow engine
 (``incremental_stream``): ``cosyserve_token2wav_state_pages{,_in_use}`` (its page pool) and
 ``cosyserve_token2wav_voices_cached`` (and ``cosyserve_token2wav_state_voice_pages``: the pages in use that hold them; the
-rest belong to open streams, 0 when none is open); the default speaker's prompt state is computed
-at load.
+rest belong to open streams, 0 when none is open); the registered speakers' prompt state is
+computed at load (up to ``max_voices``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class Token2WavModel:
         limit_torch_threads(settings.torch_threads, 1 if device.type == "cuda" else None)
         model = load_token2wav(settings.model_dir, device, settings.flow_dtype(device), settings.options(device))
         self.token2wav = LocalToken2Wav(model, settings.stream_idle_timeout_s, max_batch=settings.max_batch)
-        speaker = SpeakerRegistry.load(settings.model_dir / SPK2INFO).get(DEFAULT_SPEAKER)
+        registry = SpeakerRegistry.load(settings.model_dir / SPK2INFO)
+        speaker = registry.get(DEFAULT_SPEAKER)
         self.default_voice = Voice(speaker.prompt_text, speaker.features, speaker.speaker_id)
         self.open_streams = Metric("cosyserve_token2wav_open_streams", "token2wav streaming sessions open",
                                    config["name"])
@@ -76,9 +77,11 @@ class Token2WavModel:
                                       "wall time inside execute", config["name"], kind="counter")
         self.engine = model.engine
         if self.engine is not None:
-            features = self.default_voice.features
-            self.engine.open(features.speech_tokens.reshape(1, -1).long(), features.speech_feat.reshape(
-                1, -1, features.speech_feat.shape[-1]), features.embedding.reshape(1, -1)).close()
+            # registered voices' prompt state now (the default speaker last: most recently used)
+            ids = [i for i in registry.ids() if i != DEFAULT_SPEAKER][:self.engine.max_voices - 1]
+            for features in [registry.get(i).features for i in ids] + [self.default_voice.features]:
+                self.engine.open(features.speech_tokens.reshape(1, -1).long(), features.speech_feat.reshape(
+                    1, -1, features.speech_feat.shape[-1]), features.embedding.reshape(1, -1)).close()
             Metric("cosyserve_token2wav_state_pages", "pages of the flow engine's state pool",
                    config["name"]).set(self.engine.pool.pages)
             self.pages_in_use = Metric("cosyserve_token2wav_state_pages_in_use",
