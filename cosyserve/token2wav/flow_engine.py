@@ -77,7 +77,9 @@ class PagePool:
     def __init__(self, pages: int, steps: int, layers: int, page_frames: int, width: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.page_frames = page_frames
-        self.data = torch.zeros(pages, steps, layers, 2, page_frames, width, device=device, dtype=dtype)
+        # never read before written (a window writes every frame of its new pages at every step), so
+        # not zeroed: on the CPU the memory is then only taken as pages are used
+        self.data = torch.empty(pages, steps, layers, 2, page_frames, width, device=device, dtype=dtype)
         self._free = list(range(pages - 1, -1, -1))
         self._refs = np.zeros(pages, dtype=np.int64)
         self._lock = threading.Lock()
