@@ -35,7 +35,7 @@ from cosyserve.pipeline.local import LocalSpeechTokens  # noqa: E402
 from cosyserve.pipeline.tts import TokenLimits, VoiceResolver  # noqa: E402
 from cosyserve.runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO, resolve_device  # noqa: E402
 from cosyserve.serving.dit_pipeline import DitTTSPipeline, SkipSpeakerEmbedding, dit_request  # noqa: E402
-from cosyserve.serving.dit_runtime import load_dit_service  # noqa: E402
+from cosyserve.token2wav.dit_service import load_dit_service  # noqa: E402
 
 SAMPLE_RATE = 24000
 

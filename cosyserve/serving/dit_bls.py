@@ -26,7 +26,7 @@ from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import SPEECH_TOKEN_OFFSET
 from .bls_base import TTSBLS, TTSInputs, call_model, openai_speech_tokens
 from .dit_pipeline import DitTTSPipeline, DitTTSRequest, SkipSpeakerEmbedding, dit_request
-from .dit_runtime import SpeakerRef
+from ..token2wav.dit_service import SpeakerRef
 from .settings import BlsSettings
 
 TOKEN2WAV_DIT = "token2wav_dit"

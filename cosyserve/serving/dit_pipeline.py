@@ -4,7 +4,7 @@ The ``cosyvoice2_dit`` BLS (``cosyserve.serving.dit_bls``) and ``scripts/dit_off
 with different back ends: the LLM is any :class:`~cosyserve.pipeline.tts.SpeechTokenSource`
 (here an OpenAI-compatible server through ``cosyserve.llm.openai_backend``, or an in-process
 engine), the token2wav any :class:`DitToken2WavBackend` (BLS requests to ``token2wav_dit``, or
-:class:`~cosyserve.serving.dit_runtime.DitToken2WavService` itself).
+:class:`~cosyserve.token2wav.dit_service.DitToken2WavService` itself).
 
 It differs from :class:`~cosyserve.pipeline.tts.TTSPipeline` (CosyVoice2 flow) where the DiT
 deployment differs: chunks carry only the *new* tokens (+3 look-ahead), the token2wav keeps the
@@ -30,7 +30,7 @@ from ..llm.prompt import build_prompt_ids
 from ..pipeline.tts import (MAX_SEGMENT_CHARS, SpeechTokenSource, TokenLimits, Voice, VoiceResolver, never_cancelled,
                             validate_text)
 from ..schedule import DitChunkScheduler, TokenChunk
-from .dit_runtime import SpeakerRef
+from ..token2wav.dit_service import SpeakerRef
 
 
 class DitToken2WavBackend(Protocol):
