@@ -305,14 +305,14 @@ class ScriptedLLM:
 def _pipeline(models, service, llm, strategy="exponential"):
     from transformers import AutoTokenizer
 
-    from cosyserve.serving.dit_pipeline import DitTTSPipeline
+    from cosyserve.pipeline.dit import dit_pipeline
 
-    return DitTTSPipeline(AutoTokenizer.from_pretrained(models / "cosyvoice2_llm"), llm, service, strategy=strategy)
+    return dit_pipeline(AutoTokenizer.from_pretrained(models / "cosyvoice2_llm"), llm, service, strategy=strategy)
 
 
 def _request(service, rid: str = "r"):
     from cosyserve.pipeline.tts import VoiceResolver
-    from cosyserve.serving.dit_pipeline import SkipSpeakerEmbedding, dit_request
+    from cosyserve.pipeline.dit import SkipSpeakerEmbedding, dit_request
 
     voices = VoiceResolver(service.registry, service.tokenizer, SkipSpeakerEmbedding())
     return dit_request(voices, rid, "你好")  # the default speaker "001"
