@@ -235,11 +235,14 @@ def test_offline_cancellation_stops_the_llm(text_tokenizer):
     assert llm.cancelled == ["r1"] and token2wav.offline_calls == []
 
 
-def test_an_llm_that_produces_nothing_is_an_error(text_tokenizer):
-    class SilentLLM(FakeLLM):
-        def generate(self, prompt_ids, request_id, limits):
-            return iter([])
+class SilentLLM(FakeLLM):
+    """Ends every utterance before its first speech token."""
 
+    def generate(self, prompt_ids, request_id, limits):
+        return iter([])
+
+
+def test_an_llm_that_produces_nothing_is_an_error(text_tokenizer):
     token2wav = FakeToken2Wav()
     pipeline = make(text_tokenizer, SilentLLM(), token2wav)
     with pytest.raises(RuntimeError, match="no speech tokens"):
@@ -414,10 +417,6 @@ def test_the_dit_kind_sends_new_tokens_and_the_speaker_once(text_tokenizer, stra
 
 def test_the_dit_kind_voices_an_empty_utterance_as_silence(text_tokenizer):
     from cosyserve.pipeline.dit import dit_pipeline
-
-    class SilentLLM(FakeLLM):
-        def generate(self, prompt_ids, request_id, limits):
-            return iter([])
 
     calls = FakeDitCalls()
     pipeline = dit_pipeline(text_tokenizer, SilentLLM(), calls)
