@@ -1,5 +1,5 @@
 """When to hand speech tokens to token2wav while the LLM is still generating: the chunk schedules
-of both pipelines (torch-free, below token2wav and the pipelines that use them).
+of both token2wav kinds (torch-free, below token2wav and the pipeline that uses them).
 
 **CosyVoice2** (:class:`ChunkScheduler`, the reference BLS's): a chunk is emitted whenever
 ``pending >= hop + lookahead`` tokens are waiting: the first hop is 15 tokens (+3 look-ahead
@@ -135,7 +135,12 @@ def dit_chunk_hop(strategy: str, chunks_sent: int, first_hop: int = DIT_FIRST_HO
 
 
 class DitChunkScheduler:
-    """Incremental chunking of a growing token stream (the DiT BLS sends only new tokens)."""
+    """Incremental chunking of a growing token stream (the DiT BLS sends only new tokens).
+
+    :meth:`next_chunk` / :meth:`final_chunk` are :class:`ChunkScheduler`'s interface, which the
+    pipeline drives: chunk ``k`` is tokens ``[:num_tokens]`` of which the first ``token_offset``
+    were voiced before, so its new tokens are ``[token_offset, num_tokens)``.
+    """
 
     def __init__(self, strategy: str = "exponential", lookahead: int = 3, first_hop: int = DIT_FIRST_HOP):
         dit_chunk_hop(strategy, 0)  # validates the strategy
@@ -143,16 +148,26 @@ class DitChunkScheduler:
         self.offset = 0
         self.chunks_sent = 0
 
+    def next_chunk(self, available: int) -> Chunk | None:
+        """The chunk to send now that ``available`` tokens exist, or None to wait."""
+        hop = dit_chunk_hop(self.strategy, self.chunks_sent, self.first_hop)
+        if available - self.offset < hop + self.lookahead:
+            return None
+        chunk = Chunk(self.offset + hop + self.lookahead, self.offset, False)
+        self.offset += hop
+        self.chunks_sent += 1
+        return chunk
+
+    def final_chunk(self, available: int) -> Chunk:
+        """The last chunk once the token stream has ended: the tokens from the offset on."""
+        return Chunk(available, self.offset, True)
+
     def ready(self, available: int) -> list[TokenChunk]:
         """Every chunk that can be sent now that ``available`` tokens exist."""
         chunks = []
-        while True:
-            hop = dit_chunk_hop(self.strategy, self.chunks_sent, self.first_hop)
-            if available - self.offset < hop + self.lookahead:
-                return chunks
-            chunks.append(TokenChunk(self.offset, self.offset + hop + self.lookahead, False))
-            self.offset += hop
-            self.chunks_sent += 1
+        while (chunk := self.next_chunk(available)) is not None:
+            chunks.append(TokenChunk(chunk.token_offset, chunk.num_tokens, False))
+        return chunks
 
     def finish(self, total: int) -> TokenChunk:
         """The last chunk once the token stream has ended: [offset, total)."""

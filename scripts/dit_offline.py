@@ -33,9 +33,9 @@ from cosyserve.llm.backends import create_backend  # noqa: E402
 from cosyserve.llm.sampling import REFERENCE_SAMPLING  # noqa: E402
 from cosyserve.pipeline.local import LocalSpeechTokens  # noqa: E402
 from cosyserve.pipeline.tts import TokenLimits, VoiceResolver  # noqa: E402
+from cosyserve.pipeline.dit import SkipSpeakerEmbedding, dit_pipeline, dit_request  # noqa: E402
 from cosyserve.runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO, resolve_device  # noqa: E402
-from cosyserve.serving.dit_pipeline import DitTTSPipeline, SkipSpeakerEmbedding, dit_request  # noqa: E402
-from cosyserve.serving.dit_runtime import load_dit_service  # noqa: E402
+from cosyserve.token2wav.dit_service import load_dit_service  # noqa: E402
 
 SAMPLE_RATE = 24000
 
@@ -77,8 +77,8 @@ def main(argv=None) -> int:
     voices = VoiceResolver(registry, service.tokenizer, SkipSpeakerEmbedding())
     options = {"base_url": args.llm_url} if args.llm_backend == "openai" else {}
     backend = create_backend(args.llm_backend, llm_dir, device, None, **options)
-    pipeline = DitTTSPipeline(AutoTokenizer.from_pretrained(llm_dir), LocalSpeechTokens(backend, REFERENCE_SAMPLING),
-                              service)
+    pipeline = dit_pipeline(AutoTokenizer.from_pretrained(llm_dir), LocalSpeechTokens(backend, REFERENCE_SAMPLING),
+                            service)
     limits = TokenLimits(args.max_tokens, min(args.min_tokens, args.max_tokens))
     args.output_dir.mkdir(parents=True, exist_ok=True)
 

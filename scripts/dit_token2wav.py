@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cosyserve.audio.io import TOKENIZER_SAMPLE_RATE, load_prompt_audio  # noqa: E402
 from cosyserve.pipeline.tts import DEFAULT_SPEAKER  # noqa: E402
-from cosyserve.serving.dit_runtime import DitToken2WavService, SpeakerRef, load_dit_service  # noqa: E402
+from cosyserve.token2wav.dit_service import DitToken2WavService, SpeakerRef, load_dit_service  # noqa: E402
 from cosyserve.schedule import DIT_STRATEGIES, plan_stream_chunks  # noqa: E402
 
 SAMPLE_RATE = 24000

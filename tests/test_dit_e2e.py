@@ -280,7 +280,7 @@ def test_cancelled_streams_stop_their_llm_requests_and_close_token2wav_streams(i
 
 @pytest.fixture(scope="module")
 def service(models):
-    from cosyserve.serving.dit_runtime import load_dit_service
+    from cosyserve.token2wav.dit_service import load_dit_service
 
     return load_dit_service(models / "Step-Audio-2-mini" / "token2wav", "cpu",
                             spk2info=models / "CosyVoice2-0.5B" / "spk2info.pt")
@@ -305,14 +305,14 @@ class ScriptedLLM:
 def _pipeline(models, service, llm, strategy="exponential"):
     from transformers import AutoTokenizer
 
-    from cosyserve.serving.dit_pipeline import DitTTSPipeline
+    from cosyserve.pipeline.dit import dit_pipeline
 
-    return DitTTSPipeline(AutoTokenizer.from_pretrained(models / "cosyvoice2_llm"), llm, service, strategy=strategy)
+    return dit_pipeline(AutoTokenizer.from_pretrained(models / "cosyvoice2_llm"), llm, service, strategy=strategy)
 
 
 def _request(service, rid: str = "r"):
     from cosyserve.pipeline.tts import VoiceResolver
-    from cosyserve.serving.dit_pipeline import SkipSpeakerEmbedding, dit_request
+    from cosyserve.pipeline.dit import SkipSpeakerEmbedding, dit_request
 
     voices = VoiceResolver(service.registry, service.tokenizer, SkipSpeakerEmbedding())
     return dit_request(voices, rid, "你好")  # the default speaker "001"
@@ -347,7 +347,7 @@ def test_pipeline_cancel_and_llm_errors_close_the_token2wav_stream(models, servi
 
 
 def test_service_closes_idle_streams(service):
-    from cosyserve.serving.dit_runtime import SpeakerRef
+    from cosyserve.token2wav.dit_service import SpeakerRef
 
     service.step("idle", list(range(18)), SpeakerRef(speaker_id="001"), False)
     service.idle_timeout_s = 0.0

@@ -8,8 +8,9 @@ frames per prompt token (25 tokens/s vs 50 mel frames/s), so both are cut to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..audio.features import matcha_mel_spectrogram
@@ -38,13 +39,16 @@ class Voice:
     (:class:`~cosyserve.frontend.voice_store.VoiceStore`); it lets back ends reuse what they cache
     per voice (LLM prefix, default speaker inside token2wav). ``cross_lingual``: the voice has no
     transcript, so the LLM prompt carries neither prompt text nor prompt speech tokens
-    (CosyVoice2's cross-lingual mode); token2wav still uses the features.
+    (CosyVoice2's cross-lingual mode); token2wav still uses the features. ``reference_wav16``: the
+    16 kHz clip a zero-shot voice was made from, as the request sent it; a token2wav that derives
+    its own prompt from the clip (the DiT's) is sent that.
     """
 
     prompt_text: str
     features: PromptFeatures
     speaker_id: str | None = None
     cross_lingual: bool = False
+    reference_wav16: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 def prompt_mel(wav24: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,11 @@ runs inside the Triton BLS model (both reached through BLS requests, see
 ``cosyserve.serving.bls``) and in-process (``cosyserve.pipeline.local``: the package objects
 called directly, for ``offline_inference.py`` and the tests).
 
+Two token2wav kinds run behind :class:`Token2Wav`: CosyVoice2's flow (the default
+:data:`COSYVOICE2`) and Step-Audio-2-mini's DiT (``cosyserve.pipeline.dit``, the ``cosyvoice2_dit``
+model). Both keep a session per request id; what differs for the orchestration is a
+:class:`Token2WavKind`: the chunk schedule and what an utterance without speech tokens is.
+
 Streaming: everything happens on the calling thread, which reads the LLM's pieces as they come
 and synthesises a chunk as soon as :class:`~cosyserve.schedule.ChunkScheduler` allows
 (as the reference BLS does). Generation and synthesis still overlap: every back end buffers
@@ -43,7 +48,7 @@ from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutErr
 from ..frontend.prompt import PromptFeatures, Voice, build_prompt_features
 from ..frontend.voice_store import VoiceStore, is_voice_id
 from ..llm.prompt import MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, build_prompt_ids
-from ..schedule import ChunkScheduler
+from ..schedule import Chunk, ChunkScheduler
 from ..text import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS, TextFrontend
 
 DEFAULT_MAX_TOKENS = 750  # the reference BLS's request_output_len
@@ -104,7 +109,11 @@ class SpeechTokenSource(Protocol):
 
 
 class Token2Wav(Protocol):
-    """Flow + vocoder. Streaming sessions are keyed by request id and end with ``finalize``/``cancel``."""
+    """Flow + vocoder. Streaming sessions are keyed by request id and end with ``finalize``/``cancel``.
+
+    A ``step`` gets the tokens so far (up to the chunk's look-ahead), of which the first
+    ``token_offset`` were voiced by earlier steps; its session opens at ``token_offset`` 0.
+    """
 
     def offline(self, request_id: str, tokens: Sequence[int], voice: Voice) -> np.ndarray: ...
 
@@ -112,6 +121,30 @@ class Token2Wav(Protocol):
              finalize: bool) -> np.ndarray: ...
 
     def cancel(self, request_id: str) -> None: ...
+
+
+class ChunkSchedule(Protocol):
+    """When to voice the tokens so far (:class:`~cosyserve.schedule.ChunkScheduler`'s interface)."""
+
+    def next_chunk(self, available: int) -> Chunk | None: ...
+
+    def final_chunk(self, available: int) -> Chunk: ...
+
+
+@dataclass(frozen=True)
+class Token2WavKind:
+    """What the pipeline must know of a token2wav kind besides its :class:`Token2Wav` calls.
+
+    ``scheduler``: a strategy name -> a fresh chunk schedule (an unknown name raises
+    :class:`InvalidInputError`). ``silent_when_empty``: an LLM that ends the utterance before any
+    speech token gets no audio (NVIDIA's DiT BLS) instead of an error (CosyVoice2's flow needs a token).
+    """
+
+    scheduler: Callable[[str], ChunkSchedule] = ChunkScheduler
+    silent_when_empty: bool = False
+
+
+COSYVOICE2 = Token2WavKind()
 
 
 def validate_text(text: str, what: str = "target_text", max_chars: int = MAX_SEGMENT_CHARS) -> str:
@@ -161,7 +194,8 @@ class VoiceResolver:
                     "reference_wav needs reference_text, the transcript of the reference audio")
             validate_text(reference_text, "reference_text", self.max_text_chars)
             audio = prompt_audio_from_array(reference_wav16, TOKENIZER_SAMPLE_RATE)
-            return Voice(reference_text, self._prompt_features(audio))
+            return Voice(reference_text, self._prompt_features(audio),
+                         reference_wav16=np.asarray(reference_wav16, np.float32))
         if reference_text:
             raise InvalidInputError("reference_text was given without reference_wav; send both or neither")
         if speaker_id and speaker_id not in self.registry and self.store is not None and is_voice_id(speaker_id):
@@ -217,12 +251,14 @@ class TTSPipeline:
     """
 
     def __init__(self, text_tokenizer: Any, llm: SpeechTokenSource, token2wav: Token2Wav, *,
-                 strategy: str = "exponential", max_text_chars: int = MAX_TEXT_CHARS):
-        ChunkScheduler(strategy)  # fail at start-up, not per request, on an unknown strategy
+                 strategy: str = "exponential", max_text_chars: int = MAX_TEXT_CHARS,
+                 kind: Token2WavKind = COSYVOICE2):
+        kind.scheduler(strategy)  # fail at start-up, not per request, on an unknown strategy
         self.text_tokenizer = text_tokenizer
         self.llm = llm
         self.token2wav = token2wav
         self.strategy = strategy
+        self.kind = kind
         self.text = TextFrontend(lambda text: text_tokenizer.encode(text, add_special_tokens=False),
                                  max_text_chars=max_text_chars)
 
@@ -286,15 +322,18 @@ class TTSPipeline:
                     _raise_if_cancelled(is_cancelled, request.request_id)
                 del generating[rid]
                 next_rid = start_next()
-                _check_tokens(tokens, final=True)
                 _raise_if_cancelled(is_cancelled, request.request_id)
-                waves.append(self.token2wav.offline(rid, tokens, request.voice))
+                if tokens or not self.kind.silent_when_empty:
+                    _check_tokens(tokens, final=True)
+                    waves.append(self.token2wav.offline(rid, tokens, request.voice))
                 rid = next_rid
             finished = True
         finally:
             if not finished:
                 for rid in generating:
                     self.llm.cancel(rid)
+        if not waves:  # every segment silent
+            return np.zeros(0, np.float32)
         return waves[0] if len(waves) == 1 else np.concatenate(waves)
 
     def stream(self, request: TTSRequest, is_cancelled: Callable[[], bool] = never_cancelled) -> Iterator[np.ndarray]:
@@ -322,7 +361,7 @@ class TTSPipeline:
             start_next()
             while waiting:
                 rid = waiting[0]
-                scheduler = ChunkScheduler(self.strategy)
+                scheduler = self.kind.scheduler(self.strategy)
                 tokens: list[int] = []
                 for piece in generating[rid]:
                     tokens.extend(int(t) for t in piece)
@@ -336,9 +375,10 @@ class TTSPipeline:
                         start_next()
                 del generating[rid]
                 start_next()
-                _check_tokens(tokens, final=True)
-                final = scheduler.final_chunk(len(tokens))
-                yield self.token2wav.step(rid, tokens, voice, final.token_offset, True)
+                if tokens or not self.kind.silent_when_empty:
+                    _check_tokens(tokens, final=True)
+                    final = scheduler.final_chunk(len(tokens))
+                    yield self.token2wav.step(rid, tokens, voice, final.token_offset, True)
                 open_session = None
                 waiting.popleft()
             finished = True

@@ -2,7 +2,8 @@
 
 Inputs, outputs and responses as ``cosyvoice2``: :mod:`cosyserve.serving.bls_base`.
 
-Back ends (:class:`~cosyserve.serving.dit_pipeline.DitTTSPipeline` does the orchestration):
+Back ends (:class:`~cosyserve.pipeline.tts.TTSPipeline` does the orchestration, with the DiT kind of
+:mod:`cosyserve.pipeline.dit`):
 
 * LLM prompt speech tokens: the ``audio_tokenizer`` model (CosyVoice2's S3 tokenizer);
 * speech tokens: any OpenAI-compatible completions server at parameter ``llm_url`` (``.../v1``),
@@ -24,16 +25,17 @@ import numpy as np
 
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import SPEECH_TOKEN_OFFSET
+from ..pipeline.dit import SkipSpeakerEmbedding, dit_pipeline, dit_request
+from ..pipeline.tts import TTSPipeline, TTSRequest
+from ..token2wav.dit_service import SpeakerRef
 from .bls_base import TTSBLS, TTSInputs, call_model, openai_speech_tokens
-from .dit_pipeline import DitTTSPipeline, DitTTSRequest, SkipSpeakerEmbedding, dit_request
-from .dit_runtime import SpeakerRef
 from .settings import BlsSettings
 
 TOKEN2WAV_DIT = "token2wav_dit"
 
 
 class TritonDitToken2Wav:
-    """:class:`~cosyserve.serving.dit_pipeline.DitToken2WavBackend` over the ``token2wav_dit`` model."""
+    """:class:`~cosyserve.pipeline.dit.DitToken2WavCalls` over the ``token2wav_dit`` model."""
 
     def offline(self, tokens: Sequence[int], speaker: SpeakerRef) -> np.ndarray:
         return self._call("", tokens, speaker)
@@ -66,9 +68,9 @@ class CosyVoice2DitBLS(TTSBLS):
     def speaker_encoder(self) -> SkipSpeakerEmbedding:
         return SkipSpeakerEmbedding()
 
-    def build_pipeline(self, tokenizer, settings: BlsSettings) -> DitTTSPipeline:
-        return DitTTSPipeline(tokenizer, self.llm, TritonDitToken2Wav(), strategy=settings.streaming_strategy)
+    def build_pipeline(self, tokenizer, settings: BlsSettings) -> TTSPipeline:
+        return dit_pipeline(tokenizer, self.llm, TritonDitToken2Wav(), strategy=settings.streaming_strategy)
 
-    def build_request(self, inputs: TTSInputs) -> DitTTSRequest:
+    def build_request(self, inputs: TTSInputs) -> TTSRequest:
         return dit_request(self.voices, inputs.request_id, inputs.target_text, reference_wav16=inputs.reference_wav,
                            reference_text=inputs.reference_text, speaker_id=inputs.speaker_id, limits=inputs.limits)

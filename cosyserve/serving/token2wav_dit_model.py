@@ -12,7 +12,7 @@ the ``spk2info`` file); ``finalize`` BOOL; ``cancel`` BOOL. Output: ``waveform``
 * Without ``finalize``: offline, the whole utterance in one call.
 
 Streams and speaker caches live in this process, hence one instance (config.pbtxt). Logic:
-:class:`~cosyserve.serving.dit_runtime.DitToken2WavService`. Metrics:
+:class:`~cosyserve.token2wav.dit_service.DitToken2WavService`. Metrics:
 ``cosyserve_token2wav_dit_open_streams``, ``cosyserve_token2wav_dit_cached_speakers``.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidInputError
-from .dit_runtime import DitToken2WavService, SpeakerRef, load_dit_service
+from ..token2wav.dit_service import DitToken2WavService, SpeakerRef, load_dit_service
 from .settings import DitToken2WavSettings
 from .triton_utils import (Metric, limit_torch_threads, model_settings, optional_input, optional_scalar, optional_text,
                            raw_speech_tokens, reference_wav, required_input, respond_each, tensor)

@@ -1,7 +1,8 @@
 """The DiT token2wav as a service: speakers from reference clips or spk2info.pt, streams by request id.
 
 This is what the ``token2wav_dit`` Triton model runs (``cosyserve.serving.token2wav_dit_model``)
-and what the scripts call in-process. It adds to :class:`~cosyserve.token2wav.dit.DitToken2Wav`:
+and what the scripts call in-process; the pipeline reaches it (or its Triton model, through the
+same calls) as a token2wav kind (:mod:`cosyserve.pipeline.dit`). It adds to :class:`~cosyserve.token2wav.dit.DitToken2Wav`:
 
 * **speakers**: a 16 kHz reference clip (keyed, like the reference runtime, by the SHA-256 of its
   float32 samples) or a voice of ``spk2info.pt`` (keyed by its id) becomes a
@@ -29,10 +30,10 @@ from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..errors import InvalidInputError
 from ..frontend import SpeakerEncoder, SpeakerRegistry, SpeechTokenizer, build_prompt_features
 from ..runtime import STREAM_IDLE_TIMEOUT_S, resolve_device
-from ..token2wav.cosyvoice2 import default_flow_dtype
-from ..token2wav.dit import (DEFAULT_MAX_SPEAKERS, DitToken2Wav, OfflineRequest, SpeakerPrompt, load_dit_token2wav,
+from .cosyvoice2 import default_flow_dtype
+from .dit import (DEFAULT_MAX_SPEAKERS, DitToken2Wav, OfflineRequest, SpeakerPrompt, load_dit_token2wav,
                              speaker_key)
-from ..token2wav.sessions import SessionClock
+from .sessions import SessionClock
 
 DIT_TOKENIZER_ONNX = "speech_tokenizer_v2_25hz.onnx"
 DIT_SPEAKER_ONNX = "campplus.onnx"
