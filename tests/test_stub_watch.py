@@ -1,7 +1,8 @@
 """The stub watch's rule for a crashed stub (cosyserve.serving.stub_watch); its effect on a real
 server is tested in tests/test_faults.py."""
 
-from cosyserve.serving.stub_watch import Stub, crashed_stubs
+from cosyserve.serving.processes import Stub
+from cosyserve.serving.stub_watch import crashed_stubs
 
 LLM, T2W = Stub(10, "llm", "llm_0_0"), Stub(11, "token2wav", "token2wav_0_0")
 READY = {"llm", "token2wav"}

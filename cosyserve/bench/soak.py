@@ -49,7 +49,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from ..serving.stub_watch import python_stubs
+from ..serving.processes import python_stubs
 from ..serving.tritonserver import is_ready
 from .prometheus import read_metrics
 

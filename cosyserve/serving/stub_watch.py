@@ -34,44 +34,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
-from .tritonserver import is_running
+from .processes import Stub, is_running, python_stubs
 
-STUB_EXECUTABLE = "triton_python_backend_stub"
 DEFAULT_INTERVAL_S = 1.0
-
-
-@dataclass(frozen=True)
-class Stub:
-    """A stub process: ``model`` (the name of its model's folder) and ``instance`` (e.g. ``llm_0_0``)."""
-
-    pid: int
-    model: str
-    instance: str
-
-
-def python_stubs(server_pid: int) -> dict[int, Stub]:
-    """The running stub processes whose parent is ``server_pid``, by pid.
-
-    A stub's argv: the stub, ``<repo>/<model>/<version>/model.py``, the shared-memory region and
-    sizes, the parent's pid, the backend folder, an IPC handle, the instance name, its kind."""
-    stubs = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # a process that just ended
-            continue
-        if len(argv) < 9 or not argv[0].endswith(STUB_EXECUTABLE.encode()) or argv[5] != str(server_pid).encode():
-            continue
-        pid = int(entry.name)
-        if is_running(pid):  # not a zombie the server has yet to reap
-            stubs[pid] = Stub(pid, Path(argv[1].decode()).parts[-3], argv[8].decode())
-    return stubs
 
 
 def ready_models(http_port: int) -> set[str] | None:

@@ -60,6 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
+from .processes import is_running, python_stubs
+
 
 LOG_TAIL_LINES = 40
 READY_POLL_S = 0.5
@@ -305,7 +307,6 @@ def start_server(
         server.stop(timeout=10.0)
         raise
     if watch_stubs:
-        from .stub_watch import python_stubs  # it imports this module
 
         known = [arg for stub in python_stubs(process.pid).values()
                  for arg in ("--stub", str(stub.pid), stub.model, stub.instance)]
@@ -407,16 +408,6 @@ def log_report(log_file: Path, lines: int = LOG_TAIL_LINES) -> str:
     errors = [line for line in text if _ERROR_LINE.match(line)]
     report = f"errors in {log_file}:\n" + "\n".join(errors) + "\n" if errors else ""
     return report + f"last {lines} lines of {log_file}:\n" + "\n".join(text[-lines:])
-
-
-def is_running(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    state = stat.rsplit(")", 1)[1].split()[0]  # the command name may contain spaces
-    return state not in ("Z", "X")
 
 
 def stop_process(pid: int, timeout: float = DEFAULT_STOP_TIMEOUT_S) -> None:
