@@ -67,6 +67,11 @@ class CosyVoice3Token2Wav:
         with self._lock:
             return len(self._sessions)
 
+    @property
+    def session_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._sessions)
+
     def _prompt(self, voice: Voice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(prompt tokens (1, P), prompt mel (1, 2P, 80), embedding (1, 192)) on the device."""
         f = voice.features
@@ -90,10 +95,11 @@ class CosyVoice3Token2Wav:
         speech, _ = self.hift.inference(mel, finalize=True)
         return _numpy(speech)
 
-    def step(self, request_id: str, tokens: Sequence[int], voice: Voice, token_offset: int,
+    def step(self, request_id: str, tokens: Sequence[int], voice: Voice | None, token_offset: int,
              finalize: bool) -> np.ndarray:
         """``tokens`` are all the request's tokens so far (as the reference BLS sends them); the
-        ones after the previous step's are new. Returns the new samples."""
+        ones after the previous step's are new. Returns the new samples. ``voice`` is read when the
+        session opens (None is accepted once it is open)."""
         self.close_idle()
         session, lock = self._open(request_id, voice)
         try:
@@ -115,10 +121,13 @@ class CosyVoice3Token2Wav:
             self._clock.stepped(request_id, closed=False)
         return _numpy(speech)
 
-    def _open(self, request_id: str, voice: Voice) -> tuple[Cv3Session, threading.Lock]:
+    def _open(self, request_id: str, voice: Voice | None) -> tuple[Cv3Session, threading.Lock]:
         with self._lock:
             session = self._sessions.get(request_id)
             if session is None:
+                if voice is None:
+                    raise InvalidInputError(f"request {request_id!r} has no open streaming session; its first "
+                                            "step must carry the voice (prompt tokens, mel and embedding)")
                 session = Cv3Session(Cv3FlowStream(self.flow, *self._prompt(voice)), CausalHiftStream(self.hift))
                 self._sessions[request_id] = session
                 self._session_locks[request_id] = threading.Lock()
