@@ -101,3 +101,27 @@ def test_grpc_client_streams_from_cosyvoice3(server, models, tmp_path):
     for result in summary["per_request"]:
         assert round(result["audio_s"] * 24000) == SAMPLES_PER_TOKEN * 30  # 1.2 s at 25 tokens/s
         assert len(result["chunk_durations_s"]) == len(plan_chunks(30))
+
+
+def test_run_cosyvoice3_sh_tiny_recipe(tmp_path):
+    """run_cosyvoice3.sh 0..4 with MODEL_SOURCE=tiny on the CPU (free ports), then ``stop``."""
+    from conftest_triton import free_ports, server_env
+
+    http, grpc, metrics_port = free_ports(3)
+    env = dict(server_env(), VENV=sys.prefix, MODEL_SOURCE="tiny", MODELS_DIR=str(tmp_path / "models"),
+               MODEL_REPO=str(tmp_path / "repo"), OUT_DIR=str(tmp_path / "out"), DEVICE="cpu", BLS_INSTANCE_NUM="2",
+               BLS_WARM_UP="false", MAX_TOKENS="20", MIN_TOKENS="20", NUM_TASKS="2", HTTP_PORT=str(http),
+               GRPC_PORT=str(grpc), METRICS_PORT=str(metrics_port), SERVER_LOG=str(tmp_path / "server.log"),
+               SERVER_PID_FILE=str(tmp_path / "server.pid"))
+    script = str(REPO_ROOT / "run_cosyvoice3.sh")
+    try:
+        proc = subprocess.run(["bash", script, "0", "4"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=480)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == [
+            "audio_tokenizer", "cosyvoice3", "llm", "speaker_embedding", "token2wav"]
+        wavs = sorted((tmp_path / "out" / "log_cosyvoice3_concurrent_tasks_2_streaming").glob("*.wav"))
+        assert len(wavs) == 2
+    finally:
+        subprocess.run(["bash", script, "stop"], cwd=REPO_ROOT, env=env, capture_output=True, timeout=120)
+    assert not (tmp_path / "server.pid").exists() or not (tmp_path / "server.pid").read_text().strip()

@@ -35,9 +35,9 @@ from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import COSYVOICE3
 from ..llm.sampling import REFERENCE_SAMPLING
 from ..llm.trtllm.request import TritonLLMInputs
-from ..pipeline.tts import TTSPipeline, TTSRequest, Voice, VoiceResolver
-from .bls import RemoteSpeakerEncoder, TritonSpeechTokens
-from .bls_base import TTSBLS, RemoteSpeechTokenizer, TTSInputs, call_model
+from ..pipeline.tts import TTSPipeline, Voice, VoiceResolver
+from .bls import CosyVoice2BLS, TritonSpeechTokens
+from .bls_base import RemoteSpeechTokenizer, call_model
 from .settings import BlsSettings
 from .triton_utils import raise_response_error
 
@@ -84,8 +84,10 @@ class TritonCv3Token2Wav:
         return call_model(TOKEN2WAV, inputs, "waveform", request_id)
 
 
-class CosyVoice3BLS(TTSBLS):
-    """Speech tokens from the Triton ``llm`` model, audio from CosyVoice3's ``token2wav`` model."""
+class CosyVoice3BLS(CosyVoice2BLS):
+    """CosyVoice2's BLS (requests, speaker encoder, LLM response bookkeeping) with CosyVoice3's back
+    ends: speech tokens from the Triton ``llm`` model in the CosyVoice3 layout, audio from CosyVoice3's
+    ``token2wav`` model, voices only from the request."""
 
     def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry) -> Cv3TritonSpeechTokens:
         # the reference's sampling for CosyVoice3 (trtllm-serve): as CosyVoice2's, without a seed
@@ -95,9 +97,6 @@ class CosyVoice3BLS(TTSBLS):
 
     def speaker_registry(self, settings: BlsSettings) -> SpeakerRegistry:
         return SpeakerRegistry()  # CosyVoice3 ships no spk2info.pt: every request brings its voice
-
-    def speaker_encoder(self) -> RemoteSpeakerEncoder:
-        return RemoteSpeakerEncoder()
 
     def voice_resolver(self, registry: SpeakerRegistry, settings: BlsSettings) -> VoiceResolver:
         return VoiceResolver(registry, RemoteSpeechTokenizer(token_offset=0), self.speaker_encoder(),
@@ -109,11 +108,3 @@ class CosyVoice3BLS(TTSBLS):
         if settings.warm_up is not False:
             pipeline.text.warm_up()
         return pipeline
-
-    def build_request(self, inputs: TTSInputs) -> TTSRequest:
-        voice = self.voices.resolve(inputs.reference_wav, inputs.reference_text, inputs.speaker_id)
-        return TTSRequest(inputs.request_id, inputs.target_text, voice, inputs.limits, inputs.text_frontend,
-                          inputs.instruction)
-
-    def release_finished(self, is_cancelled) -> None:
-        self.llm.finished.release(is_cancelled)
