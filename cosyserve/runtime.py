@@ -11,6 +11,8 @@ from .errors import InvalidInputError
 
 COSYVOICE2_DIR = "CosyVoice2-0.5B"
 LLM_DIR = "cosyvoice2_llm"
+COSYVOICE3_DIR = "Fun-CosyVoice3-0.5B-2512"
+COSYVOICE3_LLM_DIR = "cosyvoice3_llm"
 SPK2INFO = "spk2info.pt"
 STREAM_IDLE_TIMEOUT_S = 600.0
 

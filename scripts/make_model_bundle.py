@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cosyserve.bundle import SIZES, make_bundle  # noqa: E402
+from cosyserve.bundle import PARTS, SIZES, make_bundle  # noqa: E402
 
 
 def main() -> int:
@@ -21,7 +21,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--parts", default="cosyvoice2,llm",
-                        help="comma-separated subset of cosyvoice2,llm,dit,cosyvoice3 (default: cosyvoice2,llm)")
+                        help=f"comma-separated subset of {','.join(PARTS)} (default: cosyvoice2,llm)")
     args = parser.parse_args()
     start = time.perf_counter()
     out = make_bundle(args.out, args.size, args.seed, tuple(p for p in args.parts.split(",") if p))

@@ -7,13 +7,10 @@ of plain text and the names of the 260 phone tokens (ids 151664..151923), which 
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from tokenizers import AddedToken, Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from cosyserve.bundle.llm import ADDITIONAL_SPECIAL_TOKENS, ENDOFTEXT, build_tokenizer
+from cosyserve.bundle.llm import build_cosyvoice3_tokenizer, build_tokenizer
 from cosyserve.errors import InvalidInputError
 from cosyserve.llm.prompt import (
     COSYVOICE2,
@@ -23,16 +20,12 @@ from cosyserve.llm.prompt import (
     LAYOUTS,
     build_prefix_ids,
     build_prompt_ids,
-    speech_token_string,
     validate_prompt_ids,
 )
 
 SYSTEM = "You are a helpful assistant."
 PROMPT_TEXT, TARGET = "Hello world, 你好。", "Numbers like 2024 are read aloud."
 SPEECH = [0, 17, 6560]
-# The 260 phone tokens after <|endofsystem|>; their released names are not needed by any prompt.
-NUM_PHONE_TOKENS = 84 + 176
-RENAMED_SPEECH_CLASSES = {6561: "<|sos|>", 6562: "<|eos1|>", 6563: "<|task_id|>", 6564: "<|fill|>"}
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +34,8 @@ def cv2_tokenizer() -> PreTrainedTokenizerFast:
 
 
 @pytest.fixture(scope="module")
-def cv3_tokenizer(cv2_tokenizer) -> PreTrainedTokenizerFast:
-    data = json.loads(cv2_tokenizer.backend_tokenizer.to_str())
-    data["added_tokens"] = []  # keep the BPE (151643 entries), rebuild the added tokens in CosyVoice3's order
-    tokenizer = Tokenizer.from_str(json.dumps(data))
-    specials = [ENDOFTEXT, *ADDITIONAL_SPECIAL_TOKENS, "<|endofsystem|>",
-                *(f"[phone_{i}]" for i in range(NUM_PHONE_TOKENS))]
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    tokenizer.add_tokens([AddedToken(RENAMED_SPEECH_CLASSES.get(k, speech_token_string(k)), normalized=False)
-                          for k in range(6761)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+def cv3_tokenizer() -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=build_cosyvoice3_tokenizer())
 
 
 def encode(tokenizer, text: str) -> list[int]:

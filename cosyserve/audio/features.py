@@ -167,7 +167,7 @@ def _window(kind: str, length: int, device: torch.device) -> torch.Tensor:
 
 def matcha_mel_spectrogram(wav: torch.Tensor, *, n_fft: int = 1920, num_mels: int = 80, sample_rate: int = 24000,
                            hop_size: int = 480, win_size: int = 1920, fmin: float = 0.0,
-                           fmax: float = 8000.0) -> torch.Tensor:
+                           fmax: float | None = 8000.0) -> torch.Tensor:
     """Matcha-TTS ``mel_spectrogram(..., center=False)``: ``(..., N)`` -> ``(..., num_mels, N // hop)``.
 
     Reflect-pad (n_fft - hop)/2 on both sides, uncentred STFT with a periodic Hann window,

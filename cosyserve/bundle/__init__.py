@@ -10,7 +10,10 @@ Layout written under ``out_dir`` (the same directory names the download stage us
     CosyVoice2-0.5B/            cosyvoice2.yaml flow.pt hift.pt campplus.onnx
                                 speech_tokenizer_v2.onnx spk2info.pt
     cosyvoice2_llm/             HuggingFace Qwen2 checkpoint + tokenizer (llm_layout.md)
-    Fun-CosyVoice3-0.5B-2512/   cosyvoice3.yaml flow.pt hift.pt (part "cosyvoice3")
+    Fun-CosyVoice3-0.5B-2512/   cosyvoice3.yaml flow.pt hift.pt campplus.onnx
+                                speech_tokenizer_v3.onnx (part "cosyvoice3")
+    cosyvoice3_llm/             HuggingFace Qwen2 checkpoint + tokenizer (part "cosyvoice3_llm",
+                                cosyvoice3_llm_layout.md §7)
     assets/prompt_audio.wav     a synthetic 16 kHz prompt and assets/prompt_text.txt
 """
 
@@ -26,6 +29,7 @@ from ..runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO
 from .model_yaml import write_model_yaml
 
 SIZES = ("tiny", "real")
+PARTS = ("cosyvoice2", "llm", "dit", "cosyvoice3", "cosyvoice3_llm")
 ASSETS_DIR = "assets"
 DEFAULT_SPEAKER_ID = "001"
 # The prompt text shipped with the synthetic prompt; any text works with random weights.
@@ -102,9 +106,9 @@ def make_bundle(out_dir: str | Path, size: str = "tiny", seed: int = 0, parts: t
     """Write the requested parts of a random-weight bundle into ``out_dir``; returns it."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-    unknown = set(parts) - {"cosyvoice2", "llm", "dit", "cosyvoice3"}
+    unknown = set(parts) - set(PARTS)
     if unknown:
-        raise ValueError(f"unknown bundle parts {sorted(unknown)}; known: cosyvoice2, llm, dit, cosyvoice3")
+        raise ValueError(f"unknown bundle parts {sorted(unknown)}; known: {', '.join(PARTS)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_assets(out_dir, seed)
@@ -125,4 +129,10 @@ def make_bundle(out_dir: str | Path, size: str = "tiny", seed: int = 0, parts: t
         from .cosyvoice3 import make_cosyvoice3_dir
 
         make_cosyvoice3_dir(out_dir, size, seed + 30)
+    if "cosyvoice3_llm" in parts:
+        from ..llm.prompt import COSYVOICE3
+        from ..runtime import COSYVOICE3_LLM_DIR
+        from .llm import write_llm_bundle
+
+        write_llm_bundle(out_dir / COSYVOICE3_LLM_DIR, size, seed + 40, COSYVOICE3)
     return out_dir

@@ -51,9 +51,13 @@ class Voice:
     reference_wav16: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
-def prompt_mel(wav24: torch.Tensor) -> torch.Tensor:
-    """24 kHz prompt waveform ``(N,)`` -> log-mel ``(N // 480, 80)`` (time-major)."""
-    return matcha_mel_spectrogram(wav24).transpose(0, 1).contiguous()
+COSYVOICE2_MEL_FMAX = 8000.0
+COSYVOICE3_MEL_FMAX = None  # cosyvoice3.yaml: fmax null, the Nyquist frequency (12 kHz)
+
+
+def prompt_mel(wav24: torch.Tensor, fmax: float | None = COSYVOICE2_MEL_FMAX) -> torch.Tensor:
+    """24 kHz prompt waveform ``(N,)`` -> log-mel ``(N // 480, 80)`` (time-major); ``fmax`` None: Nyquist."""
+    return matcha_mel_spectrogram(wav24, fmax=fmax).transpose(0, 1).contiguous()
 
 
 def trim_to_token_rate(speech_tokens: torch.Tensor, speech_feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +70,9 @@ def trim_to_token_rate(speech_tokens: torch.Tensor, speech_feat: torch.Tensor) -
 
 
 def build_prompt_features(prompt_audio: PromptAudio, tokenizer: SpeechTokenizer,
-                          speaker_encoder: SpeakerEncoder) -> PromptFeatures:
-    """Run the speech tokenizer, the prompt mel and the speaker encoder on a validated prompt."""
-    tokens, feat = trim_to_token_rate(tokenizer.tokenize(prompt_audio.wav16), prompt_mel(prompt_audio.wav24))
+                          speaker_encoder: SpeakerEncoder, mel_fmax: float | None = COSYVOICE2_MEL_FMAX) -> PromptFeatures:
+    """Run the speech tokenizer, the prompt mel and the speaker encoder on a validated prompt
+    (``mel_fmax``: the model's prompt-mel band edge, :data:`COSYVOICE3_MEL_FMAX` for CosyVoice3)."""
+    tokens, feat = trim_to_token_rate(tokenizer.tokenize(prompt_audio.wav16), prompt_mel(prompt_audio.wav24, mel_fmax))
     return PromptFeatures(speech_tokens=tokens.to(torch.int32), speech_feat=feat,
                           embedding=speaker_encoder.embed(prompt_audio.wav16))

@@ -37,7 +37,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, ModelLoadError
 
 SPEECH_TOKEN_OFFSET = 151663
 NUM_SPEECH_TOKENS = 6561
@@ -79,6 +79,8 @@ class PromptLayout:
     eos_id: int  # the end-of-speech id of the HF checkpoint's generation config
     tokenizer_size: int  # ids from here to the padded vocabulary are padding rows
     output_window_size: int  # the head's classes: ids [speech_token_offset, + size)
+    vocab_size: int  # the checkpoint's padded vocabulary (config.json ``vocab_size``): tells the layouts apart
+    head_bias: bool  # the converted lm_head has a bias (CosyVoice2: -inf outside the window; CosyVoice3: none)
     system_prompt: str | None = None  # CosyVoice3: the text must carry <|endofprompt|>
 
     def prompt_text(self, target_text: str, prompt_text: str | None, instruction: str | None) -> str:
@@ -101,14 +103,23 @@ class PromptLayout:
 COSYVOICE2 = PromptLayout(
     name="cosyvoice2", speech_token_offset=SPEECH_TOKEN_OFFSET, num_speech_tokens=NUM_SPEECH_TOKENS, sos_id=SOS_ID,
     task_id=TASK_ID, stop_ids=EOS_IDS, eos_id=EOS_IDS[0], tokenizer_size=TOKENIZER_SIZE,
-    output_window_size=OUTPUT_WINDOW_SIZE)
+    output_window_size=OUTPUT_WINDOW_SIZE, vocab_size=158336, head_bias=True)
 # Upstream's CosyVoice3LM stops on every class from 6561 (its sos) to 6760; the HF/TensorRT-LLM
 # reference path stops on <|eos1|> only, which lets sos/task_id/fill/reserved ids through to the flow.
 COSYVOICE3 = PromptLayout(
     name="cosyvoice3", speech_token_offset=151924, num_speech_tokens=NUM_SPEECH_TOKENS, sos_id=158485, task_id=158487,
     stop_ids=tuple(range(151924 + NUM_SPEECH_TOKENS, 151924 + 6761)), eos_id=158486, tokenizer_size=158685,
-    output_window_size=6761, system_prompt=COSYVOICE3_SYSTEM_PROMPT)
+    output_window_size=6761, vocab_size=158720, head_bias=False, system_prompt=COSYVOICE3_SYSTEM_PROMPT)
 LAYOUTS = {layout.name: layout for layout in (COSYVOICE2, COSYVOICE3)}
+
+
+def layout_for_vocab_size(vocab_size: int) -> PromptLayout:
+    """The layout of an HF-format checkpoint, told by its padded vocabulary size (158336 / 158720)."""
+    for layout in LAYOUTS.values():
+        if layout.vocab_size == vocab_size:
+            return layout
+    known = ", ".join(f"{layout.vocab_size} ({layout.name})" for layout in LAYOUTS.values())
+    raise ModelLoadError(f"vocab_size {vocab_size} is not a CosyVoice LLM's; known: {known}")
 
 
 def speech_token_string(token: int) -> str:

@@ -1,7 +1,8 @@
 """Per-request sampling parameters and the batched sampler over the speech output window.
 
-The sampler works on float32 logits of shape ``(rows, 6564)`` (speech tokens 0..6560 then the
-three eos ids) and keeps every request's state in per-slot tensors, so one decode step samples
+The sampler works on float32 logits of the layout's output window, shape ``(rows, window)``
+(speech tokens 0..6560, then the stop classes: CosyVoice2's three eos ids, CosyVoice3's 200
+classes 6561..6760; ``min_tokens`` masks all of them) and keeps every request's state in per-slot tensors, so one decode step samples
 all rows with a fixed sequence of tensor ops (CUDA-graph capturable, no host sync).
 
 Randomness is counter-based: the noise for (request seed, generated-token index, vocabulary

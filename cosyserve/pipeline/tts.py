@@ -7,7 +7,7 @@ runs inside the Triton BLS model (both reached through BLS requests, see
 called directly, for ``offline_inference.py`` and the tests).
 
 Two token2wav kinds run behind :class:`Token2Wav`: CosyVoice2's flow (the default
-:data:`COSYVOICE2`) and Step-Audio-2-mini's DiT (``cosyserve.pipeline.dit``, the ``cosyvoice2_dit``
+:data:`COSYVOICE2_FLOW`; CosyVoice3's flow is the same kind) and Step-Audio-2-mini's DiT (``cosyserve.pipeline.dit``, the ``cosyvoice2_dit``
 model). Both keep a session per request id; what differs for the orchestration is a
 :class:`Token2WavKind`: the chunk schedule and what an utterance without speech tokens is.
 
@@ -45,9 +45,9 @@ import numpy as np
 from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..clip_cache import ClipCache
 from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutError
-from ..frontend.prompt import PromptFeatures, Voice, build_prompt_features
+from ..frontend.prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, Voice, build_prompt_features
 from ..frontend.voice_store import VoiceStore, is_voice_id
-from ..llm.prompt import MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, build_prompt_ids
+from ..llm.prompt import COSYVOICE2, MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, PromptLayout, build_prompt_ids
 from ..schedule import Chunk, ChunkScheduler
 from ..text import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS, TextFrontend
 
@@ -144,7 +144,7 @@ class Token2WavKind:
     silent_when_empty: bool = False
 
 
-COSYVOICE2 = Token2WavKind()
+COSYVOICE2_FLOW = Token2WavKind()
 
 
 def validate_text(text: str, what: str = "target_text", max_chars: int = MAX_SEGMENT_CHARS) -> str:
@@ -170,19 +170,27 @@ class VoiceResolver:
     16 kHz samples (the features depend on nothing else), so a repeated clip skips the speech
     tokenizer and the speaker encoder. 0 disables the cache. A stored voice's features are
     computed by the first process that needs them and saved with the voice for all the others.
+
+    ``default_speaker`` None: the model has no registered voices (CosyVoice3 ships no spk2info.pt),
+    so a request must bring its reference clip and transcript; its voice is then the content of both
+    (features keyed by the clip, the transcript as sent), never the transcript alone. ``mel_fmax``: the
+    model's prompt-mel band edge (:func:`~cosyserve.frontend.prompt.build_prompt_features`).
     """
 
     def __init__(self, registry: Any, tokenizer: Any, speaker_encoder: Any, *,
-                 default_speaker: str = DEFAULT_SPEAKER, max_text_chars: int = MAX_SEGMENT_CHARS,
-                 feature_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE, store: VoiceStore | None = None):
+                 default_speaker: str | None = DEFAULT_SPEAKER, max_text_chars: int = MAX_SEGMENT_CHARS,
+                 feature_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE, store: VoiceStore | None = None,
+                 mel_fmax: float | None = COSYVOICE2_MEL_FMAX):
         self.registry = registry
         self.store = store
         self.tokenizer = tokenizer
         self.speaker_encoder = speaker_encoder
         self.default_speaker = default_speaker
         self.max_text_chars = max_text_chars
+        self.mel_fmax = mel_fmax
         self._features: ClipCache[PromptFeatures] = ClipCache(feature_cache_size)
-        registry.get(default_speaker)  # a missing default speaker is a start-up error
+        if default_speaker is not None:
+            registry.get(default_speaker)  # a missing default speaker is a start-up error
 
     def resolve(self, reference_wav16: Any = None, reference_text: str | None = None,
                 speaker_id: str | None = None) -> Voice:
@@ -200,6 +208,9 @@ class VoiceResolver:
             raise InvalidInputError("reference_text was given without reference_wav; send both or neither")
         if speaker_id and speaker_id not in self.registry and self.store is not None and is_voice_id(speaker_id):
             return self._stored_voice(speaker_id)
+        if not speaker_id and self.default_speaker is None:
+            raise InvalidInputError("this model has no default speaker: send reference_wav (16 kHz, with "
+                                    "reference_wav_len) and reference_text, its transcript")
         speaker = self.registry.get(speaker_id or self.default_speaker)
         return Voice(speaker.prompt_text, speaker.features, speaker.speaker_id)
 
@@ -208,7 +219,7 @@ class VoiceResolver:
         features = self.store.load_features(voice_id)
         if features is None:
             audio = prompt_audio_from_array(self.store.audio16(voice_id), TOKENIZER_SAMPLE_RATE)
-            features = build_prompt_features(audio, self.tokenizer, self.speaker_encoder)
+            features = build_prompt_features(audio, self.tokenizer, self.speaker_encoder, self.mel_fmax)
             self.store.save_features(voice_id, features)
         return Voice(stored.transcript or "", features, voice_id, cross_lingual=stored.transcript is None)
 
@@ -218,7 +229,7 @@ class VoiceResolver:
 
     def _prompt_features(self, audio) -> PromptFeatures:
         return self._features.get_or_compute(
-            audio.wav16, lambda: build_prompt_features(audio, self.tokenizer, self.speaker_encoder))
+            audio.wav16, lambda: build_prompt_features(audio, self.tokenizer, self.speaker_encoder, self.mel_fmax))
 
 
 def never_cancelled() -> bool:
@@ -247,18 +258,20 @@ class TTSPipeline:
     """Text + voice -> 24 kHz waveform, offline (:meth:`synthesize`) or chunk by chunk (:meth:`stream`).
 
     ``text_tokenizer`` is the LLM's HuggingFace tokenizer (prompt ids, llm_layout.md §3; it also
-    measures English segments). ``max_text_chars`` bounds a request's whole text.
+    measures English segments). ``max_text_chars`` bounds a request's whole text. ``layout``: the
+    LLM's prompt layout (CosyVoice2's or CosyVoice3's, ``llm/prompt.py``).
     """
 
     def __init__(self, text_tokenizer: Any, llm: SpeechTokenSource, token2wav: Token2Wav, *,
                  strategy: str = "exponential", max_text_chars: int = MAX_TEXT_CHARS,
-                 kind: Token2WavKind = COSYVOICE2):
+                 kind: Token2WavKind = COSYVOICE2_FLOW, layout: PromptLayout = COSYVOICE2):
         kind.scheduler(strategy)  # fail at start-up, not per request, on an unknown strategy
         self.text_tokenizer = text_tokenizer
         self.llm = llm
         self.token2wav = token2wav
         self.strategy = strategy
         self.kind = kind
+        self.layout = layout
         self.text = TextFrontend(lambda text: text_tokenizer.encode(text, add_special_tokens=False),
                                  max_text_chars=max_text_chars)
 
@@ -275,12 +288,12 @@ class TTSPipeline:
         validate_text(segment, "target_text", self.text.max_segment_chars)
         if instruction is not None:
             validate_text(instruction, "instruction", self.text.max_segment_chars)
-            return build_prompt_ids(self.text_tokenizer, segment, instruction=instruction)
+            return build_prompt_ids(self.text_tokenizer, segment, instruction=instruction, layout=self.layout)
         if voice.cross_lingual:
-            return build_prompt_ids(self.text_tokenizer, segment)
+            return build_prompt_ids(self.text_tokenizer, segment, layout=self.layout)
         tokens = voice.features.speech_tokens
         return build_prompt_ids(self.text_tokenizer, segment, voice.prompt_text if prompt_text is None else prompt_text,
-                                [int(t) for t in tokens.reshape(-1).tolist()])
+                                [int(t) for t in tokens.reshape(-1).tolist()], layout=self.layout)
 
     def voice_prompt_text(self, voice: Voice, text_frontend: bool = True) -> str:
         """A reference clip's transcript is normalised as the target text is (upstream does the

@@ -50,13 +50,17 @@ def call_model(model_name: str, inputs: dict[str, np.ndarray], output: str, requ
 
 
 class RemoteSpeechTokenizer:
-    """``tokenize(wav16)`` through the ``audio_tokenizer`` model."""
+    """``tokenize(wav16)`` through the ``audio_tokenizer`` model, whose ids are codes + ``token_offset``
+    (CosyVoice2's: LLM ids; CosyVoice3's: raw codes)."""
+
+    def __init__(self, token_offset: int = SPEECH_TOKEN_OFFSET):
+        self.token_offset = token_offset
 
     def tokenize(self, wav16: torch.Tensor) -> torch.Tensor:
         wav = wav16.numpy().astype(np.float32)[None]
         inputs = {"reference_wav": wav, "reference_wav_len": np.array([[wav.shape[1]]], np.int32)}
         ids = call_model("audio_tokenizer", inputs, "prompt_speech_tokens")
-        return torch.from_numpy(ids.astype(np.int32) - SPEECH_TOKEN_OFFSET)
+        return torch.from_numpy(ids.astype(np.int32) - self.token_offset)
 
 
 def openai_speech_tokens(settings: BlsSettings, tokenizer, registry: SpeakerRegistry) -> LocalSpeechTokens:
@@ -114,9 +118,8 @@ class TTSBLS(ABC):
         settings = model_settings(config, BlsSettings)
         limit_torch_threads(settings.torch_threads)  # dozens of instances; each needs little CPU (prompt mel, resampling)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        registry = SpeakerRegistry.load(settings.model_dir / SPK2INFO)
-        self.voices = VoiceResolver(registry, RemoteSpeechTokenizer(), self.speaker_encoder(),
-                                    store=self.voice_store(settings))
+        registry = self.speaker_registry(settings)
+        self.voices = self.voice_resolver(registry, settings)
         self.limits = TokenLimits(settings.max_tokens, settings.min_tokens)
         self.request_timeout_s = settings.request_timeout_s
         tokenizer = AutoTokenizer.from_pretrained(settings.llm_tokenizer_dir)
@@ -134,6 +137,14 @@ class TTSBLS(ABC):
     @abstractmethod
     def speaker_encoder(self):
         """What :class:`~cosyserve.pipeline.tts.VoiceResolver` embeds a reference clip with."""
+
+    def speaker_registry(self, settings: BlsSettings) -> SpeakerRegistry:
+        """The registered voices: ``spk2info.pt`` of ``model_dir``."""
+        return SpeakerRegistry.load(settings.model_dir / SPK2INFO)
+
+    def voice_resolver(self, registry: SpeakerRegistry, settings: BlsSettings) -> VoiceResolver:
+        """How a request's voice inputs become a :class:`~cosyserve.pipeline.tts.Voice`."""
+        return VoiceResolver(registry, RemoteSpeechTokenizer(), self.speaker_encoder(), store=self.voice_store(settings))
 
     def voice_store(self, settings: BlsSettings):
         """Where :class:`~cosyserve.pipeline.tts.VoiceResolver` finds voices uploaded through the HTTP

@@ -1,7 +1,9 @@
 """The ``audio_tokenizer`` and ``speaker_embedding`` Triton models over the ONNX front-end wrappers.
 
 * ``audio_tokenizer``: ``reference_wav`` FP32 [-1] (16 kHz) + optional ``reference_wav_len``
-  INT32 [1] -> ``prompt_speech_tokens`` INT32 [-1], LLM ids (speech token + 151663).
+  INT32 [1] -> ``prompt_speech_tokens`` INT32 [-1], LLM ids (speech token + 151663). CosyVoice3's
+  (template ``audio_tokenizer_cosyvoice3``, :class:`AudioTokenizerV3Model`) reads
+  ``speech_tokenizer_v3.onnx`` and answers raw codes 0..6560, as the reference's does.
 * ``speaker_embedding``: ``reference_wav`` FP32 [-1] (+ optional length) ->
   ``prompt_spk_embedding`` FP16 [-1] (192 values, the raw CAM++ x-vector).
 
@@ -55,14 +57,22 @@ def _prompt_wav(request):
 
 
 class AudioTokenizerModel(_FrontendModel):
+    ONNX_FILE = "speech_tokenizer_v2.onnx"
+    TOKEN_OFFSET = SPEECH_TOKEN_OFFSET  # added to the codes on the wire
+
     def __init__(self, config: dict):
-        super().__init__(config, "speech_tokenizer_v2.onnx", SpeechTokenizer)
+        super().__init__(config, self.ONNX_FILE, SpeechTokenizer)
 
     def _run(self, request) -> list:
         wav = _prompt_wav(request)
         tokens = self.cache.get_or_compute(
-            wav, lambda: self.onnx_model.tokenize(wav).numpy().astype(np.int32) + SPEECH_TOKEN_OFFSET)
+            wav, lambda: self.onnx_model.tokenize(wav).numpy().astype(np.int32) + self.TOKEN_OFFSET)
         return [tensor("prompt_speech_tokens", tokens)]
+
+
+class AudioTokenizerV3Model(AudioTokenizerModel):
+    ONNX_FILE = "speech_tokenizer_v3.onnx"
+    TOKEN_OFFSET = 0
 
 
 class SpeakerEmbeddingModel(_FrontendModel):

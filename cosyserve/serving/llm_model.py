@@ -10,7 +10,8 @@ up its own request only).
 * ``streaming`` true: one response per burst of new tokens (``output_ids`` [1, 1, n_new],
   ``sequence_length`` [1, 1] = n_new; n_new is 1 unless the engine got ahead of the sends, then
   every token not yet sent), then an empty final response; false: one final response
-  with every token. Ids are LLM ids (raw speech token + 151663); the end-of-speech id is not
+  with every token. Ids are LLM ids (raw speech token + the checkpoint's speech offset: 151663 for
+  CosyVoice2, 151924 for CosyVoice3, told by its vocab size); the end-of-speech id is not
   returned. The prompt is never echoed (TRT-LLM ``exclude_input_in_output``).
 * ``stop`` true stops the in-flight request with the same request id: that one ends like a
   finished request, the stop request gets an empty final response. A cancelled caller (client
@@ -24,7 +25,8 @@ up its own request only).
 * What a TensorRT-LLM engine needs and this one has built in is accepted and checked (see
   :mod:`cosyserve.llm.trtllm.request`): ``embedding_bias`` ``[1, vocab]`` must be the head bias of
   ``llm_dir`` (which the engine applies anyway) or zeros; ``stop_words_list`` with ``end_id``
-  must be the three end-of-speech ids, at which the engine always stops.
+  must be the three end-of-speech ids, at which the engine always stops. A CosyVoice3 checkpoint
+  has no head bias and stops on its 200 stop classes by itself: those two inputs are refused.
 
 Parameters: ``llm_dir`` (HuggingFace-format LLM), ``device`` (auto|cpu|cuda), optional
 ``model_dir`` (its spk2info.pt voices get their ``<|sos|>{prompt_text}`` prefix cached at start-up),
@@ -52,7 +54,8 @@ import triton_python_backend_utils as pb_utils
 
 from ..errors import InvalidInputError, RequestCancelledError
 from ..llm.backends import create_backend
-from ..llm.prompt import EOS_IDS, SPEECH_TOKEN_OFFSET, register_voice_prefixes
+from ..llm.models.config import Qwen2Config
+from ..llm.prompt import layout_for_vocab_size, register_voice_prefixes
 from ..llm.sampling import SamplingParams
 from ..llm.stream import TokenStream
 from ..runtime import SPK2INFO
@@ -90,8 +93,10 @@ class LLMModel:
         llm_dir = settings.llm_dir
         device = settings.torch_device()
         limit_torch_threads(settings.torch_threads, 1 if device.type == "cuda" else None)
+        self.layout = layout_for_vocab_size(Qwen2Config.from_model_dir(llm_dir).vocab_size)
         self.backend = create_backend(settings.llm_backend, llm_dir, device)
-        self.head_bias = embedding_bias(llm_dir).numpy()  # what a TensorRT-LLM caller's embedding_bias must be
+        # what a TensorRT-LLM caller's embedding_bias must be (a CosyVoice3 head has no bias)
+        self.head_bias = embedding_bias(llm_dir).numpy() if self.layout.head_bias else None
         if settings.model_dir:  # registered voices: precompute their prompt prefixes
             from transformers import AutoTokenizer
 
@@ -148,8 +153,10 @@ class LLMModel:
                 raise InvalidInputError(f"input_lengths is {length}; it must be in 1..{ids.size} (the input_ids sent)")
             ids = ids[:length]
         end_id = optional_scalar(request, "end_id")
-        if end_id is not None and end_id not in EOS_IDS:
-            raise InvalidInputError(f"end_id {end_id} is not an end-of-speech id of this model {EOS_IDS}")
+        stop_ids = self.layout.stop_ids
+        if end_id is not None and end_id not in stop_ids:
+            raise InvalidInputError(f"end_id {end_id} is not an end-of-speech id of this model "
+                                    f"({stop_ids[0]}..{stop_ids[-1]})")
         trtllm_form = self._check_trtllm_inputs(request, end_id)
         params = SamplingParams(
             temperature=_number(request, "temperature", 1.0),
@@ -170,9 +177,12 @@ class LLMModel:
     def _check_trtllm_inputs(self, request, end_id: int | None) -> bool:
         """Check what only a TensorRT-LLM engine needs; True when the request sent all of it."""
         stop_words = optional_input(request, "stop_words_list")
+        bias = optional_input(request, "embedding_bias")
+        if self.head_bias is None and (stop_words is not None or bias is not None):
+            raise InvalidInputError(f"stop_words_list and embedding_bias are not taken by this {self.layout.name} "
+                                    "LLM: its head has no bias and it stops on its own stop ids")
         if stop_words is not None:
             check_stop_words(stop_words, end_id)
-        bias = optional_input(request, "embedding_bias")
         if bias is not None:
             check_embedding_bias(bias, self.head_bias)
         return stop_words is not None and bias is not None and optional_input(request, "seed") is not None
@@ -180,16 +190,17 @@ class LLMModel:
     def _serve(self, generation: _Generation, streaming: bool) -> None:
         stream, outputs = generation.stream, generation.outputs
         tokens: list[int] = []
+        offset = self.layout.speech_token_offset
         try:
             for burst in _until_stopped(stream):
                 if generation.sender.is_cancelled():  # the caller went away
                     stream.close()
                     break
                 if streaming:
-                    generation.send(_ids_response(burst, outputs))
+                    generation.send(_ids_response(burst, outputs, offset))
                 else:
                     tokens.extend(burst)
-            generation.send(None if streaming else _ids_response(tokens, outputs), flags=FINAL)
+            generation.send(None if streaming else _ids_response(tokens, outputs, offset), flags=FINAL)
         except Exception as exc:  # an engine failure
             _send_error(generation.send, exc)
         finally:
@@ -252,8 +263,9 @@ def _send_error(send, exc: Exception) -> None:
     send(flags=FINAL)
 
 
-def _ids_response(raw_tokens: list[int], outputs: frozenset[str]) -> "pb_utils.InferenceResponse":
-    ids = np.asarray(raw_tokens, dtype=np.int32).reshape(1, -1) + SPEECH_TOKEN_OFFSET  # (beam, tokens)
+def _ids_response(raw_tokens: list[int], outputs: frozenset[str], speech_token_offset: int
+                  ) -> "pb_utils.InferenceResponse":
+    ids = np.asarray(raw_tokens, dtype=np.int32).reshape(1, -1) + speech_token_offset  # (beam, tokens)
     arrays = {"output_ids": ids, "sequence_length": np.array([ids.shape[1]], np.int32)}
     return pb_utils.InferenceResponse(output_tensors=[tensor(name, a) for name, a in arrays.items() if name in outputs])
 

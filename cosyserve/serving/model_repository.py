@@ -1,13 +1,16 @@
-"""The Triton model repository, built from the ``model_repo/`` templates: one builder for both pipelines.
+"""The Triton model repository, built from the ``model_repo/`` templates: one builder for every pipeline.
 
 ``run.sh`` stage 2 (CosyVoice2: ``cosyvoice2`` BLS, ``llm`` or ``tensorrt_llm``, ``token2wav``,
 ``audio_tokenizer``, ``speaker_embedding``), ``run_stepaudio2_dit_token2wav.sh`` stage 2 (DiT:
-``cosyvoice2_dit``, ``token2wav_dit``, ``audio_tokenizer``) and the tests all call :func:`build`::
+``cosyvoice2_dit``, ``token2wav_dit``, ``audio_tokenizer``), ``run_cosyvoice3.sh`` stage 2 (CosyVoice3:
+``cosyvoice3``, ``llm``, ``token2wav``, ``audio_tokenizer``, ``speaker_embedding``) and the tests all
+call :func:`build`::
 
     python -m cosyserve.serving.model_repository cosyvoice2 OUT_DIR --models-dir models --device cpu
     python -m cosyserve.serving.model_repository dit OUT_DIR --models-dir models --llm-url http://h:8100/v1
+    python -m cosyserve.serving.model_repository cosyvoice3 OUT_DIR --models-dir models --device cpu
 
-Every field of :class:`CosyVoice2Repository` / :class:`DitRepository` is a ``--flag`` of the same
+Every field of :class:`CosyVoice2Repository` / :class:`DitRepository` / :class:`CosyVoice3Repository` is a ``--flag`` of the same
 name (``_`` -> ``-``). A template is a ``config.pbtxt`` with ``${key}`` placeholders; :func:`fill`
 replaces them (``scripts/fill_template.py`` is its command line, with NVIDIA's syntax).
 """
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .settings import BlsSettings, FrontendSettings, LLMSettings, Token2WavSettings, parameter_value
+from ..runtime import COSYVOICE3_DIR, COSYVOICE3_LLM_DIR
+from .settings import BlsSettings, Cv3Token2WavSettings, FrontendSettings, LLMSettings, Token2WavSettings, parameter_value
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
 # Parameters that repositories filled with the keys of NVIDIA's runtime (which has none of them)
@@ -238,10 +242,51 @@ class DitRepository:
         }
 
 
-PIPELINES = {"cosyvoice2": CosyVoice2Repository, "dit": DitRepository}
+@dataclass(frozen=True)
+class CosyVoice3Repository:
+    """What ``run_cosyvoice3.sh`` stage 2 builds (its variables in the comments): the ``cosyvoice3``
+    BLS, ``llm`` (our engine on the CosyVoice3 HF checkpoint), ``token2wav`` (DiT flow + causal HiFT),
+    ``audio_tokenizer`` (v3, raw codes) and ``speaker_embedding``, as the reference's five models
+    (whose ``token2wav`` + ``vocoder`` pair is one model here, and whose LLM is trtllm-serve)."""
+
+    models_dir: Path                                           # MODELS_DIR (Fun-CosyVoice3-0.5B-2512, cosyvoice3_llm)
+    llm_engine: str = LLMSettings.llm_backend                  # LLM_ENGINE
+    decoupled: bool = True                                     # DECOUPLED_MODE
+    streaming_strategy: str = BlsSettings.streaming_strategy   # STREAMING_STRATEGY
+    device: str = Token2WavSettings.device                     # DEVICE
+    bls_instances: int = 10                                    # BLS_INSTANCE_NUM
+    bls_max_queue_size: int | None = 0                         # BLS_MAX_QUEUE_SIZE
+    max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
+    min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
+    bls_warm_up: str = parameter_value(BlsSettings.warm_up)    # BLS_WARM_UP
+    max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
+    max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
+    token2wav_dtype: str = Cv3Token2WavSettings.dtype          # TOKEN2WAV_DTYPE
+
+    def models(self) -> dict[str, ModelEntry]:
+        model_dir, llm_dir = f"{self.models_dir}/{COSYVOICE3_DIR}", f"{self.models_dir}/{COSYVOICE3_LLM_DIR}"
+        common = {"model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
+                  "max_queue_delay_microseconds": str(self.max_queue_delay_microseconds), "device": self.device}
+        return {
+            "cosyvoice3": ModelEntry("cosyvoice3", {
+                "model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
+                "llm_tokenizer_dir": llm_dir, "llm_model_name": "llm", "streaming_strategy": self.streaming_strategy,
+                "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
+                "bls_warm_up": self.bls_warm_up, "bls_instance_num": str(self.bls_instances),
+                "decoupled_mode": str(self.decoupled),
+                "max_queue_size": str(_queue_size(self.bls_max_queue_size, self.bls_instances))}),
+            # no model_dir: CosyVoice3 has no registered voices whose prefixes the engine could cache
+            "llm": ModelEntry("llm", {**common, "model_dir": "", "llm_dir": llm_dir, "llm_engine": self.llm_engine}),
+            "token2wav": ModelEntry("token2wav_cosyvoice3", {**common, "token2wav_dtype": self.token2wav_dtype}),
+            "audio_tokenizer": ModelEntry("audio_tokenizer_cosyvoice3", common),
+            "speaker_embedding": ModelEntry("speaker_embedding", common),
+        }
 
 
-def build(spec: CosyVoice2Repository | DitRepository, out: str | Path, templates: str | Path = TEMPLATES) -> Path:
+PIPELINES = {"cosyvoice2": CosyVoice2Repository, "dit": DitRepository, "cosyvoice3": CosyVoice3Repository}
+
+
+def build(spec: CosyVoice2Repository | DitRepository | CosyVoice3Repository, out: str | Path, templates: str | Path = TEMPLATES) -> Path:
     """Replace ``out`` with the repository ``spec`` describes; returns ``out``.
 
     Every template is filled before ``out`` is touched: when one does not fit
@@ -279,7 +324,8 @@ def _boolean(text: str) -> bool:
     return value
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[CosyVoice2Repository | DitRepository, Path, Path]:
+def parse_args(argv: Sequence[str] | None = None
+               ) -> tuple[CosyVoice2Repository | DitRepository | CosyVoice3Repository, Path, Path]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     pipelines = parser.add_subparsers(dest="pipeline", required=True)
     for name, spec in PIPELINES.items():

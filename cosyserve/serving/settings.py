@@ -206,8 +206,23 @@ class DitToken2WavSettings(ProcessSettings):
     stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
 
 
+@dataclass(frozen=True)
+class Cv3Token2WavSettings(ProcessSettings):
+    """The CosyVoice3 ``token2wav`` model (template ``token2wav_cosyvoice3``): the flow's ``dtype``
+    (auto: float32 everywhere: a plain fp16 DiT gives NaNs upstream, and no reduced precision has
+    been measured here yet; the causal HiFT stays fp32)."""
+
+    model_dir: Path
+    dtype: str = AUTO
+    stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
+
+    def flow_dtype(self, device: torch.device) -> torch.dtype:
+        return torch.float32 if self.dtype == AUTO else resolve_device_dtype(device, self.dtype)[1]
+
+
 # The settings of each model of ``model_repo/`` that takes parameters (tensorrt_llm is NVIDIA's).
 MODEL_SETTINGS: dict[str, type] = {
     "token2wav": Token2WavSettings, "llm": LLMSettings, "cosyvoice2": BlsSettings, "cosyvoice2_dit": BlsSettings,
     "audio_tokenizer": FrontendSettings, "speaker_embedding": FrontendSettings, "token2wav_dit": DitToken2WavSettings,
+    "cosyvoice3": BlsSettings, "token2wav_cosyvoice3": Cv3Token2WavSettings, "audio_tokenizer_cosyvoice3": FrontendSettings,
 }

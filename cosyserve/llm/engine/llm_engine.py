@@ -88,7 +88,7 @@ class LLMEngine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                on_token: Callable[[int], None] | None = None) -> TokenStream:
         """Queue a request; bad input raises InvalidInputError here and never reaches the batch."""
-        ids = validate_prompt_ids(prompt_ids, self.runner.config.vocab_size)
+        ids = validate_prompt_ids(prompt_ids, self.runner.config.vocab_size, self.layout)
         if not isinstance(params, SamplingParams):
             raise InvalidInputError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -106,6 +106,7 @@ class LLMEngine:
                 seed=params.seed if params.seed is not None else random_seed(),
                 max_new_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
                 stream=TokenStream(request_id, lambda: self.cancel(request_id)), on_token=on_token,
+                layout=self.layout,
             )
             self._active[request_id] = seq
             self._inbox.append(seq)
@@ -124,15 +125,20 @@ class LLMEngine:
 
     def register_prefix(self, key: str, ids: list[int]) -> None:
         """Compute and keep the KV of ``ids`` (e.g. ``build_prefix_ids``) for reuse by later prompts."""
-        ids = validate_prompt_ids(ids, self.runner.config.vocab_size)
+        ids = validate_prompt_ids(ids, self.runner.config.vocab_size, self.layout)
         if len(ids) >= self.max_model_len:
             raise InvalidInputError(f"prefix of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")
         self._call(lambda: self.prefixes.put(key, ids, self.runner.compute_prefix_kv(ids)))
 
     def teacher_forced_logits(self, prompt_ids: list[int], forced: list[int]) -> torch.Tensor:
         """Logits (1 + len(forced), window) after the prompt and after each forced window index."""
-        ids = validate_prompt_ids(prompt_ids, self.runner.config.vocab_size)
+        ids = validate_prompt_ids(prompt_ids, self.runner.config.vocab_size, self.layout)
         return self._call(lambda: self._score(ids, forced))
+
+    @property
+    def layout(self):
+        """The checkpoint's :class:`~cosyserve.llm.prompt.PromptLayout` (CosyVoice2 or CosyVoice3)."""
+        return self.runner.layout
 
     @property
     def num_running(self) -> int:

@@ -21,7 +21,7 @@ from ..layers.attention import DecodeMetadata, PrefillMetadata, decode_bias
 from ..layers.fused import fused_decode_available
 from ..models.config import Qwen2Config
 from ..models.loader import load_model
-from ..prompt import OUTPUT_WINDOW_START
+from ..prompt import layout_for_vocab_size
 from ..sampling import Sampler
 from .kv_cache import KVCache
 
@@ -58,10 +58,12 @@ class ModelRunner:
         they run as Triton kernels (CUDA, bf16/fp16)."""
         self.device, self.dtype = device, dtype
         self.config = Qwen2Config.from_model_dir(model_dir)
+        self.layout = layout_for_vocab_size(self.config.vocab_size)
+        self.window_start = self.layout.speech_token_offset  # window index + this = the token id fed back
         self.model = load_model(model_dir, device, dtype, max_model_len, self.config)
         self.model.fused_decode = fused_decode_available(device, dtype) if fused_decode is None else fused_decode
         self.kv = KVCache(self.config, max_slots, max_model_len, device, dtype)
-        self.sampler = Sampler(max_slots, device)
+        self.sampler = Sampler(max_slots, device, self.layout.output_window_size)
         long = dict(dtype=torch.long, device=device)
         self.input_ids = torch.zeros(max_slots, **long)
         self.positions = torch.zeros(max_slots, **long)
@@ -88,7 +90,7 @@ class ModelRunner:
         slots = [item.slot for item in items]
         index = torch.tensor(slots, device=self.device)
         tokens = self.sampler.sample(self.prefill_logits(items), index)
-        self.input_ids[index] = tokens + OUTPUT_WINDOW_START
+        self.input_ids[index] = tokens + self.window_start
         self.positions[index] = torch.tensor([len(item.ids) for item in items], device=self.device)
         return tokens.tolist()
 
@@ -131,7 +133,7 @@ class ModelRunner:
         hidden = self.model(ids, positions, self.kv, meta)
         tokens = self.sampler.sample(self.model.logits(hidden.index_select(0, last)), slot)
         self.out_tokens.index_copy_(0, slot, tokens)
-        self.input_ids.index_copy_(0, slot, tokens + OUTPUT_WINDOW_START)
+        self.input_ids.index_copy_(0, slot, tokens + self.window_start)
         self.positions.index_copy_(0, slot, length)
 
     def _replay_prefill(self, item: PrefillItem) -> int:
@@ -169,7 +171,7 @@ class ModelRunner:
         """Graph body: one token for slots 0..batch-1 (no host sync)."""
         tokens = self.sampler.sample(self._decode_logits(batch, kv_len), self.rows[:batch])
         self.out_tokens[:batch] = tokens
-        self.input_ids[:batch] = tokens + OUTPUT_WINDOW_START
+        self.input_ids[:batch] = tokens + self.window_start
         # Free rows keep counting; the clamp keeps their (ignored) writes inside the cache.
         self.positions[:batch] = (self.positions[:batch] + 1).clamp_(max=self.kv.max_len - 1)
 
@@ -196,7 +198,7 @@ class ModelRunner:
     @torch.inference_mode()
     def set_decode_input(self, slot: int, token: int, position: int) -> None:
         """Make window index ``token`` at ``position`` the next decode input of ``slot``."""
-        self.input_ids[slot] = token + OUTPUT_WINDOW_START
+        self.input_ids[slot] = token + self.window_start
         self.positions[slot] = position
 
     @torch.inference_mode()

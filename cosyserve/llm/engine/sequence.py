@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..prompt import NUM_SPEECH_TOKENS, OUTPUT_WINDOW_SIZE, OUTPUT_WINDOW_START
+from ..prompt import COSYVOICE2, NUM_SPEECH_TOKENS, PromptLayout
 from ..sampling import SamplingParams
 from ..stream import Finished, TokenStream
 
@@ -19,6 +19,7 @@ class Sequence:
     max_new_tokens: int  # params.max_tokens, cut to what fits in the model length
     stream: TokenStream
     on_token: Callable[[int], None] | None = None
+    layout: PromptLayout = COSYVOICE2
     output: list[int] = field(default_factory=list)
     slot: int = -1
     cancelled: bool = False
@@ -32,11 +33,12 @@ class Sequence:
     @property
     def prompt_window_ids(self) -> list[int]:
         """Prompt speech tokens as output-window indices (for the repetition penalty)."""
-        return [t - OUTPUT_WINDOW_START for t in self.prompt_ids
-                if OUTPUT_WINDOW_START <= t < OUTPUT_WINDOW_START + OUTPUT_WINDOW_SIZE]
+        start = self.layout.speech_token_offset
+        return [t - start for t in self.prompt_ids if start <= t < start + self.layout.output_window_size]
 
     def append(self, token: int) -> bool:
-        """Record a sampled window index; returns True when the request is now finished."""
+        """Record a sampled window index; returns True when the request is now finished. Window
+        indices from ``NUM_SPEECH_TOKENS`` on are the layout's stop ids (never handed on)."""
         if token >= NUM_SPEECH_TOKENS:
             self.finish(Finished("stop"))
             return True

@@ -1,8 +1,10 @@
 """Load a HuggingFace Qwen2ForCausalLM checkpoint (safetensors) into :class:`Qwen2SpeechLM`.
 
-Strict: every tensor of the checkpoint must be used and every parameter filled, and
-``lm_head.bias`` is required (stock transformers drops it; without it text tokens would get
-finite logits and the trained speech biases would be lost).
+Strict: every tensor of the checkpoint must be used and every parameter filled. The layout
+(:func:`~cosyserve.llm.prompt.layout_for_vocab_size`) says whether ``lm_head.bias`` exists: the
+CosyVoice2 conversion requires it (stock transformers drops it; without it text tokens would get
+finite logits and the trained speech biases would be lost), the CosyVoice3 one has none (the head
+is then the window's rows with a zero bias).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from ...errors import ModelLoadError
-from ..prompt import OUTPUT_WINDOW_SIZE, OUTPUT_WINDOW_START
+from ..prompt import COSYVOICE2, PromptLayout, layout_for_vocab_size
 from .config import Qwen2Config
 from .qwen2 import Qwen2SpeechLM
 
@@ -56,18 +58,22 @@ def _layer_tensors(ckpt: dict[str, torch.Tensor], i: int) -> dict[str, torch.Ten
     }
 
 
-def map_checkpoint(ckpt: dict[str, torch.Tensor], config: Qwen2Config) -> dict[str, torch.Tensor]:
+def map_checkpoint(ckpt: dict[str, torch.Tensor], config: Qwen2Config,
+                   layout: PromptLayout = COSYVOICE2) -> dict[str, torch.Tensor]:
     """HF names -> this model's names (fused projections, windowed head). Consumes ``ckpt``."""
     ckpt = dict(ckpt)
-    if "lm_head.bias" not in ckpt:
-        raise ModelLoadError("checkpoint has no lm_head.bias: the CosyVoice2 LLM head needs its bias "
+    if layout.head_bias and "lm_head.bias" not in ckpt:
+        raise ModelLoadError(f"checkpoint has no lm_head.bias: the {layout.name} LLM head needs its bias "
                              "(-inf outside the speech rows); was it saved by a loader that dropped it?")
-    window = slice(OUTPUT_WINDOW_START, OUTPUT_WINDOW_START + OUTPUT_WINDOW_SIZE)
+    if not layout.head_bias and "lm_head.bias" in ckpt:
+        raise ModelLoadError(f"checkpoint has an lm_head.bias; the {layout.name} conversion writes none")
+    window = slice(layout.speech_token_offset, layout.speech_token_offset + layout.output_window_size)
     try:
+        head = ckpt.pop("lm_head.weight")[window].float()
         state = {"embed_tokens.weight": ckpt.pop("model.embed_tokens.weight"),
                  "norm.weight": ckpt.pop("model.norm.weight"),
-                 "head.weight": ckpt.pop("lm_head.weight")[window].float(),
-                 "head.bias": ckpt.pop("lm_head.bias")[window].float()}
+                 "head.weight": head,
+                 "head.bias": ckpt.pop("lm_head.bias")[window].float() if layout.head_bias else head.new_zeros(len(head))}
         for i in range(config.num_layers):
             state.update(_layer_tensors(ckpt, i))
     except KeyError as exc:
@@ -82,8 +88,9 @@ def map_checkpoint(ckpt: dict[str, torch.Tensor], config: Qwen2Config) -> dict[s
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_positions: int,
                config: Qwen2Config | None = None) -> Qwen2SpeechLM:
     config = config or Qwen2Config.from_model_dir(model_dir)
-    state = map_checkpoint(read_checkpoint(model_dir), config)
-    model = Qwen2SpeechLM(config, max_positions, device, dtype)
+    layout = layout_for_vocab_size(config.vocab_size)
+    state = map_checkpoint(read_checkpoint(model_dir), config, layout)
+    model = Qwen2SpeechLM(config, max_positions, device, dtype, layout.output_window_size)
     expected = model.state_dict()
     for name, tensor in state.items():
         if name in expected and tensor.shape != expected[name].shape:

@@ -107,19 +107,22 @@ class DecoderLayer(nn.Module):
 
 
 class SpeechHead(nn.Module):
-    """``lm_head`` rows 151663..158226 (speech tokens, then eos1..eos3) in float32."""
+    """The ``lm_head`` rows of the layout's output window in float32 (CosyVoice2: 151663..158226,
+    speech tokens then eos1..eos3; CosyVoice3: 151924..158684, speech tokens then its 200 stop
+    classes). Logits outside the window are never computed: sampling is restricted to it."""
 
-    def __init__(self, hidden_size: int, device: torch.device):
+    def __init__(self, hidden_size: int, device: torch.device, window_size: int = OUTPUT_WINDOW_SIZE):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(OUTPUT_WINDOW_SIZE, hidden_size, device=device))
-        self.bias = nn.Parameter(torch.zeros(OUTPUT_WINDOW_SIZE, device=device))
+        self.weight = nn.Parameter(torch.zeros(window_size, hidden_size, device=device))
+        self.bias = nn.Parameter(torch.zeros(window_size, device=device))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden.float(), self.weight, self.bias)
 
 
 class Qwen2SpeechLM(nn.Module):
-    def __init__(self, config: Qwen2Config, max_positions: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: Qwen2Config, max_positions: int, device: torch.device, dtype: torch.dtype,
+                 window_size: int = OUTPUT_WINDOW_SIZE):
         super().__init__()
         factory = dict(device=device, dtype=dtype)
         self.config = config
@@ -127,7 +130,7 @@ class Qwen2SpeechLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
         self.layers = nn.ModuleList(DecoderLayer(config, rope, **factory) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.head = SpeechHead(config.hidden_size, device)
+        self.head = SpeechHead(config.hidden_size, device, window_size)
         self.fused_decode = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,

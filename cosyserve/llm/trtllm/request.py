@@ -114,14 +114,16 @@ class TritonLLMInputs:
     ``end_id``/``pad_id`` <|eos1|>, sampling, ``random_seed`` and ``streaming``. ``tensorrt_llm``:
     also ``embedding_bias`` (the head bias, ``[1, vocab]`` float32, read from ``llm_dir`` once),
     ``stop_words_list`` (<|eos2|>, <|eos3|>) and the seed under its current name ``seed`` as well
-    (TensorRT-LLM's Triton backend read ``random_seed`` before, ``seed`` now).
+    (TensorRT-LLM's Triton backend read ``random_seed`` before, ``seed`` now). ``end_id``: the
+    model's end-of-speech id (CosyVoice3: <|eos1|> 158486).
     """
 
-    def __init__(self, protocol: str, sampling: SamplingParams, streaming: bool, llm_dir: str | Path | None = None):
+    def __init__(self, protocol: str, sampling: SamplingParams, streaming: bool, llm_dir: str | Path | None = None,
+                 end_id: int = END_ID):
         self.protocol = _known_protocol(protocol)
         s = sampling
         self.fixed = {
-            "end_id": _scalar(END_ID, np.int32), "pad_id": _scalar(END_ID, np.int32),
+            "end_id": _scalar(end_id, np.int32), "pad_id": _scalar(end_id, np.int32),
             "runtime_top_p": _scalar(s.top_p, np.float32), "runtime_top_k": _scalar(s.top_k, np.int32),
             "temperature": _scalar(s.temperature, np.float32),
             "repetition_penalty": _scalar(s.repetition_penalty, np.float32),

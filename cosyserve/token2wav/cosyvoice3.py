@@ -1,0 +1,157 @@
+"""CosyVoice3 token2wav: speech tokens -> 24 kHz waveform (DiT flow + causal HiFT), offline and streaming.
+
+The same :class:`~cosyserve.pipeline.tts.Token2Wav` interface as CosyVoice2's (``offline``, ``step``,
+``cancel``), over the model layer's incremental streams:
+
+* offline: one flow call over all tokens (full attention, ``finalize``), one vocoder call;
+* streaming: one session per request id, opened at its first step. Each step hands the tokens
+  received since the last one to a :class:`~cosyserve.models.cosyvoice3.flow.Cv3FlowStream`
+  (block-masked DiT: only the frames after the last complete 50-frame block are sampled, against
+  cached per-Euler-step keys/values) and the new mel frames to a
+  :class:`~cosyserve.models.cosyvoice3.hift.CausalHiftStream` (only the new frames are vocoded,
+  its F0 phase and context carried), and returns only the new samples. The reference Triton
+  runtime instead re-runs the flow over the whole prefix and re-vocodes the whole mel every chunk.
+
+A session closes at its final step, on :meth:`CosyVoice3Token2Wav.cancel`, on any error of its
+step, or after ``idle_timeout_s`` without a step (a caller that vanished mid-stream). Per step the
+output is 960 samples per token that left the look-ahead (2 mel frames x 480 samples), so the
+concatenated stream of ``N`` tokens has ``960·N`` samples, as the reference's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import InvalidInputError
+from ..frontend.prompt import Voice
+from ..models.cosyvoice3.flow import CosyVoice3Flow, Cv3FlowStream, load_cosyvoice3_flow
+from ..models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, load_causal_hift
+from ..runtime import STREAM_IDLE_TIMEOUT_S
+from .sessions import SessionClock, _numpy
+
+
+@dataclass
+class Cv3Session:
+    """One request's streaming state: its flow and vocoder streams and how many tokens they have."""
+
+    flow: Cv3FlowStream
+    vocoder: CausalHiftStream
+    received: int = 0
+
+
+class CosyVoice3Token2Wav:
+    """Flow in ``dtype`` on ``device``; the causal HiFT in float32 (its F0 predictor in float64, as
+    upstream). Thread-safe: sessions are looked up under a lock, each session's step runs under its
+    own (a request steps in order; different requests may step at once)."""
+
+    def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFTGenerator, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.flow = flow.to(device=self.device, dtype=dtype).eval()
+        self.hift = hift.to(device=self.device).eval()
+        self.idle_timeout_s = idle_timeout_s
+        self._sessions: dict[str, Cv3Session] = {}
+        self._session_locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._clock = SessionClock()
+
+    @property
+    def open_sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    @property
+    def session_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._sessions)
+
+    def _prompt(self, voice: Voice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(prompt tokens (1, P), prompt mel (1, 2P, 80), embedding (1, 192)) on the device."""
+        f = voice.features
+        return (f.speech_tokens.reshape(1, -1).to(self.device, torch.long),
+                f.speech_feat.reshape(1, -1, f.speech_feat.shape[-1]).to(self.device, self.dtype),
+                f.embedding.reshape(1, -1).to(self.device, self.dtype))
+
+    def _tokens(self, tokens: Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(-1), device=self.device).reshape(1, -1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.flow.cfg.vocab_size):
+            raise InvalidInputError(f"speech tokens must be in 0..{self.flow.cfg.vocab_size - 1}; got "
+                                    f"{int(ids.min())}..{int(ids.max())}")
+        return ids
+
+    @torch.inference_mode()
+    def offline(self, request_id: str, tokens: Sequence[int], voice: Voice) -> np.ndarray:
+        ids = self._tokens(tokens)
+        if ids.numel() == 0:
+            raise InvalidInputError("no speech tokens to synthesise")
+        mel = self.flow.inference(ids, *self._prompt(voice), streaming=False, finalize=True)
+        speech, _ = self.hift.inference(mel, finalize=True)
+        return _numpy(speech)
+
+    def step(self, request_id: str, tokens: Sequence[int], voice: Voice | None, token_offset: int,
+             finalize: bool) -> np.ndarray:
+        """``tokens`` are all the request's tokens so far (as the reference BLS sends them); the
+        ones after the previous step's are new. Returns the new samples. ``voice`` is read when the
+        session opens (None is accepted once it is open)."""
+        self.close_idle()
+        session, lock = self._open(request_id, voice)
+        try:
+            with lock, torch.inference_mode():
+                ids = self._tokens(tokens)
+                if ids.shape[1] < session.received or token_offset < 0 or token_offset > ids.shape[1]:
+                    raise InvalidInputError(
+                        f"request {request_id!r}: step with {ids.shape[1]} tokens and token_offset {token_offset} "
+                        f"after {session.received} tokens; send all tokens so far, offset within them")
+                mel = session.flow.push(ids[:, session.received:], finalize)
+                session.received = ids.shape[1]
+                speech = session.vocoder.push(mel, finalize)
+        except BaseException:
+            self.cancel(request_id)
+            raise
+        if finalize:
+            self.cancel(request_id)
+        else:
+            self._clock.stepped(request_id, closed=False)
+        return _numpy(speech)
+
+    def _open(self, request_id: str, voice: Voice | None) -> tuple[Cv3Session, threading.Lock]:
+        with self._lock:
+            session = self._sessions.get(request_id)
+            if session is None:
+                if voice is None:
+                    raise InvalidInputError(f"request {request_id!r} has no open streaming session; its first "
+                                            "step must carry the voice (prompt tokens, mel and embedding)")
+                session = Cv3Session(Cv3FlowStream(self.flow, *self._prompt(voice)), CausalHiftStream(self.hift))
+                self._sessions[request_id] = session
+                self._session_locks[request_id] = threading.Lock()
+            return session, self._session_locks[request_id]
+
+    def cancel(self, request_id: str) -> None:
+        """Close the request's session (harmless when it has none)."""
+        self._clock.forget(request_id)
+        with self._lock:
+            self._sessions.pop(request_id, None)
+            self._session_locks.pop(request_id, None)
+
+    def close_idle(self) -> list[str]:
+        """Close sessions whose last step is older than the idle timeout; returns their ids."""
+        stale = self._clock.idle(self.idle_timeout_s)
+        for request_id in stale:
+            self.cancel(request_id)
+        return stale
+
+
+def load_cosyvoice3_token2wav(model_dir: str | Path, device: torch.device | str = "cpu",
+                              dtype: torch.dtype = torch.float32,
+                              idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S) -> CosyVoice3Token2Wav:
+    """``Fun-CosyVoice3-0.5B-2512/`` (cosyvoice3.yaml, flow.pt, hift.pt) -> :class:`CosyVoice3Token2Wav`."""
+    flow = load_cosyvoice3_flow(model_dir, device, dtype)
+    hift = load_causal_hift(model_dir, device)
+    return CosyVoice3Token2Wav(flow, hift, device, dtype, idle_timeout_s)

@@ -1,0 +1,127 @@
+"""CosyVoice3 through the real Triton server (CPU, tiny random-weight bundle).
+
+The repository is what ``run_cosyvoice3.sh`` stage 2 builds (:class:`CosyVoice3Repository`): the
+``cosyvoice3`` BLS with the reference's wire protocol, ``llm`` (our engine on the CosyVoice3 HF
+checkpoint), ``token2wav`` (DiT flow + causal HiFT, incremental), ``audio_tokenizer`` (v3) and
+``speaker_embedding``. A streamed request gives 960 samples per speech token; bad input gets a
+clear error and leaves no session open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, assert_server_idle, grpc_input, serve_repo, stream_tts,
+                             token_limits)
+
+pytest.importorskip("pytriton")
+
+from cosyserve.bundle import make_bundle, synthetic_prompt_wave  # noqa: E402
+from cosyserve.schedule import plan_chunks  # noqa: E402
+from cosyserve.serving.model_repository import CosyVoice3Repository, build  # noqa: E402
+
+MODEL = "cosyvoice3"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_bundle(tmp_path_factory.mktemp("cv3_models"), "tiny", parts=("cosyvoice3", "cosyvoice3_llm"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, models):
+    work = tmp_path_factory.mktemp("cv3_e2e")
+    repo = build(CosyVoice3Repository(models, device="cpu", bls_instances=2, bls_warm_up="false"), work / "repo")
+    yield from serve_repo(repo, work)
+
+
+def voice_inputs(seconds: float = 2.0, text: str = "希望你以后能够做的比我还好呦。") -> list:
+    wav = synthetic_prompt_wave(seconds=seconds)[None]
+    return [grpc_input("reference_wav", wav), grpc_input("reference_wav_len", np.array([[wav.shape[1]]], np.int32)),
+            grpc_input("reference_text", text)]
+
+
+def test_streamed_request_gives_960_samples_per_token(server):
+    start = server.log_file.stat().st_size
+    for num_tokens in (10, 60):
+        chunks = stream_tts(server, voice_inputs() + [grpc_input("target_text", "今天天气不错，我们去散步吧。")]
+                            + token_limits(num_tokens), MODEL)
+        assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * num_tokens
+        assert len(chunks) == len(plan_chunks(num_tokens))
+        audio = np.concatenate(chunks)
+        assert np.isfinite(audio).all() and np.abs(audio).max() <= 0.99 + 1e-6
+    # As NVIDIA's client sends it: the four inputs only; the LLM decides the length.
+    chunks = stream_tts(server, voice_inputs() + [grpc_input("target_text", "Hello there.")], MODEL)
+    total = sum(c.size for c in chunks)
+    assert total > 0 and total % SAMPLES_PER_TOKEN == 0
+    assert_server_idle(server, start)
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ([], "no default speaker"),
+    ([grpc_input("reference_wav", synthetic_prompt_wave(seconds=2.0)[None])], "needs reference_text"),
+    (voice_inputs(seconds=0.1), "between 0.5 s and 30 s"),
+])
+def test_bad_input_gets_a_clear_error_and_the_server_stays_up(server, inputs, message):
+    start = server.log_file.stat().st_size
+    stream = Stream(server.grpc_url)
+    try:
+        stream.send(MODEL, inputs + [grpc_input("target_text", "你好。")])
+        with pytest.raises(InferenceServerException, match=message):
+            list(stream.responses())
+    finally:
+        stream.close()
+    assert sum(c.size for c in stream_tts(server, voice_inputs() + [grpc_input("target_text", "你好。")]
+                                          + token_limits(5), MODEL)) == 5 * SAMPLES_PER_TOKEN
+    assert_server_idle(server, start)
+
+
+def test_grpc_client_streams_from_cosyvoice3(server, models, tmp_path):
+    """client_grpc.py (NVIDIA's flags) with ``--model-name cosyvoice3``: fixed lengths, so 960 samples per token."""
+    wav, text = models / "assets" / "prompt_audio.wav", (models / "assets" / "prompt_text.txt").read_text().strip()
+    manifest = tmp_path / "manifest.txt"
+    manifest.write_text("".join(f"utt{i}|{text}|{wav}|{target}\n" for i, target in enumerate(["你好。", "Good morning!"])))
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "client_grpc.py", "--server-addr", "127.0.0.1", "--server-port", str(server.grpc_port),
+         "--model-name", MODEL, "--mode", "streaming", "--num-tasks", "2", "--manifest-path", str(manifest),
+         "--fixed-output-seconds", "1.2", "--log-dir", str(tmp_path / "log"), "--json-report", str(report),
+         "--log-interval", "0"],
+        cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(report.read_text())
+    assert summary["requests"] == 2 and summary["failed"] == 0
+    for result in summary["per_request"]:
+        assert round(result["audio_s"] * 24000) == SAMPLES_PER_TOKEN * 30  # 1.2 s at 25 tokens/s
+        assert len(result["chunk_durations_s"]) == len(plan_chunks(30))
+
+
+def test_run_cosyvoice3_sh_tiny_recipe(tmp_path):
+    """run_cosyvoice3.sh 0..4 with MODEL_SOURCE=tiny on the CPU (free ports), then ``stop``."""
+    from conftest_triton import free_ports, server_env
+
+    http, grpc, metrics_port = free_ports(3)
+    env = dict(server_env(), VENV=sys.prefix, MODEL_SOURCE="tiny", MODELS_DIR=str(tmp_path / "models"),
+               MODEL_REPO=str(tmp_path / "repo"), OUT_DIR=str(tmp_path / "out"), DEVICE="cpu", BLS_INSTANCE_NUM="2",
+               BLS_WARM_UP="false", MAX_TOKENS="20", MIN_TOKENS="20", NUM_TASKS="2", HTTP_PORT=str(http),
+               GRPC_PORT=str(grpc), METRICS_PORT=str(metrics_port), SERVER_LOG=str(tmp_path / "server.log"),
+               SERVER_PID_FILE=str(tmp_path / "server.pid"))
+    script = str(REPO_ROOT / "run_cosyvoice3.sh")
+    try:
+        proc = subprocess.run(["bash", script, "0", "4"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=480)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == [
+            "audio_tokenizer", "cosyvoice3", "llm", "speaker_embedding", "token2wav"]
+        wavs = sorted((tmp_path / "out" / "log_cosyvoice3_concurrent_tasks_2_streaming").glob("*.wav"))
+        assert len(wavs) == 2
+    finally:
+        subprocess.run(["bash", script, "stop"], cwd=REPO_ROOT, env=env, capture_output=True, timeout=120)
+    assert not (tmp_path / "server.pid").exists() or not (tmp_path / "server.pid").read_text().strip()
