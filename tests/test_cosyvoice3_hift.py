@@ -75,8 +75,8 @@ def test_wrong_checkpoint_is_a_load_error(tmp_path):
 
 
 def test_tiny_bundle_loads_strictly(tmp_path):
-    """make_bundle(parts=cosyvoice3) writes the released file names; both models load strictly from them
-    with the configs the yaml describes, and run."""
+    """make_bundle(parts=cosyvoice3) writes the released file names; both token2wav models load strictly
+    from them with the configs the yaml describes, and run."""
     from cosyserve.bundle import make_bundle
     from cosyserve.bundle.cosyvoice3 import COSYVOICE3_DIR
     from cosyserve.config import load_hyperpyyaml
@@ -84,7 +84,9 @@ def test_tiny_bundle_loads_strictly(tmp_path):
     from cosyserve.models.cosyvoice3.flow import load_cosyvoice3_flow
 
     model_dir = make_bundle(tmp_path, "tiny", seed=0, parts=("cosyvoice3",)) / COSYVOICE3_DIR
-    assert sorted(p.name for p in model_dir.iterdir()) == ["cosyvoice3.yaml", "flow.pt", "hift.pt"]
+    # the released names: the token2wav checkpoints and the front-end's ONNX models
+    assert sorted(p.name for p in model_dir.iterdir()) == ["campplus.onnx", "cosyvoice3.yaml", "flow.pt", "hift.pt",
+                                                           "speech_tokenizer_v3.onnx"]
     tree = load_hyperpyyaml(model_dir / "cosyvoice3.yaml")
     assert Cv3FlowConfig.from_yaml_tree(tree) == Cv3FlowConfig.tiny()
     assert CausalHiftConfig.from_yaml_tree(tree) == CausalHiftConfig.tiny()
