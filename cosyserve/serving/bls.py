@@ -61,9 +61,10 @@ class TritonSpeechTokens:
     stub, used from the request thread.
     """
 
-    def __init__(self, model_name: str, inputs: TritonLLMInputs):
+    def __init__(self, model_name: str, inputs: TritonLLMInputs, speech_token_offset: int = SPEECH_TOKEN_OFFSET):
         self.model_name = model_name
         self.inputs = inputs
+        self.speech_token_offset = speech_token_offset  # LLM id of speech token 0 (the layout's)
         self.finished = FinishedResponseIterators()
         self._unfinished: dict[str, object] = {}  # request id -> its response iterator, until read to the end
 
@@ -81,7 +82,7 @@ class TritonSpeechTokens:
             if output_ids is None or ended:  # None: the empty response that carries the final flag
                 continue
             length = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
-            raw = output_ids.as_numpy()[0][0][:length].astype(np.int64) - SPEECH_TOKEN_OFFSET
+            raw = output_ids.as_numpy()[0][0][:length].astype(np.int64) - self.speech_token_offset
             speech = (raw >= 0) & (raw < NUM_SPEECH_TOKENS)
             if not speech.all():
                 ended = True

@@ -25,10 +25,9 @@ with the CosyVoice3 prompt layout):
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
-import triton_python_backend_utils as pb_utils
 
 from ..frontend.prompt import COSYVOICE3_MEL_FMAX
 from ..frontend.speakers import SpeakerRegistry
@@ -39,24 +38,8 @@ from ..pipeline.tts import TTSPipeline, Voice, VoiceResolver
 from .bls import CosyVoice2BLS, TritonSpeechTokens
 from .bls_base import RemoteSpeechTokenizer, call_model
 from .settings import BlsSettings
-from .triton_utils import raise_response_error
 
 TOKEN2WAV = "token2wav"
-
-
-class Cv3TritonSpeechTokens(TritonSpeechTokens):
-    """:class:`~cosyserve.serving.bls.TritonSpeechTokens` for the CosyVoice3 LLM: its ids are
-    ``151924 + code``. The ``llm`` model never sends a stop id, so every id must be a speech token."""
-
-    def _speech_tokens(self, request_id: str, responses) -> Iterator[Sequence[int]]:
-        for response in responses:
-            raise_response_error(response, self.model_name)
-            output_ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
-            if output_ids is None:  # the empty response that carries the final flag
-                continue
-            length = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
-            yield (output_ids.as_numpy()[0][0][:length].astype(np.int64) - COSYVOICE3.speech_token_offset).tolist()
-        self.finished.keep(self._unfinished.pop(request_id))
 
 
 class TritonCv3Token2Wav:
@@ -89,11 +72,11 @@ class CosyVoice3BLS(CosyVoice2BLS):
     ends: speech tokens from the Triton ``llm`` model in the CosyVoice3 layout, audio from CosyVoice3's
     ``token2wav`` model, voices only from the request."""
 
-    def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry) -> Cv3TritonSpeechTokens:
+    def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry) -> TritonSpeechTokens:
         # the reference's sampling for CosyVoice3 (trtllm-serve): as CosyVoice2's, without a seed
         sampling = dataclasses.replace(REFERENCE_SAMPLING, seed=None)
-        return Cv3TritonSpeechTokens(settings.llm_model_name, TritonLLMInputs("cosyserve", sampling, self.decoupled,
-                                                                              end_id=COSYVOICE3.eos_id))
+        inputs = TritonLLMInputs("cosyserve", sampling, self.decoupled, end_id=COSYVOICE3.eos_id)
+        return TritonSpeechTokens(settings.llm_model_name, inputs, COSYVOICE3.speech_token_offset)
 
     def speaker_registry(self, settings: BlsSettings) -> SpeakerRegistry:
         return SpeakerRegistry()  # CosyVoice3 ships no spk2info.pt: every request brings its voice
