@@ -23,6 +23,9 @@ parse_stages stop "$@"
 
 VENV=${VENV:-$repo_root/.venv}
 PYTHON_BIN=${PYTHON_BIN:-python3}
+# The torch that stage -1 installs when the venv has none: PyPI's default build (CUDA, several GB) unless
+# overridden, e.g. TORCH_SPEC=torch==2.13.0 for a CPU wheel that pip finds in PIP_FIND_LINKS.
+TORCH_SPEC=${TORCH_SPEC:-torch>=2.4}
 MODEL_SOURCE=${MODEL_SOURCE:-modelscope}      # modelscope | huggingface | tiny | real
 MODELS_DIR=${MODELS_DIR:-$repo_root/models}
 BUNDLE_SEED=${BUNDLE_SEED:-0}
@@ -167,7 +170,7 @@ if [ "$stage" -le -1 ] && [ "$stop_stage" -ge -1 ]; then
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch first, so a preinstalled/pinned build (e.g. NVIDIA's container) is kept
-  "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q "torch>=2.4"
+  "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
   "$VENV/bin/python" -m pip install -q -r "$repo_root/requirements.txt"
   # the package itself, plus its test tools (pytest, hadolint) unless INSTALL_DEV=0
   if [ "${INSTALL_DEV:-1}" = "1" ]; then
