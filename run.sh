@@ -103,6 +103,9 @@ EXIT_ON_STUB_CRASH=${EXIT_ON_STUB_CRASH:-true}   # true | false
 # The OpenAI-compatible API (python -m cosyserve.api) that stage 3 starts next to Triton; API_PORT= (empty): not
 # started. API_KEYS=k1,k2 or API_KEY_FILE: Bearer keys it requires (none: open). docs/api.md.
 API_PORT=${API_PORT-8080}
+# The Triton gRPC servers the API spreads streams over (comma-separated host:port; a name is resolved to all
+# its addresses, e.g. a Kubernetes headless service): by default the one stage 3 starts. docs/api.md.
+API_TRITON_URLS=${API_TRITON_URLS:-127.0.0.1:$GRPC_PORT}
 API_LOG=${API_LOG:-$repo_root/outputs/api.log}
 API_PID_FILE=${API_PID_FILE:-$repo_root/outputs/api.pid}
 NUM_TASKS=${NUM_TASKS:-4}
@@ -259,7 +262,7 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
   log "Triton is ready. Stop it with: bash run.sh stop"
   if [ -n "$API_PORT" ]; then
     "$PY" -m cosyserve.api.service start --pid-file "$API_PID_FILE" --log "$API_LOG" -- --port "$API_PORT" \
-      --triton-url "127.0.0.1:$GRPC_PORT" --model-dir "$MODELS_DIR/CosyVoice2-0.5B" \
+      --triton-url "$API_TRITON_URLS" --model-dir "$MODELS_DIR/CosyVoice2-0.5B" \
       --tokenizer-dir "$MODELS_DIR/cosyvoice2_llm" || die "the API did not start (log: $API_LOG)"
     log "OpenAI-compatible API on http://127.0.0.1:$API_PORT (playground at /, log: $API_LOG)"
   fi

@@ -23,6 +23,7 @@ from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from tritonclient.utils import InferenceServerException
 
@@ -32,7 +33,8 @@ from ..pipeline.tts import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS
 from ..runtime import SPK2INFO
 from .encoding import MEDIA_TYPES, SAMPLE_RATE, make_encoder
 from .errors import RETRY_AFTER_S, APIError, install_handlers, triton_error
-from .triton import Synthesis, TritonTTS
+from .router import TritonRouter
+from .triton import Synthesis
 from .voices import VoiceCatalog, prompt_wav16
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -43,7 +45,7 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024  # the form fields besides the audio file
 
 @dataclass
 class Settings:
-    triton_url: str  # gRPC host:port
+    triton_url: str  # gRPC host:port, or several comma-separated (TritonRouter spreads streams over them)
     model_dir: Path  # the CosyVoice2 directory: spk2info.pt (built-in voices)
     tokenizer_dir: Path  # the LLM's tokenizer: input tokens of the usage report
     voices_dir: Path | None = None  # default <model_dir>/voices, where the BLS looks too
@@ -144,6 +146,31 @@ class CountRequests:
         await self.app(scope, receive, counting_send)
 
 
+class RouterCollector:
+    """The router's view of each Triton server, read at scrape time (prometheus_client collector)."""
+
+    def __init__(self, router: TritonRouter):
+        self.router = router
+
+    def collect(self):
+        status = self.router.status()
+        streams = GaugeMetricFamily("cosyserve_api_triton_streams", "Open streams per Triton server", labels=["server"])
+        ready = GaugeMetricFamily("cosyserve_api_triton_ready", "1 if the Triton server's last check or stream "
+                                  "succeeded, 0 if it was unreachable or not ready", labels=["server"])
+        served = CounterMetricFamily("cosyserve_api_triton_streams_served", "Streams that delivered audio, per server",
+                                     labels=["server"])
+        moved = CounterMetricFamily("cosyserve_api_triton_failovers", "Requests a server refused (overloaded) or "
+                                    "could not take (unavailable) that went to another server", labels=["server", "reason"])
+        for server in status:
+            streams.add_metric([server["url"]], server["streams"])
+            if server["ready"] is not None:
+                ready.add_metric([server["url"]], float(server["ready"]))
+            served.add_metric([server["url"]], server["served"])
+            for reason, count in server["failovers"].items():
+                moved.add_metric([server["url"], reason], count)
+        yield from (streams, ready, served, moved)
+
+
 def create_app(settings: Settings) -> FastAPI:
     store = VoiceStore(settings.voices_dir or settings.model_dir / VOICES_DIR)
     catalog = VoiceCatalog(settings.model_dir / SPK2INFO, store)
@@ -154,7 +181,8 @@ def create_app(settings: Settings) -> FastAPI:
         from transformers import AutoTokenizer
 
         state["tokenizer"] = AutoTokenizer.from_pretrained(str(settings.tokenizer_dir))
-        state["triton"] = TritonTTS(settings.triton_url, settings.model)
+        router = state["triton"] = TritonRouter(settings.triton_url, settings.model)
+        metrics.registry.register(RouterCollector(router))
         yield
         await state["triton"].close()
 
@@ -181,8 +209,9 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if await state["triton"].ready():
-            return JSONResponse({"status": "ok", "model": settings.model})
+        router: TritonRouter = state["triton"]
+        if await router.ready():
+            return JSONResponse({"status": "ok", "model": settings.model, "servers": router.status()})
         raise APIError(503, f"Triton model {settings.model!r} at {settings.triton_url} is not ready",
                        code="triton_unavailable", retry_after_s=RETRY_AFTER_S)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..pipeline.tts import MAX_TEXT_CHARS
 from .app import MAX_UPLOAD_BYTES, Settings, create_app
+from .router import split_urls
 
 
 def api_keys(env_value: str, key_file: str | None) -> frozenset[str]:
@@ -24,7 +25,9 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cosyserve.api", description=__doc__)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=int(os.environ.get("API_PORT", 8080)))
-    parser.add_argument("--triton-url", default="127.0.0.1:8001", help="Triton's gRPC address")
+    parser.add_argument("--triton-url", default=os.environ.get("TRITON_URLS", "127.0.0.1:8001"),
+                        help="Triton's gRPC address host:port, or several comma-separated (also TRITON_URLS): streams "
+                             "are spread over them, each name resolved to all its addresses (cosyserve/api/router.py)")
     parser.add_argument("--model", default="cosyvoice2", help="the streaming (decoupled) Triton model")
     parser.add_argument("--model-dir", required=True, type=Path,
                         help="the CosyVoice2 directory the BLS serves (spk2info.pt, voices/)")
@@ -40,7 +43,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    args = parser().parse_args(argv)
+    cli = parser()
+    args = cli.parse_args(argv)
+    try:
+        split_urls(args.triton_url)
+    except ValueError as exc:
+        cli.error(str(exc))
     settings = Settings(triton_url=args.triton_url, model_dir=args.model_dir, tokenizer_dir=args.tokenizer_dir,
                         voices_dir=args.voices_dir, model=args.model,
                         api_keys=api_keys(os.environ.get("API_KEYS", ""), args.api_key_file),

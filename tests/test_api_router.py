@@ -1,0 +1,150 @@
+"""The HTTP API in front of two real Triton servers (tiny bundle, CPU): its router
+(cosyserve/api/router.py) sends a stream elsewhere when a server refuses it as overloaded, and
+when a server dies its running streams end with an error while new requests are served by the
+other one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cosyserve.api.router import _affinity, resolve
+from conftest_triton import (SAMPLES_PER_TOKEN, build_model_repo, copy_of_bundle, fill_to_capacity, serve_repo,
+                             wait_until_idle)
+from test_api import API_KEY, APIProcess, TEXT
+
+pytest.importorskip("pytriton")
+httpx = pytest.importorskip("httpx2")  # what the openai SDK is built on
+
+NUM_TOKENS = 20  # per text segment
+VOICE = "001"
+
+
+@pytest.fixture(scope="module")
+def models_dir(tiny_bundle: Path, tmp_path_factory) -> Path:
+    """One model directory for both servers (and their shared voice store), as a replica set would mount it."""
+    return copy_of_bundle(tiny_bundle, tmp_path_factory.mktemp("router_models"))
+
+
+def _server(models_dir: Path, work: Path):
+    # one BLS instance and a queue of one: the overload test fills it
+    repo = build_model_repo(models_dir, work / "repo", max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_instances=1,
+                            max_queue_size=1)
+    yield from serve_repo(repo, work)
+
+
+@pytest.fixture(scope="module")
+def servers(models_dir: Path, tmp_path_factory):
+    """The two servers, the one voice 001 prefers first (rendezvous ranking on their addresses)."""
+    first = _server(models_dir, tmp_path_factory.mktemp("router_a"))
+    second = _server(models_dir, tmp_path_factory.mktemp("router_b"))
+    pair = [next(first), next(second)]
+    pair.sort(key=lambda server: _affinity(VOICE, address(server)), reverse=True)
+    yield pair
+    for generator in (first, second):
+        next(generator, None)
+
+
+@pytest.fixture(scope="module")
+def api(servers, models_dir: Path, tmp_path_factory):
+    process = APIProcess(None, models_dir, tmp_path_factory.mktemp("router_api") / "api.log",
+                         triton_url=",".join(server.grpc_url for server in servers))
+    yield process
+    process.stop()
+
+
+def address(server) -> str:
+    """The server as the router names it (its gRPC address resolved)."""
+    (resolved,) = resolve(server.grpc_url)
+    return resolved
+
+
+def speech(api, text: str = TEXT, **kwargs) -> httpx.Response:
+    return httpx.post(f"{api.url}/v1/audio/speech", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120,
+                      json={"model": "tts-1", "input": text, "voice": VOICE, "response_format": "pcm"}, **kwargs)
+
+
+def api_metric(api, name: str, **labels: str) -> float:
+    page = httpx.get(f"{api.url}/metrics", timeout=10).text
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in page.splitlines():
+        if line.startswith(f"{name}{{{wanted}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_health_lists_both_servers(api, servers):
+    body = httpx.get(f"{api.url}/health", timeout=10).json()
+    assert body["status"] == "ok"
+    assert {s["url"] for s in body["servers"]} == {address(s) for s in servers}
+    assert all(s["ready"] for s in body["servers"])
+
+
+def test_a_request_the_preferred_server_refuses_as_overloaded_is_served_by_the_other(api, servers):
+    preferred, other = servers
+    streams = fill_to_capacity(preferred, "cosyvoice2", 1, 1, num_tokens=1500)
+    try:
+        started = time.monotonic()
+        response = speech(api)
+        assert response.status_code == 200, response.text
+        assert len(response.content) == 2 * SAMPLES_PER_TOKEN * NUM_TOKENS
+        assert api_metric(api, "cosyserve_api_triton_failovers_total", reason="overloaded",
+                          server=address(preferred)) == 1
+        assert api_metric(api, "cosyserve_api_triton_streams_served_total", server=address(other)) >= 1
+        assert time.monotonic() - started < 60
+    finally:
+        for stream in streams:
+            stream.close(cancel=True)
+    wait_until_idle(preferred.metrics_port)
+    wait_until_idle(other.metrics_port)
+
+
+def test_a_killed_server_ends_its_streams_with_an_error_and_new_requests_go_to_the_other(api, servers):
+    preferred, other = servers
+    time.sleep(1.1)  # the overload test's backoff on the preferred server is over: long text goes there
+    long_text = "。".join(["今天天气很好，我们一起去公园散步"] * 40) + "。"
+    outcome: dict = {}
+    first_bytes = threading.Event()
+
+    def long_stream():
+        try:
+            with httpx.stream("POST", f"{api.url}/v1/audio/speech", headers={"Authorization": f"Bearer {API_KEY}"},
+                              json={"model": "tts-1", "input": long_text, "voice": VOICE, "response_format": "pcm"},
+                              timeout=120) as response:
+                outcome["status"] = response.status_code
+                received = 0
+                for data in response.iter_bytes():
+                    received += len(data)
+                    first_bytes.set()
+                outcome["bytes"] = received
+        except httpx.HTTPError as exc:
+            outcome["error"] = exc
+        finally:
+            outcome["ended"] = time.monotonic()
+            first_bytes.set()
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    assert first_bytes.wait(120) and "error" not in outcome
+    assert api_metric(api, "cosyserve_api_triton_streams", server=address(preferred)) == 1
+    killed = time.monotonic()
+    os.killpg(preferred.pid, signal.SIGKILL)  # tritonserver and its stubs (its own process group)
+    thread.join(60)
+    assert not thread.is_alive(), "the stream on the killed server hangs"
+    assert "error" in outcome, f"the stream on the killed server ended without an error: {outcome}"
+    assert outcome["ended"] - killed < 10
+    # new requests: served by the other server, not refused
+    for _ in range(2):
+        response = speech(api)
+        assert response.status_code == 200, response.text
+        assert len(response.content) == 2 * SAMPLES_PER_TOKEN * NUM_TOKENS
+    assert api_metric(api, "cosyserve_api_triton_ready", server=address(preferred)) == 0
+    body = httpx.get(f"{api.url}/health", timeout=10).json()
+    assert body["status"] == "ok"
+    assert {s["url"]: s["ready"] for s in body["servers"]} == {address(preferred): False, address(other): True}
+    wait_until_idle(other.metrics_port)
