@@ -29,6 +29,8 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", choices=("eager", "graphs"), default=["eager", "graphs"])
     parser.add_argument("--pool-gb", type=float, default=8.0, help="the engine's state pool")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true",
+                        help="also one first-chunk run per streams count under torch.profiler (CUDA): GPU busy vs wall")
     args = parser.parse_args()
     if "graphs" in args.modes and not args.device.startswith("cuda"):
         parser.error("graphs need --device cuda")

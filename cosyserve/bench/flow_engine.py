@@ -89,6 +89,11 @@ def run(args: argparse.Namespace) -> Iterator[Row]:
                         yield from _final_chunk(flow, engine, opened[0], voice, tokens, mode, device)
                     for stream in opened:
                         stream.close()
+                if getattr(args, "profile", False):
+                    opened = [engine.open(*voice) for _ in range(streams)]
+                    yield _profiled_run(engine, [(s, tokens[:, :CHUNKS[0]], False) for s in opened], mode, streams)
+                    for stream in opened:
+                        stream.close()
             engine = None  # its pool and graphs go before the next mode's
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -104,6 +109,21 @@ def _final_chunk(flow: CosyVoice2Flow, engine: FlowEngine, stream, voice, tokens
     return [Row("re-run (reference)", 1, f"final chunk at {FINAL} tokens (non-streaming pass)", ms_ref),
             Row(mode, 1, f"final chunk at {FINAL} tokens (streaming final; rel-L2 vs the reference's final)", ms,
                 _rel(streamed, reference[:, :, done:]))]
+
+
+def _profiled_run(engine: FlowEngine, chunks, mode: str, streams: int) -> Row:
+    """One first-chunk run under torch.profiler: its wall time beside the summed time of its GPU
+    activities (kernels, copies, memsets), which tells a host-bound run from a device-bound one,
+    and the count of aten ops the host dispatched."""
+    cuda = engine.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        _, wall = _timed(lambda: engine.run(chunks), engine.device)
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in gpu) / 1e3
+    cpu_ops = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::"))
+    return Row(mode, streams, f"first chunk profiled: {len(gpu)} GPU activities busy {busy:.1f} ms, "
+                              f"{cpu_ops} aten ops (wall under the profiler)", wall)
 
 
 HEADER = "| path | streams | what | ms | rel-L2 vs re-run |\n|---|---:|---|---:|---:|"
