@@ -62,6 +62,10 @@ REQUEST_TIMEOUT_S=${REQUEST_TIMEOUT_S:-0}
 # queue as in NVIDIA's runtime; no bound is the default until a GPU run shows one safe (docs/operations.md).
 BLS_MAX_QUEUE_SIZE=${BLS_MAX_QUEUE_SIZE:-0}
 OFFLINE_BLS_MAX_QUEUE_SIZE=${OFFLINE_BLS_MAX_QUEUE_SIZE:-0}
+# Milliseconds a request may wait for a free BLS instance; past that it is refused the same way ("Request
+# timeout expired"; HTTP API 429, or the next server behind the API's router). 0 (default): no limit.
+BLS_MAX_QUEUE_MS=${BLS_MAX_QUEUE_MS:-0}
+OFFLINE_BLS_MAX_QUEUE_MS=${OFFLINE_BLS_MAX_QUEUE_MS:-0}
 # Speech tokens per request at most: 750 (30 s of audio) as the reference; random-weight bundles
 # never emit end-of-speech, so the tiny one stops at 200 (8 s) to keep CPU runs short.
 MAX_TOKENS=${MAX_TOKENS:-$([ "$MODEL_SOURCE" = tiny ] && echo 200 || echo 750)}
@@ -228,6 +232,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --trt-engine-dir "$TRT_ENGINE_DIR" --trt-kv-cache-tokens "$TRT_KV_CACHE_TOKENS" --decoupled "$DECOUPLED_MODE" \
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
     --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-warm-up "$BLS_WARM_UP" \
+    --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --offline-bls-max-queue-ms "$OFFLINE_BLS_MAX_QUEUE_MS" \
     --request-timeout-s "$REQUEST_TIMEOUT_S" \
     --offline-bls-max-queue-size "$OFFLINE_BLS_MAX_QUEUE_SIZE" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
     --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" \

@@ -33,6 +33,7 @@ STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | equal
 DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
 BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-10}      # the reference's
 BLS_MAX_QUEUE_SIZE=${BLS_MAX_QUEUE_SIZE:-0}   # 0: no limit
+BLS_MAX_QUEUE_MS=${BLS_MAX_QUEUE_MS:-0}       # ms a request may wait for an instance; 0: no limit
 BLS_WARM_UP=${BLS_WARM_UP:-true}              # load the BLS's text front-end at start
 # Speech tokens per request at most: 750 (30 s) as the reference; random weights rarely stop, so
 # the tiny bundle stops at 200 (8 s) to keep CPU runs short.
@@ -94,7 +95,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   "$PY" -m cosyserve.serving.model_repository cosyvoice3 "$MODEL_REPO" --templates "$repo_root/model_repo" \
     --models-dir "$MODELS_DIR" --llm-engine "$LLM_ENGINE" --decoupled "$DECOUPLED_MODE" \
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
-    --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-warm-up "$BLS_WARM_UP" --max-tokens "$MAX_TOKENS" \
+    --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --bls-warm-up "$BLS_WARM_UP" --max-tokens "$MAX_TOKENS" \
     --min-tokens "$MIN_TOKENS" --max-batch-size "$TRITON_MAX_BATCH_SIZE" \
     --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --token2wav-dtype "$TOKEN2WAV_DTYPE" > /dev/null \
     || die "Stage 2: could not build the model repository"

@@ -295,6 +295,7 @@ def test_health_and_metrics(api, client):
     ("Request for unknown model: 'cosyvoice2' is not found", None, 503),
     ("failed to connect to all addresses", "StatusCode.UNAVAILABLE", 503),
     ("Exceeds maximum queue size", None, 429),
+    ("Request timeout expired", "StatusCode.UNAVAILABLE", 429),  # waited BLS_MAX_QUEUE_MS in the queue
     ("model 'token2wav': the token2wav state pool is full (9 pages, 0 freed from unused voices); retry later",
      None, 429),
     ("request timed out after 3 s", "StatusCode.UNAVAILABLE", 504),

@@ -303,16 +303,53 @@ def test_a_killed_stub_ends_the_watched_server_and_its_requests_within_seconds(w
 # ----- per-request timeout -----------------------------------------------------------------------
 
 REQUEST_TIMEOUT_S = 3  # a LONG_TOKENS request takes far longer on the CPU; a NUM_TOKENS one ~1 s
+QUEUE_WAIT_MS = 500  # run.sh's BLS_MAX_QUEUE_MS / OFFLINE_BLS_MAX_QUEUE_MS
+QUEUE_TIMEOUT = "Request timeout expired"
 
 
 @pytest.fixture(scope="module")
 def timeout_server(tiny_bundle: Path, tmp_path_factory):
-    """One instance of each BLS, with a request timeout (run.sh's REQUEST_TIMEOUT_S) and the stub watch."""
+    """One instance of each BLS, with a request timeout (run.sh's REQUEST_TIMEOUT_S), a bound on the
+    time a request waits for an instance (BLS_MAX_QUEUE_MS) and the stub watch."""
     work = tmp_path_factory.mktemp("timeout_server")
     repo = build(CosyVoice2Repository(
         tiny_bundle, device="cpu", bls_instances=1, offline_bls_instances=1, max_tokens=NUM_TOKENS,
-        min_tokens=NUM_TOKENS, request_timeout_s=REQUEST_TIMEOUT_S), work / "repo")
+        min_tokens=NUM_TOKENS, request_timeout_s=REQUEST_TIMEOUT_S, bls_max_queue_ms=QUEUE_WAIT_MS,
+        offline_bls_max_queue_ms=QUEUE_WAIT_MS), work / "repo")
     yield from serve_repo(repo, work, watch_stubs=True)
+
+
+def test_a_request_that_waits_past_the_queue_bound_is_refused_and_the_running_one_goes_on(timeout_server):
+    """With every instance busy, a stream and an offline request wait QUEUE_WAIT_MS in Triton's queue,
+    then are refused with UNAVAILABLE "Request timeout expired" (the HTTP API: 429, its router: the
+    next server); the requests running meanwhile are not disturbed."""
+    server = timeout_server
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    running = streaming_long_request(server)  # holds the one streaming instance
+    offline_running = fill_to_capacity(server, "cosyvoice2_offline", 1, 0, LONG_TOKENS)
+    try:
+        waiting = Stream(server.grpc_url)
+        started = time.monotonic()
+        waiting.send("cosyvoice2", long_request())
+        result, error = waiting.next(timeout_s=30)
+        waited = time.monotonic() - started
+        waiting.close()
+        assert result is None and QUEUE_TIMEOUT in str(error), (result, error)
+        assert QUEUE_WAIT_MS / 1000 <= waited < QUEUE_WAIT_MS / 1000 + 1.5, waited
+
+        started = time.monotonic()
+        with pytest.raises(InferenceServerException, match=QUEUE_TIMEOUT) as refusal:
+            client.infer("cosyvoice2_offline", long_request())
+        waited = time.monotonic() - started
+        assert refusal.value.status() == "StatusCode.UNAVAILABLE"
+        assert QUEUE_WAIT_MS / 1000 <= waited < QUEUE_WAIT_MS / 1000 + 1.5, waited
+        # the running stream went on until its own limit (REQUEST_TIMEOUT_S), not refused
+        assert f"request timed out after {REQUEST_TIMEOUT_S} s" in str(stream_error(running, timeout_s=30))
+    finally:
+        for stream in [running, *offline_running]:
+            stream.close(cancel=True)
+    client.close()
+    assert_idle_and_alive(server)
 
 
 def test_a_request_past_its_timeout_fails_alone_and_releases_what_it_held(timeout_server):

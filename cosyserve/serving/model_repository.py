@@ -34,8 +34,9 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
 # Parameters that repositories filled with the keys of NVIDIA's runtime (which has none of them)
 # leave empty: llm_protocol / llm_url of cosyvoice2 (by llm_model_name / a Triton LLM model),
 # bls_warm_up (on), request_timeout_s (no limit) and mps_thread_percentage / mps_priority (no cap,
-# normal priority); max_queue_size 0 is no limit.
-DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0", "llm_protocol": "", "llm_url": "",
+# normal priority); max_queue_size and queue_timeout_microseconds 0 are no limit.
+DEFAULTS = {"max_queue_size": "0", "queue_timeout_microseconds": "0", "max_queue_delay_microseconds": "0",
+            "llm_protocol": "", "llm_url": "",
             "bls_warm_up": "", "request_timeout_s": "", "mps_thread_percentage": "", "mps_priority": ""}
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 
@@ -127,6 +128,10 @@ class CosyVoice2Repository:
     # 0: no limit (the default: requests queue, as in NVIDIA's runtime); None: as many as instances.
     bls_max_queue_size: int | None = 0                         # BLS_MAX_QUEUE_SIZE
     offline_bls_max_queue_size: int | None = 0                 # OFFLINE_BLS_MAX_QUEUE_SIZE
+    # Milliseconds a request may wait for a BLS instance (past that: refused, UNAVAILABLE "Request
+    # timeout expired"); 0: no limit.
+    bls_max_queue_ms: float = 0                                # BLS_MAX_QUEUE_MS
+    offline_bls_max_queue_ms: float = 0                        # OFFLINE_BLS_MAX_QUEUE_MS
     max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
     min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
     bls_warm_up: str = parameter_value(BlsSettings.warm_up)    # BLS_WARM_UP
@@ -191,20 +196,25 @@ class CosyVoice2Repository:
                "bls_warm_up": self.bls_warm_up, "request_timeout_s": parameter_value(self.request_timeout_s)}
         models["cosyvoice2"] = ModelEntry("cosyvoice2", {
             **bls, "bls_instance_num": str(self.bls_instances), "decoupled_mode": str(self.decoupled),
-            "max_queue_size": str(_queue_size(self.bls_max_queue_size, self.bls_instances))})
+            **_queue_policy(self.bls_max_queue_size, self.bls_instances, self.bls_max_queue_ms)})
         if self.decoupled:
             models["cosyvoice2_offline"] = ModelEntry("cosyvoice2", {
                 **bls, "bls_instance_num": str(self.offline_bls_instances), "decoupled_mode": "False",
-                "max_queue_size": str(_queue_size(self.offline_bls_max_queue_size, self.offline_bls_instances))})
+                **_queue_policy(self.offline_bls_max_queue_size, self.offline_bls_instances,
+                                self.offline_bls_max_queue_ms)})
         return models
 
 
-def _queue_size(size: int | None, instances: int) -> int:
+def _queue_policy(size: int | None, instances: int, max_wait_ms: float) -> dict[str, str]:
+    """A BLS model's queue bounds (its ``default_queue_policy``): waiting requests at most (None: as
+    many as instances) and how long each may wait, in microseconds (0: no limit for either)."""
     if size is None:
-        return instances
+        size = instances
     if size < 0:
         raise ValueError(f"a queue size is 0 (no limit) or more, got {size}")
-    return size
+    if max_wait_ms < 0:
+        raise ValueError(f"a queue wait is 0 (no limit) or more milliseconds, got {max_wait_ms:g}")
+    return {"max_queue_size": str(size), "queue_timeout_microseconds": str(round(max_wait_ms * 1000))}
 
 
 @dataclass(frozen=True)
@@ -256,6 +266,7 @@ class CosyVoice3Repository:
     device: str = Token2WavSettings.device                     # DEVICE
     bls_instances: int = 10                                    # BLS_INSTANCE_NUM
     bls_max_queue_size: int | None = 0                         # BLS_MAX_QUEUE_SIZE
+    bls_max_queue_ms: float = 0                                # BLS_MAX_QUEUE_MS
     max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
     min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
     bls_warm_up: str = parameter_value(BlsSettings.warm_up)    # BLS_WARM_UP
@@ -274,7 +285,7 @@ class CosyVoice3Repository:
                 "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
                 "bls_warm_up": self.bls_warm_up, "bls_instance_num": str(self.bls_instances),
                 "decoupled_mode": str(self.decoupled),
-                "max_queue_size": str(_queue_size(self.bls_max_queue_size, self.bls_instances))}),
+                **_queue_policy(self.bls_max_queue_size, self.bls_instances, self.bls_max_queue_ms)}),
             # no model_dir: CosyVoice3 has no registered voices whose prefixes the engine could cache
             "llm": ModelEntry("llm", {**common, "model_dir": "", "llm_dir": llm_dir, "llm_engine": self.llm_engine}),
             "token2wav": ModelEntry("token2wav_cosyvoice3", {**common, "token2wav_dtype": self.token2wav_dtype}),
