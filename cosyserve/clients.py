@@ -182,27 +182,46 @@ def _request_id(item_id: str) -> str:
 # --- benchmark numbers ---------------------------------------------------------------------
 
 
-def playback_underruns(arrivals_s: Sequence[float], durations_s: Sequence[float]) -> tuple[int, float]:
-    """Count playback stalls of a stream and their total length in seconds.
+class Playback:
+    """A listener's playback of one stream, chunk by chunk as they arrive.
 
-    Playback starts when the first chunk arrives and plays chunks back to back. A chunk that
-    arrives after everything delivered before it has finished playing is an underrun; playback
-    resumes when it arrives. Chunks without audio are ignored.
+    Playback starts when the first chunk with audio arrives and plays chunks back to back. A chunk
+    that arrives after everything delivered before it has finished playing is an underrun;
+    playback resumes when it arrives. ``underruns`` and ``stall_s`` count them so far.
     """
+
+    def __init__(self) -> None:
+        self.playback_end: float | None = None
+        self.underruns = 0
+        self.stall_s = 0.0
+
+    def arrive(self, arrival_s: float, duration_s: float) -> float | None:
+        """A chunk of ``duration_s`` seconds arrives at ``arrival_s``. Returns the audio that was
+        still buffered ahead of playback then (negative: how long playback had stalled), or None for
+        the first chunk and chunks without audio."""
+        if duration_s <= 0:
+            return None
+        if self.playback_end is None:
+            self.playback_end = arrival_s + duration_s
+            return None
+        buffered = self.playback_end - arrival_s
+        if buffered < 0:
+            self.underruns += 1
+            self.stall_s -= buffered
+            self.playback_end = arrival_s
+        self.playback_end += duration_s
+        return buffered
+
+
+def playback_underruns(arrivals_s: Sequence[float], durations_s: Sequence[float]) -> tuple[int, float]:
+    """Count playback stalls of a stream and their total length in seconds (:class:`Playback`);
+    chunks without audio are ignored."""
     if len(arrivals_s) != len(durations_s):
         raise InvalidInputError(f"{len(arrivals_s)} arrival times for {len(durations_s)} chunk durations")
-    chunks = [(t, d) for t, d in zip(arrivals_s, durations_s) if d > 0]
-    if not chunks:
-        return 0, 0.0
-    count, stall = 0, 0.0
-    playback_end = chunks[0][0] + chunks[0][1]
-    for arrival, duration in chunks[1:]:
-        if arrival > playback_end:
-            count += 1
-            stall += arrival - playback_end
-            playback_end = arrival
-        playback_end += duration
-    return count, stall
+    playback = Playback()
+    for arrival, duration in zip(arrivals_s, durations_s):
+        playback.arrive(arrival, duration)
+    return playback.underruns, playback.stall_s
 
 
 def latency_stats(values_s: Iterable[float | None]) -> dict[str, float]:

@@ -171,7 +171,8 @@ def test_long_text_streams_its_segments_in_order_as_one_stream(idle_server):
     """Three segments, 20 tokens each: three chunk plans back to back in one stream; the first
     chunk arrives before the later segments' LLM requests have finished (they start after it)."""
     text = "一二三四五六七八九十。" * 20 + "最后还有3句话。"  # segments of 77, 77 and 66 + 8 characters
-    before = wait_until_idle(idle_server.metrics_port)["cosyserve_llm_generated_tokens_total"]
+    idle = wait_until_idle(idle_server.metrics_port)
+    before = idle["cosyserve_llm_generated_tokens_total"]
     stream = Stream(idle_server.grpc_url)
     try:
         stream.send("cosyvoice2", [grpc_input("target_text", text), *token_limits(20)])
@@ -185,8 +186,14 @@ def test_long_text_streams_its_segments_in_order_as_one_stream(idle_server):
     assert [c.size for c in chunks] == expected_chunk_samples(20) * 3
     audio = np.concatenate(chunks)
     assert audio.size == 3 * 20 * SAMPLES_PER_TOKEN and np.isfinite(audio).all()
-    after = wait_until_idle(idle_server.metrics_port)["cosyserve_llm_generated_tokens_total"]
-    assert after - before == 3 * 20
+    values = wait_until_idle(idle_server.metrics_port)
+    assert values["cosyserve_llm_generated_tokens_total"] - before == 3 * 20
+    # the server's view of the listener: every chunk after the first one is observed once, across segments
+    def delta(name: str) -> float:
+        return values.get(name, 0.0) - idle.get(name, 0.0)
+    assert delta("cosyserve_bls_stream_buffer_seconds_count") == len(chunks) - 1
+    underruns, stall = delta("cosyserve_bls_stream_underruns_total"), delta("cosyserve_bls_stream_stall_seconds_total")
+    assert 0 <= underruns < len(chunks) and (stall > 0) == (underruns > 0), (underruns, stall)
     offline = grpc_client(idle_server).infer("cosyvoice2_offline", [grpc_input("target_text", text), *token_limits(20)])
     assert offline.as_numpy("waveform").size == 3 * 20 * SAMPLES_PER_TOKEN
 

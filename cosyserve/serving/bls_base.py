@@ -15,6 +15,7 @@ the speech-token source, the speaker encoder and the pipeline it drives
 
 from __future__ import annotations
 
+import time
 import uuid
 from abc import ABC, abstractmethod
 from contextlib import closing
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from ..clients import OUTPUT_SAMPLE_RATE, Playback
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.backends import create_backend
 from ..llm.prompt import SPEECH_TOKEN_OFFSET, register_voice_prefixes
@@ -35,6 +37,10 @@ from ..runtime import SPK2INFO
 from .settings import BlsSettings
 from .triton_utils import (FINAL, Metric, error_response, limit_torch_threads, model_settings, optional_input,
                            optional_scalar, optional_text, raise_response_error, reference_wav, tensor)
+
+
+# Audio buffered ahead of the listener's playback when a chunk is sent (seconds; below 0: it stalled).
+BUFFER_BUCKETS = [-1.0, -0.2, 0.0, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
 
 
 def bls_request(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str], request_id: str = ""):
@@ -129,6 +135,15 @@ class TTSBLS(ABC):
         # out, including clean-up after a cancellation: the LLM and token2wav gauges miss that part
         self.in_progress = Metric("cosyserve_bls_requests_in_progress", "requests inside a BLS instance",
                                   config["name"])
+        # The listener's side of every stream, as the server sees it: playback starts with the first
+        # chunk sent and plays the chunks back to back (cosyserve.clients.Playback).
+        self.buffer_s = Metric("cosyserve_bls_stream_buffer_seconds", "audio a stream's listener still had "
+                               "buffered when its next chunk was sent (negative: playback had stalled)",
+                               config["name"], kind="histogram", buckets=BUFFER_BUCKETS)
+        self.underruns = Metric("cosyserve_bls_stream_underruns", "chunks sent after the audio before them had "
+                                "finished playing", config["name"], kind="counter")
+        self.stall_s = Metric("cosyserve_bls_stream_stall_seconds", "playback stalls of those underruns, in seconds",
+                              config["name"], kind="counter")
 
     @abstractmethod
     def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry):
@@ -182,13 +197,24 @@ class TTSBLS(ABC):
         try:
             # closed here, on an error too: its clean-up makes BLS calls, which only work inside execute
             is_cancelled = with_timeout(sender.is_cancelled, self.request_timeout_s)
+            playback = Playback()
             with closing(self.pipeline.stream(self._parse(request), is_cancelled)) as chunks:
                 for chunk in chunks:
                     sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", chunk)]))
+                    self._played(playback, chunk.size / OUTPUT_SAMPLE_RATE)
         except Exception as exc:
             last = error_response(exc)
         self.release_finished(sender.is_cancelled)  # before the final flag closes the sender
         sender.send(last, flags=FINAL)
+
+    def _played(self, playback: Playback, seconds: float) -> None:
+        underruns, stall = playback.underruns, playback.stall_s
+        buffered = playback.arrive(time.monotonic(), seconds)
+        if buffered is not None:
+            self.buffer_s.observe(buffered)
+        if playback.underruns > underruns:
+            self.underruns.increment(playback.underruns - underruns)
+            self.stall_s.increment(playback.stall_s - stall)
 
     def _offline(self, request):
         try:

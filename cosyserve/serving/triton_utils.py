@@ -232,7 +232,8 @@ class FinishedResponseIterators:
 # ----- metrics -----
 
 class Metric:
-    """A Prometheus gauge or counter on Triton's metrics endpoint, labelled with the model name.
+    """A Prometheus gauge, counter or histogram (``buckets``: upper bounds) on Triton's metrics
+    endpoint, labelled with the model name.
 
     Exposes per-request state (active LLM requests, open token2wav streams, generated tokens)
     so that operators and tests can check that nothing outlives its request.
@@ -242,11 +243,15 @@ class Metric:
     # (Triton 24.10 Python backend), so every update in this process goes through one lock.
     _lock = threading.Lock()
 
-    def __init__(self, name: str, description: str, model_name: str, kind: str = "gauge"):
-        kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER}
+    def __init__(self, name: str, description: str, model_name: str, kind: str = "gauge",
+                 buckets: list[float] | None = None):
+        kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER,
+                 "histogram": pb_utils.MetricFamily.HISTOGRAM}
         # The family must outlive its metric objects, hence kept on self.
         self._family = pb_utils.MetricFamily(name=name, description=description, kind=kinds[kind])
-        self._metric = self._family.Metric(labels={"model": model_name})
+        labels = {"model": model_name}
+        self._metric = (self._family.Metric(labels=labels, buckets=buckets) if kind == "histogram"
+                        else self._family.Metric(labels=labels))
 
     def set(self, value: float) -> None:
         with self._lock:
@@ -255,6 +260,10 @@ class Metric:
     def increment(self, delta: float = 1) -> None:
         with self._lock:
             self._metric.increment(delta)
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._metric.observe(value)
 
 
 class WorkMetrics:
