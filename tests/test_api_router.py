@@ -85,6 +85,28 @@ def test_health_lists_both_servers(api, servers):
     assert all(s["ready"] for s in body["servers"])
 
 
+def test_bench_api_drives_the_endpoint_open_loop(api, servers, tmp_path):
+    """scripts/bench_api.py at one rate through the API and its router: every request streamed in
+    full, first audio and underruns reported per rate."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest_triton import REPO_ROOT
+
+    report = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "scripts/bench_api.py", "--url", api.url, "--api-key", API_KEY,
+                             "--rates", "2", "--requests-per-rate", "4", "--json-report", str(report)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "| 2 | 4 | 0 | 0 |" in result.stdout, result.stdout
+    (summary,) = json.loads(report.read_text())
+    assert summary["failed"] == 0 and summary["first_chunk_latency"]["count"] == 4
+    assert summary["audio_s"] == 4 * NUM_TOKENS * SAMPLES_PER_TOKEN / 24000  # every sample arrived
+    for server in servers:
+        wait_until_idle(server.metrics_port)
+
+
 def test_a_request_the_preferred_server_refuses_as_overloaded_is_served_by_the_other(api, servers):
     preferred, other = servers
     streams = fill_to_capacity(preferred, "cosyvoice2", 1, 1, num_tokens=1500)

@@ -208,3 +208,16 @@ def test_servers_follow_dns_and_a_vanished_one_is_closed_once_its_streams_end():
         assert len([c async for c in stream]) == 2
         assert leaving.url not in router.backends and leaving.tts.closed
     asyncio.run(scenario())
+
+
+def test_bench_api_reads_the_error_envelope_and_finds_the_best_clean_rate():
+    from cosyserve.bench.api_load import _error_text, best_clean_rate
+
+    assert _error_text(429, b'{"error": {"code": "overloaded", "message": "Exceeds maximum queue size"}}') == \
+        "429 overloaded: Exceeds maximum queue size"
+    assert _error_text(502, b"<html>bad gateway</html>") == "502: <html>bad gateway</html>"
+
+    def summary(rate, failed, stalled):
+        return {"open_loop": {"arrival_rate": rate}, "failed": failed, "underruns": {"requests_with_underrun": stalled}}
+    assert best_clean_rate([summary(1, 0, 0), summary(2, 0, 0), summary(5, 0, 3), summary(10, 2, 0)]) == 2
+    assert best_clean_rate([summary(1, 1, 0)]) is None

@@ -5,6 +5,7 @@ It may import serving, pipeline and everything below; only scripts and tests imp
 * :mod:`.prometheus` – the server's ``cosyserve_*`` metrics from its Prometheus page;
 * :mod:`.workload` – the synthetic prompt set (seed-tts' wenetspeech4tts split, in shape);
 * :mod:`.openloop` – Poisson arrivals and a sender that keeps to them;
+* :mod:`.api_load` – open-loop load on the OpenAI-compatible speech API (``scripts/bench_api.py``);
 * :mod:`.runner` – one benchmark of Triton server variants: build, serve, measure levels and rates;
 * :mod:`.breakdown` – where a level's time went: Triton statistics and the server's counters;
 * :mod:`.targets` – the performance targets and their checks;

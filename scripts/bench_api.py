@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Open-loop load on the OpenAI-compatible speech API (cosyserve/bench/api_load.py): per arrival
+rate, Poisson arrivals of streamed pcm requests; prints a table (first audio p50/p95, failures and
+429 refusals, playback underruns) and the highest rate without failures or stalls.
+
+    python scripts/bench_api.py --url http://127.0.0.1:8080 --rates 2 5 10 --requests-per-rate 40
+    python scripts/bench_api.py --url http://api:8080 --api-key KEY --voice voice_... --texts texts.txt
+
+Point it at an API with one Triton server or several (--triton-url a,b,c) to compare layouts with
+the same command.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cosyserve.bench.api_load import HEADER, SpeechTarget, best_clean_rate, run_rate, table_row  # noqa: E402
+
+DEFAULT_TEXTS = ["收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。",
+                 "Hello! Thanks for calling. How can I help you today?",
+                 "今天天气很好，我们一起去公园散步吧。"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="http://127.0.0.1:8080", help="the API's base URL")
+    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 5.0], metavar="R")
+    parser.add_argument("--requests-per-rate", type=int, default=20)
+    parser.add_argument("--voice", default="001")
+    parser.add_argument("--api-key")
+    parser.add_argument("--texts", type=Path, help="one text per line (default: three short zh/en sentences)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--json-report", type=Path, help="write every rate's summary here")
+    args = parser.parse_args()
+    texts = ([line for line in args.texts.read_text(encoding="utf-8").splitlines() if line.strip()]
+             if args.texts else DEFAULT_TEXTS)
+    if not texts:
+        parser.error(f"{args.texts} holds no text")
+    target = SpeechTarget(args.url, args.voice, args.api_key, timeout_s=args.timeout)
+    print(HEADER, flush=True)
+    summaries = []
+    for rate in args.rates:
+        summary = run_rate(target, texts, rate, args.requests_per_rate, args.seed)
+        summaries.append(summary)
+        print(table_row(summary), flush=True)
+    best = best_clean_rate(summaries)
+    print(f"\nhighest rate without failures or underruns: {'none' if best is None else f'{best:g} req/s'}")
+    if args.json_report:
+        args.json_report.parent.mkdir(parents=True, exist_ok=True)
+        args.json_report.write_text(json.dumps(summaries, indent=2, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
