@@ -11,6 +11,8 @@
 #   4  one offline HTTP request (client_http.py)
 #   5  gRPC benchmark (client_grpc.py)
 #   6  offline benchmark (offline_inference.py)
+#   7  disaggregated serving: our LLM server on LLM_GPUS (or LLM_URL's), Triton servers (BLS + token2wav)
+#      on T2W_GPUS, the API in front spreading streams over them (bash run.sh stop ends them all)
 #
 # Every setting below can be overridden from the environment, e.g.
 #   MODEL_SOURCE=tiny bash run.sh -1 3 && bash run.sh 4 5
@@ -24,7 +26,8 @@ parse_stages stop "$@"
 VENV=${VENV:-$repo_root/.venv}
 PYTHON_BIN=${PYTHON_BIN:-python3}
 # The torch that stage -1 installs when the venv has none: PyPI's default build (CUDA, several GB) unless
-# overridden, e.g. TORCH_SPEC=torch==2.13.0 for a CPU wheel that pip finds in PIP_FIND_LINKS.
+# overridden, e.g. TORCH_SPEC=torch==2.13.0 for a CPU wheel that pip finds in PIP_FIND_LINKS (CI keeps the
+# default: its parity and Triton-interpreter tests were set on that build).
 TORCH_SPEC=${TORCH_SPEC:-torch>=2.4}
 MODEL_SOURCE=${MODEL_SOURCE:-modelscope}      # modelscope | huggingface | tiny | real
 MODELS_DIR=${MODELS_DIR:-$repo_root/models}
@@ -112,6 +115,18 @@ API_PORT=${API_PORT-8080}
 API_TRITON_URLS=${API_TRITON_URLS:-127.0.0.1:$GRPC_PORT}
 API_LOG=${API_LOG:-$repo_root/outputs/api.log}
 API_PID_FILE=${API_PID_FILE:-$repo_root/outputs/api.pid}
+# Stage 7 (disaggregated): the GPU of our LLM server (cpu: none; ignored when LLM_URL names a server of
+# your own), the GPUs of the Triton servers (comma-separated, cpu entries run on the CPU) and how many
+# servers each GPU gets; server i (1-based) listens on DISAGG_*_BASE + i.
+LLM_GPUS=${LLM_GPUS:-0}
+T2W_GPUS=${T2W_GPUS:-1}
+T2W_SERVERS_PER_GPU=${T2W_SERVERS_PER_GPU:-1}
+DISAGG_LLM_PORT=${DISAGG_LLM_PORT:-8100}
+LLM_MAX_SLOTS=${LLM_MAX_SLOTS:-64}            # our LLM server's concurrent requests
+DISAGG_HTTP_BASE=${DISAGG_HTTP_BASE:-17000}
+DISAGG_GRPC_BASE=${DISAGG_GRPC_BASE:-18000}
+DISAGG_METRICS_BASE=${DISAGG_METRICS_BASE:-16000}
+DISAGG_DIR=${DISAGG_DIR:-$repo_root/outputs/disaggregated}
 NUM_TASKS=${NUM_TASKS:-4}
 CLIENT_MODE=${CLIENT_MODE:-}                  # default: streaming if DECOUPLED_MODE=True
 DATASET=${DATASET:-}                          # HuggingFace dataset for stage 5/6, e.g. yuekai/seed_tts_cosy2
@@ -159,10 +174,47 @@ stop_mps() {
   fi
 }
 
+# build_repository OUT LLM_URL: the model repository of stage 2's settings, speech tokens from the
+# completions server at LLM_URL when it is not empty
+build_repository() {
+  "$PY" -m cosyserve.serving.model_repository cosyvoice2 "$1" --templates "$repo_root/model_repo" \
+    --models-dir "$MODELS_DIR" --llm-backend "$LLM_BACKEND" --llm-engine "$LLM_ENGINE" --llm-protocol "$LLM_PROTOCOL" --llm-url "$2" \
+    --trt-engine-dir "$TRT_ENGINE_DIR" --trt-kv-cache-tokens "$TRT_KV_CACHE_TOKENS" --decoupled "$DECOUPLED_MODE" \
+    --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
+    --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-warm-up "$BLS_WARM_UP" \
+    --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --offline-bls-max-queue-ms "$OFFLINE_BLS_MAX_QUEUE_MS" \
+    --request-timeout-s "$REQUEST_TIMEOUT_S" \
+    --offline-bls-max-queue-size "$OFFLINE_BLS_MAX_QUEUE_SIZE" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
+    --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" \
+    --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \
+    --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" --token2wav-precapture-frames "$TOKEN2WAV_PRECAPTURE_FRAMES" \
+    --token2wav-final "$TOKEN2WAV_FINAL" --token2wav-state-pool-gb "$TOKEN2WAV_STATE_POOL_GB" \
+    --token2wav-max-voices "$TOKEN2WAV_MAX_VOICES" \
+    --token2wav-compile "$TOKEN2WAV_COMPILE" --token2wav-hift-graphs "$TOKEN2WAV_HIFT_GRAPHS" \
+    --token2wav-hift-dtype "$TOKEN2WAV_HIFT_DTYPE" \
+    --token2wav-mps-thread-percentage "$TOKEN2WAV_MPS_THREAD_PERCENTAGE" --token2wav-mps-priority "$TOKEN2WAV_MPS_PRIORITY" \
+    --llm-mps-thread-percentage "$LLM_MPS_THREAD_PERCENTAGE" --llm-mps-priority "$LLM_MPS_PRIORITY"
+}
+
+# stage 7 servers: one line "<index> <gpu or cpu> <http> <grpc> <metrics>" each
+t2w_servers() {
+  local i=0 gpu k
+  for gpu in ${T2W_GPUS//,/ }; do
+    for k in $(seq 1 "$T2W_SERVERS_PER_GPU"); do
+      i=$((i + 1))
+      echo "$i $gpu $((DISAGG_HTTP_BASE + i)) $((DISAGG_GRPC_BASE + i)) $((DISAGG_METRICS_BASE + i))"
+    done
+  done
+}
+
 if [ "$stage" = "stop" ]; then
   use_venv
   "$PY" -m cosyserve.api.service stop --pid-file "$API_PID_FILE"
   "$PY" -m cosyserve.serving.tritonserver stop --pid-file "$SERVER_PID_FILE"
+  for pid_file in "$DISAGG_DIR"/tritonserver_*.pid; do
+    if [ -f "$pid_file" ]; then "$PY" -m cosyserve.serving.tritonserver stop --pid-file "$pid_file"; fi
+  done
+  [ ! -f "$DISAGG_DIR/llm_server.pid" ] || stop_llm_server_process "$DISAGG_DIR/llm_server.pid"
   stop_mps
   exit 0
 fi
@@ -227,23 +279,7 @@ fi
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   log "Stage 2: creating the model repository $MODEL_REPO (decoupled=$DECOUPLED_MODE)"
   [ -z "$LLM_URL" ] || log "Stage 2: speech tokens from the completions server at $LLM_URL"
-  "$PY" -m cosyserve.serving.model_repository cosyvoice2 "$MODEL_REPO" --templates "$repo_root/model_repo" \
-    --models-dir "$MODELS_DIR" --llm-backend "$LLM_BACKEND" --llm-engine "$LLM_ENGINE" --llm-protocol "$LLM_PROTOCOL" --llm-url "$LLM_URL" \
-    --trt-engine-dir "$TRT_ENGINE_DIR" --trt-kv-cache-tokens "$TRT_KV_CACHE_TOKENS" --decoupled "$DECOUPLED_MODE" \
-    --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
-    --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-warm-up "$BLS_WARM_UP" \
-    --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --offline-bls-max-queue-ms "$OFFLINE_BLS_MAX_QUEUE_MS" \
-    --request-timeout-s "$REQUEST_TIMEOUT_S" \
-    --offline-bls-max-queue-size "$OFFLINE_BLS_MAX_QUEUE_SIZE" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
-    --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" \
-    --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \
-    --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" --token2wav-precapture-frames "$TOKEN2WAV_PRECAPTURE_FRAMES" \
-    --token2wav-final "$TOKEN2WAV_FINAL" --token2wav-state-pool-gb "$TOKEN2WAV_STATE_POOL_GB" \
-    --token2wav-max-voices "$TOKEN2WAV_MAX_VOICES" \
-    --token2wav-compile "$TOKEN2WAV_COMPILE" --token2wav-hift-graphs "$TOKEN2WAV_HIFT_GRAPHS" \
-    --token2wav-hift-dtype "$TOKEN2WAV_HIFT_DTYPE" \
-    --token2wav-mps-thread-percentage "$TOKEN2WAV_MPS_THREAD_PERCENTAGE" --token2wav-mps-priority "$TOKEN2WAV_MPS_PRIORITY" \
-    --llm-mps-thread-percentage "$LLM_MPS_THREAD_PERCENTAGE" --llm-mps-priority "$LLM_MPS_PRIORITY" > /dev/null \
+  build_repository "$MODEL_REPO" "$LLM_URL" > /dev/null \
     || die "Stage 2: could not build the model repository"
 fi
 
@@ -306,4 +342,42 @@ if [ "$stage" -le 6 ] && [ "$stop_stage" -ge 6 ]; then
   # shellcheck disable=SC2046
   "$PY" "$repo_root/offline_inference.py" --model-dir "$MODELS_DIR" --backend "$LLM_BACKEND" $(data_args "$manifest") \
     --output-dir "$OUT_DIR/offline_inference"
+fi
+
+if [ "$stage" -le 7 ] && [ "$stop_stage" -ge 7 ]; then
+  log "Stage 7: disaggregated serving: LLM ${LLM_URL:-on GPU $LLM_GPUS}, Triton servers on $T2W_GPUS ($T2W_SERVERS_PER_GPU each)"
+  mkdir -p "$DISAGG_DIR"
+  llm_url=$LLM_URL
+  if [ -z "$llm_url" ]; then
+    llm_device=cuda llm_visible=$LLM_GPUS
+    [ "$LLM_GPUS" != cpu ] || llm_device=cpu llm_visible=""
+    CUDA_VISIBLE_DEVICES=$llm_visible start_llm_server_process "$DISAGG_DIR/llm_server.pid" "$DISAGG_DIR/llm_server.log" \
+      "$DISAGG_LLM_PORT" "$PY" -m cosyserve.llm.openai_server --model-dir "$MODELS_DIR/cosyvoice2_llm" --backend torch \
+      --device "$llm_device" --host 127.0.0.1 --port "$DISAGG_LLM_PORT" --max-slots "$LLM_MAX_SLOTS"
+    llm_url=http://127.0.0.1:$DISAGG_LLM_PORT/v1
+  fi
+  build_repository "$DISAGG_DIR/model_repo" "$llm_url" > /dev/null || die "Stage 7: could not build the model repository"
+  watch_stubs=()
+  [ "$EXIT_ON_STUB_CRASH" = false ] || watch_stubs=(--watch-stubs)
+  pids=() grpc_urls=()
+  while read -r i gpu http grpc metrics; do
+    log "Triton server $i (GPU: $gpu): http $http, grpc $grpc, metrics $metrics (log: $DISAGG_DIR/tritonserver_$i.log)"
+    visible=$gpu
+    [ "$gpu" != cpu ] || visible=""   # no GPU visible: its models run on the CPU
+    CUDA_VISIBLE_DEVICES=$visible "$PY" -m cosyserve.serving.tritonserver start --model-repo "$DISAGG_DIR/model_repo" \
+      --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics" --log "$DISAGG_DIR/tritonserver_$i.log" \
+      --pid-file "$DISAGG_DIR/tritonserver_$i.pid" --timeout "$SERVER_START_TIMEOUT" "${watch_stubs[@]}" &
+    pids+=($!)
+    grpc_urls+=("127.0.0.1:$grpc")
+  done <<< "$(t2w_servers)"
+  for pid in "${pids[@]}"; do wait "$pid" || die "a Triton server failed to start (logs: $DISAGG_DIR)"; done
+  log "all ${#pids[@]} Triton servers are ready"
+  if [ -n "$API_PORT" ]; then
+    urls=$(IFS=,; echo "${grpc_urls[*]}")
+    "$PY" -m cosyserve.api.service start --pid-file "$API_PID_FILE" --log "$API_LOG" -- --port "$API_PORT" \
+      --triton-url "$urls" --model-dir "$MODELS_DIR/CosyVoice2-0.5B" \
+      --tokenizer-dir "$MODELS_DIR/cosyvoice2_llm" || die "the API did not start (log: $API_LOG)"
+    log "OpenAI-compatible API on http://127.0.0.1:$API_PORT over $urls (log: $API_LOG)"
+  fi
+  log "Stop everything with: bash run.sh stop"
 fi

@@ -94,24 +94,7 @@ torch_device() {
   elif [ "$(gpu_count)" -gt 0 ]; then echo cuda; else echo cpu; fi
 }
 
-# Poll URL until it answers 200; fail early if process PID exits, or after SERVER_START_TIMEOUT s.
-wait_http_ready() {
-  local url=$1 pid=$2 what=$3 logfile=$4 deadline=$((SECONDS + SERVER_START_TIMEOUT))
-  until "$PY" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$url" 2> /dev/null; do
-    if ! kill -0 "$pid" 2> /dev/null; then tail -n 30 "$logfile" >&2; die "$what exited before it was ready (log: $logfile)"; fi
-    [ "$SECONDS" -lt "$deadline" ] || { tail -n 30 "$logfile" >&2; die "$what was not ready after $SERVER_START_TIMEOUT s (log: $logfile)"; }
-    sleep 0.5
-  done
-}
-
 start_llm_server() {
-  local running
-  running=$(cat "$LLM_PID_FILE" 2> /dev/null || true)
-  if [ -n "$running" ] && kill -0 "$running" 2> /dev/null; then  # e.g. stage 3, then stage 7
-    log "the LLM server from $LLM_PID_FILE is already running (pid $running): using it"
-    return 0
-  fi
-  mkdir -p "$(dirname "$LLM_LOG")" "$(dirname "$LLM_PID_FILE")"
   local cmd
   case "$LLM_BACKEND" in
     torch) cmd=("$PY" -m cosyserve.llm.openai_server --model-dir "$LLM_DIR" --backend torch --device "$(torch_device)"
@@ -124,25 +107,12 @@ start_llm_server() {
       if command -v mpirun > /dev/null; then cmd=(mpirun -np 1 --allow-run-as-root --oversubscribe "${cmd[@]}"); fi ;;
     *) die "LLM_BACKEND must be torch or trtllm (got $LLM_BACKEND)" ;;
   esac
-  log "starting the LLM server ($LLM_BACKEND) on $LLM_HOST:$LLM_PORT, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-all} (log: $LLM_LOG)"
-  # its own session, so that `stop` can signal the whole process group
-  setsid "${cmd[@]}" > "$LLM_LOG" 2>&1 < /dev/null &
-  echo $! > "$LLM_PID_FILE"
-  wait_http_ready "http://127.0.0.1:$LLM_PORT/health" "$(cat "$LLM_PID_FILE")" "the LLM server" "$LLM_LOG"
+  start_llm_server_process "$LLM_PID_FILE" "$LLM_LOG" "$LLM_PORT" "${cmd[@]}"
   log "LLM server ready: $LLM_URL"
 }
 
 stop_llm_server() {
-  local pid
-  pid=$(cat "$LLM_PID_FILE" 2> /dev/null || true)
-  [ -n "$pid" ] || { log "no LLM server pid file $LLM_PID_FILE: nothing to stop"; return 0; }
-  if kill -0 "$pid" 2> /dev/null && grep -qaE "cosyserve.llm.openai_server|trtllm-serve" "/proc/$pid/cmdline"; then
-    kill -TERM -- "-$pid" 2> /dev/null || true
-    for _ in $(seq 50); do kill -0 "$pid" 2> /dev/null || break; sleep 0.2; done
-    kill -KILL -- "-$pid" 2> /dev/null || true
-    log "stopped the LLM server (pid $pid)"
-  fi
-  rm -f "$LLM_PID_FILE"
+  stop_llm_server_process "$LLM_PID_FILE"
 }
 
 start_triton() {  # start_triton <http> <grpc> <metrics> <log> <pid file>

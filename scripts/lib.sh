@@ -76,3 +76,48 @@ write_prompt_manifest() {
     echo "utt$i|$text|$wav|$TARGET_TEXT" >> "$1"
   done
 }
+
+# wait_http_ready URL PID WHAT LOG: poll URL until it answers 200; fail early if process PID exits,
+# or after SERVER_START_TIMEOUT seconds (the log's tail is shown either way)
+wait_http_ready() {
+  local url=$1 pid=$2 what=$3 logfile=$4 deadline=$((SECONDS + SERVER_START_TIMEOUT))
+  until "$PY" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$url" 2> /dev/null; do
+    if ! kill -0 "$pid" 2> /dev/null; then tail -n 30 "$logfile" >&2; die "$what exited before it was ready (log: $logfile)"; fi
+    [ "$SECONDS" -lt "$deadline" ] || { tail -n 30 "$logfile" >&2; die "$what was not ready after $SERVER_START_TIMEOUT s (log: $logfile)"; }
+    sleep 0.5
+  done
+}
+
+# start_llm_server_process PID_FILE LOG PORT CMD...: an OpenAI-compatible LLM server (CMD) in its own
+# session (so that stop_llm_server_process can signal its whole process group), its pid in PID_FILE;
+# returns once http://127.0.0.1:PORT/health answers. One already running from PID_FILE is kept.
+start_llm_server_process() {
+  local pid_file=$1 logfile=$2 port=$3 running
+  shift 3
+  running=$(cat "$pid_file" 2> /dev/null || true)
+  if [ -n "$running" ] && kill -0 "$running" 2> /dev/null; then
+    log "the LLM server from $pid_file is already running (pid $running): using it"
+    return 0
+  fi
+  mkdir -p "$(dirname "$logfile")" "$(dirname "$pid_file")"
+  log "starting the LLM server on port $port, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-all} (log: $logfile)"
+  setsid "$@" > "$logfile" 2>&1 < /dev/null &
+  echo $! > "$pid_file"
+  wait_http_ready "http://127.0.0.1:$port/health" "$(cat "$pid_file")" "the LLM server" "$logfile"
+  log "LLM server ready on port $port"
+}
+
+# stop_llm_server_process PID_FILE: end the LLM server started from PID_FILE (its process group),
+# only if its command line is one (ours or trtllm-serve)
+stop_llm_server_process() {
+  local pid_file=$1 pid
+  pid=$(cat "$pid_file" 2> /dev/null || true)
+  [ -n "$pid" ] || { log "no LLM server pid file $pid_file: nothing to stop"; return 0; }
+  if kill -0 "$pid" 2> /dev/null && grep -qaE "cosyserve.llm.openai_server|trtllm-serve" "/proc/$pid/cmdline"; then
+    kill -TERM -- "-$pid" 2> /dev/null || true
+    for _ in $(seq 50); do kill -0 "$pid" 2> /dev/null || break; sleep 0.2; done
+    kill -KILL -- "-$pid" 2> /dev/null || true
+    log "stopped the LLM server (pid $pid)"
+  fi
+  rm -f "$pid_file"
+}
