@@ -393,6 +393,54 @@ def test_a_request_past_its_timeout_fails_alone_and_releases_what_it_held(timeou
     assert "stub watch" not in server.log_file.read_text(errors="replace")
 
 
+# ----- admission by playback ---------------------------------------------------------------------
+
+ADMISSION_MIN_BUFFER_S = 1000  # more than any stream buffers: while one streams, every new request is refused
+
+
+@pytest.fixture(scope="module")
+def admission_server(tiny_bundle: Path, tmp_path_factory):
+    """Two streaming BLS instances and one offline, admitting requests only while every stream of the
+    server has ADMISSION_MIN_BUFFER_S of audio buffered (run.sh's ADMISSION_MIN_BUFFER_S)."""
+    work = tmp_path_factory.mktemp("admission_server")
+    repo = build(CosyVoice2Repository(
+        tiny_bundle, device="cpu", bls_instances=2, offline_bls_instances=1, max_tokens=NUM_TOKENS,
+        min_tokens=NUM_TOKENS, admission_min_buffer_s=ADMISSION_MIN_BUFFER_S), work / "repo")
+    yield from serve_repo(repo, work)
+
+
+def test_while_a_stream_runs_short_of_audio_new_requests_are_refused_at_once(admission_server):
+    """A stream is sending (its listener has less than ADMISSION_MIN_BUFFER_S buffered): a new stream
+    and an offline request, though instances are free, are refused at once with UNAVAILABLE
+    "overloaded: ..." (the HTTP API: 429; its router: the next server); the running stream goes on,
+    and once it has ended requests are served again. The BLS counts admitted and refused requests."""
+    server = admission_server
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    before = metrics(server.metrics_port)
+    running = streaming_long_request(server)
+    try:
+        refused = Stream(server.grpc_url)
+        started = time.monotonic()
+        refused.send("cosyvoice2", [grpc_input("target_text", "好")])
+        result, error = refused.next(timeout_s=30)
+        waited = time.monotonic() - started
+        refused.close()
+        assert result is None and "overloaded: a stream on this server has" in str(error), (result, error)
+        assert waited < 1.0, waited
+        with pytest.raises(InferenceServerException, match="overloaded: ") as refusal:
+            client.infer("cosyvoice2_offline", [grpc_input("target_text", "好")])
+        assert refusal.value.status() == "StatusCode.UNAVAILABLE"
+        assert first_chunk(running).size > 0  # the running stream goes on
+    finally:
+        running.close(cancel=True)
+    assert_idle_and_alive(server)
+    assert short_stream(server) == NUM_TOKENS * 960
+    after = metrics(server.metrics_port)
+    assert after["cosyserve_bls_requests_refused_total"] - before.get("cosyserve_bls_requests_refused_total", 0) == 2
+    assert after["cosyserve_bls_requests_admitted_total"] - before.get("cosyserve_bls_requests_admitted_total", 0) == 2
+    client.close()
+
+
 # ----- cancellations and a soak -----------------------------------------------------------------
 
 # 120 take about 60 s on a 2-core CPU (each holds a BLS instance until its first chunk or cancel);

@@ -39,6 +39,7 @@ class APIError(Exception):
 # Triton's answers that are not the caller's fault, by a part of their message.
 _OVERLOAD = ("exceeds maximum queue size", "resource exhausted", "too many requests",
              "request timeout expired",  # waited BLS_MAX_QUEUE_MS in Triton's queue
+             "overloaded:",  # ADMISSION_MIN_BUFFER_S: a stream of the server runs short of audio
              "state pool is full")  # the token2wav engine's state memory (CapacityError)
 # What a refused client is told to wait (Retry-After): a queued request starts when a running one
 # ends, which takes seconds; one second spreads the retries without idling a freed instance long.

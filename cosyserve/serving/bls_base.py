@@ -27,6 +27,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..clients import OUTPUT_SAMPLE_RATE, Playback
+from ..errors import CapacityError
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.backends import create_backend
 from ..llm.prompt import SPEECH_TOKEN_OFFSET, register_voice_prefixes
@@ -34,6 +35,7 @@ from ..llm.sampling import REFERENCE_SAMPLING
 from ..pipeline.local import LocalSpeechTokens
 from ..pipeline.tts import TokenLimits, VoiceResolver, validate_text, with_timeout
 from ..runtime import SPK2INFO
+from .playback_board import PlaybackBoard
 from .settings import BlsSettings
 from .triton_utils import (FINAL, Metric, error_response, limit_torch_threads, model_settings, optional_input,
                            optional_scalar, optional_text, raise_response_error, reference_wav, tensor)
@@ -144,6 +146,14 @@ class TTSBLS(ABC):
                                 "finished playing", config["name"], kind="counter")
         self.stall_s = Metric("cosyserve_bls_stream_stall_seconds", "playback stalls of those underruns, in seconds",
                               config["name"], kind="counter")
+        # Admission: every instance publishes its stream's playback end on the server's board; a new
+        # request is refused while some stream has less than admission_min_buffer_s of audio left.
+        self.board = PlaybackBoard()
+        self.admission_min_buffer_s = settings.admission_min_buffer_s
+        self.admitted = Metric("cosyserve_bls_requests_admitted", "requests an instance took and started",
+                               config["name"], kind="counter")
+        self.refused = Metric("cosyserve_bls_requests_refused", "requests refused because a stream of this server "
+                              "had less than admission_min_buffer_s of audio buffered", config["name"], kind="counter")
 
     @abstractmethod
     def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry):
@@ -191,12 +201,24 @@ class TTSBLS(ABC):
     def _parse(self, request):
         return self.build_request(parse_tts_inputs(request, self.limits, self.pipeline.max_text_chars))
 
+    def _admit(self) -> None:
+        """Raise CapacityError ("overloaded: ...") while a stream of this server runs short of audio."""
+        threshold = self.admission_min_buffer_s
+        least = self.board.least_buffered(time.monotonic()) if threshold > 0 else None
+        if least is not None and least < threshold:
+            self.refused.increment()
+            raise CapacityError(f"overloaded: a stream on this server has {least:.2f} s of audio buffered, under the "
+                                f"{threshold:g} s it keeps for every stream (admission_min_buffer_s); retry after "
+                                f"{max(100, round(1000 * (threshold - least)))} ms")
+        self.admitted.increment()
+
     def _stream(self, request) -> None:
         sender = request.get_response_sender()
         last = None  # the final response: nothing more, or the error
         try:
             # closed here, on an error too: its clean-up makes BLS calls, which only work inside execute
             is_cancelled = with_timeout(sender.is_cancelled, self.request_timeout_s)
+            self._admit()
             playback = Playback()
             with closing(self.pipeline.stream(self._parse(request), is_cancelled)) as chunks:
                 for chunk in chunks:
@@ -204,6 +226,8 @@ class TTSBLS(ABC):
                     self._played(playback, chunk.size / OUTPUT_SAMPLE_RATE)
         except Exception as exc:
             last = error_response(exc)
+        finally:
+            self.board.publish(None)
         self.release_finished(sender.is_cancelled)  # before the final flag closes the sender
         sender.send(last, flags=FINAL)
 
@@ -215,10 +239,12 @@ class TTSBLS(ABC):
         if playback.underruns > underruns:
             self.underruns.increment(playback.underruns - underruns)
             self.stall_s.increment(playback.stall_s - stall)
+        self.board.publish(playback.playback_end)
 
     def _offline(self, request):
         try:
             is_cancelled = with_timeout(request.is_cancelled, self.request_timeout_s)
+            self._admit()
             waveform = self.pipeline.synthesize(self._parse(request), is_cancelled)
             response = pb_utils.InferenceResponse(output_tensors=[tensor("waveform", waveform)])
         except Exception as exc:
@@ -228,5 +254,6 @@ class TTSBLS(ABC):
 
     def close(self) -> None:
         """Requests finish inside execute; only an OpenAI backend has threads (idle ones) to stop."""
+        self.board.close()
         if isinstance(self.llm, LocalSpeechTokens):
             self.llm.backend.close()

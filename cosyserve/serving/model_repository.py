@@ -37,7 +37,8 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
 # normal priority); max_queue_size and queue_timeout_microseconds 0 are no limit.
 DEFAULTS = {"max_queue_size": "0", "queue_timeout_microseconds": "0", "max_queue_delay_microseconds": "0",
             "llm_protocol": "", "llm_url": "",
-            "bls_warm_up": "", "request_timeout_s": "", "mps_thread_percentage": "", "mps_priority": ""}
+            "bls_warm_up": "", "request_timeout_s": "", "admission_min_buffer_s": "", "mps_thread_percentage": "",
+            "mps_priority": ""}
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 
 
@@ -136,6 +137,7 @@ class CosyVoice2Repository:
     min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
     bls_warm_up: str = parameter_value(BlsSettings.warm_up)    # BLS_WARM_UP
     request_timeout_s: float = BlsSettings.request_timeout_s   # REQUEST_TIMEOUT_S
+    admission_min_buffer_s: float = BlsSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S
     max_batch_size: int = Token2WavSettings.max_batch          # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
     token2wav_dtype: str = Token2WavSettings.dtype             # TOKEN2WAV_*
@@ -193,7 +195,8 @@ class CosyVoice2Repository:
                "llm_tokenizer_dir": llm_dir, "streaming_strategy": self.streaming_strategy,
                "llm_model_name": llm_model, "llm_protocol": self.llm_protocol, "llm_url": self.llm_url,
                "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
-               "bls_warm_up": self.bls_warm_up, "request_timeout_s": parameter_value(self.request_timeout_s)}
+               "bls_warm_up": self.bls_warm_up, "request_timeout_s": parameter_value(self.request_timeout_s),
+               "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s)}
         models["cosyvoice2"] = ModelEntry("cosyvoice2", {
             **bls, "bls_instance_num": str(self.bls_instances), "decoupled_mode": str(self.decoupled),
             **_queue_policy(self.bls_max_queue_size, self.bls_instances, self.bls_max_queue_ms)})

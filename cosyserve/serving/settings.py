@@ -186,6 +186,9 @@ class BlsSettings:
     # seconds a request may run once an instance has taken it (0: no limit); past that it ends with
     # "request timed out after N s" and releases its LLM request and token2wav session
     request_timeout_s: float = 0.0
+    # refuse a new request while a stream of this server has less audio buffered ahead of its
+    # listener than this many seconds (0: admit every request); PlaybackBoard
+    admission_min_buffer_s: float = 0.0
 
 
 @dataclass(frozen=True)
