@@ -26,8 +26,7 @@ parse_stages stop "$@"
 VENV=${VENV:-$repo_root/.venv}
 PYTHON_BIN=${PYTHON_BIN:-python3}
 # The torch that stage -1 installs when the venv has none: PyPI's default build (CUDA, several GB) unless
-# overridden, e.g. TORCH_SPEC=torch==2.13.0 for a CPU wheel that pip finds in PIP_FIND_LINKS (CI keeps the
-# default: its parity and Triton-interpreter tests were set on that build).
+# overridden, e.g. TORCH_SPEC=torch==2.13.0 for a CPU wheel that pip finds in PIP_FIND_LINKS (as .ci/run does).
 TORCH_SPEC=${TORCH_SPEC:-torch>=2.4}
 MODEL_SOURCE=${MODEL_SOURCE:-modelscope}      # modelscope | huggingface | tiny | real
 MODELS_DIR=${MODELS_DIR:-$repo_root/models}
