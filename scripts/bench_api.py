@@ -5,6 +5,11 @@ rate, Poisson arrivals of streamed pcm requests; prints a table (first audio p50
 
     python scripts/bench_api.py --url http://127.0.0.1:8080 --rates 2 5 10 --requests-per-rate 40
     python scripts/bench_api.py --url http://api:8080 --api-key KEY --voice voice_... --texts texts.txt
+    python scripts/bench_api.py --rates 8 --requests-per-rate 200 --kill-after 10 --kill-pid-file outputs/disaggregated/tritonserver_3.pid
+
+--kill-after S with --kill-pid-file F sends SIGKILL to the process whose pid F holds S seconds into
+the last rate's run (a Triton server behind the API dying mid-run), and reports the failures of the
+requests that arrived before the kill apart from those that arrived after it (which should be none).
 
 Point it at an API with one Triton server or several (--triton-url a,b,c) to compare layouts with
 the same command.
@@ -12,6 +17,8 @@ the same command.
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -28,14 +35,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8080", help="the API's base URL")
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 5.0], metavar="R")
-    parser.add_argument("--requests-per-rate", type=int, default=20)
+    count = parser.add_mutually_exclusive_group()
+    count.add_argument("--requests-per-rate", type=int, default=20)
+    count.add_argument("--seconds-per-rate", type=float, metavar="S",
+                       help="instead: the arrivals of S seconds at each rate (at least 10 requests)")
     parser.add_argument("--voice", default="001")
     parser.add_argument("--api-key")
     parser.add_argument("--texts", type=Path, help="one text per line (default: three short zh/en sentences)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--json-report", type=Path, help="write every rate's summary here")
+    parser.add_argument("--kill-after", type=float, metavar="S", help="seconds into the last rate's run to SIGKILL "
+                        "the process of --kill-pid-file")
+    parser.add_argument("--kill-pid-file", type=Path)
     args = parser.parse_args()
+    if (args.kill_after is None) != (args.kill_pid_file is None):
+        parser.error("--kill-after and --kill-pid-file go together")
     texts = ([line for line in args.texts.read_text(encoding="utf-8").splitlines() if line.strip()]
              if args.texts else DEFAULT_TEXTS)
     if not texts:
@@ -43,10 +58,20 @@ def main() -> int:
     target = SpeechTarget(args.url, args.voice, args.api_key, timeout_s=args.timeout)
     print(HEADER, flush=True)
     summaries = []
-    for rate in args.rates:
-        summary = run_rate(target, texts, rate, args.requests_per_rate, args.seed)
+    for n, rate in enumerate(args.rates):
+        fault = None
+        if args.kill_pid_file and n == len(args.rates) - 1:
+            pid = int(args.kill_pid_file.read_text())
+            fault = lambda: os.kill(pid, signal.SIGKILL)  # noqa: E731
+        requests = max(10, round(rate * args.seconds_per_rate)) if args.seconds_per_rate else args.requests_per_rate
+        summary = run_rate(target, texts, rate, requests, args.seed, fault, args.kill_after or 0.0)
         summaries.append(summary)
         print(table_row(summary), flush=True)
+        if fault:
+            split = summary["fault"]
+            print(f"\nkilled pid {pid} at {split['at_s']:g} s: {split['failed_before']} of {split['arrived_before']} "
+                  f"requests that arrived before failed {split['errors_before']}; {split['failed_after']} of "
+                  f"{split['arrived_after']} that arrived after failed {split['errors_after']}", flush=True)
     best = best_clean_rate(summaries)
     print(f"\nhighest rate without failures or underruns: {'none' if best is None else f'{best:g} req/s'}")
     if args.json_report:

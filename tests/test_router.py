@@ -221,3 +221,17 @@ def test_bench_api_reads_the_error_envelope_and_finds_the_best_clean_rate():
         return {"open_loop": {"arrival_rate": rate}, "failed": failed, "underruns": {"requests_with_underrun": stalled}}
     assert best_clean_rate([summary(1, 0, 0), summary(2, 0, 0), summary(5, 0, 3), summary(10, 2, 0)]) == 2
     assert best_clean_rate([summary(1, 1, 0)]) is None
+
+
+def test_bench_api_splits_failures_at_a_fault_by_arrival():
+    """bench_api's --kill-after: requests that arrived after the kill must all be served; those before
+    may end with an error (they were on the killed server), and the split says which is which."""
+    from cosyserve.bench.api_load import fault_split
+    from cosyserve.clients import RequestResult
+
+    results = [RequestResult("a"), RequestResult("b", error="502 server_error: stream ended"), RequestResult("c"),
+               RequestResult("d", error="503 unavailable: no server")]
+    split = fault_split(results, [0.0, 1.0, 2.5, 3.0], fault_at_s=2.0)
+    assert (split["arrived_before"], split["failed_before"], split["arrived_after"], split["failed_after"]) == (2, 1, 2, 1)
+    assert split["errors_before"] == ["502 server_error: stream ended"]
+    assert split["errors_after"] == ["503 unavailable: no server"]

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..clients import OUTPUT_SAMPLE_RATE, RequestResult, summarize
 from .openloop import poisson_arrivals, run_open_loop
@@ -52,6 +53,7 @@ def speech_request(target: SpeechTarget, text: str, item_id: str) -> RequestResu
         response = connection.getresponse()
         if response.status != 200:
             result.error = _error_text(response.status, response.read())
+            result.latency_s = time.perf_counter() - start  # how long the refusal took
             return result
         carry = b""  # an odd byte split between blocks belongs to the next sample
         while block := response.read1(65536):
@@ -80,22 +82,50 @@ def _error_text(status: int, payload: bytes) -> str:
         return f"{status}: {payload[:200].decode(errors='replace')}"
 
 
-def run_rate(target: SpeechTarget, texts: Sequence[str], rate: float, requests: int, seed: int) -> dict:
+def run_rate(target: SpeechTarget, texts: Sequence[str], rate: float, requests: int, seed: int,
+             fault: Callable[[], None] | None = None, fault_at_s: float = 0.0) -> dict:
     """``requests`` requests arriving at ``rate`` a second (seeded Poisson), texts in turn: the
-    summary of :func:`cosyserve.clients.summarize` (streaming) plus the open loop's numbers,
-    refusals (429) and, per refused request, how long the refusal took."""
+    summary of :func:`cosyserve.clients.summarize` (streaming) plus the open loop's numbers and
+    refusals (429). ``fault`` (e.g. killing one server behind the API) is called ``fault_at_s``
+    seconds into the run; the summary then splits the failures by :func:`fault_split`."""
     arrivals = poisson_arrivals(rate, seed, count=requests)
-    run = run_open_loop(arrivals, lambda i: speech_request(target, texts[i % len(texts)], f"r{rate:g}-{i}"))
+    timer = threading.Timer(fault_at_s, fault) if fault else None
+    if timer:
+        timer.start()
+    try:
+        run = run_open_loop(arrivals, lambda i: speech_request(target, texts[i % len(texts)], f"r{rate:g}-{i}"))
+    finally:
+        if timer:
+            timer.cancel()
     summary = summarize(run.results, run.wall_s, "streaming")
     refused = [r for r in run.results if r.error and r.error.startswith("429 ")]
     summary["refused"] = len(refused)
+    if refused:
+        waits = sorted(1e3 * r.latency_s for r in refused)
+        summary["refusal_ms"] = {"p50": waits[len(waits) // 2],
+                                 "p95": waits[min(len(waits) - 1, int(0.95 * len(waits)))], "max": waits[-1]}
     summary["errors"] = sorted({r.error.split(":")[0] for r in run.results if r.error})
     summary["open_loop"] = run.summary(arrivals, rate)
+    if fault:
+        summary["fault"] = fault_split(run.results, arrivals, fault_at_s)
     return summary
 
 
-HEADER = ("| rate req/s | requests | failed | of them refused (429) | first audio p50 ms | p95 ms | "
-          "requests with underruns | stall s | peak in flight |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+def fault_split(results: Sequence[RequestResult], arrivals_s: Sequence[float], fault_at_s: float) -> dict:
+    """Failures of a run with a fault at ``fault_at_s``: of the requests that arrived before it
+    (some were in flight on the failed server: they may end with an error, which must be a clear
+    one) and of those that arrived after it (the router must serve every one of them)."""
+    before = [r for r, t in zip(results, arrivals_s) if t < fault_at_s]
+    after = [r for r, t in zip(results, arrivals_s) if t >= fault_at_s]
+    return {"at_s": fault_at_s, "arrived_before": len(before), "arrived_after": len(after),
+            "failed_before": sum(r.error is not None for r in before),
+            "failed_after": sum(r.error is not None for r in after),
+            "errors_before": sorted({r.error for r in before if r.error}),
+            "errors_after": sorted({r.error for r in after if r.error})}
+
+
+HEADER = ("| rate req/s | requests | failed | of them refused (429) | refusal p95 ms | first audio p50 ms | p95 ms | "
+          "requests with underruns | stall s | peak in flight |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def table_row(summary: dict) -> str:
@@ -104,8 +134,9 @@ def table_row(summary: dict) -> str:
 
     def ms(key: str) -> str:
         return f"{first[key]:.1f}" if key in first else "n/a"
+    refusal = f"{summary['refusal_ms']['p95']:.1f}" if "refusal_ms" in summary else "-"
     return (f"| {summary['open_loop']['arrival_rate']:g} | {summary['requests']} | {summary['failed']} | "
-            f"{summary['refused']} | {ms('p50_ms')} | {ms('p95_ms')} | {under.get('requests_with_underrun', 'n/a')} | "
+            f"{summary['refused']} | {refusal} | {ms('p50_ms')} | {ms('p95_ms')} | {under.get('requests_with_underrun', 'n/a')} | "
             f"{under.get('stall_s', 0.0):.2f} | {summary['open_loop']['peak_in_flight']} |")
 
 
