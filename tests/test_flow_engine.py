@@ -172,6 +172,26 @@ def test_full_pool_refuses_a_stream_and_evicts_unused_voices(flow):
     assert stream.closed and engine.pool.free_pages == engine.pool.pages
 
 
+def test_fit_says_which_chunks_get_pages(flow):
+    """fit counts each chunk's new pages against the free ones, in order, dropping unused voices
+    first; a chunk it accepts then runs without a CapacityError."""
+    engine = _engine(flow, pages=5)
+    engine.open(*_voice(60, seed=1)).close()  # 2 pages kept for an unused voice
+    first, second = engine.open(*_voice(20, seed=2)), engine.open(*_voice(20, seed=3))
+    tokens = _tokens(160, seed=5)
+    # prompt 20 + 83 tokens - 3 look-ahead = 100 tokens complete: 200 frames, 4 pages each
+    assert engine.fit([(first, tokens[:, :83], False), (second, tokens[:, :83], False)]) == [True, False]
+    assert engine.cached_voices == 2  # the unused voice made room; the two in use stay
+    assert engine.fit([(first, tokens[:, :20], False), (second, tokens[:, :83], True)]) == [True, True]  # 0 pages
+    engine.run([(first, tokens[:, :83], False)])
+    assert engine.pool.free_pages == 1
+    assert engine.fit([(second, tokens[:, :33], False)]) == [False]  # 50 tokens: 100 frames, 2 pages
+    assert engine.fit([(second, tokens[:, :8], False)]) == [True]  # 25 tokens: 50 frames, the 1 free page
+    second.close()
+    first.close()
+    assert engine.pool.free_pages == engine.pool.pages
+
+
 def test_voices_are_keyed_by_content(flow):
     """Same prompt tokens, different clip: two voices (the reference keys speakers by transcript alone)."""
     engine = _engine(flow)

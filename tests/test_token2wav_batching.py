@@ -274,6 +274,22 @@ def test_incremental_stream_equals_rerun(parts, t2w):
     assert _rel(torch.cat(batched[0]), torch.cat(direct)) < WAVE_REL_ZERO_NOISE
 
 
+def test_streams_without_state_pages_finish_on_the_rerun_path(parts, t2w):
+    """A pool of 2 pages: two 110-token streams batched together outgrow it (4 pages each by their
+    third chunk); whoever cannot get pages leaves the engine and re-runs, with the same audio, and
+    every page comes back."""
+    page_bytes = _model(parts, Token2WavOptions(incremental_stream=True)).engine.page_bytes
+    small = _model(parts, Token2WavOptions(incremental_stream=True, state_pool_bytes=2 * page_bytes))
+    assert small.engine.pool.pages == 2
+    n = 110
+    direct = [torch.cat(_direct_stream(t2w, i, n, sine_noise=_zero_noise)) for i in range(2)]
+    batched = _batched_streams(small, [n, n], lambda i: {"sine_noise": _zero_noise})
+    for got, want in zip(batched, direct):
+        assert _rel(torch.cat(got), want) < WAVE_REL_ZERO_NOISE
+    assert small.counters.engine_fallbacks == 2
+    assert small.engine.open_streams == 0 and small.engine.pool.free_pages == small.engine.pool.pages
+
+
 @pytest.mark.parametrize("streaming, finalize", [(False, True), (True, False)])
 def test_padded_sampler_equals_eager(t2w, streaming, finalize):
     flow = t2w.flow

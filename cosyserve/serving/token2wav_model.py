@@ -72,6 +72,9 @@ class Token2WavModel:
                                                       "frames"),
             "cosyserve_token2wav_flow_padded_frames_total": ("mel frames computed by flow batches, padding included",
                                                              model.sampler.counters, "padded_frames"),
+            "cosyserve_token2wav_engine_fallbacks_total": ("streams that left the flow engine for the full re-run "
+                                                           "because its state pool was full", model.counters,
+                                                           "engine_fallbacks"),
         })
         self.execute_seconds = Metric("cosyserve_token2wav_execute_seconds_total",
                                       "wall time inside execute", config["name"], kind="counter")

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidInputError
+from ..errors import CapacityError, InvalidInputError
 from ..models.flow import CosyVoice2Flow, load_flow
 from ..models.hift import HiFTGenerator, draw_source_noise, load_hift
 from .flow_engine import EngineStream, FlowEngine
@@ -267,7 +267,10 @@ class CosyVoice2Token2Wav:
         engine_stream = None
         if self.engine is not None:
             with self._run_lock:  # a new voice's prompt runs through the flow
-                engine_stream = self.engine.open(prompt.tokens, prompt.feat, prompt.embedding)
+                try:
+                    engine_stream = self.engine.open(prompt.tokens, prompt.feat, prompt.embedding)
+                except CapacityError:  # no pages for a new voice's prompt state: this stream re-runs
+                    self.counters.engine_fallbacks += 1
         with self._lock:
             if request_id in self._streams:
                 if engine_stream is not None:
@@ -350,7 +353,16 @@ class CosyVoice2Token2Wav:
         groups: dict[tuple[bool, bool], list[int]] = {}
         incremental = [i for i, w in enumerate(work) if w.incremental]
         if incremental:
+            # Streams whose next state pages cannot be had leave the engine and re-run from here
+            # on (same output up to rounding, no state): under memory pressure the server slows
+            # those streams down rather than failing them.
             chunks = [(work[i].stream._engine_stream, work[i].tokens, work[i].finalize) for i in incremental]
+            for i, fits in zip(incremental, self.engine.fit(chunks)):
+                if not fits:
+                    work[i].stream._leave_engine()
+            incremental = [i for i in incremental if work[i].incremental]
+            chunks = [(work[i].stream._engine_stream, work[i].tokens, work[i].finalize) for i in incremental]
+        if incremental:
             for i, mel in zip(incremental, self.engine.run(chunks)):
                 mels[i] = mel
         for i, w in enumerate(work):
@@ -519,6 +531,12 @@ class Token2WavStream:
             self.close()
         return chunk
 
+    def _leave_engine(self) -> None:
+        """Go on without the flow engine (its state pages freed): every later chunk re-runs."""
+        self._engine_stream.close()
+        self._engine_stream = None
+        self.owner.counters.engine_fallbacks += 1
+
     def close(self) -> None:
         """Release the caches and leave the owner's registry (idempotent)."""
         self._prompt = None
@@ -545,6 +563,7 @@ class Token2WavCounters:
 
     flow_s: float = 0.0
     hift_s: float = 0.0
+    engine_fallbacks: int = 0  # streams that left the flow engine for the re-run (state pool full)
 
 
 class _StageClock:

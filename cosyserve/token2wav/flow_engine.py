@@ -451,6 +451,31 @@ class FlowEngine:
 
     # ----- chunks -----
 
+    def fit(self, chunks: list[tuple[EngineStream, torch.Tensor, bool]]) -> list[bool]:
+        """Whether each chunk's new state pages can be had, in order (unused voices are dropped
+        first when too few pages are free); chunks as for :meth:`run`. A chunk that does not fit
+        must not be run: its stream leaves the engine (:meth:`EngineStream.close` returns its pages)
+        and the caller voices it another way (the full re-run, which keeps no state)."""
+        cfg, page = self.flow.cfg, self.pool.page_frames
+        with self._lock:
+            needs = []
+            for stream, tokens, finalize in chunks:
+                if finalize or stream.closed:
+                    needs.append(0)  # a final chunk only reads its context; a closed one fails in run
+                    continue
+                valid = stream.voice.prompt_tokens.size(1) + tokens.size(1) - cfg.pre_lookahead_len
+                frame_commit = _floor_to(cfg.token_mel_ratio * _floor_to(valid, cfg.encoder.static_chunk_size), page)
+                needs.append(max(0, frame_commit - stream.context_frames) // page)
+            free = self.pool.free_pages
+            if sum(needs) > free:
+                self._trim_voices(0)
+                free = self.pool.free_pages
+            fits = []
+            for need in needs:
+                fits.append(need <= free)
+                free -= need if need <= free else 0
+            return fits
+
     def run(self, chunks: list[tuple[EngineStream, torch.Tensor, bool]]) -> list[torch.Tensor]:
         """Step several streams at once: per (stream, target tokens so far (1, n), finalize), the
         float32 mel (1, 80, f) of the frames not returned before.
