@@ -117,6 +117,9 @@ API_PORT=${API_PORT-8080}
 # The Triton gRPC servers the API spreads streams over (comma-separated host:port; a name is resolved to all
 # its addresses, e.g. a Kubernetes headless service): by default the one stage 3 starts. docs/api.md.
 API_TRITON_URLS=${API_TRITON_URLS:-127.0.0.1:$GRPC_PORT}
+# More streaming models the API serves, selected by a request's "model" (space-separated NAME=URLS), e.g. a
+# run_cosyvoice3.sh server: API_MODEL_URLS=cosyvoice3=127.0.0.1:18001 (docs/api.md).
+API_MODEL_URLS=${API_MODEL_URLS:-}
 API_LOG=${API_LOG:-$repo_root/outputs/api.log}
 API_PID_FILE=${API_PID_FILE:-$repo_root/outputs/api.pid}
 # Stage 7 (disaggregated): the GPU of our LLM server (cpu: none; ignored when LLM_URL names a server of
@@ -198,6 +201,11 @@ build_repository() {
     --token2wav-hift-dtype "$TOKEN2WAV_HIFT_DTYPE" \
     --token2wav-mps-thread-percentage "$TOKEN2WAV_MPS_THREAD_PERCENTAGE" --token2wav-mps-priority "$TOKEN2WAV_MPS_PRIORITY" \
     --llm-mps-thread-percentage "$LLM_MPS_THREAD_PERCENTAGE" --llm-mps-priority "$LLM_MPS_PRIORITY"
+}
+
+api_model_urls() {  # API_MODEL_URLS as --model-url flags
+  local entry
+  for entry in $API_MODEL_URLS; do echo "--model-url $entry"; done
 }
 
 # stage 7 servers: one line "<index> <gpu or cpu> <http> <grpc> <metrics>" each
@@ -306,9 +314,10 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
     "${watch_stubs[@]}" -- "${model_control[@]}"
   log "Triton is ready. Stop it with: bash run.sh stop"
   if [ -n "$API_PORT" ]; then
+    # shellcheck disable=SC2046
     "$PY" -m cosyserve.api.service start --pid-file "$API_PID_FILE" --log "$API_LOG" -- --port "$API_PORT" \
       --triton-url "$API_TRITON_URLS" --model-dir "$MODELS_DIR/CosyVoice2-0.5B" \
-      --tokenizer-dir "$MODELS_DIR/cosyvoice2_llm" || die "the API did not start (log: $API_LOG)"
+      --tokenizer-dir "$MODELS_DIR/cosyvoice2_llm" $(api_model_urls) || die "the API did not start (log: $API_LOG)"
     log "OpenAI-compatible API on http://127.0.0.1:$API_PORT (playground at /, log: $API_LOG)"
   fi
 fi
@@ -378,9 +387,10 @@ if [ "$stage" -le 7 ] && [ "$stop_stage" -ge 7 ]; then
   log "all ${#pids[@]} Triton servers are ready"
   if [ -n "$API_PORT" ]; then
     urls=$(IFS=,; echo "${grpc_urls[*]}")
+    # shellcheck disable=SC2046
     "$PY" -m cosyserve.api.service start --pid-file "$API_PID_FILE" --log "$API_LOG" -- --port "$API_PORT" \
       --triton-url "$urls" --model-dir "$MODELS_DIR/CosyVoice2-0.5B" \
-      --tokenizer-dir "$MODELS_DIR/cosyvoice2_llm" || die "the API did not start (log: $API_LOG)"
+      --tokenizer-dir "$MODELS_DIR/cosyvoice2_llm" $(api_model_urls) || die "the API did not start (log: $API_LOG)"
     log "OpenAI-compatible API on http://127.0.0.1:$API_PORT over $urls (log: $API_LOG)"
   fi
   log "Stop everything with: bash run.sh stop"

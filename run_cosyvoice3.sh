@@ -35,6 +35,9 @@ BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-10}      # the reference's
 BLS_MAX_QUEUE_SIZE=${BLS_MAX_QUEUE_SIZE:-0}   # 0: no limit
 BLS_MAX_QUEUE_MS=${BLS_MAX_QUEUE_MS:-0}       # ms a request may wait for an instance; 0: no limit
 BLS_WARM_UP=${BLS_WARM_UP:-true}              # load the BLS's text front-end at start
+# Voices uploaded through the HTTP API (empty: <model dir>/voices). Give a CosyVoice2 deployment's
+# (its CosyVoice2-0.5B/voices) so that one API serves a voice with both models (docs/api.md).
+VOICES_DIR=${VOICES_DIR:-}
 # Speech tokens per request at most: 750 (30 s) as the reference; random weights rarely stop, so
 # the tiny bundle stops at 200 (8 s) to keep CPU runs short.
 MAX_TOKENS=${MAX_TOKENS:-$([ "$MODEL_SOURCE" = tiny ] && echo 200 || echo 750)}
@@ -97,7 +100,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
     --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --bls-warm-up "$BLS_WARM_UP" --max-tokens "$MAX_TOKENS" \
     --min-tokens "$MIN_TOKENS" --max-batch-size "$TRITON_MAX_BATCH_SIZE" \
-    --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --token2wav-dtype "$TOKEN2WAV_DTYPE" > /dev/null \
+    --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --token2wav-dtype "$TOKEN2WAV_DTYPE" --voices-dir "$VOICES_DIR" > /dev/null \
     || die "Stage 2: could not build the model repository"
 fi
 

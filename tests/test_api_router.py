@@ -72,11 +72,14 @@ def speech(api, text: str = TEXT, **kwargs) -> httpx.Response:
 
 
 def api_metric(api, name: str, **labels: str) -> float:
+    """The sample of ``name`` whose labels include ``labels`` (0 when there is none yet)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     page = httpx.get(f"{api.url}/metrics", timeout=10).text
-    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in page.splitlines():
-        if line.startswith(f"{name}{{{wanted}}} ") or (not labels and line.startswith(f"{name} ")):
-            return float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return sample.value
     return 0.0
 
 

@@ -235,3 +235,17 @@ def test_bench_api_splits_failures_at_a_fault_by_arrival():
     assert (split["arrived_before"], split["failed_before"], split["arrived_after"], split["failed_after"]) == (2, 1, 2, 1)
     assert split["errors_before"] == ["502 server_error: stream ended"]
     assert split["errors_after"] == ["503 unavailable: no server"]
+
+
+def test_the_request_model_selects_a_served_model_or_the_default():
+    from cosyserve.api.app import model_for
+    from cosyserve.api.errors import APIError
+
+    served = ["cosyvoice2", "cosyvoice3"]
+    assert model_for("cosyvoice3", served, "cosyvoice2") == "cosyvoice3"
+    assert model_for("cosyvoice2", served, "cosyvoice2") == "cosyvoice2"
+    for openai_name in ("tts-1", "tts-1-hd", "gpt-4o-mini-tts"):  # clients hard-code these
+        assert model_for(openai_name, served, "cosyvoice2") == "cosyvoice2"
+    with pytest.raises(APIError, match="not served here; served: cosyvoice2") as raised:
+        model_for("CosyVoice3", ["cosyvoice2"], "cosyvoice2")
+    assert raised.value.status == 404

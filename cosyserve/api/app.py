@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP API (FastAPI) in front of Triton's streaming ``cosyvoice2`` model.
+"""The OpenAI-compatible HTTP API (FastAPI) in front of Triton's streaming ``cosyvoice2`` model
+(and optionally more streaming models, e.g. ``cosyvoice3``, each on servers of its own, chosen by
+the request's ``model``: :func:`model_for`).
 
 Endpoints (docs/api.md): ``POST /v1/audio/speech``, ``POST/GET /v1/audio/voices``,
 ``GET/DELETE /v1/audio/voices/{id}``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``
@@ -17,7 +19,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator, Literal, Sequence
 
 from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
@@ -50,6 +52,8 @@ class Settings:
     tokenizer_dir: Path  # the LLM's tokenizer: input tokens of the usage report
     voices_dir: Path | None = None  # default <model_dir>/voices, where the BLS looks too
     model: str = "cosyvoice2"  # the streaming Triton model
+    # more streaming models: name -> their Triton servers (as triton_url); no built-in voices
+    extra_models: dict[str, str] = field(default_factory=dict)
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
     max_input_chars: int = MAX_TEXT_CHARS  # what one BLS request takes (split into segments there)
     max_upload_bytes: int = MAX_UPLOAD_BYTES
@@ -147,33 +151,51 @@ class CountRequests:
 
 
 class RouterCollector:
-    """The router's view of each Triton server, read at scrape time (prometheus_client collector)."""
+    """The routers' view of each Triton server (per model), read at scrape time (prometheus_client collector)."""
 
-    def __init__(self, router: TritonRouter):
-        self.router = router
+    def __init__(self, routers: dict[str, TritonRouter]):
+        self.routers = routers
 
     def collect(self):
-        status = self.router.status()
-        streams = GaugeMetricFamily("cosyserve_api_triton_streams", "Open streams per Triton server", labels=["server"])
+        labels = ["server", "model"]
+        streams = GaugeMetricFamily("cosyserve_api_triton_streams", "Open streams per Triton server", labels=labels)
         ready = GaugeMetricFamily("cosyserve_api_triton_ready", "1 if the Triton server's last check or stream "
-                                  "succeeded, 0 if it was unreachable or not ready", labels=["server"])
+                                  "succeeded, 0 if it was unreachable or not ready", labels=labels)
         served = CounterMetricFamily("cosyserve_api_triton_streams_served", "Streams that delivered audio, per server",
-                                     labels=["server"])
+                                     labels=labels)
         moved = CounterMetricFamily("cosyserve_api_triton_failovers", "Requests a server refused (overloaded) or "
-                                    "could not take (unavailable) that went to another server", labels=["server", "reason"])
-        for server in status:
-            streams.add_metric([server["url"]], server["streams"])
-            if server["ready"] is not None:
-                ready.add_metric([server["url"]], float(server["ready"]))
-            served.add_metric([server["url"]], server["served"])
-            for reason, count in server["failovers"].items():
-                moved.add_metric([server["url"], reason], count)
+                                    "could not take (unavailable) that went to another server",
+                                    labels=[*labels, "reason"])
+        for model, router in self.routers.items():
+            for server in router.status():
+                key = [server["url"], model]
+                streams.add_metric(key, server["streams"])
+                if server["ready"] is not None:
+                    ready.add_metric(key, float(server["ready"]))
+                served.add_metric(key, server["served"])
+                for reason, count in server["failovers"].items():
+                    moved.add_metric([*key, reason], count)
         yield from (streams, ready, served, moved)
+
+
+def model_for(requested: str, served: Sequence[str], default: str) -> str:
+    """The Triton model a request's ``model`` selects: a served one by name; another CosyVoice
+    model name is an error (404); anything else (OpenAI's ``tts-1``, ``gpt-4o-mini-tts``...)
+    means the default model, as clients hard-code those names."""
+    if requested in served:
+        return requested
+    if requested.lower().startswith("cosyvoice"):
+        raise APIError(404, f"model {requested!r} is not served here; served: {', '.join(served)}",
+                       param="model", code="model_not_found")
+    return default
 
 
 def create_app(settings: Settings) -> FastAPI:
     store = VoiceStore(settings.voices_dir or settings.model_dir / VOICES_DIR)
-    catalog = VoiceCatalog(settings.model_dir / SPK2INFO, store)
+    spk2info = settings.model_dir / SPK2INFO
+    catalog = VoiceCatalog(spk2info if spk2info.exists() else None, store)  # CosyVoice3 ships none
+    catalogs = {settings.model: catalog, **{name: VoiceCatalog(None, store) for name in settings.extra_models}}
+    served = list(catalogs)
     metrics = Metrics()
     state: dict = {}
 
@@ -181,10 +203,12 @@ def create_app(settings: Settings) -> FastAPI:
         from transformers import AutoTokenizer
 
         state["tokenizer"] = AutoTokenizer.from_pretrained(str(settings.tokenizer_dir))
-        router = state["triton"] = TritonRouter(settings.triton_url, settings.model)
-        metrics.registry.register(RouterCollector(router))
+        routers = state["routers"] = {settings.model: TritonRouter(settings.triton_url, settings.model), **{
+            name: TritonRouter(urls, name) for name, urls in settings.extra_models.items()}}
+        metrics.registry.register(RouterCollector(routers))
         yield
-        await state["triton"].close()
+        for router in routers.values():
+            await router.close()
 
     app = FastAPI(title="cosyserve speech API", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     install_handlers(app)
@@ -209,9 +233,14 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        router: TritonRouter = state["triton"]
-        if await router.ready():
-            return JSONResponse({"status": "ok", "model": settings.model, "servers": router.status()})
+        """Ready while the default model is (an extra model's servers being down must not take the
+        API out of a load balancer); every model's servers are listed."""
+        routers: dict[str, TritonRouter] = state["routers"]
+        if await routers[settings.model].ready():
+            others = {name: {"ready": await router.ready(), "servers": router.status()}
+                      for name, router in routers.items() if name != settings.model}
+            return JSONResponse({"status": "ok", "model": settings.model, "servers": routers[settings.model].status(),
+                                 **({"models": others} if others else {})})
         raise APIError(503, f"Triton model {settings.model!r} at {settings.triton_url} is not ready",
                        code="triton_unavailable", retry_after_s=RETRY_AFTER_S)
 
@@ -221,14 +250,15 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0,
-                                            "owned_by": "cosyserve"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "cosyserve"}
+                                           for name in served]}
 
     @app.post("/v1/audio/speech", dependencies=v1)
     async def speech(body: SpeechRequest) -> StreamingResponse:
         started = time.monotonic()
-        synthesis = _synthesis(body, catalog, settings.max_input_chars)
-        chunks = state["triton"].stream(synthesis)
+        model = model_for(body.model, served, settings.model)
+        synthesis = _synthesis(body, catalogs[model], settings.max_input_chars)
+        chunks = state["routers"][model].stream(synthesis)
         try:
             first = await anext(chunks)
         except StopAsyncIteration:

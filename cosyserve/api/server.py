@@ -21,6 +21,17 @@ def api_keys(env_value: str, key_file: str | None) -> frozenset[str]:
     return frozenset(keys)
 
 
+def model_url(text: str) -> tuple[str, str]:
+    name, sep, urls = text.partition("=")
+    if not sep or not name.strip() or not urls.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=HOST:PORT[,HOST:PORT...], got {text!r}")
+    try:
+        split_urls(urls)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name.strip(), urls.strip()
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cosyserve.api", description=__doc__)
     parser.add_argument("--host", default="0.0.0.0")
@@ -29,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
                         help="Triton's gRPC address host:port, or several comma-separated (also TRITON_URLS): streams "
                              "are spread over them, each name resolved to all its addresses (cosyserve/api/router.py)")
     parser.add_argument("--model", default="cosyvoice2", help="the streaming (decoupled) Triton model")
+    parser.add_argument("--model-url", action="append", default=[], metavar="NAME=URLS", type=model_url,
+                        help="one more streaming Triton model that requests select with 'model': its name and its "
+                             "servers (as --triton-url), e.g. cosyvoice3=127.0.0.1:18001; repeatable")
     parser.add_argument("--model-dir", required=True, type=Path,
                         help="the CosyVoice2 directory the BLS serves (spk2info.pt, voices/)")
     parser.add_argument("--tokenizer-dir", required=True, type=Path, help="the LLM tokenizer (usage counts)")
@@ -50,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         cli.error(str(exc))
     settings = Settings(triton_url=args.triton_url, model_dir=args.model_dir, tokenizer_dir=args.tokenizer_dir,
-                        voices_dir=args.voices_dir, model=args.model,
+                        voices_dir=args.voices_dir, model=args.model, extra_models=dict(args.model_url),
                         api_keys=api_keys(os.environ.get("API_KEYS", ""), args.api_key_file),
                         max_input_chars=args.max_input_chars, max_upload_bytes=args.max_upload_bytes)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")

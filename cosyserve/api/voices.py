@@ -57,16 +57,22 @@ def stored_voice_object(voice: StoredVoice) -> dict:
 
 
 class VoiceCatalog:
-    def __init__(self, spk2info: Path, store: VoiceStore):
-        self.builtin = SpeakerRegistry.load(spk2info).ids()
+    """``spk2info`` None: a model without built-in voices (CosyVoice3): only stored voices, and
+    OpenAI's voice names have no default speaker to stand for."""
+
+    def __init__(self, spk2info: Path | None, store: VoiceStore):
+        self.builtin = SpeakerRegistry.load(spk2info).ids() if spk2info is not None else []
         self.store = store
 
     def speaker_id(self, voice: str) -> str:
         """The BLS's ``speaker_id`` for a request's voice; raises UnknownVoiceError."""
-        if voice in OPENAI_VOICE_NAMES:
+        if voice in OPENAI_VOICE_NAMES and self.builtin:
             return DEFAULT_SPEAKER
         if voice in self.builtin or voice in self.store:
             return voice
+        if not self.builtin:
+            raise UnknownVoiceError(f"unknown voice {voice!r}: this model has no built-in voices; use one created "
+                                    "with POST /v1/audio/voices")
         raise UnknownVoiceError(
             f"unknown voice {voice!r}: use a built-in voice ({', '.join(self.builtin[:5])}...), one created with "
             "POST /v1/audio/voices, or an OpenAI voice name (the default speaker)")

@@ -6,11 +6,13 @@ hidden temporary directory, fsynced, then renamed into place)::
     <root>/<voice id>/
         voice.json    {"id", "name", "created_at", "transcript"}  (transcript null = cross-lingual)
         audio.wav     the validated reference clip, mono float32 at 16 kHz
-        features.pt   its prompt features, written by the first server process that needs them
+        features.pt   its prompt features for CosyVoice2, written by the first server process that
+                      needs them (features.cosyvoice3.pt for CosyVoice3: a voice serves both models,
+                      each with features of its own front-end)
 
 The API process writes voice.json and audio.wav; the Triton BLS reads them by voice id and
 computes the features (speech tokens, mel, speaker embedding) once, then every instance reads
-``features.pt``. Deleting renames the directory away first, so a voice disappears at once.
+them. Deleting renames the directory away first, so a voice disappears at once.
 Ids are made here (``voice_`` + 32 hex digits) and every id given from outside is checked
 against that form before it touches a path.
 """
@@ -36,6 +38,7 @@ from ..errors import InvalidInputError
 from .prompt import PromptFeatures
 
 VOICES_DIR = "voices"  # the store's default place, in the CosyVoice2 model directory next to spk2info.pt
+FEATURES_FILE = "features.pt"  # CosyVoice2's; CosyVoice3's BLS passes its own name
 VOICE_ID = re.compile(r"voice_[0-9a-f]{32}")
 MAX_NAME_CHARS = 200
 
@@ -73,8 +76,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 class VoiceStore:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, features_file: str = FEATURES_FILE):
         self.root = Path(root)
+        self.features_file = features_file
 
     def _dir(self, voice_id: str) -> Path:
         if not isinstance(voice_id, str) or not is_voice_id(voice_id):
@@ -145,14 +149,14 @@ class VoiceStore:
     def load_features(self, voice_id: str) -> PromptFeatures | None:
         """The voice's features if a server process has computed them, else None."""
         try:
-            saved = torch.load(self._dir(voice_id) / "features.pt", map_location="cpu", weights_only=True)
+            saved = torch.load(self._dir(voice_id) / self.features_file, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             return None
         return PromptFeatures(speech_tokens=saved["speech_tokens"], speech_feat=saved["speech_feat"],
                               embedding=saved["embedding"])
 
     def save_features(self, voice_id: str, features: PromptFeatures) -> None:
-        """Write ``features.pt`` atomically; raises UnknownVoiceError when the voice was deleted meanwhile."""
+        """Write the features file atomically; raises UnknownVoiceError when the voice was deleted meanwhile."""
         directory = self._dir(voice_id)
         saved = {"speech_tokens": features.speech_tokens, "speech_feat": features.speech_feat,
                  "embedding": features.embedding}
@@ -166,7 +170,7 @@ class VoiceStore:
                 file.flush()
                 os.fsync(file.fileno())
             os.chmod(tmp_name, 0o644)
-            os.replace(tmp_name, directory / "features.pt")
+            os.replace(tmp_name, directory / self.features_file)
         except FileNotFoundError:
             Path(tmp_name).unlink(missing_ok=True)
             raise UnknownVoiceError(f"unknown voice {voice_id!r}: deleted while in use") from None

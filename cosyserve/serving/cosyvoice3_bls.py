@@ -10,7 +10,9 @@ per chunk, then an empty final one (or the error with the final flag).
 A voice is the content of the request: its prompt features are computed from the clip (kept for
 the last ``clip_cache_size`` distinct clips by the front-end models and the resolver, keyed by
 the samples) and its transcript is the request's. The reference keys its speaker cache by the
-transcript alone, so two voices with one transcript collide there; not here.
+transcript alone, so two voices with one transcript collide there; not here. Or ``speaker_id``
+names a voice uploaded through the HTTP API (``voices_dir``, shared with a CosyVoice2 server: the
+clip is one, the features are CosyVoice3's own, in ``features.cosyvoice3.pt``).
 
 Back ends, all BLS requests (the orchestration is :class:`~cosyserve.pipeline.tts.TTSPipeline`
 with the CosyVoice3 prompt layout):
@@ -31,6 +33,7 @@ import numpy as np
 
 from ..frontend.prompt import COSYVOICE3_MEL_FMAX
 from ..frontend.speakers import SpeakerRegistry
+from ..frontend.voice_store import VOICES_DIR, VoiceStore
 from ..llm.prompt import COSYVOICE3
 from ..llm.sampling import REFERENCE_SAMPLING
 from ..llm.trtllm.request import TritonLLMInputs
@@ -40,6 +43,7 @@ from .bls_base import RemoteSpeechTokenizer, call_model
 from .settings import BlsSettings
 
 TOKEN2WAV = "token2wav"
+FEATURES_FILE = "features.cosyvoice3.pt"  # a stored voice's CosyVoice3 features (CosyVoice2's: features.pt)
 
 
 class TritonCv3Token2Wav:
@@ -70,7 +74,7 @@ class TritonCv3Token2Wav:
 class CosyVoice3BLS(CosyVoice2BLS):
     """CosyVoice2's BLS (requests, speaker encoder, LLM response bookkeeping) with CosyVoice3's back
     ends: speech tokens from the Triton ``llm`` model in the CosyVoice3 layout, audio from CosyVoice3's
-    ``token2wav`` model, voices only from the request."""
+    ``token2wav`` model, voices from the request or the voice store (no registered speakers)."""
 
     def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry) -> TritonSpeechTokens:
         # the reference's sampling for CosyVoice3 (trtllm-serve): as CosyVoice2's, without a seed
@@ -83,7 +87,10 @@ class CosyVoice3BLS(CosyVoice2BLS):
 
     def voice_resolver(self, registry: SpeakerRegistry, settings: BlsSettings) -> VoiceResolver:
         return VoiceResolver(registry, RemoteSpeechTokenizer(token_offset=0), self.speaker_encoder(),
-                             default_speaker=None, mel_fmax=COSYVOICE3_MEL_FMAX)
+                             default_speaker=None, mel_fmax=COSYVOICE3_MEL_FMAX, store=self.voice_store(settings))
+
+    def voice_store(self, settings: BlsSettings) -> VoiceStore:
+        return VoiceStore(settings.voices_dir or settings.model_dir / VOICES_DIR, features_file=FEATURES_FILE)
 
     def build_pipeline(self, tokenizer, settings: BlsSettings) -> TTSPipeline:
         pipeline = TTSPipeline(tokenizer, self.llm, TritonCv3Token2Wav(), strategy=settings.streaming_strategy,

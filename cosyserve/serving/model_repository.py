@@ -276,6 +276,7 @@ class CosyVoice3Repository:
     max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
     token2wav_dtype: str = Cv3Token2WavSettings.dtype          # TOKEN2WAV_DTYPE
+    voices_dir: str = ""                                       # VOICES_DIR (empty: <model dir>/voices)
 
     def models(self) -> dict[str, ModelEntry]:
         model_dir, llm_dir = f"{self.models_dir}/{COSYVOICE3_DIR}", f"{self.models_dir}/{COSYVOICE3_LLM_DIR}"
@@ -287,7 +288,7 @@ class CosyVoice3Repository:
                 "llm_tokenizer_dir": llm_dir, "llm_model_name": "llm", "streaming_strategy": self.streaming_strategy,
                 "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
                 "bls_warm_up": self.bls_warm_up, "bls_instance_num": str(self.bls_instances),
-                "decoupled_mode": str(self.decoupled),
+                "decoupled_mode": str(self.decoupled), "voices_dir": self.voices_dir,
                 **_queue_policy(self.bls_max_queue_size, self.bls_instances, self.bls_max_queue_ms)}),
             # no model_dir: CosyVoice3 has no registered voices whose prefixes the engine could cache
             "llm": ModelEntry("llm", {**common, "model_dir": "", "llm_dir": llm_dir, "llm_engine": self.llm_engine}),
