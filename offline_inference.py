@@ -13,7 +13,12 @@
     python offline_inference.py --model-dir models --manifest-path data.txt --output-dir out \\
         --fixed-tokens-per-second 25 --fixed-output-seconds 4 10 --warmup 2
 
-``--model-dir`` is the bundle root holding CosyVoice2-0.5B/ and cosyvoice2_llm/. LLM back ends:
+    # CosyVoice3 (Fun-CosyVoice3-0.5B-2512/ and cosyvoice3_llm/ in --model-dir)
+    python offline_inference.py --model cosyvoice3 --model-dir models --manifest-path data.txt --output-dir out
+
+``--model-dir`` is the bundle root holding CosyVoice2-0.5B/ and cosyvoice2_llm/ (``--model cosyvoice3``:
+Fun-CosyVoice3-0.5B-2512/ and cosyvoice3_llm/; torch or hf LLM, no registered voices, the DiT flow in
+float32 unless ``--dtype`` says otherwise, one utterance at a time). LLM back ends:
 torch (this package's engine), hf (transformers reference), trtllm (needs tensorrt_llm and
 ``--trtllm-engine-dir``), openai (an OpenAI-compatible server at ``--openai-base-url``); vllm is
 not supported yet (the message says why). Report: front-end / LLM / token2wav / total time,
@@ -32,14 +37,16 @@ import torch
 from cosyserve import data
 from cosyserve.errors import CosyServeError, InvalidInputError
 from cosyserve.data import FixedLength
-from cosyserve.pipeline.offline import (BACKENDS, DTYPES, OfflineConfig, OfflineTTS, Timers, build_report,
+from cosyserve.pipeline.offline import (BACKENDS, DTYPES, MODELS, OfflineConfig, OfflineTTS, Timers, build_report,
                                         format_report_md, synthesize_items, write_reports)
 from cosyserve.token2wav.cosyvoice2 import DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", type=Path, required=True, help="bundle root: CosyVoice2-0.5B/ and cosyvoice2_llm/")
+    p.add_argument("--model", choices=MODELS, default="cosyvoice2", help="the model kind")
+    p.add_argument("--model-dir", type=Path, required=True,
+                   help="bundle root: CosyVoice2-0.5B/ and cosyvoice2_llm/ (or CosyVoice3's two directories)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--manifest-path", type=Path, help="lines utt|prompt_text|prompt_wav|target_text")
     source.add_argument("--huggingface-dataset", help="e.g. yuekai/seed_tts_cosy2 (needs the `datasets` package)")
@@ -89,7 +96,7 @@ def config_from_args(args) -> OfflineConfig:
         llm_options["engine_dir"] = args.trtllm_engine_dir
     if args.backend == "openai" and args.openai_base_url:
         llm_options["base_url"] = args.openai_base_url
-    return OfflineConfig(backend=args.backend, device=args.device, dtype=args.dtype, llm_dtype=args.llm_dtype,
+    return OfflineConfig(model=args.model, backend=args.backend, device=args.device, dtype=args.dtype, llm_dtype=args.llm_dtype,
                          batch_size=args.batch_size, token2wav_batch_size=args.token2wav_batch_size,
                          token2wav_options=Token2WavOptions(
                              cuda_graphs=args.cuda_graphs, compile=args.compile_flow,

@@ -11,9 +11,9 @@
 #      speaker_embedding) from model_repo/ templates
 #   3  launch Triton (returns when the server is ready; stop it with: bash run_cosyvoice3.sh stop)
 #   4  gRPC benchmark (client_grpc.py --model-name cosyvoice3, NVIDIA's client flags)
+#   5  offline benchmark (offline_inference.py --model cosyvoice3; no server needed)
 #
-# The reference's stage 5 (offline benchmark) is not here: offline_inference.py does not take the
-# CosyVoice3 model kind yet. Every setting below can be overridden from the environment, e.g.
+# Every setting below can be overridden from the environment, e.g.
 #   MODEL_SOURCE=tiny bash run_cosyvoice3.sh -1 3 && bash run_cosyvoice3.sh 4
 set -euo pipefail
 
@@ -121,4 +121,13 @@ if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
   "$PY" "$repo_root/client_grpc.py" --server-addr localhost --server-port "$GRPC_PORT" \
     --model-name cosyvoice3 --num-tasks "$NUM_TASKS" --mode "$mode" $(data_args "$manifest") \
     --log-dir "$OUT_DIR/log_cosyvoice3_concurrent_tasks_${NUM_TASKS}_${mode}"
+fi
+
+if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
+  manifest=$OUT_DIR/cosyvoice3_manifest.txt
+  log "Stage 5: offline benchmark (offline_inference.py --model cosyvoice3)"
+  [ -n "$MANIFEST$DATASET" ] || write_prompt_manifest "$manifest"
+  # shellcheck disable=SC2046
+  "$PY" "$repo_root/offline_inference.py" --model cosyvoice3 --model-dir "$MODELS_DIR" --backend "$LLM_ENGINE" \
+    $(data_args "$manifest") --output-dir "$OUT_DIR/offline_inference_cosyvoice3"
 fi

@@ -145,3 +145,24 @@ def test_missing_model_dir(manifest, tmp_path, capsys):
     assert offline_inference.main(["--model-dir", str(tmp_path / "nothing"), "--manifest-path", str(manifest),
                                    "--output-dir", str(tmp_path / "out"), "--device", "cpu"]) == 2
     assert "CosyVoice2-0.5B" in capsys.readouterr().err
+
+
+def test_cosyvoice3_model_kind(tmp_path_factory, manifest, tmp_path):
+    """--model cosyvoice3 on CosyVoice3's tiny bundle: its prompt layout, v3 tokenizer and DiT
+    token2wav; 960 samples per generated token, as for CosyVoice2."""
+    from cosyserve.bundle import make_bundle
+
+    models = make_bundle(tmp_path_factory.mktemp("cv3_offline"), "tiny", parts=("cosyvoice3", "cosyvoice3_llm"))
+    out = tmp_path / "out"
+    assert offline_inference.main(["--model", "cosyvoice3", "--model-dir", str(models), "--manifest-path",
+                                   str(manifest), "--output-dir", str(out), "--device", "cpu", "--no-progress",
+                                   "--fixed-output-seconds", "0.4", "--max-items", "2"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["model"] == "cosyvoice3" and report["items"] == 2
+    for item in report["per_item"]:
+        assert item["speech_tokens"] == 10
+        audio = _read_wav(out / item["wav"])
+        assert audio.size == 10 * 960 and np.abs(audio).max() > 0
+    # CosyVoice2's bundle does not hold CosyVoice3's directories, and CosyVoice3 has no registered voices
+    assert offline_inference.main(["--model", "cosyvoice3", "--model-dir", str(manifest.parent), "--manifest-path",
+                                   str(manifest), "--output-dir", str(out), "--device", "cpu"]) == 2

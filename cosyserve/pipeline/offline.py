@@ -1,5 +1,9 @@
 """Offline batch TTS (``offline_inference.py``): a dataset in, wavs and a timing report out.
 
+Two model kinds (``OfflineConfig.model``): CosyVoice2 (``CosyVoice2-0.5B/`` + ``cosyvoice2_llm/``) and
+CosyVoice3 (``Fun-CosyVoice3-0.5B-2512/`` + ``cosyvoice3_llm/``: its prompt layout, v3 speech
+tokenizer, no registered voices, and the DiT token2wav one utterance at a time).
+
 Per batch of ``batch_size`` utterances: the voices are resolved (speech tokenizer + speaker
 encoder on each prompt, or one registered speaker for all), the LLM generates every utterance's
 speech tokens with all requests in flight together (the torch engine batches them; other back
@@ -42,16 +46,20 @@ from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.backends import create_backend
 from ..llm.base import BackendUnavailableError
-from ..llm.prompt import MAX_SPEECH_TOKENS, register_voice_prefixes
+from ..frontend.prompt import COSYVOICE3_MEL_FMAX
+from ..llm.prompt import COSYVOICE2, COSYVOICE3, MAX_SPEECH_TOKENS, register_voice_prefixes
 from ..llm.sampling import REFERENCE_SAMPLING
-from ..runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO, resolve_device
+from ..runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, SPK2INFO, resolve_device
 from ..schedule import TOKEN_RATE
 from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, default_flow_dtype, load_token2wav
+from ..token2wav.cosyvoice3 import load_cosyvoice3_token2wav
 from ..token2wav.sessions import LocalToken2Wav
 from .local import LocalSpeechTokens
 from .tts import DEFAULT_SPEAKER, SegmentPrompt, TokenLimits, TTSPipeline, TTSRequest, Voice, VoiceResolver
 
 BACKENDS = ("torch", "hf", "trtllm", "vllm", "openai")
+MODELS = ("cosyvoice2", "cosyvoice3")
+SAMPLE_RATE = 24000  # both models' output
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 VLLM_UNSUPPORTED = (
     "the vllm backend is not supported yet: vLLM's Qwen2 loader drops the CosyVoice2 LLM's lm_head bias "
@@ -84,6 +92,7 @@ def estimate_seconds(voice: Voice, target_text: str) -> float:
 
 @dataclass
 class OfflineConfig:
+    model: str = "cosyvoice2"  # or cosyvoice3 (MODELS)
     backend: str = "torch"
     device: str = "auto"
     dtype: str | None = None  # flow dtype; default float16 on CUDA (as deployed), float32 on CPU
@@ -97,8 +106,12 @@ class OfflineConfig:
     llm_options: dict = field(default_factory=dict)  # e.g. engine_dir (trtllm), base_url (openai)
 
     def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise InvalidInputError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         if self.backend not in BACKENDS:
             raise InvalidInputError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.model == "cosyvoice3" and self.backend not in ("torch", "hf"):
+            raise InvalidInputError(f"the {self.backend} backend does not serve CosyVoice3 here; use torch or hf")
         for name in ("batch_size", "token2wav_batch_size"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -141,26 +154,42 @@ class OfflineTTS:
         from transformers import AutoTokenizer
 
         self.config = config
+        self.cosyvoice3 = config.model == "cosyvoice3"
         models_dir = Path(models_dir)
-        model_dir, llm_dir = models_dir / COSYVOICE2_DIR, models_dir / LLM_DIR
+        model_dir, llm_dir = ((models_dir / COSYVOICE3_DIR, models_dir / COSYVOICE3_LLM_DIR) if self.cosyvoice3
+                              else (models_dir / COSYVOICE2_DIR, models_dir / LLM_DIR))
         for path in (model_dir, llm_dir):
             if not path.is_dir():
-                raise InvalidInputError(f"{path} does not exist: --model-dir must hold {COSYVOICE2_DIR}/ and {LLM_DIR}/")
+                raise InvalidInputError(f"{path} does not exist: --model-dir must hold {model_dir.name}/ and "
+                                        f"{llm_dir.name}/ for --model {config.model}")
         self.device = resolve_device(config.device)
         flow_dtype = DTYPES[config.dtype] if config.dtype else default_flow_dtype(self.device)
         self.text_tokenizer = AutoTokenizer.from_pretrained(llm_dir)
-        registry = SpeakerRegistry.load(model_dir / SPK2INFO)
         providers = None if self.device.type == "cuda" else ["CPUExecutionProvider"]
-        self.voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", providers),
-                                    SpeakerEncoder(model_dir / "campplus.onnx"), default_speaker=DEFAULT_SPEAKER)
-        self.token2wav = load_token2wav(model_dir, self.device, flow_dtype, config.token2wav_options)
+        speaker_encoder = SpeakerEncoder(model_dir / "campplus.onnx")
+        if self.cosyvoice3:  # no registered voices; the DiT in float32 unless asked (plain fp16 gives NaNs upstream)
+            registry = SpeakerRegistry()
+            self.voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v3.onnx", providers),
+                                        speaker_encoder, default_speaker=None, mel_fmax=COSYVOICE3_MEL_FMAX)
+            self.token2wav = load_cosyvoice3_token2wav(model_dir, self.device,
+                                                       DTYPES[config.dtype] if config.dtype else torch.float32)
+            sampling, layout = dataclasses.replace(REFERENCE_SAMPLING, seed=None), COSYVOICE3  # as the cosyvoice3 BLS
+        else:
+            registry = SpeakerRegistry.load(model_dir / SPK2INFO)
+            self.voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", providers),
+                                        speaker_encoder, default_speaker=DEFAULT_SPEAKER)
+            self.token2wav = load_token2wav(model_dir, self.device, flow_dtype, config.token2wav_options)
+            sampling, layout = REFERENCE_SAMPLING, COSYVOICE2
         self.llm_backend = create_llm(config.backend, llm_dir, self.device, config.llm_dtype, **config.llm_options)
         register_voice_prefixes(self.llm_backend, self.text_tokenizer, registry)
-        self.llm = LocalSpeechTokens(self.llm_backend, REFERENCE_SAMPLING)
-        self.pipeline = TTSPipeline(self.text_tokenizer, self.llm, LocalToken2Wav(self.token2wav))
+        self.llm = LocalSpeechTokens(self.llm_backend, sampling)
+        # CosyVoice3's token2wav is the pipeline's Token2Wav itself; CosyVoice2's is wrapped in sessions
+        self.pipeline = TTSPipeline(self.text_tokenizer, self.llm, self.token2wav if self.cosyvoice3 else
+                                    LocalToken2Wav(self.token2wav), layout=layout)
 
     def close(self) -> None:
-        self.token2wav.close_all()
+        if not self.cosyvoice3:
+            self.token2wav.close_all()
         self.llm_backend.close()
 
     def voice(self, item: Utterance) -> Voice:
@@ -194,7 +223,9 @@ class OfflineTTS:
         """token2wav of every utterance, shortest first, ``token2wav_batch_size`` per batch.
 
         HiFT noise comes from a generator per utterance seeded from its id and ``config.seed``, so
-        the audio does not depend on batch sizes or order."""
+        the audio does not depend on batch sizes or order. CosyVoice3: one utterance at a time."""
+        if self.cosyvoice3:
+            return [self.token2wav.offline(i, t, v) for i, t, v in zip(ids, tokens, voices)]
         order = sorted(range(len(tokens)), key=lambda i: len(tokens[i]))
         waves: list[np.ndarray | None] = [None] * len(tokens)
         size = self.config.token2wav_batch_size
@@ -248,9 +279,9 @@ def synthesize_items(tts: OfflineTTS, items: Sequence[Utterance], output_dir: Pa
         for item, first, last in zip(batch, [0] + ends[:-1], ends):
             audio = np.concatenate(waves[first:last])
             path = output_dir / f"{item.id}.wav"
-            write_wav(path, audio, tts.token2wav.sample_rate)
+            write_wav(path, audio, SAMPLE_RATE)
             results.append(ItemResult(item.id, sum(len(t) for t in tokens[first:last]),
-                                      audio.size / tts.token2wav.sample_rate, path.name, last - first))
+                                      audio.size / SAMPLE_RATE, path.name, last - first))
         if progress:
             progress(len(batch))
     return results
@@ -276,7 +307,7 @@ def build_report(results: Sequence[ItemResult], timers: Timers, config: OfflineC
 
     return {
         **(extra or {}),
-        "backend": config.backend, "device": str(device),
+        "model": config.model, "backend": config.backend, "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "flow_dtype": config.dtype, "llm_dtype": config.llm_dtype, "batch_size": config.batch_size,
         "token2wav_batch_size": config.token2wav_batch_size,
@@ -297,7 +328,7 @@ def format_report_md(report: dict, per_item: bool = True) -> str:
 
     lines = [
         "# offline_inference report", "",
-        f"backend `{report['backend']}` on `{report['device']}`" + (f" ({report['gpu']})" if report["gpu"] else "")
+        f"model `{report['model']}`, backend `{report['backend']}` on `{report['device']}`" + (f" ({report['gpu']})" if report["gpu"] else "")
         + f", LLM batch {report['batch_size']}, token2wav batch {report['token2wav_batch_size']}", "",
         "| figure | value |", "|---|---:|",
         f"| utterances | {report['items']} |",
