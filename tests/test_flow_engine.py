@@ -192,6 +192,19 @@ def test_fit_says_which_chunks_get_pages(flow):
     assert engine.pool.free_pages == engine.pool.pages
 
 
+def test_page_pressure_drops_only_the_voices_it_needs_least_recently_used_first(flow):
+    engine = _engine(flow, pages=6)
+    older, newer = _voice(60, seed=1), _voice(60, seed=2)
+    engine.open(*older).close()
+    engine.open(*newer).close()  # 2 pages each, unused; 2 pages free
+    stream = engine.open(*_voice(20, seed=3))
+    engine.run([(stream, _tokens(160, seed=5)[:, :63], False)])  # 150 complete frames: 3 pages
+    assert engine.cached_voices == 2 and engine.pool.free_pages == 1  # the older voice made room, not both
+    keys = {engine.voice_key(*newer), engine.voice_key(*older)}
+    assert keys & set(engine._voices) == {engine.voice_key(*newer)}
+    stream.close()
+
+
 def test_voices_are_keyed_by_content(flow):
     """Same prompt tokens, different clip: two voices (the reference keys speakers by transcript alone)."""
     engine = _engine(flow)

@@ -430,11 +430,15 @@ class FlowEngine:
             raise
         return voice
 
-    def _trim_voices(self, keep: int) -> int:
-        """Drop least recently used voices without open streams down to ``keep``; returns pages freed."""
+    def _trim_voices(self, keep: int, free_pages: int = 0) -> int:
+        """Drop least recently used voices without open streams down to ``keep`` voices, or (with
+        ``free_pages``) until that many pages are free; returns pages freed. A dropped voice costs
+        its prompt's flow pass again on its next stream, so under page pressure only as many go
+        as the pages asked for need."""
         freed = 0
         for key in list(self._voices):
-            if len(self._voices) <= keep:
+            enough = self.pool.free_pages >= free_pages if free_pages else len(self._voices) <= keep
+            if enough:
                 break
             voice = self._voices[key]
             if voice.streams == 0:
@@ -468,7 +472,7 @@ class FlowEngine:
                 needs.append(max(0, frame_commit - stream.context_frames) // page)
             free = self.pool.free_pages
             if sum(needs) > free:
-                self._trim_voices(0)
+                self._trim_voices(0, free_pages=sum(needs))
                 free = self.pool.free_pages
             fits = []
             for need in needs:
@@ -565,7 +569,7 @@ class FlowEngine:
         """``pages`` free pages, dropping unused voices if need be; CapacityError when there are none."""
         allocated = self.pool.allocate(pages)
         if allocated is None:
-            freed = self._trim_voices(0)
+            freed = self._trim_voices(0, free_pages=pages)
             allocated = self.pool.allocate(pages)
             if allocated is None:
                 raise CapacityError(
