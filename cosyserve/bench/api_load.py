@@ -19,7 +19,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..clients import OUTPUT_SAMPLE_RATE, RequestResult, summarize
+from ..clients import OUTPUT_SAMPLE_RATE, RequestResult, latency_stats, summarize
 from .openloop import poisson_arrivals, run_open_loop
 
 BYTES_PER_SAMPLE = 2  # response_format pcm: s16le mono
@@ -101,9 +101,7 @@ def run_rate(target: SpeechTarget, texts: Sequence[str], rate: float, requests: 
     refused = [r for r in run.results if r.error and r.error.startswith("429 ")]
     summary["refused"] = len(refused)
     if refused:
-        waits = sorted(1e3 * r.latency_s for r in refused)
-        summary["refusal_ms"] = {"p50": waits[len(waits) // 2],
-                                 "p95": waits[min(len(waits) - 1, int(0.95 * len(waits)))], "max": waits[-1]}
+        summary["refusal_latency"] = latency_stats(r.latency_s for r in refused)
     summary["errors"] = sorted({r.error.split(":")[0] for r in run.results if r.error})
     summary["open_loop"] = run.summary(arrivals, rate)
     if fault:
@@ -134,7 +132,7 @@ def table_row(summary: dict) -> str:
 
     def ms(key: str) -> str:
         return f"{first[key]:.1f}" if key in first else "n/a"
-    refusal = f"{summary['refusal_ms']['p95']:.1f}" if "refusal_ms" in summary else "-"
+    refusal = f"{summary['refusal_latency']['p95_ms']:.1f}" if "refusal_latency" in summary else "-"
     return (f"| {summary['open_loop']['arrival_rate']:g} | {summary['requests']} | {summary['failed']} | "
             f"{summary['refused']} | {refusal} | {ms('p50_ms')} | {ms('p95_ms')} | {under.get('requests_with_underrun', 'n/a')} | "
             f"{under.get('stall_s', 0.0):.2f} | {summary['open_loop']['peak_in_flight']} |")

@@ -17,6 +17,7 @@ draw again from the full distribution.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 from dataclasses import dataclass
@@ -93,6 +94,8 @@ class SamplingParams:
 # The reference BLS's request to TensorRT-LLM (llm_layout.md §4); TRT-LLM has no RAS.
 REFERENCE_SAMPLING = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.1,
                                     seed=42, ras=False)
+# CosyVoice3's (the reference's trtllm-serve requests): the same, without a seed
+COSYVOICE3_SAMPLING = dataclasses.replace(REFERENCE_SAMPLING, seed=None)
 
 
 def random_seed() -> int:

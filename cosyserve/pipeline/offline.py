@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..clients import OUTPUT_SAMPLE_RATE
 from ..data import FixedLength, Utterance, load_reference_audio
 from ..errors import InvalidInputError
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
@@ -48,7 +49,7 @@ from ..llm.backends import create_backend
 from ..llm.base import BackendUnavailableError
 from ..frontend.prompt import COSYVOICE3_MEL_FMAX
 from ..llm.prompt import COSYVOICE2, COSYVOICE3, MAX_SPEECH_TOKENS, register_voice_prefixes
-from ..llm.sampling import REFERENCE_SAMPLING
+from ..llm.sampling import COSYVOICE3_SAMPLING, REFERENCE_SAMPLING
 from ..runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, SPK2INFO, resolve_device
 from ..schedule import TOKEN_RATE
 from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, default_flow_dtype, load_token2wav
@@ -59,7 +60,6 @@ from .tts import DEFAULT_SPEAKER, SegmentPrompt, TokenLimits, TTSPipeline, TTSRe
 
 BACKENDS = ("torch", "hf", "trtllm", "vllm", "openai")
 MODELS = ("cosyvoice2", "cosyvoice3")
-SAMPLE_RATE = 24000  # both models' output
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 VLLM_UNSUPPORTED = (
     "the vllm backend is not supported yet: vLLM's Qwen2 loader drops the CosyVoice2 LLM's lm_head bias "
@@ -173,7 +173,7 @@ class OfflineTTS:
                                         speaker_encoder, default_speaker=None, mel_fmax=COSYVOICE3_MEL_FMAX)
             self.token2wav = load_cosyvoice3_token2wav(model_dir, self.device,
                                                        DTYPES[config.dtype] if config.dtype else torch.float32)
-            sampling, layout = dataclasses.replace(REFERENCE_SAMPLING, seed=None), COSYVOICE3  # as the cosyvoice3 BLS
+            sampling, layout = COSYVOICE3_SAMPLING, COSYVOICE3
         else:
             registry = SpeakerRegistry.load(model_dir / SPK2INFO)
             self.voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", providers),
@@ -279,9 +279,9 @@ def synthesize_items(tts: OfflineTTS, items: Sequence[Utterance], output_dir: Pa
         for item, first, last in zip(batch, [0] + ends[:-1], ends):
             audio = np.concatenate(waves[first:last])
             path = output_dir / f"{item.id}.wav"
-            write_wav(path, audio, SAMPLE_RATE)
+            write_wav(path, audio, OUTPUT_SAMPLE_RATE)
             results.append(ItemResult(item.id, sum(len(t) for t in tokens[first:last]),
-                                      audio.size / SAMPLE_RATE, path.name, last - first))
+                                      audio.size / OUTPUT_SAMPLE_RATE, path.name, last - first))
         if progress:
             progress(len(batch))
     return results
@@ -328,7 +328,8 @@ def format_report_md(report: dict, per_item: bool = True) -> str:
 
     lines = [
         "# offline_inference report", "",
-        f"model `{report['model']}`, backend `{report['backend']}` on `{report['device']}`" + (f" ({report['gpu']})" if report["gpu"] else "")
+        f"model `{report['model']}`, backend `{report['backend']}` on `{report['device']}`"
+        + (f" ({report['gpu']})" if report["gpu"] else "")
         + f", LLM batch {report['batch_size']}, token2wav batch {report['token2wav_batch_size']}", "",
         "| figure | value |", "|---|---:|",
         f"| utterances | {report['items']} |",

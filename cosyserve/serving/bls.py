@@ -32,7 +32,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..frontend.speakers import SpeakerRegistry
-from ..frontend.voice_store import VOICES_DIR, VoiceStore
+from ..frontend.voice_store import FEATURES_FILE, VOICES_DIR, VoiceStore
 from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
 from ..llm.sampling import REFERENCE_SAMPLING
 from ..pipeline.tts import DEFAULT_SPEAKER, TokenLimits, TTSPipeline, TTSRequest, Voice
@@ -134,6 +134,8 @@ class CosyVoice2BLS(TTSBLS):
     """The CosyVoice2 pipeline: speech tokens from a Triton LLM model or an OpenAI-compatible server,
     audio from the ``token2wav`` model."""
 
+    features_file = FEATURES_FILE  # a stored voice's features, this model's own (a voice serves every model)
+
     def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry):
         if settings.llm_url:
             return openai_speech_tokens(settings, tokenizer, registry)
@@ -150,7 +152,7 @@ class CosyVoice2BLS(TTSBLS):
         return RemoteSpeakerEncoder()
 
     def voice_store(self, settings: BlsSettings) -> VoiceStore:
-        return VoiceStore(settings.voices_dir or settings.model_dir / VOICES_DIR)
+        return VoiceStore(settings.voices_dir or settings.model_dir / VOICES_DIR, features_file=self.features_file)
 
     def build_pipeline(self, tokenizer, settings: BlsSettings) -> TTSPipeline:
         pipeline = TTSPipeline(tokenizer, self.llm, TritonToken2Wav(),

@@ -26,16 +26,14 @@ with the CosyVoice3 prompt layout):
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import numpy as np
 
 from ..frontend.prompt import COSYVOICE3_MEL_FMAX
 from ..frontend.speakers import SpeakerRegistry
-from ..frontend.voice_store import VOICES_DIR, VoiceStore
 from ..llm.prompt import COSYVOICE3
-from ..llm.sampling import REFERENCE_SAMPLING
+from ..llm.sampling import COSYVOICE3_SAMPLING
 from ..llm.trtllm.request import TritonLLMInputs
 from ..pipeline.tts import TTSPipeline, Voice, VoiceResolver
 from .bls import CosyVoice2BLS, TritonSpeechTokens
@@ -43,7 +41,6 @@ from .bls_base import RemoteSpeechTokenizer, call_model
 from .settings import BlsSettings
 
 TOKEN2WAV = "token2wav"
-FEATURES_FILE = "features.cosyvoice3.pt"  # a stored voice's CosyVoice3 features (CosyVoice2's: features.pt)
 
 
 class TritonCv3Token2Wav:
@@ -76,10 +73,10 @@ class CosyVoice3BLS(CosyVoice2BLS):
     ends: speech tokens from the Triton ``llm`` model in the CosyVoice3 layout, audio from CosyVoice3's
     ``token2wav`` model, voices from the request or the voice store (no registered speakers)."""
 
+    features_file = "features.cosyvoice3.pt"  # next to CosyVoice2's features.pt of the same stored voice
+
     def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry) -> TritonSpeechTokens:
-        # the reference's sampling for CosyVoice3 (trtllm-serve): as CosyVoice2's, without a seed
-        sampling = dataclasses.replace(REFERENCE_SAMPLING, seed=None)
-        inputs = TritonLLMInputs("cosyserve", sampling, self.decoupled, end_id=COSYVOICE3.eos_id)
+        inputs = TritonLLMInputs("cosyserve", COSYVOICE3_SAMPLING, self.decoupled, end_id=COSYVOICE3.eos_id)
         return TritonSpeechTokens(settings.llm_model_name, inputs, COSYVOICE3.speech_token_offset)
 
     def speaker_registry(self, settings: BlsSettings) -> SpeakerRegistry:
@@ -88,9 +85,6 @@ class CosyVoice3BLS(CosyVoice2BLS):
     def voice_resolver(self, registry: SpeakerRegistry, settings: BlsSettings) -> VoiceResolver:
         return VoiceResolver(registry, RemoteSpeechTokenizer(token_offset=0), self.speaker_encoder(),
                              default_speaker=None, mel_fmax=COSYVOICE3_MEL_FMAX, store=self.voice_store(settings))
-
-    def voice_store(self, settings: BlsSettings) -> VoiceStore:
-        return VoiceStore(settings.voices_dir or settings.model_dir / VOICES_DIR, features_file=FEATURES_FILE)
 
     def build_pipeline(self, tokenizer, settings: BlsSettings) -> TTSPipeline:
         pipeline = TTSPipeline(tokenizer, self.llm, TritonCv3Token2Wav(), strategy=settings.streaming_strategy,

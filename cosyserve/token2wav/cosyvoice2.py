@@ -357,11 +357,12 @@ class CosyVoice2Token2Wav:
             # on (same output up to rounding, no state): under memory pressure the server slows
             # those streams down rather than failing them.
             chunks = [(work[i].stream._engine_stream, work[i].tokens, work[i].finalize) for i in incremental]
-            for i, fits in zip(incremental, self.engine.fit(chunks)):
-                if not fits:
+            fits = self.engine.fit(chunks)
+            for i, fit in zip(incremental, fits):
+                if not fit:
                     work[i].stream._leave_engine()
-            incremental = [i for i in incremental if work[i].incremental]
-            chunks = [(work[i].stream._engine_stream, work[i].tokens, work[i].finalize) for i in incremental]
+            incremental = [i for i, fit in zip(incremental, fits) if fit]
+            chunks = [chunk for chunk, fit in zip(chunks, fits) if fit]
         if incremental:
             for i, mel in zip(incremental, self.engine.run(chunks)):
                 mels[i] = mel

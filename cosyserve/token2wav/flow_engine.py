@@ -460,15 +460,14 @@ class FlowEngine:
         first when too few pages are free); chunks as for :meth:`run`. A chunk that does not fit
         must not be run: its stream leaves the engine (:meth:`EngineStream.close` returns its pages)
         and the caller voices it another way (the full re-run, which keeps no state)."""
-        cfg, page = self.flow.cfg, self.pool.page_frames
+        page = self.pool.page_frames
         with self._lock:
             needs = []
             for stream, tokens, finalize in chunks:
                 if finalize or stream.closed:
                     needs.append(0)  # a final chunk only reads its context; a closed one fails in run
                     continue
-                valid = stream.voice.prompt_tokens.size(1) + tokens.size(1) - cfg.pre_lookahead_len
-                frame_commit = _floor_to(cfg.token_mel_ratio * _floor_to(valid, cfg.encoder.static_chunk_size), page)
+                _, frame_commit = self._commits(stream.voice.prompt_tokens.size(1) + tokens.size(1))
                 needs.append(max(0, frame_commit - stream.context_frames) // page)
             free = self.pool.free_pages
             if sum(needs) > free:
@@ -533,6 +532,13 @@ class FlowEngine:
         stream._target = tokens
         return tokens
 
+    def _commits(self, total_tokens: int) -> tuple[int, int]:
+        """Tokens and frames (prompt included) in complete encoder and estimator blocks once a
+        non-final chunk has ``total_tokens`` (prompt + target so far, look-ahead included)."""
+        cfg = self.flow.cfg
+        tokens = _floor_to(total_tokens - cfg.pre_lookahead_len, cfg.encoder.static_chunk_size)
+        return tokens, _floor_to(cfg.token_mel_ratio * tokens, self.pool.page_frames)
+
     def _windows(self, chunks: list[tuple[EngineStream, torch.Tensor, bool]]) -> list[_Window]:
         """Run the encoder over the streams' new tokens, all windows at once (``chunks``: stream,
         prompt + target tokens so far (1, n), finalize); plan their estimator windows and pages."""
@@ -543,8 +549,9 @@ class FlowEngine:
             state = stream._state
             valid_tokens = tokens.size(1) - (0 if finalize else lookahead)
             token_start = state.token_commit
-            token_commit = token_start if finalize else _floor_to(valid_tokens, cfg.encoder.static_chunk_size)
-            plans.append((stream, state, finalize, valid_tokens, token_commit))
+            token_commit, frame_commit = ((token_start, state.frame_commit) if finalize
+                                          else self._commits(tokens.size(1)))
+            plans.append((stream, state, finalize, valid_tokens, token_commit, frame_commit))
             embedded = flow.input_embedding(tokens[0, token_start:].clamp(min=0))
             encoder_windows.append(EncoderWindow(embedded, token_start, token_commit - token_start,
                                                  0 if finalize else lookahead, state.encoder_states))
@@ -552,10 +559,9 @@ class FlowEngine:
         mus = flow.project(torch.cat(outputs)[None]).split([o.size(0) for o in outputs], dim=2)
         windows = []
         try:
-            for (stream, state, finalize, valid_tokens, token_commit), mu in zip(plans, mus):
+            for (stream, state, finalize, valid_tokens, token_commit, frame_commit), mu in zip(plans, mus):
                 mu = state.mu.extend(mu, commit=ratio * (token_commit - state.token_commit))
                 frame_start = state.frame_commit
-                frame_commit = frame_start if finalize else _floor_to(ratio * token_commit, self.pool.page_frames)
                 windows.append(_Window(stream, state, finalize, ratio * valid_tokens, frame_start, frame_commit,
                                        token_commit, mu[:, :, frame_start:],
                                        self._allocate((frame_commit - frame_start) // self.pool.page_frames)))
