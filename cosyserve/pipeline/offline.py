@@ -40,7 +40,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..clients import OUTPUT_SAMPLE_RATE
 from ..data import FixedLength, Utterance, load_reference_audio
 from ..errors import InvalidInputError
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
@@ -60,6 +59,7 @@ from .tts import DEFAULT_SPEAKER, SegmentPrompt, TokenLimits, TTSPipeline, TTSRe
 
 BACKENDS = ("torch", "hf", "trtllm", "vllm", "openai")
 MODELS = ("cosyvoice2", "cosyvoice3")
+OUTPUT_SAMPLE_RATE = 24000  # both models' (cosyserve.clients, a layer above, has the same constant)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 VLLM_UNSUPPORTED = (
     "the vllm backend is not supported yet: vLLM's Qwen2 loader drops the CosyVoice2 LLM's lm_head bias "
