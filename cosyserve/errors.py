@@ -28,3 +28,17 @@ class RequestTimeoutError(RequestCancelledError):
 
 class CapacityError(CosyServeError, RuntimeError):
     """The server cannot take this request now (state memory full, queue full); retrying later may work."""
+
+
+# How a refusal for capacity reads in an error message, lower-cased, whoever raised it: Triton past a
+# model's instances + queue, or past BLS_MAX_QUEUE_MS in its queue; the BLS's admission by playback
+# (ADMISSION_MIN_BUFFER_S); the token2wav engine's state memory. A client may retry such a request
+# later or elsewhere; any other error is the request's own.
+OVERLOAD_MARKERS = ("exceeds maximum queue size", "resource exhausted", "too many requests",
+                    "request timeout expired", "overloaded:", "state pool is full")
+
+
+def is_overload(message: str) -> bool:
+    """True when ``message`` (any case) is a refusal for capacity (:data:`OVERLOAD_MARKERS`)."""
+    lowered = message.lower()
+    return any(marker in lowered for marker in OVERLOAD_MARKERS)

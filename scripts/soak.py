@@ -30,6 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pid-file", type=Path, default=REPO_ROOT / "outputs" / "tritonserver.pid",
                         help="run.sh's SERVER_PID_FILE; memory is not sampled when neither gives a pid")
     parser.add_argument("--requests", type=int, default=defaults.requests)
+    parser.add_argument("--duration-s", type=float, default=defaults.duration_s,
+                        help="send only the requests that start within this many seconds (a soak for a time)")
     parser.add_argument("--concurrency", type=int, default=defaults.concurrency)
     parser.add_argument("--cancel-fraction", type=float, default=defaults.cancel_fraction)
     parser.add_argument("--bad-fraction", type=float, default=defaults.bad_fraction)
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
     server_pid = args.server_pid or read_pid_file(args.pid_file)
     config = SoakConfig(
         url=args.url, http_port=args.http_port, metrics_port=args.metrics_port, server_pid=server_pid,
-        requests=args.requests, concurrency=args.concurrency, cancel_fraction=args.cancel_fraction,
+        requests=args.requests, duration_s=args.duration_s, concurrency=args.concurrency, cancel_fraction=args.cancel_fraction,
         bad_fraction=args.bad_fraction, burst_every=args.burst_every, burst_size=args.burst_size, tokens=args.tokens,
         cancel_tokens=args.cancel_tokens, warmup=args.warmup, sample_interval_s=args.sample_interval_s,
         request_timeout_s=args.request_timeout_s, model=args.model, offline_model=args.offline_model, seed=args.seed)

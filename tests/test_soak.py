@@ -1,7 +1,8 @@
 """The soak's plan and memory arithmetic (cosyserve.bench.soak); the soak itself runs against a
 real server in tests/test_faults.py."""
 
-from cosyserve.bench.soak import BAD_INPUTS, MemorySample, SoakConfig, least_squares_slope, memory_trend, plan
+from cosyserve.bench.soak import BAD_INPUTS, MemorySample, SoakConfig, least_squares_slope, memory_trend, plan, run_soak
+from cosyserve.errors import is_overload
 
 
 def test_the_plan_has_the_fractions_asked_in_a_seeded_order():
@@ -26,3 +27,20 @@ def test_the_slope_is_per_1000_requests_after_the_warm_up():
 
 def test_one_point_has_no_slope():
     assert least_squares_slope([5, 5], [1, 2]) is None
+
+
+def test_a_soak_for_a_time_sends_nothing_once_its_time_is_up():
+    # duration 0: every request finds its time up before it is sent (nothing listens on port 9)
+    config = SoakConfig(url="127.0.0.1:9", http_port=9, metrics_port=9, requests=40, duration_s=0.0, burst_every=0)
+    report = run_soak(config)
+    assert report.outcomes == {} and report.admitted == 0 and report.seconds < 5
+
+
+def test_every_refusal_for_capacity_reads_as_one_and_nothing_else_does():
+    for message in ("[StatusCode.UNAVAILABLE] Exceeds maximum queue size", "Request timeout expired",
+                    "overloaded: a stream on this server has 0.12 s of audio buffered, under the 0.3 s it keeps "
+                    "for every stream (admission_min_buffer_s); retry after 180 ms",
+                    "the token2wav state pool is full (200 pages, 0 freed from unused voices); retry later"):
+        assert is_overload(message), message
+    for message in ("unknown speaker id 'x'", "text is empty", "request timed out after 5 s", "internal error"):
+        assert not is_overload(message), message

@@ -11,6 +11,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tritonclient.utils import InferenceServerException
 
+from ..errors import is_overload
+
 logger = logging.getLogger("cosyserve.api")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
@@ -36,11 +38,6 @@ class APIError(Exception):
         return JSONResponse(self.envelope(), status_code=self.status, headers=headers)
 
 
-# Triton's answers that are not the caller's fault, by a part of their message.
-_OVERLOAD = ("exceeds maximum queue size", "resource exhausted", "too many requests",
-             "request timeout expired",  # waited BLS_MAX_QUEUE_MS in Triton's queue
-             "overloaded:",  # ADMISSION_MIN_BUFFER_S: a stream of the server runs short of audio
-             "state pool is full")  # the token2wav engine's state memory (CapacityError)
 # What a refused client is told to wait (Retry-After): a queued request starts when a running one
 # ends, which takes seconds; one second spreads the retries without idling a freed instance long.
 RETRY_AFTER_S = 1
@@ -61,7 +58,7 @@ def triton_error(exc: InferenceServerException) -> APIError:
         return APIError(499, message, code="cancelled")
     if message.startswith(("unknown voice", "unknown speaker id")):
         return APIError(404, message, param="voice", code="voice_not_found")
-    if any(part in lowered for part in _OVERLOAD):
+    if is_overload(lowered):
         return APIError(429, message, code="overloaded", retry_after_s=RETRY_AFTER_S)
     if any(part in lowered for part in _UNAVAILABLE):
         return APIError(503, message, code="triton_unavailable", retry_after_s=RETRY_AFTER_S)

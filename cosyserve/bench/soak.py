@@ -1,10 +1,12 @@
 """A soak of a running server: many requests of every kind, memory sampled, failures classified.
 
 :func:`run_soak` sends ``requests`` requests to a running Triton server over gRPC, ``concurrency``
-at a time, in a seeded order:
+at a time, in a seeded order (with ``duration_s``, only those started within that many seconds:
+a soak for a time rather than a count):
 
 * streaming (``cosyvoice2``) and offline (``cosyvoice2_offline``) requests in turn, each retried
-  while the server refuses it as overloaded (:data:`REFUSALS`, as a client told to retry would);
+  while the server refuses it as overloaded (:func:`cosyserve.errors.is_overload`, as a client told
+  to retry would);
 * ``cancel_fraction`` of them streams cancelled by the client after their first chunk;
 * ``bad_fraction`` of them bad inputs (:data:`BAD_INPUTS`: empty text, 10k characters in one
   segment, NaN / Inf / empty / silent / 60 s reference audio, a wrong data type, an unknown
@@ -49,20 +51,14 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from ..errors import is_overload
 from ..serving.processes import python_stubs
 from ..serving.tritonserver import is_ready
 from .prometheus import read_metrics
 
-# Refusals as overloaded: Triton's past instances + queue (docs/operations.md), the token2wav
-# engine's when its state pool is full.
-REFUSALS = ("Exceeds maximum queue size", "retry later")
 IDLE_GAUGES = ("cosyserve_llm_active_requests", "cosyserve_token2wav_open_streams", "cosyserve_bls_requests_in_progress")
 REFERENCE_RATE = 16000
 SAMPLES_PER_TOKEN = 960  # 24 kHz audio per speech token
-
-
-def is_refusal(message: str) -> bool:
-    return any(refusal in message for refusal in REFUSALS)
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
@@ -130,6 +126,7 @@ class SoakConfig:
     metrics_port: int = 8002
     server_pid: int | None = None  # tritonserver's pid (memory is sampled when known and local)
     requests: int = 1000
+    duration_s: float | None = None  # requests not started by then are not sent (a soak for a time)
     concurrency: int = 4
     cancel_fraction: float = 0.10
     bad_fraction: float = 0.05
@@ -287,7 +284,7 @@ class SoakClient:
         started, refusals = time.monotonic(), 0
         while True:
             samples, error = send()
-            if error is None or not is_refusal(error):
+            if error is None or not is_overload(error):
                 result, message = check(samples, error)
                 return Outcome(kind, result, message, refusals, time.monotonic() - started)
             refusals += 1
@@ -339,7 +336,7 @@ class SoakClient:
         inputs = [_text("target_text", f"第{index}次，突发。"), *self._limits(tokens)]
         started = time.monotonic()
         samples, error = self._stream(inputs)
-        if error is not None and is_refusal(error):
+        if error is not None and is_overload(error):
             return Outcome("burst", "refused", error, 0, time.monotonic() - started)
         result, message = self._served(tokens)(samples, error)
         return Outcome("burst", result, message, 0, time.monotonic() - started)
@@ -437,8 +434,11 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda line: 
     sampler = MemorySampler(config.server_pid, config.sample_interval_s, lambda: len(outcomes))
     bursts: list = []
     burst_pool = ThreadPoolExecutor(max(config.burst_size, 1))
+    started = time.monotonic()
 
     def one(index: int) -> None:
+        if config.duration_s is not None and time.monotonic() - started > config.duration_s:
+            return
         kind = kinds[index]
         if kind == "cancel":
             outcome = client.cancel(index)
@@ -456,7 +456,6 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda line: 
         if done % 50 == 0:
             progress(f"{done}/{config.requests} requests")
 
-    started = time.monotonic()
     sampler.start()
     try:
         with ThreadPoolExecutor(config.concurrency) as pool:
