@@ -29,7 +29,7 @@ BUNDLE_SEED=${BUNDLE_SEED:-0}
 LLM_ENGINE=${LLM_ENGINE:-torch}               # our llm model's engine: torch | hf
 MODEL_REPO=${MODEL_REPO:-$repo_root/outputs/model_repo_cosyvoice3}
 DECOUPLED_MODE=${DECOUPLED_MODE:-True}        # True = streaming, False = offline
-STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | equal
+STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | time_based (as CosyVoice2's BLS)
 DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
 BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-10}      # the reference's
 BLS_MAX_QUEUE_SIZE=${BLS_MAX_QUEUE_SIZE:-0}   # 0: no limit

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Standalone CosyVoice2 token2wav, offline: speech tokens -> 24 kHz wav, with timing per variant.
+"""Standalone token2wav: speech tokens -> 24 kHz wav, with timing per variant. CosyVoice2 (the default),
+offline; CosyVoice3 (``--model cosyvoice3``, below) offline or streaming.
 
     # synthesise given tokens (raw ids 0..6560, whitespace separated) with the default speaker
     python token2wav.py --model-dir models/CosyVoice2-0.5B --tokens-file tokens.txt --output out.wav
@@ -16,6 +17,18 @@ warm-up run (shapes are captured when seen again). Streaming: see streaming_infe
 
 The prompt is a speaker of spk2info.pt (``--speaker-id``, default "001") or a reference wav
 (``--reference-audio``, needs speech_tokenizer_v2.onnx and campplus.onnx in the model dir).
+
+CosyVoice3 (``--model cosyvoice3``, as in offline_inference.py; cosyserve/pipeline/cosyvoice3_token2wav.py):
+
+    # --model-dir is Fun-CosyVoice3-0.5B-2512/ (or the bundle root holding it); a reference clip is needed
+    python token2wav.py --model cosyvoice3 --model-dir models/Fun-CosyVoice3-0.5B-2512 \\
+        --reference-audio prompt.wav --reference-text "its transcript" --num-tokens 100 250 --mode streaming
+
+The DiT flow + causal HiFT; the voice from the clip through speech_tokenizer_v3.onnx and CAM++ (CosyVoice3 has
+no registered speakers; the transcript is optional, token2wav does not read it). Variants are flow dtypes only
+(fp32, fp16, bf16). ``--mode streaming`` sends the chunks of the cosyvoice3 BLS (``--strategy`` exponential:
+15 + 3 look-ahead tokens, then 25, 50, 100, ...; or time_based), each step all tokens so far; both modes give
+960 samples per token. A bad token id or directory is an error (exit status 2) before any variant runs.
 """
 
 from __future__ import annotations
@@ -31,13 +44,33 @@ import torch
 
 from cosyserve.bench.token2wav import (add_common_args, markdown_table, median, parse_variants, prompt_features,
                                       rel_l2, run_offline, utterance_tokens)
+from cosyserve.errors import CosyServeError
+from cosyserve.pipeline import cosyvoice3_token2wav as cv3
+from cosyserve.pipeline.offline import MODELS
+from cosyserve.schedule import STRATEGIES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=MODELS, default="cosyvoice2",
+                   help="the model kind (cosyvoice3: --model-dir is Fun-CosyVoice3-0.5B-2512/, --reference-audio)")
     add_common_args(p)
     p.add_argument("--output", type=Path, help="write the last utterance of the last run here")
-    return p.parse_args(argv)
+    p.add_argument("--reference-text", help="cosyvoice3: the transcript of --reference-audio (optional)")
+    p.add_argument("--mode", choices=cv3.MODES, default="offline",
+                   help="cosyvoice3: offline, or streaming in the cosyvoice3 BLS's chunks "
+                        "(CosyVoice2 streams in streaming_inference.py)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="exponential",
+                   help="cosyvoice3 --mode streaming: the BLS's streaming_strategy")
+    args = p.parse_args(argv)
+    if args.model != "cosyvoice3":
+        if args.mode != "offline" or args.strategy != "exponential":
+            p.error("--mode/--strategy are for --model cosyvoice3; CosyVoice2 streams in streaming_inference.py")
+        if args.reference_text is not None:
+            p.error("--reference-text is for --model cosyvoice3")
+    elif args.reference_audio is None:
+        p.error("--model cosyvoice3 needs --reference-audio (CosyVoice3 has no registered speakers)")
+    return args
 
 
 HEADER = ["variant", "utterances", "audio s", "wall ms", "RTF", "batch latency ms (median)", "rel-L2 vs first"]
@@ -65,9 +98,35 @@ def bench_variant(variant, args, tokens, prompt, reference):
     return row, report, check, runs[-1].waves[-1]
 
 
+def main_cosyvoice3(args) -> int:
+    try:
+        tokens = utterance_tokens(args)
+        result = cv3.run_cosyvoice3(
+            args.model_dir, tokens, args.reference_audio, args.reference_text, device=args.device,
+            variants=args.variants, mode=args.mode, strategy=args.strategy, runs=args.runs,
+            on_start=lambda prompt: print(f"device={args.device} model=cosyvoice3 mode={args.mode} prompt={prompt} "
+                                          f"tokens, utterances={[t.numel() for t in tokens]} tokens"),
+            on_row=lambda row: print(markdown_table(cv3.HEADER, [row]).splitlines()[-1], flush=True))
+    except (CosyServeError, ValueError) as exc:  # bad directory, tokens, variants or clip
+        print(f"token2wav.py: error: {exc}", file=sys.stderr)
+        return 2
+    print()
+    print(markdown_table(cv3.HEADER, result.rows))
+    if args.output_json:
+        args.output_json.write_text(json.dumps(result.to_json(args.mode, args.strategy), indent=2))
+    if args.output and result.last is not None:
+        import soundfile as sf
+
+        sf.write(args.output, result.last, cv3.SAMPLE_RATE)
+        print(f"wrote {args.output}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.model == "cosyvoice3":
+        return main_cosyvoice3(args)
     prompt = prompt_features(args.model_dir, args.speaker_id, args.reference_audio)
     tokens = utterance_tokens(args)
     rows, report, reference, last = [], {}, None, None

@@ -46,7 +46,6 @@ from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.backends import create_backend
 from ..llm.base import BackendUnavailableError
-from ..frontend.prompt import COSYVOICE3_MEL_FMAX
 from ..llm.prompt import COSYVOICE2, COSYVOICE3, MAX_SPEECH_TOKENS, register_voice_prefixes
 from ..llm.sampling import COSYVOICE3_SAMPLING, REFERENCE_SAMPLING
 from ..runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, SPK2INFO, resolve_device
@@ -54,6 +53,7 @@ from ..schedule import TOKEN_RATE
 from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, default_flow_dtype, load_token2wav
 from ..token2wav.cosyvoice3 import load_cosyvoice3_token2wav
 from ..token2wav.sessions import LocalToken2Wav
+from .cosyvoice3_token2wav import cosyvoice3_voices
 from .local import LocalSpeechTokens
 from .tts import DEFAULT_SPEAKER, SegmentPrompt, TokenLimits, TTSPipeline, TTSRequest, Voice, VoiceResolver
 
@@ -165,19 +165,17 @@ class OfflineTTS:
         self.device = resolve_device(config.device)
         flow_dtype = DTYPES[config.dtype] if config.dtype else default_flow_dtype(self.device)
         self.text_tokenizer = AutoTokenizer.from_pretrained(llm_dir)
-        providers = None if self.device.type == "cuda" else ["CPUExecutionProvider"]
-        speaker_encoder = SpeakerEncoder(model_dir / "campplus.onnx")
         if self.cosyvoice3:  # no registered voices; the DiT in float32 unless asked (plain fp16 gives NaNs upstream)
-            registry = SpeakerRegistry()
-            self.voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v3.onnx", providers),
-                                        speaker_encoder, default_speaker=None, mel_fmax=COSYVOICE3_MEL_FMAX)
+            self.voices = cosyvoice3_voices(model_dir, self.device)
+            registry = self.voices.registry
             self.token2wav = load_cosyvoice3_token2wav(model_dir, self.device,
                                                        DTYPES[config.dtype] if config.dtype else torch.float32)
             sampling, layout = COSYVOICE3_SAMPLING, COSYVOICE3
         else:
             registry = SpeakerRegistry.load(model_dir / SPK2INFO)
+            providers = None if self.device.type == "cuda" else ["CPUExecutionProvider"]
             self.voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", providers),
-                                        speaker_encoder, default_speaker=DEFAULT_SPEAKER)
+                                        SpeakerEncoder(model_dir / "campplus.onnx"), default_speaker=DEFAULT_SPEAKER)
             self.token2wav = load_token2wav(model_dir, self.device, flow_dtype, config.token2wav_options)
             sampling, layout = REFERENCE_SAMPLING, COSYVOICE2
         self.llm_backend = create_llm(config.backend, llm_dir, self.device, config.llm_dtype, **config.llm_options)

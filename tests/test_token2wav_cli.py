@@ -1,0 +1,143 @@
+"""token2wav.py's model kinds on tiny random-weight bundles: CosyVoice3 offline and streaming in the
+cosyvoice3 BLS's chunks (960 samples per token), clear errors; CosyVoice2's path as it was."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from cosyserve.bundle import make_bundle
+from cosyserve.errors import InvalidInputError
+from cosyserve.pipeline import cosyvoice3_token2wav as cv3
+from cosyserve.runtime import COSYVOICE2_DIR, COSYVOICE3_DIR
+from cosyserve.schedule import plan_chunks
+from cosyserve.token2wav.cosyvoice3 import load_cosyvoice3_token2wav
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import token2wav  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def cv3_bundle(tmp_path_factory) -> Path:
+    return make_bundle(tmp_path_factory.mktemp("cv3_t2w"), "tiny", parts=("cosyvoice3",))
+
+
+@pytest.fixture(scope="module")
+def prompt(cv3_bundle) -> tuple[Path, str]:
+    assets = cv3_bundle / "assets"
+    return assets / "prompt_audio.wav", (assets / "prompt_text.txt").read_text(encoding="utf-8").strip()
+
+
+@pytest.fixture(scope="module")
+def loaded(cv3_bundle, prompt):
+    model_dir = cv3_bundle / COSYVOICE3_DIR
+    return load_cosyvoice3_token2wav(model_dir, "cpu"), cv3.load_cosyvoice3_voice(model_dir, *prompt)
+
+
+def _cv3_args(bundle_dir: Path, prompt, *extra: str) -> list[str]:
+    wav, text = prompt
+    return ["--model", "cosyvoice3", "--model-dir", str(bundle_dir), "--reference-audio", str(wav),
+            "--reference-text", text, "--device", "cpu", *extra]
+
+
+@pytest.mark.parametrize("mode", ["offline", "streaming"])
+def test_cosyvoice3_gives_960_samples_per_token(cv3_bundle, prompt, tmp_path, capsys, mode):
+    lengths = [7, 40, 100]
+    out, report = tmp_path / "last.wav", tmp_path / "report.json"
+    # offline: the model directory; streaming: the bundle root holding it (both are taken)
+    model_dir = cv3_bundle / COSYVOICE3_DIR if mode == "offline" else cv3_bundle
+    assert token2wav.main(_cv3_args(model_dir, prompt, "--num-tokens", *map(str, lengths), "--mode", mode,
+                                    "--output", str(out), "--output-json", str(report))) == 0
+    printed = capsys.readouterr().out
+    assert "model=cosyvoice3" in printed and f"| fp32 | {mode}" in printed
+    result = json.loads(report.read_text())
+    assert result["model"] == "cosyvoice3" and result["mode"] == mode
+    fp32 = result["results"]["fp32"]
+    assert fp32["samples"] == [960 * n for n in lengths]
+    assert fp32["audio_s"] == pytest.approx(sum(lengths) * 0.04)
+    expected = [[{"num_tokens": n, "token_offset": 0, "finalize": True}] if mode == "offline"
+                else [vars(c) for c in plan_chunks(n)] for n in lengths]
+    assert fp32["chunks"] == expected
+    wave, rate = sf.read(out, dtype="float32")
+    assert rate == 24000 and wave.size == 960 * lengths[-1]
+    assert np.isfinite(wave).all() and np.abs(wave).max() > 0
+
+
+@pytest.mark.parametrize("n", [1, 17, 18, 43, 60])
+def test_streaming_steps_are_the_bls_chunks_and_total_960_per_token(loaded, n):
+    t2w, voice = loaded
+    tokens = torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(n))
+    stream = cv3.synthesize(t2w, tokens, voice, "streaming", request_id=f"s{n}")
+    offline = cv3.synthesize(t2w, tokens, voice, "offline", request_id=f"o{n}")
+    assert stream.chunks == plan_chunks(n)  # the exponential schedule of the cosyvoice3 BLS's pipeline
+    assert len(stream.pieces) == len(stream.call_s) == len(stream.chunks)
+    assert sum(p.size for p in stream.pieces) == stream.wave.size == offline.wave.size == 960 * n
+    for wave in (stream.wave, offline.wave):
+        assert wave.dtype == np.float32 and np.isfinite(wave).all() and np.abs(wave).max() > 0
+    assert t2w.open_sessions == 0  # the final step closed the session
+
+
+def test_bad_token_id_is_a_clear_error(cv3_bundle, prompt, loaded, tmp_path, capsys):
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("1 2 3\n4 6561 5\n")
+    assert token2wav.main(_cv3_args(cv3_bundle, prompt, "--tokens-file", str(tokens))) == 2
+    err = capsys.readouterr().err
+    assert "utterance 2" in err and "6561" in err and "0..6560" in err
+    tokens.write_text("-1 2 3\n")
+    assert token2wav.main(_cv3_args(cv3_bundle, prompt, "--tokens-file", str(tokens), "--mode", "streaming")) == 2
+    assert "-1 is outside 0..6560" in capsys.readouterr().err
+    # the package call itself: a clear error in both modes, no session left open
+    t2w, voice = loaded
+    for mode in cv3.MODES:
+        with pytest.raises(InvalidInputError, match="0..6560"):
+            cv3.synthesize(t2w, [5] * 20 + [7000], voice, mode, request_id=f"bad-{mode}")
+    assert t2w.open_sessions == 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--variants", "fp16+graphs"), "flow dtypes only"),
+    (("--model-dir", "{cv2}"), "holds no cosyvoice3.yaml"),
+    (("--reference-audio", "{missing}"), "does not exist"),
+])
+def test_cosyvoice3_input_errors(cv3_bundle, prompt, tmp_path, capsys, extra, message):
+    extra = [x.format(cv2=tmp_path, missing=tmp_path / "nothing.wav") for x in extra]
+    assert token2wav.main(_cv3_args(cv3_bundle, prompt, "--num-tokens", "5", *extra)) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "cosyvoice3"], "needs --reference-audio"),
+    (["--mode", "streaming"], "streaming_inference.py"),
+    (["--reference-text", "hello"], "--reference-text is for --model cosyvoice3"),
+])
+def test_argument_errors(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        token2wav.parse_args(["--model-dir", str(tmp_path), "--num-tokens", "5", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_voice_without_transcript_has_the_same_features(cv3_bundle, prompt, loaded):
+    _, voice = loaded
+    bare = cv3.load_cosyvoice3_voice(cv3_bundle / COSYVOICE3_DIR, prompt[0])
+    assert bare.cross_lingual and bare.prompt_text == "" and voice.prompt_text == prompt[1]
+    for name in ("speech_tokens", "speech_feat", "embedding"):
+        assert torch.equal(getattr(bare.features, name), getattr(voice.features, name))
+
+
+def test_cosyvoice2_stays_the_default(tmp_path_factory, tmp_path, capsys):
+    bundle = make_bundle(tmp_path_factory.mktemp("cv2_t2w"), "tiny", parts=("cosyvoice2",))
+    out, report = tmp_path / "last.wav", tmp_path / "report.json"
+    assert token2wav.main(["--model-dir", str(bundle / COSYVOICE2_DIR), "--num-tokens", "10", "20",
+                           "--output", str(out), "--output-json", str(report)]) == 0
+    assert "| fp32 | 2 | 1.2 |" in capsys.readouterr().out
+    assert set(json.loads(report.read_text())) == {"device", "results"}
+    assert sf.read(out)[0].size == 960 * 20
