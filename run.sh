@@ -62,8 +62,13 @@ REQUEST_TIMEOUT_S=${REQUEST_TIMEOUT_S:-0}
 # Admission by playback: a new request is refused at once (gRPC UNAVAILABLE "overloaded: ...", HTTP API 429, or
 # the next server behind the API's router) while a stream of this server has less than this many seconds of
 # audio buffered ahead of its listener. 0 (default): every request is admitted; set it from a GPU run
-# (docs/operations.md).
+# (docs/operations.md). It protects running streams but does not predict: MAX_STREAMS is the bound to set.
 ADMISSION_MIN_BUFFER_S=${ADMISSION_MIN_BUFFER_S:-0}
+# Stream cap: a new request (streaming or offline; offline ones are not counted) is refused the same way while
+# this server already sends this many streams. 0 (default): no cap. One H100 (CosyVoice2, 6 s replies) streamed
+# clean up to 6 at once and underran at 8; measure your GPU (docs/operations.md). Requests arriving within
+# the same few ms may both be refused when one place is left; the cap is never exceeded.
+MAX_STREAMS=${MAX_STREAMS:-0}
 # Requests that wait for a free BLS instance at most; one more is refused at once (gRPC UNAVAILABLE,
 # HTTP API 429 with Retry-After), so clients can go to another replica. 0 (default): no limit, requests
 # queue as in NVIDIA's runtime; no bound is the default until a GPU run shows one safe (docs/operations.md).
@@ -190,7 +195,7 @@ build_repository() {
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
     --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-warm-up "$BLS_WARM_UP" \
     --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --offline-bls-max-queue-ms "$OFFLINE_BLS_MAX_QUEUE_MS" \
-    --request-timeout-s "$REQUEST_TIMEOUT_S" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" \
+    --request-timeout-s "$REQUEST_TIMEOUT_S" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --max-streams "$MAX_STREAMS" \
     --offline-bls-max-queue-size "$OFFLINE_BLS_MAX_QUEUE_SIZE" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
     --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" \
     --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \

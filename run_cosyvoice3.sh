@@ -34,6 +34,7 @@ DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
 BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-10}      # the reference's
 BLS_MAX_QUEUE_SIZE=${BLS_MAX_QUEUE_SIZE:-0}   # 0: no limit
 BLS_MAX_QUEUE_MS=${BLS_MAX_QUEUE_MS:-0}       # ms a request may wait for an instance; 0: no limit
+MAX_STREAMS=${MAX_STREAMS:-0}                 # streams at most, past that refused at once; 0: no cap (run.sh)
 BLS_WARM_UP=${BLS_WARM_UP:-true}              # load the BLS's text front-end at start
 # Voices uploaded through the HTTP API (empty: <model dir>/voices). Give a CosyVoice2 deployment's
 # (its CosyVoice2-0.5B/voices) so that one API serves a voice with both models (docs/api.md).
@@ -98,7 +99,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   "$PY" -m cosyserve.serving.model_repository cosyvoice3 "$MODEL_REPO" --templates "$repo_root/model_repo" \
     --models-dir "$MODELS_DIR" --llm-engine "$LLM_ENGINE" --decoupled "$DECOUPLED_MODE" \
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
-    --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --bls-warm-up "$BLS_WARM_UP" --max-tokens "$MAX_TOKENS" \
+    --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --max-streams "$MAX_STREAMS" --bls-warm-up "$BLS_WARM_UP" --max-tokens "$MAX_TOKENS" \
     --min-tokens "$MIN_TOKENS" --max-batch-size "$TRITON_MAX_BATCH_SIZE" \
     --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --token2wav-dtype "$TOKEN2WAV_DTYPE" --voices-dir "$VOICES_DIR" > /dev/null \
     || die "Stage 2: could not build the model repository"

@@ -1,7 +1,8 @@
 """The API selects CosyVoice3 by the request's ``model`` (issue 20): a real CosyVoice3 Triton server
 (CPU, tiny bundle) behind ``python -m cosyserve.api --model-url cosyvoice3=...``, the default
 ``cosyvoice2`` model's server absent. A voice uploaded through the API serves CosyVoice3 from the
-shared voice store, with CosyVoice3's own features (``features.cosyvoice3.pt``)."""
+shared voice store, with CosyVoice3's own features (``features.cosyvoice3.pt``); ``instructions`` and a
+voice uploaded without a transcript reach the cosyvoice3 model as its instruct and cross-lingual modes."""
 
 from __future__ import annotations
 
@@ -60,18 +61,22 @@ def api(cv3_server, tiny_bundle: Path, voices: Path, tmp_path_factory):
     process.wait(timeout=30)
 
 
-def speech(api: str, model: str, voice: str) -> httpx.Response:
+def speech(api: str, model: str, voice: str, **fields) -> httpx.Response:
     return httpx.post(f"{api}/v1/audio/speech", timeout=300, json={
-        "model": model, "input": "今天天气不错，我们去散步吧。", "voice": voice, "response_format": "pcm"})
+        "model": model, "input": "今天天气不错，我们去散步吧。", "voice": voice, "response_format": "pcm", **fields})
+
+
+def upload(api: str, name: str, transcript: str | None = None, seed: int = 4) -> str:
+    out = io.BytesIO()
+    sf.write(out, synthetic_prompt_wave(2.0, 16000, seed=seed), 16000, format="WAV")
+    created = httpx.post(f"{api}/v1/audio/voices", timeout=60, files={"audio_sample": ("v.wav", out.getvalue())},
+                         data={"name": name, **({"transcript": transcript} if transcript is not None else {})})
+    assert created.status_code == 200, created.text
+    return created.json()["id"]
 
 
 def test_model_cosyvoice3_speaks_an_uploaded_voice(api, voices):
-    out = io.BytesIO()
-    sf.write(out, synthetic_prompt_wave(2.0, 16000, seed=4), 16000, format="WAV")
-    created = httpx.post(f"{api}/v1/audio/voices", timeout=60, files={"audio_sample": ("v.wav", out.getvalue())},
-                         data={"name": "narrator", "transcript": "希望你以后能够做的比我还好呦。"})
-    assert created.status_code == 200, created.text
-    voice = created.json()["id"]
+    voice = upload(api, "narrator", "希望你以后能够做的比我还好呦。")
     response = speech(api, "cosyvoice3", voice)
     assert response.status_code == 200, response.text
     audio = np.frombuffer(response.content, np.int16)
@@ -81,6 +86,25 @@ def test_model_cosyvoice3_speaks_an_uploaded_voice(api, voices):
 
     models = httpx.get(f"{api}/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in models] == ["cosyvoice2", "cosyvoice3"]
+
+
+def test_model_cosyvoice3_instruct_and_cross_lingual(api, voices):
+    """``instructions`` (CosyVoice3's instruct mode: the BLS's ``instruction`` input) and a voice uploaded
+    without a transcript (cross-lingual), alone and together: 960 samples per generated token."""
+    zero_shot = upload(api, "teller", "希望你以后能够做的比我还好呦。", seed=5)
+    bare = upload(api, "foreigner", seed=6)
+    assert httpx.get(f"{api}/v1/audio/voices/{bare}", timeout=10).json()["kind"] == "cross_lingual"
+    for voice, fields in [(zero_shot, {"instructions": "请用广东话表达。"}), (bare, {}),
+                          (bare, {"instructions": "You are a helpful assistant. 请用尽可能快地语速说一句话。<|endofprompt|>"})]:
+        response = speech(api, "cosyvoice3", voice, **fields)
+        assert response.status_code == 200, (voice, fields, response.text)
+        audio = np.frombuffer(response.content, np.int16)
+        assert audio.size == NUM_TOKENS * SAMPLES_PER_TOKEN and np.abs(audio).max() > 0, (voice, fields)
+    assert (voices / bare / "features.cosyvoice3.pt").exists()
+    # an instruction is one LLM prompt: longer than a segment, the BLS refuses it (400, its message)
+    response = speech(api, "cosyvoice3", zero_shot, instructions="慢" * 1001)
+    assert response.status_code == 400, response.text
+    assert "instruction has 1001 characters" in response.json()["error"]["message"]
 
 
 def test_clear_errors_per_model(api):

@@ -3,8 +3,10 @@
 The repository is what ``run_cosyvoice3.sh`` stage 2 builds (:class:`CosyVoice3Repository`): the
 ``cosyvoice3`` BLS with the reference's wire protocol, ``llm`` (our engine on the CosyVoice3 HF
 checkpoint), ``token2wav`` (DiT flow + causal HiFT, incremental), ``audio_tokenizer`` (v3) and
-``speaker_embedding``. A streamed request gives 960 samples per speech token; bad input gets a
-clear error and leaves no session open.
+``speaker_embedding``. A streamed request gives 960 samples per speech token, in zero-shot,
+instruct (``instruction`` input) and cross-lingual (a stored voice without transcript) mode alike;
+bad input gets a clear error and leaves no session open. (Which LLM prompt each mode makes:
+tests/test_cosyvoice3_prompt.py.)
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, assert_server
 pytest.importorskip("pytriton")
 
 from cosyserve.bundle import make_bundle, synthetic_prompt_wave  # noqa: E402
+from cosyserve.frontend.voice_store import VOICES_DIR, VoiceStore  # noqa: E402
+from cosyserve.runtime import COSYVOICE3_DIR  # noqa: E402
 from cosyserve.schedule import plan_chunks  # noqa: E402
 from cosyserve.serving.model_repository import CosyVoice3Repository, build  # noqa: E402
 
@@ -68,6 +72,8 @@ def test_streamed_request_gives_960_samples_per_token(server):
     ([], "no default speaker"),
     ([grpc_input("reference_wav", synthetic_prompt_wave(seconds=2.0)[None])], "needs reference_text"),
     (voice_inputs(seconds=0.1), "between 0.5 s and 30 s"),
+    (voice_inputs() + [grpc_input("instruction", " ")], "instruction is empty"),
+    ([grpc_input("instruction", "请用广东话表达。")], "no default speaker"),  # instruct still needs a voice
 ])
 def test_bad_input_gets_a_clear_error_and_the_server_stays_up(server, inputs, message):
     start = server.log_file.stat().st_size
@@ -80,6 +86,32 @@ def test_bad_input_gets_a_clear_error_and_the_server_stays_up(server, inputs, me
         stream.close()
     assert sum(c.size for c in stream_tts(server, voice_inputs() + [grpc_input("target_text", "你好。")]
                                           + token_limits(5), MODEL)) == 5 * SAMPLES_PER_TOKEN
+    assert_server_idle(server, start)
+
+
+def test_instruct_and_cross_lingual_requests_give_960_samples_per_token(server, models):
+    """Instruct (``instruction``, with a clip or a stored voice, as an instruction or upstream's full
+    instruct string) and cross-lingual (a voice stored without transcript, as the HTTP API uploads one):
+    the LLM prompt differs, the audio is the same contract as zero-shot."""
+    start = server.log_file.stat().st_size
+    store = VoiceStore(models / COSYVOICE3_DIR / VOICES_DIR)  # the BLS's voices_dir (empty: <model_dir>/voices)
+    bare = store.create("bare", synthetic_prompt_wave(2.0, seed=3), None)
+    num_tokens = 20
+    target = [grpc_input("target_text", "今天天气不错，我们去散步吧。")] + token_limits(num_tokens)
+    cases = {
+        "instruct, reference clip": voice_inputs() + [grpc_input("instruction", "请用广东话表达。")],
+        "instruct, stored voice, upstream's string": [
+            grpc_input("speaker_id", bare.id),
+            grpc_input("instruction", "You are a helpful assistant. 请用尽可能快地语速说一句话。<|endofprompt|>")],
+        "cross-lingual, stored voice": [grpc_input("speaker_id", bare.id)],
+    }
+    for mode, inputs in cases.items():
+        chunks = stream_tts(server, inputs + target, MODEL)
+        assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * num_tokens, mode
+        assert len(chunks) == len(plan_chunks(num_tokens)), mode
+        audio = np.concatenate(chunks)
+        assert np.isfinite(audio).all() and np.abs(audio).max() > 0, mode
+    assert (store.root / bare.id / "features.cosyvoice3.pt").exists()  # CosyVoice3 features, computed by the BLS and saved
     assert_server_idle(server, start)
 
 

@@ -7,6 +7,7 @@ of plain text and the names of the 260 phone tokens (ids 151664..151923), which 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerFast
 
@@ -98,6 +99,78 @@ def test_cosyvoice3_prompt_table(cv3_tokenizer):
     # The cached per-voice prefix is the head of the zero-shot prompt.
     prefix = build_prefix_ids(cv3_tokenizer, PROMPT_TEXT, COSYVOICE3)
     assert prefix == [sos, *text(SYSTEM), ENDOFPROMPT_ID, *text(PROMPT_TEXT)]
+
+
+class RecordingLLM:
+    """A :class:`~cosyserve.pipeline.tts.SpeechTokenSource` that records each prompt and yields tokens 0, 1, ..."""
+
+    def __init__(self):
+        self.prompts: list[list[int]] = []
+
+    def generate(self, prompt_ids, request_id, limits):
+        self.prompts.append(list(prompt_ids))
+        return iter([list(range(limits.max_tokens))])
+
+    def cancel(self, request_id):
+        pass
+
+
+class SilentToken2Wav:
+    """Records the voice token2wav is conditioned on; 960 zero samples per token."""
+
+    def __init__(self):
+        self.voices = []
+
+    def offline(self, request_id, tokens, voice):
+        self.voices.append(voice)
+        return np.zeros(960 * len(tokens), np.float32)
+
+
+def test_cosyvoice3_bls_pipeline_sends_each_modes_prompt(cv3_tokenizer):
+    """What the cosyvoice3 BLS's pipeline (``TTSPipeline`` with the CosyVoice3 layout, as
+    ``CosyVoice3BLS.build_pipeline`` makes it) sends the LLM for a request of each mode: the ids of the
+    table above. Instruct drops the voice's transcript and prompt speech tokens from the LLM prompt (as
+    CosyVoice2's instruct mode and upstream's ``inference_instruct2``); token2wav keeps the voice in
+    every mode."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from cosyserve.pipeline.tts import TokenLimits, TTSPipeline, TTSRequest, Voice
+
+    sos, task, speech0 = 158485, 158487, 151924
+    features = SimpleNamespace(speech_tokens=torch.tensor(SPEECH, dtype=torch.int32))
+    clip = Voice(PROMPT_TEXT, features)  # a reference clip with its transcript
+    stored_bare = Voice("", features, "voice_" + "0" * 32, cross_lingual=True)  # stored without transcript
+
+    def text(value: str) -> list[int]:
+        return encode(cv3_tokenizer, value)
+
+    table = {
+        "zero-shot": (dict(voice=clip),
+                      [sos, *text(SYSTEM), ENDOFPROMPT_ID, *text(PROMPT_TEXT + TARGET), task,
+                       *(speech0 + k for k in SPEECH)]),
+        "cross-lingual": (dict(voice=stored_bare), [sos, *text(SYSTEM), ENDOFPROMPT_ID, *text(TARGET), task]),
+        "instruct, clip with transcript": (
+            dict(voice=clip, instruction="请用广东话表达。"),
+            [sos, *text(f"{SYSTEM} 请用广东话表达。"), ENDOFPROMPT_ID, *text(TARGET), task]),
+        "instruct, cross-lingual voice, upstream's string": (
+            dict(voice=stored_bare, instruction=f"{SYSTEM} 请用广东话表达。{ENDOFPROMPT}"),
+            [sos, *text(f"{SYSTEM} 请用广东话表达。"), ENDOFPROMPT_ID, *text(TARGET), task]),
+    }
+    llm, token2wav = RecordingLLM(), SilentToken2Wav()
+    pipeline = TTSPipeline(cv3_tokenizer, llm, token2wav, layout=COSYVOICE3)
+    for mode, (kwargs, expected) in table.items():
+        request = TTSRequest(mode, TARGET, kwargs["voice"], TokenLimits(3, 3), text_frontend=False,
+                             instruction=kwargs.get("instruction"))
+        assert pipeline.synthesize(request).size == 3 * 960, mode
+        assert llm.prompts[-1] == expected, mode
+        assert token2wav.voices[-1] is kwargs["voice"], mode
+    for bad in ("", " "):
+        with pytest.raises(InvalidInputError, match="instruction is empty"):
+            pipeline.synthesize(TTSRequest("e", TARGET, clip, TokenLimits(3, 3), instruction=bad))
+    with pytest.raises(InvalidInputError, match="instruction has"):
+        pipeline.synthesize(TTSRequest("long", TARGET, clip, TokenLimits(3, 3), instruction="x" * 100_000))
 
 
 def test_cosyvoice2_prompt_table_unchanged(cv2_tokenizer):

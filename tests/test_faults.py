@@ -398,15 +398,32 @@ def test_a_request_past_its_timeout_fails_alone_and_releases_what_it_held(timeou
 ADMISSION_MIN_BUFFER_S = 1000  # more than any stream buffers: while one streams, every new request is refused
 
 
-@pytest.fixture(scope="module")
-def admission_server(tiny_bundle: Path, tmp_path_factory):
-    """Two streaming BLS instances and one offline, admitting requests only while every stream of the
-    server has ADMISSION_MIN_BUFFER_S of audio buffered (run.sh's ADMISSION_MIN_BUFFER_S)."""
-    work = tmp_path_factory.mktemp("admission_server")
+def one_stream_refused(server):
+    """A new stream's first answer: (result, error, seconds it took)."""
+    refused = Stream(server.grpc_url)
+    started = time.monotonic()
+    refused.send("cosyvoice2", [grpc_input("target_text", "好")])
+    result, error = refused.next(timeout_s=30)
+    waited = time.monotonic() - started
+    refused.close()
+    return result, error, waited
+
+
+def serve_admitting(tiny_bundle: Path, tmp_path_factory, name: str, **admission):
+    """A server of two streaming BLS instances and one offline under the ``admission`` settings."""
+    work = tmp_path_factory.mktemp(name)
     repo = build(CosyVoice2Repository(
         tiny_bundle, device="cpu", bls_instances=2, offline_bls_instances=1, max_tokens=NUM_TOKENS,
-        min_tokens=NUM_TOKENS, admission_min_buffer_s=ADMISSION_MIN_BUFFER_S), work / "repo")
+        min_tokens=NUM_TOKENS, **admission), work / "repo")
     yield from serve_repo(repo, work)
+
+
+@pytest.fixture(scope="module")
+def admission_server(tiny_bundle: Path, tmp_path_factory):
+    """Admitting requests only while every stream of the server has ADMISSION_MIN_BUFFER_S of audio
+    buffered (run.sh's ADMISSION_MIN_BUFFER_S)."""
+    yield from serve_admitting(tiny_bundle, tmp_path_factory, "admission_server",
+                               admission_min_buffer_s=ADMISSION_MIN_BUFFER_S)
 
 
 def test_while_a_stream_runs_short_of_audio_new_requests_are_refused_at_once(admission_server):
@@ -419,12 +436,7 @@ def test_while_a_stream_runs_short_of_audio_new_requests_are_refused_at_once(adm
     before = metrics(server.metrics_port)
     running = streaming_long_request(server)
     try:
-        refused = Stream(server.grpc_url)
-        started = time.monotonic()
-        refused.send("cosyvoice2", [grpc_input("target_text", "好")])
-        result, error = refused.next(timeout_s=30)
-        waited = time.monotonic() - started
-        refused.close()
+        result, error, waited = one_stream_refused(server)
         assert result is None and "overloaded: a stream on this server has" in str(error), (result, error)
         assert waited < 1.0, waited
         with pytest.raises(InferenceServerException, match="overloaded: ") as refusal:
@@ -438,6 +450,59 @@ def test_while_a_stream_runs_short_of_audio_new_requests_are_refused_at_once(adm
     after = metrics(server.metrics_port)
     assert after["cosyserve_bls_requests_refused_total"] - before.get("cosyserve_bls_requests_refused_total", 0) == 2
     assert after["cosyserve_bls_requests_admitted_total"] - before.get("cosyserve_bls_requests_admitted_total", 0) == 2
+    client.close()
+
+
+# ----- a cap on streams ---------------------------------------------------------------------------
+
+MAX_STREAMS = 1
+STREAM_CAP_REFUSAL = "overloaded: this server is sending 1 streams, its limit of 1 (max_streams)"
+
+
+@pytest.fixture(scope="module")
+def stream_cap_server(tiny_bundle: Path, tmp_path_factory):
+    """Admitting a request only while the server sends fewer than MAX_STREAMS streams (run.sh's
+    MAX_STREAMS)."""
+    yield from serve_admitting(tiny_bundle, tmp_path_factory, "stream_cap_server", max_streams=MAX_STREAMS)
+
+
+def test_past_max_streams_new_requests_are_refused_at_once(stream_cap_server):
+    """An offline request in flight is not a stream: a stream is served meanwhile. Then, while one
+    stream runs, a second stream and an offline request, though instances are free, are refused at
+    once with UNAVAILABLE "overloaded: ... (max_streams); retry after N ms" (the HTTP API: 429; its
+    router: the next server); the running stream goes on, and once it has ended both are served.
+    The BLS counts admitted and refused requests."""
+    server = stream_cap_server
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    before = metrics(server.metrics_port)
+    offline = fill_to_capacity(server, "cosyvoice2_offline", OFFLINE_INSTANCES, 0, LONG_TOKENS)
+    try:
+        assert short_stream(server) == NUM_TOKENS * 960
+    finally:
+        for stream in offline:
+            stream.close(cancel=True)
+    assert_idle_and_alive(server)
+
+    running = streaming_long_request(server)
+    try:
+        result, error, waited = one_stream_refused(server)
+        assert result is None and STREAM_CAP_REFUSAL in str(error), (result, error)
+        assert re.search(r"retry after \d+ ms", str(error)), error
+        assert waited < 1.0, waited
+        started = time.monotonic()
+        with pytest.raises(InferenceServerException, match=re.escape(STREAM_CAP_REFUSAL)) as refusal:
+            client.infer("cosyvoice2_offline", [grpc_input("target_text", "好")])
+        assert refusal.value.status() == "StatusCode.UNAVAILABLE" and time.monotonic() - started < 1.0
+        assert first_chunk(running).size > 0  # the running stream goes on
+    finally:
+        running.close(cancel=True)
+    assert_idle_and_alive(server)
+    assert short_stream(server) == NUM_TOKENS * 960
+    short = [grpc_input("target_text", "好"), *token_limits(NUM_TOKENS)]
+    assert client.infer("cosyvoice2_offline", short).as_numpy("waveform").size == NUM_TOKENS * 960
+    after = metrics(server.metrics_port)
+    assert after["cosyserve_bls_requests_refused_total"] - before.get("cosyserve_bls_requests_refused_total", 0) == 2
+    assert after["cosyserve_bls_requests_admitted_total"] - before.get("cosyserve_bls_requests_admitted_total", 0) == 5
     client.close()
 
 

@@ -65,3 +65,19 @@ def test_command_line_refuses_a_bad_flag_value(tmp_path):
                            "--models-dir", "/m", "--decoupled", "maybe"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "expected True or False, got 'maybe'" in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_the_stream_cap_reaches_every_streaming_bls(tmp_path):
+    """MAX_STREAMS (max_streams) is a parameter of each BLS model, the offline twin's too (the
+    offline requests obey the cap); 0, the default, is no cap; a negative cap is refused."""
+    from cosyserve.serving.model_repository import CosyVoice3Repository
+
+    cv2 = build(CosyVoice2Repository(Path("/m"), max_streams=6), tmp_path / "cv2")
+    assert parameter(cv2, "cosyvoice2", "max_streams") == parameter(cv2, "cosyvoice2_offline", "max_streams") == "6"
+    assert parameter(build(CosyVoice2Repository(Path("/m")), tmp_path / "off"), "cosyvoice2", "max_streams") == "0"
+    dit = build(DitRepository(Path("/d"), Path("/c"), Path("/l"), "u", max_streams=3), tmp_path / "dit")
+    assert parameter(dit, "cosyvoice2_dit", "max_streams") == "3"
+    cv3 = build(CosyVoice3Repository(Path("/m"), max_streams=2), tmp_path / "cv3")
+    assert parameter(cv3, "cosyvoice3", "max_streams") == "2"
+    with pytest.raises(ValueError, match="max_streams is 0"):
+        build(CosyVoice2Repository(Path("/m"), max_streams=-1), tmp_path / "bad")

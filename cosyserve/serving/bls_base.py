@@ -35,7 +35,7 @@ from ..llm.sampling import REFERENCE_SAMPLING
 from ..pipeline.local import LocalSpeechTokens
 from ..pipeline.tts import TokenLimits, VoiceResolver, validate_text, with_timeout
 from ..runtime import SPK2INFO
-from .playback_board import PlaybackBoard
+from .playback_board import Admission, PlaybackBoard
 from .settings import BlsSettings
 from .triton_utils import (FINAL, Metric, error_response, limit_torch_threads, model_settings, optional_input,
                            optional_scalar, optional_text, raise_response_error, reference_wav, tensor)
@@ -147,13 +147,15 @@ class TTSBLS(ABC):
         self.stall_s = Metric("cosyserve_bls_stream_stall_seconds", "playback stalls of those underruns, in seconds",
                               config["name"], kind="counter")
         # Admission: every instance publishes its stream's playback end on the server's board; a new
-        # request is refused while some stream has less than admission_min_buffer_s of audio left.
+        # request is refused while the server already sends max_streams streams, or while some stream
+        # has less than admission_min_buffer_s of audio left.
         self.board = PlaybackBoard()
-        self.admission_min_buffer_s = settings.admission_min_buffer_s
+        self.admission = Admission(self.board, settings.max_streams, settings.admission_min_buffer_s)
         self.admitted = Metric("cosyserve_bls_requests_admitted", "requests an instance took and started",
                                config["name"], kind="counter")
-        self.refused = Metric("cosyserve_bls_requests_refused", "requests refused because a stream of this server "
-                              "had less than admission_min_buffer_s of audio buffered", config["name"], kind="counter")
+        self.refused = Metric("cosyserve_bls_requests_refused", "requests refused because this server was sending "
+                              "max_streams streams or a stream of it had less than admission_min_buffer_s of audio "
+                              "buffered", config["name"], kind="counter")
 
     @abstractmethod
     def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry):
@@ -201,15 +203,14 @@ class TTSBLS(ABC):
     def _parse(self, request):
         return self.build_request(parse_tts_inputs(request, self.limits, self.pipeline.max_text_chars))
 
-    def _admit(self) -> None:
-        """Raise CapacityError ("overloaded: ...") while a stream of this server runs short of audio."""
-        threshold = self.admission_min_buffer_s
-        least = self.board.least_buffered(time.monotonic()) if threshold > 0 else None
-        if least is not None and least < threshold:
+    def _admit(self, stream: bool) -> None:
+        """Raise CapacityError ("overloaded: ...") when the server cannot take this request now
+        (:meth:`~cosyserve.serving.playback_board.Admission.admit`), counting the decision."""
+        try:
+            self.admission.admit(stream)
+        except CapacityError:
             self.refused.increment()
-            raise CapacityError(f"overloaded: a stream on this server has {least:.2f} s of audio buffered, under the "
-                                f"{threshold:g} s it keeps for every stream (admission_min_buffer_s); retry after "
-                                f"{max(100, round(1000 * (threshold - least)))} ms")
+            raise
         self.admitted.increment()
 
     def _stream(self, request) -> None:
@@ -218,7 +219,7 @@ class TTSBLS(ABC):
         try:
             # closed here, on an error too: its clean-up makes BLS calls, which only work inside execute
             is_cancelled = with_timeout(sender.is_cancelled, self.request_timeout_s)
-            self._admit()
+            self._admit(stream=True)
             playback = Playback()
             with closing(self.pipeline.stream(self._parse(request), is_cancelled)) as chunks:
                 for chunk in chunks:
@@ -244,7 +245,7 @@ class TTSBLS(ABC):
     def _offline(self, request):
         try:
             is_cancelled = with_timeout(request.is_cancelled, self.request_timeout_s)
-            self._admit()
+            self._admit(stream=False)
             waveform = self.pipeline.synthesize(self._parse(request), is_cancelled)
             response = pb_utils.InferenceResponse(output_tensors=[tensor("waveform", waveform)])
         except Exception as exc:

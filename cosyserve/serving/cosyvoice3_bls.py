@@ -14,6 +14,23 @@ transcript alone, so two voices with one transcript collide there; not here. Or 
 names a voice uploaded through the HTTP API (``voices_dir``, shared with a CosyVoice2 server: the
 clip is one, the features are CosyVoice3's own, in ``features.cosyvoice3.pt``).
 
+Modes (LLM prompt forms of ``cosyvoice3_llm_layout.md`` §4.2, built by
+:func:`~cosyserve.llm.prompt.build_prompt_ids` with :data:`~cosyserve.llm.prompt.COSYVOICE3`; the
+voice conditions token2wav in every mode):
+
+* zero-shot (a clip with its transcript, or a stored voice with one):
+  ``<|sos|>{system}{prompt_text}{target_text}<|task_id|>`` + the prompt speech tokens;
+* cross-lingual (a stored voice without transcript): ``<|sos|>{system}{target_text}<|task_id|>``;
+* instruct (the optional ``instruction`` BYTES input, as CosyVoice2's; any voice):
+  ``<|sos|>You are a helpful assistant. {instruction}<|endofprompt|>{target_text}<|task_id|>``, or
+  ``<|sos|>{instruction}{target_text}<|task_id|>`` where the instruction carries its own
+  ``<|endofprompt|>`` (upstream's instruct strings). The voice's transcript and prompt speech tokens stay
+  out of the LLM prompt, as upstream's ``inference_instruct2``. An empty instruction, or one longer than
+  a segment (1000 characters), is an error of that request.
+
+``{system}`` is ``You are a helpful assistant.<|endofprompt|>`` unless the text already carries
+``<|endofprompt|>``. The reference's BLS serves zero-shot only.
+
 Back ends, all BLS requests (the orchestration is :class:`~cosyserve.pipeline.tts.TTSPipeline`
 with the CosyVoice3 prompt layout):
 

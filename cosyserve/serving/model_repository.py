@@ -33,12 +33,13 @@ from .settings import BlsSettings, Cv3Token2WavSettings, FrontendSettings, LLMSe
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
 # Parameters that repositories filled with the keys of NVIDIA's runtime (which has none of them)
 # leave empty: llm_protocol / llm_url of cosyvoice2 (by llm_model_name / a Triton LLM model),
-# bls_warm_up (on), request_timeout_s (no limit) and mps_thread_percentage / mps_priority (no cap,
-# normal priority); max_queue_size and queue_timeout_microseconds 0 are no limit.
+# bls_warm_up (on), request_timeout_s (no limit), admission_min_buffer_s and max_streams (off) and
+# mps_thread_percentage / mps_priority (no cap, normal priority); max_queue_size and
+# queue_timeout_microseconds 0 are no limit.
 DEFAULTS = {"max_queue_size": "0", "queue_timeout_microseconds": "0", "max_queue_delay_microseconds": "0",
             "llm_protocol": "", "llm_url": "",
-            "bls_warm_up": "", "request_timeout_s": "", "admission_min_buffer_s": "", "mps_thread_percentage": "",
-            "mps_priority": ""}
+            "bls_warm_up": "", "request_timeout_s": "", "admission_min_buffer_s": "", "max_streams": "",
+            "mps_thread_percentage": "", "mps_priority": ""}
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 
 
@@ -138,6 +139,9 @@ class CosyVoice2Repository:
     bls_warm_up: str = parameter_value(BlsSettings.warm_up)    # BLS_WARM_UP
     request_timeout_s: float = BlsSettings.request_timeout_s   # REQUEST_TIMEOUT_S
     admission_min_buffer_s: float = BlsSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S
+    # Streams the server sends at most; a new request past that is refused at once ("overloaded:
+    # ..."); 0: no cap.
+    max_streams: int = BlsSettings.max_streams                 # MAX_STREAMS
     max_batch_size: int = Token2WavSettings.max_batch          # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
     token2wav_dtype: str = Token2WavSettings.dtype             # TOKEN2WAV_*
@@ -196,7 +200,8 @@ class CosyVoice2Repository:
                "llm_model_name": llm_model, "llm_protocol": self.llm_protocol, "llm_url": self.llm_url,
                "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
                "bls_warm_up": self.bls_warm_up, "request_timeout_s": parameter_value(self.request_timeout_s),
-               "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s)}
+               "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s),
+               "max_streams": _max_streams(self.max_streams)}
         models["cosyvoice2"] = ModelEntry("cosyvoice2", {
             **bls, "bls_instance_num": str(self.bls_instances), "decoupled_mode": str(self.decoupled),
             **_queue_policy(self.bls_max_queue_size, self.bls_instances, self.bls_max_queue_ms)})
@@ -220,6 +225,12 @@ def _queue_policy(size: int | None, instances: int, max_wait_ms: float) -> dict[
     return {"max_queue_size": str(size), "queue_timeout_microseconds": str(round(max_wait_ms * 1000))}
 
 
+def _max_streams(cap: int) -> str:
+    if cap < 0:
+        raise ValueError(f"max_streams is 0 (no cap) or more streams, got {cap}")
+    return str(cap)
+
+
 @dataclass(frozen=True)
 class DitRepository:
     """What ``run_stepaudio2_dit_token2wav.sh`` stage 2 builds (its variables in the comments)."""
@@ -235,6 +246,7 @@ class DitRepository:
     bls_instances: int = 4                                     # BLS_INSTANCE_NUM
     max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
     min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
+    max_streams: int = BlsSettings.max_streams                 # MAX_STREAMS (0: no cap)
     max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
 
@@ -246,6 +258,7 @@ class DitRepository:
                 **common, "model_dir": str(self.cosyvoice2_dir), "llm_tokenizer_dir": str(self.llm_dir),
                 "llm_url": self.llm_url, "llm_model": self.llm_model, "streaming_strategy": self.streaming_strategy,
                 "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
+                "max_streams": _max_streams(self.max_streams),
                 "bls_instance_num": str(self.bls_instances), "decoupled_mode": str(self.decoupled)}),
             "token2wav_dit": ModelEntry("token2wav_dit", {
                 **common, "model_dir": str(self.dit_model_dir), "spk2info": f"{self.cosyvoice2_dir}/spk2info.pt",
@@ -272,6 +285,7 @@ class CosyVoice3Repository:
     bls_max_queue_ms: float = 0                                # BLS_MAX_QUEUE_MS
     max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
     min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
+    max_streams: int = BlsSettings.max_streams                 # MAX_STREAMS (0: no cap)
     bls_warm_up: str = parameter_value(BlsSettings.warm_up)    # BLS_WARM_UP
     max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
@@ -287,6 +301,7 @@ class CosyVoice3Repository:
                 "model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
                 "llm_tokenizer_dir": llm_dir, "llm_model_name": "llm", "streaming_strategy": self.streaming_strategy,
                 "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
+                "max_streams": _max_streams(self.max_streams),
                 "bls_warm_up": self.bls_warm_up, "bls_instance_num": str(self.bls_instances),
                 "decoupled_mode": str(self.decoupled), "voices_dir": self.voices_dir,
                 **_queue_policy(self.bls_max_queue_size, self.bls_instances, self.bls_max_queue_ms)}),

@@ -189,6 +189,8 @@ class BlsSettings:
     # refuse a new request while a stream of this server has less audio buffered ahead of its
     # listener than this many seconds (0: admit every request); PlaybackBoard
     admission_min_buffer_s: float = 0.0
+    # refuse a new request while this server already sends this many streams (0: no cap); PlaybackBoard
+    max_streams: int = 0
 
 
 @dataclass(frozen=True)
