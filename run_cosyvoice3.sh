@@ -46,6 +46,9 @@ MIN_TOKENS=${MIN_TOKENS:-0}
 TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-1}    # the reference's
 MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
 TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # the DiT flow: auto (float32) | bfloat16 | float16 | float32
+# Streaming flow: true = incremental (block-masked DiT, only the new frames); false = the reference's
+# full-attention re-run over the whole prefix every chunk (docs/benchmarks.md compares them)
+TOKEN2WAV_INCREMENTAL_STREAM=${TOKEN2WAV_INCREMENTAL_STREAM:-true}
 HTTP_PORT=${HTTP_PORT:-18000}                 # the reference's Triton ports
 GRPC_PORT=${GRPC_PORT:-18001}
 METRICS_PORT=${METRICS_PORT:-18002}
@@ -101,7 +104,8 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
     --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --max-streams "$MAX_STREAMS" --bls-warm-up "$BLS_WARM_UP" --max-tokens "$MAX_TOKENS" \
     --min-tokens "$MIN_TOKENS" --max-batch-size "$TRITON_MAX_BATCH_SIZE" \
-    --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --token2wav-dtype "$TOKEN2WAV_DTYPE" --voices-dir "$VOICES_DIR" > /dev/null \
+    --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --token2wav-dtype "$TOKEN2WAV_DTYPE" \
+    --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" --voices-dir "$VOICES_DIR" > /dev/null \
     || die "Stage 2: could not build the model repository"
 fi
 

@@ -68,6 +68,24 @@ def test_streamed_request_gives_960_samples_per_token(server):
     assert_server_idle(server, start)
 
 
+@pytest.fixture(scope="module")
+def rerun_server(tmp_path_factory, models):
+    """TOKEN2WAV_INCREMENTAL_STREAM=false: the reference's full-attention flow re-run every chunk."""
+    work = tmp_path_factory.mktemp("cv3_rerun")
+    repo = build(CosyVoice3Repository(models, device="cpu", bls_instances=1, bls_warm_up="false",
+                                      token2wav_incremental_stream="false"), work / "repo")
+    yield from serve_repo(repo, work)
+
+
+def test_the_reference_re_run_streams_960_samples_per_token(rerun_server):
+    start = rerun_server.log_file.stat().st_size
+    chunks = stream_tts(rerun_server, voice_inputs() + [grpc_input("target_text", "今天天气不错，我们去散步吧。")]
+                        + token_limits(60), MODEL)
+    assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * 60 and len(chunks) == len(plan_chunks(60))
+    assert np.isfinite(np.concatenate(chunks)).all()
+    assert_server_idle(rerun_server, start)
+
+
 @pytest.mark.parametrize("inputs, message", [
     ([], "no default speaker"),
     ([grpc_input("reference_wav", synthetic_prompt_wave(seconds=2.0)[None])], "needs reference_text"),

@@ -2,7 +2,8 @@
 
 Streaming through the pipeline's chunk schedule gives 960 samples per token and equals the
 block-masked flow run once over all tokens then vocoded in one call (what the incremental streams
-compute chunk by chunk); sessions close on finalize, cancel, error and idle.
+compute chunk by chunk), or, with ``incremental=False``, the reference's full-attention re-runs over
+each prefix; sessions close on finalize, cancel, error and idle.
 """
 
 from __future__ import annotations
@@ -83,6 +84,31 @@ def test_streaming_gives_960_samples_per_token_and_equals_one_block_masked_pass(
         whole = t2w.hift.inference(mel, finalize=True)[0].reshape(-1).numpy()
     assert rel_l2(np.concatenate(chunks), whole) < 1e-2
     assert np.abs(np.concatenate(chunks)).max() <= 0.99 + 1e-6
+
+
+@pytest.mark.parametrize("n", [10, 60])
+def test_the_reference_re_run_streams_its_full_attention_prefix_passes(model_dir, voice, n):
+    """incremental=False: each step re-runs the full-attention flow over every token so far and sends
+    the frames after those already sent, as the reference Triton runtime does; vocoded once, those
+    frames give the stream's audio (960 samples per token)."""
+    t2w = load_cosyvoice3_token2wav(model_dir, incremental=False)
+    ids = tokens(n, seed=n + 1)
+    chunks = stream(t2w, f"rerun{n}", ids, voice)
+    assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * n and t2w.open_sessions == 0
+    f = voice.features
+    prompt = (f.speech_tokens.reshape(1, -1).long(), f.speech_feat.reshape(1, -1, 80), f.embedding.reshape(1, -1))
+    scheduler, pieces, sent = ChunkScheduler("exponential"), [], 0
+    plan = []
+    while (chunk := scheduler.next_chunk(len(ids))) is not None:
+        plan.append((chunk.num_tokens, False))
+    plan.append((len(ids), True))
+    with torch.inference_mode():
+        for count, finalize in plan:
+            mel = t2w.flow.inference(torch.tensor([ids[:count]]), *prompt, streaming=False, finalize=finalize)
+            pieces.append(mel[:, :, sent:])
+            sent = max(sent, mel.shape[2])
+        whole = t2w.hift.inference(torch.cat(pieces, dim=2), finalize=True)[0].reshape(-1).numpy()
+    assert rel_l2(np.concatenate(chunks), whole) < 1e-2
 
 
 def test_offline_is_the_full_attention_pass(t2w, voice):

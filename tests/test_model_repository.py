@@ -81,3 +81,17 @@ def test_the_stream_cap_reaches_every_streaming_bls(tmp_path):
     assert parameter(cv3, "cosyvoice3", "max_streams") == "2"
     with pytest.raises(ValueError, match="max_streams is 0"):
         build(CosyVoice2Repository(Path("/m"), max_streams=-1), tmp_path / "bad")
+
+
+def test_cosyvoice3_token2wav_takes_the_streaming_flow_mode(tmp_path):
+    """TOKEN2WAV_INCREMENTAL_STREAM reaches CosyVoice3's token2wav (true by default: the block-masked
+    incremental flow; false: the reference's full-attention re-run) and reads back as its setting."""
+    from cosyserve.serving.model_repository import CosyVoice3Repository
+    from cosyserve.serving.settings import Cv3Token2WavSettings, parse_settings
+
+    default = build(CosyVoice3Repository(Path("/m")), tmp_path / "on")
+    rerun = build(CosyVoice3Repository(Path("/m"), token2wav_incremental_stream="false"), tmp_path / "off")
+    assert parameter(default, "token2wav", "incremental_stream") == "true"
+    assert parameter(rerun, "token2wav", "incremental_stream") == "false"
+    settings = parse_settings(Cv3Token2WavSettings, {"model_dir": "/m", "incremental_stream": "false"})
+    assert settings.incremental_stream is False

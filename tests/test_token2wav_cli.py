@@ -72,6 +72,18 @@ def test_cosyvoice3_gives_960_samples_per_token(cv3_bundle, prompt, tmp_path, ca
     assert np.isfinite(wave).all() and np.abs(wave).max() > 0
 
 
+def test_the_reference_re_run_is_a_variant_compared_with_the_incremental_flow(cv3_bundle, prompt, tmp_path):
+    """``fp32,fp32+rerun``: the second row streams with the reference's full-attention re-run and
+    reports its rel-L2 against the incremental block-masked stream; both give 960 samples per token."""
+    report = tmp_path / "report.json"
+    assert token2wav.main(_cv3_args(cv3_bundle, prompt, "--num-tokens", "60", "--mode", "streaming",
+                                    "--variants", "fp32,fp32+rerun", "--output-json", str(report))) == 0
+    results = json.loads(report.read_text())["results"]
+    assert results["fp32"]["samples"] == results["fp32+rerun"]["samples"] == [960 * 60]
+    assert results["fp32"]["rel_l2_vs_first"] == 0
+    assert 0 < results["fp32+rerun"]["rel_l2_vs_first"] < float("inf")
+
+
 @pytest.mark.parametrize("n", [1, 17, 18, 43, 60])
 def test_streaming_steps_are_the_bls_chunks_and_total_960_per_token(loaded, n):
     t2w, voice = loaded
@@ -104,7 +116,7 @@ def test_bad_token_id_is_a_clear_error(cv3_bundle, prompt, loaded, tmp_path, cap
 
 
 @pytest.mark.parametrize("extra, message", [
-    (("--variants", "fp16+graphs"), "flow dtypes only"),
+    (("--variants", "fp16+graphs"), "takes flow dtypes"),
     (("--model-dir", "{cv2}"), "holds no cosyvoice3.yaml"),
     (("--reference-audio", "{missing}"), "does not exist"),
 ])

@@ -16,9 +16,12 @@ offline or streamed in the ``cosyvoice3`` BLS's chunks, timed per flow dtype.
   Each step sends all tokens so far, the last one with ``finalize``; the pieces are the new samples.
 
 Both modes give 960 samples per token (2 mel frames x 480 samples). A variant is a flow dtype
-(``fp32``, ``fp16``, ``bf16``; the causal HiFT stays float32); the first run of each is an untimed
-warm-up whose audio is compared with the first variant's (rel-L2; nothing random is drawn, so
-fp32 against itself is 0).
+(``fp32``, ``fp16``, ``bf16``; the causal HiFT stays float32), with ``+rerun`` for the streaming
+flow of the reference runtime (full attention over the whole prefix every chunk, the
+``token2wav`` model's ``incremental_stream=false``) instead of the incremental block-masked one;
+the first run of each is an untimed warm-up whose audio is compared with the first variant's
+(rel-L2; nothing random is drawn, so fp32 against itself is 0, and ``fp32,fp32+rerun`` gives the
+distance between the two streaming flows).
 """
 
 from __future__ import annotations
@@ -91,13 +94,18 @@ def load_cosyvoice3_voice(model_dir: str | Path, reference_audio, reference_text
     return Voice("", features, cross_lingual=True, reference_wav16=wav16)
 
 
+RERUN = "+rerun"  # a variant's suffix: the reference's re-run streaming flow
+
+
 def parse_dtype_variants(specs: str) -> list[str]:
-    """``fp32,fp16`` -> dtype names. CosyVoice2's ``+graphs``/``+batchN``... do not apply here."""
+    """``fp32,fp32+rerun,bf16`` -> variant names (a flow dtype, optionally ``+rerun``). CosyVoice2's
+    ``+graphs``/``+batchN``... do not apply here."""
     names = [spec.strip() for spec in specs.split(",") if spec.strip()]
     for name in names:
-        if name not in DTYPES:
-            raise InvalidInputError(f"variant {name!r}: --model cosyvoice3 takes flow dtypes only "
-                                    f"({', '.join(DTYPES)}); CUDA graphs, incremental and batchN are CosyVoice2's")
+        if name.removesuffix(RERUN) not in DTYPES:
+            raise InvalidInputError(f"variant {name!r}: --model cosyvoice3 takes flow dtypes ({', '.join(DTYPES)}), "
+                                    f"each optionally with {RERUN}; CUDA graphs, incremental and batchN are "
+                                    "CosyVoice2's")
     if not names:
         raise InvalidInputError("no variants given")
     return names
@@ -179,7 +187,8 @@ def _one_run(t2w: CosyVoice3Token2Wav, tokens: Sequence[torch.Tensor], voice: Vo
 def run_variant(name: str, model_dir: Path, tokens: Sequence[torch.Tensor], voice: Voice, *, device: torch.device,
                 mode: str, strategy: str, runs: int, reference: np.ndarray | None) -> VariantRun:
     """Load the model in the variant's dtype, one warm-up (its audio is the check), ``runs`` timed runs."""
-    t2w = load_cosyvoice3_token2wav(model_dir, device, DTYPES[name])
+    t2w = load_cosyvoice3_token2wav(model_dir, device, DTYPES[name.removesuffix(RERUN)],
+                                    incremental=not name.endswith(RERUN))
     try:
         _, warm = _one_run(t2w, tokens, voice, mode, strategy, "warmup")
         timed = [_one_run(t2w, tokens, voice, mode, strategy, f"run{r}") for r in range(max(1, runs))]

@@ -290,6 +290,7 @@ class CosyVoice3Repository:
     max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
     token2wav_dtype: str = Cv3Token2WavSettings.dtype          # TOKEN2WAV_DTYPE
+    token2wav_incremental_stream: str = parameter_value(Cv3Token2WavSettings.incremental_stream)  # TOKEN2WAV_INCREMENTAL_STREAM
     voices_dir: str = ""                                       # VOICES_DIR (empty: <model dir>/voices)
 
     def models(self) -> dict[str, ModelEntry]:
@@ -307,7 +308,9 @@ class CosyVoice3Repository:
                 **_queue_policy(self.bls_max_queue_size, self.bls_instances, self.bls_max_queue_ms)}),
             # no model_dir: CosyVoice3 has no registered voices whose prefixes the engine could cache
             "llm": ModelEntry("llm", {**common, "model_dir": "", "llm_dir": llm_dir, "llm_engine": self.llm_engine}),
-            "token2wav": ModelEntry("token2wav_cosyvoice3", {**common, "token2wav_dtype": self.token2wav_dtype}),
+            "token2wav": ModelEntry("token2wav_cosyvoice3", {
+                **common, "token2wav_dtype": self.token2wav_dtype,
+                "token2wav_incremental_stream": self.token2wav_incremental_stream}),
             "audio_tokenizer": ModelEntry("audio_tokenizer_cosyvoice3", common),
             "speaker_embedding": ModelEntry("speaker_embedding", common),
         }

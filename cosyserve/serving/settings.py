@@ -215,10 +215,13 @@ class DitToken2WavSettings(ProcessSettings):
 class Cv3Token2WavSettings(ProcessSettings):
     """The CosyVoice3 ``token2wav`` model (template ``token2wav_cosyvoice3``): the flow's ``dtype``
     (auto: float32 everywhere: a plain fp16 DiT gives NaNs upstream, and no reduced precision has
-    been measured here yet; the causal HiFT stays fp32)."""
+    been measured here yet; the causal HiFT stays fp32); ``incremental_stream`` (true: a stream's
+    flow samples only its new frames under the DiT's block mask, with cached per-step keys/values;
+    false: the reference's full-attention re-run over the whole prefix every chunk; auto: true)."""
 
     model_dir: Path
     dtype: str = AUTO
+    incremental_stream: bool | None = True
     stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
 
     def flow_dtype(self, device: torch.device) -> torch.dtype:

@@ -1,7 +1,8 @@
 """CosyVoice3's ``token2wav`` Triton model (template ``token2wav_cosyvoice3``): speech tokens -> 24 kHz waveform.
 
-Over :class:`~cosyserve.token2wav.cosyvoice3.CosyVoice3Token2Wav` (DiT flow + causal HiFT, both
-incremental when streaming). Tokens travel as raw codes 0..6560, as between the reference's
+Over :class:`~cosyserve.token2wav.cosyvoice3.CosyVoice3Token2Wav` (DiT flow + causal HiFT; when
+streaming the vocoder is incremental, and the flow too unless ``incremental_stream`` is false: then
+it re-runs over the prefix with full attention, as the reference). Tokens travel as raw codes 0..6560, as between the reference's
 CosyVoice3 models. The reference splits this into ``token2wav`` (mel) and ``vocoder`` (waveform,
 re-vocoding the whole mel each chunk); here one model returns only the new samples.
 
@@ -36,7 +37,7 @@ class Cv3Token2WavModel:
         device = settings.torch_device()
         limit_torch_threads(settings.torch_threads, 1 if device.type == "cuda" else None)
         self.token2wav = load_cosyvoice3_token2wav(settings.model_dir, device, settings.flow_dtype(device),
-                                                   settings.stream_idle_timeout_s)
+                                                   settings.stream_idle_timeout_s, settings.incremental_stream is not False)
         self.open_streams = Metric("cosyserve_token2wav_open_streams", "token2wav streaming sessions open",
                                    config["name"])
 

@@ -4,13 +4,18 @@ The same :class:`~cosyserve.pipeline.tts.Token2Wav` interface as CosyVoice2's (`
 ``cancel``), over the model layer's incremental streams:
 
 * offline: one flow call over all tokens (full attention, ``finalize``), one vocoder call;
-* streaming: one session per request id, opened at its first step. Each step hands the tokens
-  received since the last one to a :class:`~cosyserve.models.cosyvoice3.flow.Cv3FlowStream`
-  (block-masked DiT: only the frames after the last complete 50-frame block are sampled, against
-  cached per-Euler-step keys/values) and the new mel frames to a
-  :class:`~cosyserve.models.cosyvoice3.hift.CausalHiftStream` (only the new frames are vocoded,
-  its F0 phase and context carried), and returns only the new samples. The reference Triton
-  runtime instead re-runs the flow over the whole prefix and re-vocodes the whole mel every chunk.
+* streaming: one session per request id, opened at its first step. Each step hands the new mel
+  frames to a :class:`~cosyserve.models.cosyvoice3.hift.CausalHiftStream` (only the new frames are
+  vocoded, its F0 phase and context carried) and returns only the new samples. The mel comes, by
+  ``incremental``:
+
+  - ``True`` (default): from a :class:`~cosyserve.models.cosyvoice3.flow.Cv3FlowStream`, given the
+    tokens received since the last step (block-masked DiT: only the frames after the last complete
+    50-frame block are sampled, against cached per-Euler-step keys/values);
+  - ``False``: the reference Triton runtime's flow, re-run with full attention over all tokens so
+    far every step, the frames already sent dropped (``cosyvoice3.md`` §2.4: its TensorRT DiT never
+    applies the chunk mask). The reference also re-vocodes the whole mel every chunk; the causal
+    vocoder's new samples equal that (parity ``cv3_token2wav``), so both modes vocode new frames only.
 
 A session closes at its final step, on :meth:`CosyVoice3Token2Wav.cancel`, on any error of its
 step, or after ``idle_timeout_s`` without a step (a caller that vanished mid-stream). Per step the
@@ -40,20 +45,25 @@ from .sessions import SessionClock, _numpy
 class Cv3Session:
     """One request's streaming state: its flow and vocoder streams and how many tokens they have."""
 
-    flow: Cv3FlowStream
+    flow: Cv3FlowStream | None  # None: the re-run flow (``incremental=False``)
     vocoder: CausalHiftStream
+    prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     received: int = 0
+    frames: int = 0  # mel frames sent so far (the re-run flow's)
 
 
 class CosyVoice3Token2Wav:
     """Flow in ``dtype`` on ``device``; the causal HiFT in float32 (its F0 predictor in float64, as
     upstream). Thread-safe: sessions are looked up under a lock, each session's step runs under its
-    own (a request steps in order; different requests may step at once)."""
+    own (a request steps in order; different requests may step at once). ``incremental``: how a
+    stream's mel is computed (module docstring)."""
 
     def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFTGenerator, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S):
+                 dtype: torch.dtype = torch.float32, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
+                 incremental: bool = True):
         self.device = torch.device(device)
         self.dtype = dtype
+        self.incremental = incremental
         self.flow = flow.to(device=self.device, dtype=dtype).eval()
         self.hift = hift.to(device=self.device).eval()
         self.idle_timeout_s = idle_timeout_s
@@ -109,7 +119,10 @@ class CosyVoice3Token2Wav:
                     raise InvalidInputError(
                         f"request {request_id!r}: step with {ids.shape[1]} tokens and token_offset {token_offset} "
                         f"after {session.received} tokens; send all tokens so far, offset within them")
-                mel = session.flow.push(ids[:, session.received:], finalize)
+                if session.flow is not None:
+                    mel = session.flow.push(ids[:, session.received:], finalize)
+                else:
+                    mel = self._rerun(session, ids, finalize)
                 session.received = ids.shape[1]
                 speech = session.vocoder.push(mel, finalize)
         except BaseException:
@@ -128,10 +141,22 @@ class CosyVoice3Token2Wav:
                 if voice is None:
                     raise InvalidInputError(f"request {request_id!r} has no open streaming session; its first "
                                             "step must carry the voice (prompt tokens, mel and embedding)")
-                session = Cv3Session(Cv3FlowStream(self.flow, *self._prompt(voice)), CausalHiftStream(self.hift))
+                prompt = self._prompt(voice)
+                flow = Cv3FlowStream(self.flow, *prompt) if self.incremental else None
+                session = Cv3Session(flow, CausalHiftStream(self.hift), prompt)
                 self._sessions[request_id] = session
                 self._session_locks[request_id] = threading.Lock()
             return session, self._session_locks[request_id]
+
+    def _rerun(self, session: Cv3Session, ids: torch.Tensor, finalize: bool) -> torch.Tensor:
+        """The reference's step: the full-attention flow over every token so far (a non-final one
+        keeps the last ``pre_lookahead_len`` as look-ahead), less the frames already sent."""
+        lookahead = 0 if finalize else self.flow.cfg.pre_lookahead_len
+        if ids.shape[1] <= lookahead:
+            return torch.zeros(1, self.flow.cfg.output_size, 0, device=self.device)
+        mel = self.flow.inference(ids, *session.prompt, streaming=False, finalize=finalize)
+        new, session.frames = mel[:, :, session.frames:], max(session.frames, mel.shape[2])
+        return new
 
     def cancel(self, request_id: str) -> None:
         """Close the request's session (harmless when it has none)."""
@@ -150,8 +175,9 @@ class CosyVoice3Token2Wav:
 
 def load_cosyvoice3_token2wav(model_dir: str | Path, device: torch.device | str = "cpu",
                               dtype: torch.dtype = torch.float32,
-                              idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S) -> CosyVoice3Token2Wav:
+                              idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
+                              incremental: bool = True) -> CosyVoice3Token2Wav:
     """``Fun-CosyVoice3-0.5B-2512/`` (cosyvoice3.yaml, flow.pt, hift.pt) -> :class:`CosyVoice3Token2Wav`."""
     flow = load_cosyvoice3_flow(model_dir, device, dtype)
     hift = load_causal_hift(model_dir, device)
-    return CosyVoice3Token2Wav(flow, hift, device, dtype, idle_timeout_s)
+    return CosyVoice3Token2Wav(flow, hift, device, dtype, idle_timeout_s, incremental)
