@@ -35,6 +35,7 @@ BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-10}      # the reference's
 BLS_MAX_QUEUE_SIZE=${BLS_MAX_QUEUE_SIZE:-0}   # 0: no limit
 BLS_MAX_QUEUE_MS=${BLS_MAX_QUEUE_MS:-0}       # ms a request may wait for an instance; 0: no limit
 MAX_STREAMS=${MAX_STREAMS:-0}                 # streams at most, past that refused at once; 0: no cap (run.sh)
+ADMISSION_MIN_BUFFER_S=${ADMISSION_MIN_BUFFER_S:-0}  # refuse while a stream has less audio buffered; 0: off (run.sh)
 BLS_WARM_UP=${BLS_WARM_UP:-true}              # load the BLS's text front-end at start
 # Voices uploaded through the HTTP API (empty: <model dir>/voices). Give a CosyVoice2 deployment's
 # (its CosyVoice2-0.5B/voices) so that one API serves a voice with both models (docs/api.md).
@@ -102,7 +103,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   "$PY" -m cosyserve.serving.model_repository cosyvoice3 "$MODEL_REPO" --templates "$repo_root/model_repo" \
     --models-dir "$MODELS_DIR" --llm-engine "$LLM_ENGINE" --decoupled "$DECOUPLED_MODE" \
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
-    --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --max-streams "$MAX_STREAMS" --bls-warm-up "$BLS_WARM_UP" --max-tokens "$MAX_TOKENS" \
+    --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --max-streams "$MAX_STREAMS" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --bls-warm-up "$BLS_WARM_UP" --max-tokens "$MAX_TOKENS" \
     --min-tokens "$MIN_TOKENS" --max-batch-size "$TRITON_MAX_BATCH_SIZE" \
     --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --token2wav-dtype "$TOKEN2WAV_DTYPE" \
     --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" --voices-dir "$VOICES_DIR" > /dev/null \

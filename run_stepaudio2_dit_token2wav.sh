@@ -49,6 +49,7 @@ STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | equal (t
 DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
 BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-4}
 MAX_STREAMS=${MAX_STREAMS:-0}                 # streams at most, past that refused at once; 0: no cap (run.sh)
+ADMISSION_MIN_BUFFER_S=${ADMISSION_MIN_BUFFER_S:-0}  # refuse while a stream has less audio buffered; 0: off (run.sh)
 TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-1}
 MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
 MAX_TOKENS=${MAX_TOKENS:-750}                 # speech tokens per request (the BLS's LLM limits)
@@ -221,7 +222,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   "$PY" -m cosyserve.serving.model_repository dit "$MODEL_REPO" --templates "$repo_root/model_repo" \
     --dit-model-dir "$DIT_MODEL_DIR" --cosyvoice2-dir "$COSYVOICE2_DIR" --llm-dir "$LLM_DIR" --llm-url "$LLM_URL" --llm-model "$LLM_MODEL" \
     --decoupled "$DECOUPLED_MODE" --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" \
-    --bls-instances "$BLS_INSTANCE_NUM" --max-streams "$MAX_STREAMS" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
+    --bls-instances "$BLS_INSTANCE_NUM" --max-streams "$MAX_STREAMS" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
     --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" > /dev/null \
     || die "Stage 2: could not build the model repository"
 fi

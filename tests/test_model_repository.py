@@ -69,7 +69,8 @@ def test_command_line_refuses_a_bad_flag_value(tmp_path):
 
 def test_the_stream_cap_reaches_every_streaming_bls(tmp_path):
     """MAX_STREAMS (max_streams) is a parameter of each BLS model, the offline twin's too (the
-    offline requests obey the cap); 0, the default, is no cap; a negative cap is refused."""
+    offline requests obey the cap); 0, the default, is no cap; a negative cap is refused. So is
+    ADMISSION_MIN_BUFFER_S."""
     from cosyserve.serving.model_repository import CosyVoice3Repository
 
     cv2 = build(CosyVoice2Repository(Path("/m"), max_streams=6), tmp_path / "cv2")
@@ -81,6 +82,11 @@ def test_the_stream_cap_reaches_every_streaming_bls(tmp_path):
     assert parameter(cv3, "cosyvoice3", "max_streams") == "2"
     with pytest.raises(ValueError, match="max_streams is 0"):
         build(CosyVoice2Repository(Path("/m"), max_streams=-1), tmp_path / "bad")
+    # the buffer rule (ADMISSION_MIN_BUFFER_S) reaches every streaming BLS the same way
+    dit = build(DitRepository(Path("/d"), Path("/c"), Path("/l"), "u", admission_min_buffer_s=0.5), tmp_path / "dit2")
+    cv3 = build(CosyVoice3Repository(Path("/m"), admission_min_buffer_s=0.5), tmp_path / "cv32")
+    assert parameter(dit, "cosyvoice2_dit", "admission_min_buffer_s") == "0.5"
+    assert parameter(cv3, "cosyvoice3", "admission_min_buffer_s") == "0.5"
 
 
 def test_cosyvoice3_token2wav_takes_the_streaming_flow_mode(tmp_path):

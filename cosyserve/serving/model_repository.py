@@ -247,6 +247,7 @@ class DitRepository:
     max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
     min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
     max_streams: int = BlsSettings.max_streams                 # MAX_STREAMS (0: no cap)
+    admission_min_buffer_s: float = BlsSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S (0: off)
     max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
 
@@ -259,6 +260,7 @@ class DitRepository:
                 "llm_url": self.llm_url, "llm_model": self.llm_model, "streaming_strategy": self.streaming_strategy,
                 "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
                 "max_streams": _max_streams(self.max_streams),
+                "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s),
                 "bls_instance_num": str(self.bls_instances), "decoupled_mode": str(self.decoupled)}),
             "token2wav_dit": ModelEntry("token2wav_dit", {
                 **common, "model_dir": str(self.dit_model_dir), "spk2info": f"{self.cosyvoice2_dir}/spk2info.pt",
@@ -286,6 +288,7 @@ class CosyVoice3Repository:
     max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
     min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
     max_streams: int = BlsSettings.max_streams                 # MAX_STREAMS (0: no cap)
+    admission_min_buffer_s: float = BlsSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S (0: off)
     bls_warm_up: str = parameter_value(BlsSettings.warm_up)    # BLS_WARM_UP
     max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
@@ -303,6 +306,7 @@ class CosyVoice3Repository:
                 "llm_tokenizer_dir": llm_dir, "llm_model_name": "llm", "streaming_strategy": self.streaming_strategy,
                 "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
                 "max_streams": _max_streams(self.max_streams),
+                "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s),
                 "bls_warm_up": self.bls_warm_up, "bls_instance_num": str(self.bls_instances),
                 "decoupled_mode": str(self.decoupled), "voices_dir": self.voices_dir,
                 **_queue_policy(self.bls_max_queue_size, self.bls_instances, self.bls_max_queue_ms)}),
