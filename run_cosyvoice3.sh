@@ -50,6 +50,8 @@ TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # the DiT flow: auto (float32) | b
 # Streaming flow: true = incremental (block-masked DiT, only the new frames); false = the reference's
 # full-attention re-run over the whole prefix every chunk (docs/benchmarks.md compares them)
 TOKEN2WAV_INCREMENTAL_STREAM=${TOKEN2WAV_INCREMENTAL_STREAM:-true}
+# Voices whose prompt-only flow states incremental streams share (~720 MB each in float32 for a 5 s prompt)
+TOKEN2WAV_VOICE_PREFIXES=${TOKEN2WAV_VOICE_PREFIXES:-8}
 HTTP_PORT=${HTTP_PORT:-18000}                 # the reference's Triton ports
 GRPC_PORT=${GRPC_PORT:-18001}
 METRICS_PORT=${METRICS_PORT:-18002}
@@ -106,7 +108,8 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --max-streams "$MAX_STREAMS" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --bls-warm-up "$BLS_WARM_UP" --max-tokens "$MAX_TOKENS" \
     --min-tokens "$MIN_TOKENS" --max-batch-size "$TRITON_MAX_BATCH_SIZE" \
     --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --token2wav-dtype "$TOKEN2WAV_DTYPE" \
-    --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" --voices-dir "$VOICES_DIR" > /dev/null \
+    --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" \
+    --token2wav-voice-prefixes "$TOKEN2WAV_VOICE_PREFIXES" --voices-dir "$VOICES_DIR" > /dev/null \
     || die "Stage 2: could not build the model repository"
 fi
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, assert_server_idle, grpc_input, serve_repo, stream_tts,
-                             token_limits)
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, assert_server_idle, grpc_input, metrics, serve_repo,
+                             stream_tts, token_limits)
 
 pytest.importorskip("pytriton")
 
@@ -66,6 +66,22 @@ def test_streamed_request_gives_960_samples_per_token(server):
     total = sum(c.size for c in chunks)
     assert total > 0 and total % SAMPLES_PER_TOKEN == 0
     assert_server_idle(server, start)
+
+
+def test_streams_of_one_clip_share_its_voice_prefix(server):
+    """The second stream of a clip starts after its voice's prompt-only flow states, kept by the
+    first (token2wav's voice_prefixes); its audio is as long as ever."""
+    wav = synthetic_prompt_wave(seconds=3.0)[None]
+    clip = [grpc_input("reference_wav", wav), grpc_input("reference_wav_len", np.array([[wav.shape[1]]], np.int32)),
+            grpc_input("reference_text", "另一段参考音频的文本。")]
+    before = metrics(server.metrics_port)
+    for _ in range(2):
+        chunks = stream_tts(server, clip + [grpc_input("target_text", "你好。")] + token_limits(30), MODEL)
+        assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * 30
+    after = metrics(server.metrics_port)
+    hits, misses = ("cosyserve_token2wav_voice_prefix_%s_total" % k for k in ("hits", "misses"))
+    assert after[misses] - before.get(misses, 0) == 1 and after[hits] - before.get(hits, 0) == 1
+    assert after["cosyserve_token2wav_voices_cached"] >= 1
 
 
 @pytest.fixture(scope="module")

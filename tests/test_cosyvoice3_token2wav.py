@@ -111,6 +111,27 @@ def test_the_reference_re_run_streams_its_full_attention_prefix_passes(model_dir
     assert rel_l2(np.concatenate(chunks), whole) < 1e-2
 
 
+def test_streams_of_one_voice_share_its_prompt_only_flow_states(model_dir, voice):
+    """The first stream of a voice samples its prompt-only blocks apart and keeps them; the next
+    streams start after them, with the same audio as a token2wav that keeps nothing; another voice
+    misses; the least recently used voice goes past ``voice_prefixes``."""
+    plain, cached = (load_cosyvoice3_token2wav(model_dir, voice_prefixes=k) for k in (0, 1))
+    assert cached.flow.voice_prefix_frames(voice.features.speech_tokens.numel()) > 0
+    ids = tokens(60, seed=5)
+    expected = np.concatenate(stream(plain, "p", ids, voice))
+    first = np.concatenate(stream(cached, "a", ids, voice))
+    second = np.concatenate(stream(cached, "b", ids, voice))
+    assert (cached.prefix_misses, cached.prefix_hits, cached.cached_voices) == (1, 1, 1)
+    assert rel_l2(first, expected) < 1e-5 and rel_l2(second, expected) < 1e-5
+    assert (plain.prefix_misses, plain.prefix_hits, plain.cached_voices) == (0, 0, 0)
+    f = voice.features
+    other = Voice("another transcript", type(f)(f.speech_tokens, f.speech_feat * 0.5, f.embedding))
+    assert np.concatenate(stream(cached, "c", ids, other)).size == SAMPLES_PER_TOKEN * 60
+    assert (cached.prefix_misses, cached.prefix_hits, cached.cached_voices) == (2, 1, 1)  # the first voice went
+    stream(cached, "d", ids, voice)
+    assert cached.prefix_misses == 3
+
+
 def test_offline_is_the_full_attention_pass(t2w, voice):
     ids = tokens(40, seed=1)
     wave = t2w.offline("o", ids, voice)

@@ -22,6 +22,7 @@ from ..runtime import STREAM_IDLE_TIMEOUT_S, resolve_device, resolve_device_dtyp
 from ..pipeline.tts import DEFAULT_FEATURE_CACHE_SIZE, DEFAULT_MAX_TOKENS, MAX_TEXT_CHARS
 from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, default_flow_dtype,
                                     streaming_vocoder_frames)
+from ..token2wav.cosyvoice3 import DEFAULT_VOICE_PREFIXES
 from ..token2wav.dit import DEFAULT_MAX_SPEAKERS
 
 AUTO = "auto"
@@ -217,11 +218,13 @@ class Cv3Token2WavSettings(ProcessSettings):
     (auto: float32 everywhere: a plain fp16 DiT gives NaNs upstream, and no reduced precision has
     been measured here yet; the causal HiFT stays fp32); ``incremental_stream`` (true: a stream's
     flow samples only its new frames under the DiT's block mask, with cached per-step keys/values;
-    false: the reference's full-attention re-run over the whole prefix every chunk; auto: true)."""
+    false: the reference's full-attention re-run over the whole prefix every chunk; auto: true);
+    ``voice_prefixes`` (voices whose prompt-only flow states incremental streams share; 0: none)."""
 
     model_dir: Path
     dtype: str = AUTO
     incremental_stream: bool | None = True
+    voice_prefixes: int = DEFAULT_VOICE_PREFIXES
     stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
 
     def flow_dtype(self, device: torch.device) -> torch.dtype:

@@ -13,7 +13,9 @@ re-vocoding the whole mel each chunk); here one model returns only the new sampl
   closes after ``finalize``, on ``cancel`` (an empty waveform back), on any error, or when idle
   for ``stream_idle_timeout_s``.
 
-Requests of a batch run one after the other. Metric ``cosyserve_token2wav_open_streams``.
+Requests of a batch run one after the other. Metrics: ``cosyserve_token2wav_open_streams``,
+``cosyserve_token2wav_voices_cached`` and ``cosyserve_token2wav_voice_prefix_{hits,misses}_total``
+(streams of a voice whose prompt-only flow states were kept, ``voice_prefixes``).
 """
 
 from __future__ import annotations
@@ -37,9 +39,17 @@ class Cv3Token2WavModel:
         device = settings.torch_device()
         limit_torch_threads(settings.torch_threads, 1 if device.type == "cuda" else None)
         self.token2wav = load_cosyvoice3_token2wav(settings.model_dir, device, settings.flow_dtype(device),
-                                                   settings.stream_idle_timeout_s, settings.incremental_stream is not False)
+                                                   settings.stream_idle_timeout_s, settings.incremental_stream is not False,
+                                                   settings.voice_prefixes)
         self.open_streams = Metric("cosyserve_token2wav_open_streams", "token2wav streaming sessions open",
                                    config["name"])
+        self.voices_cached = Metric("cosyserve_token2wav_voices_cached", "voices whose prompt-only flow states "
+                                    "are kept", config["name"])
+        self.prefix_lookups = {outcome: Metric(f"cosyserve_token2wav_voice_prefix_{outcome}_total",
+                                               f"incremental streams that found ({outcome}) their voice's prompt "
+                                               "states kept", config["name"], kind="counter")
+                               for outcome in ("hits", "misses")}
+        self._counted = {"hits": 0, "misses": 0}
 
     def execute(self, requests) -> list:
         responses = []
@@ -51,6 +61,11 @@ class Cv3Token2WavModel:
                 self.token2wav.cancel(request.request_id())  # a failed request never keeps a session
                 responses.append(error_response(exc))
         self.open_streams.set(self.token2wav.open_sessions)
+        self.voices_cached.set(self.token2wav.cached_voices)
+        for outcome, metric in self.prefix_lookups.items():
+            total = getattr(self.token2wav, f"prefix_{outcome}")
+            metric.increment(total - self._counted[outcome])
+            self._counted[outcome] = total
         return responses
 
     def _run(self, request) -> np.ndarray:

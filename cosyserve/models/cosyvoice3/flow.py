@@ -141,6 +141,15 @@ class CosyVoice3Flow(nn.Module):
                                                      cfg.pre_lookahead_len)
         self.decoder = Cv3CFM(cfg)
 
+    def voice_prefix_frames(self, prompt_tokens: int) -> int:
+        """Frames at the start of a stream that depend on the voice only: whole attention blocks of
+        frames before the last ``pre_lookahead_len`` prompt tokens (a token's frames see the
+        ``pre_lookahead_len`` tokens after it through the pre-look-ahead conv; the DiT's blocks see no
+        later block, its position convs no later frame)."""
+        frames = self.cfg.token_mel_ratio * max(0, prompt_tokens - self.cfg.pre_lookahead_len)
+        chunk = self.cfg.estimator.static_chunk_size
+        return frames // chunk * chunk
+
     def speaker_vector(self, embedding: torch.Tensor) -> torch.Tensor:
         """(B, 192) speaker embedding -> L2-normalised -> (B, 80)."""
         return self.spk_embed_affine_layer(F.normalize(embedding, dim=1))
@@ -187,6 +196,16 @@ class CosyVoice3Flow(nn.Module):
         return mel[:, :, inputs.prompt_frames:].float()
 
 
+@dataclass(frozen=True)
+class Cv3VoicePrefix:
+    """The estimator states of a voice's prompt-only blocks: frames [0, ``frames``) of every stream of
+    that voice, whatever its target tokens (:meth:`CosyVoice3Flow.voice_prefix_frames`). States are
+    never changed in place (a commit makes new tensors), so streams share them."""
+
+    frames: int
+    states: list[WindowState]
+
+
 class Cv3FlowStream:
     """Incremental block-masked flow for one utterance: each :meth:`push` samples only the frames after
     the last complete 50-frame block (the incomplete block is re-solved, complete ones never change
@@ -197,17 +216,24 @@ class Cv3FlowStream:
     final call is block-masked too (``stream_full/mel``), where the reference's final call uses full
     attention. The token conditions (embedding, pre-look-ahead conv) are recomputed over all tokens
     each call: they cost little next to the DiT.
+
+    The blocks that hold only the voice's prompt are the same for every stream of that voice: a
+    stream given the voice's ``prefix`` starts after them; one opened with ``keep_prefix`` samples
+    them apart in its first push and offers them as :attr:`prefix` for the next streams.
     """
 
     def __init__(self, flow: CosyVoice3Flow, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor,
-                 embedding: torch.Tensor):
+                 embedding: torch.Tensor, prefix: Cv3VoicePrefix | None = None, keep_prefix: bool = False):
         self.flow = flow
         self.prompt = (prompt_tokens, prompt_feat, embedding)
         self.tokens = prompt_tokens.new_zeros(1, 0)
-        self.states = [flow.decoder.estimator.empty_window_state() for _ in range(N_TIMESTEPS)]
-        self.committed = 0  # frames (prompt included) whose estimator state is cached
+        self.states = prefix.states if prefix else [flow.decoder.estimator.empty_window_state()
+                                                    for _ in range(N_TIMESTEPS)]
+        self.committed = prefix.frames if prefix else 0  # frames (prompt included) whose estimator state is cached
         self.emitted = prompt_feat.shape[1]  # frames returned so far, counting the prompt's
         self.finished = False
+        self.prefix = prefix
+        self._keep_prefix = keep_prefix and prefix is None
 
     @torch.inference_mode()
     def push(self, tokens: torch.Tensor, finalize: bool = False) -> torch.Tensor:
@@ -224,12 +250,20 @@ class Cv3FlowStream:
             self.finished = finalize
             return prompt_feat.new_zeros(1, flow.cfg.output_size, 0)
         c = flow.prepare(self.tokens, prompt_tokens, prompt_feat, embedding, finalize=finalize)
+        noise = fixed_noise(c.mu.shape[2], c.mu.device, c.mu.dtype)
+        if self._keep_prefix:
+            self._keep_prefix = False
+            frames = flow.voice_prefix_frames(prompt_tokens.shape[1])
+            if frames:
+                window = slice(0, frames)
+                _, self.states = flow.decoder.window_steps(noise[:, :, window], c.mu[:, :, window], c.spks,
+                                                           c.cond[:, :, window], self.states, frames)
+                self.committed, self.prefix = frames, Cv3VoicePrefix(frames, self.states)
         start, end = self.committed, c.mu.shape[2]
         commit = end - start if finalize else end // chunk * chunk - start
         window = slice(start, end)
-        z = fixed_noise(end, c.mu.device, c.mu.dtype)[:, :, window]
-        mel, self.states = flow.decoder.window_steps(z, c.mu[:, :, window], c.spks, c.cond[:, :, window], self.states,
-                                                     commit)
+        mel, self.states = flow.decoder.window_steps(noise[:, :, window], c.mu[:, :, window], c.spks,
+                                                     c.cond[:, :, window], self.states, commit)
         new = mel[:, :, self.emitted - start:].float()
         self.committed, self.emitted, self.finished = start + commit, end, finalize
         return new
