@@ -31,22 +31,30 @@ SAMPLES_PER_TOKEN = 960
 HELD_BACK_SAMPLES = 3840  # HiFT overlap withheld by a non-final chunk (8 mel frames x 480)
 
 
+# The test servers' BLS instances load the text front-end on their first request of each language
+# (BLS_WARM_UP=false): loading both languages' grammars at start costs ~3.5 s of CPU per instance,
+# 10 s of a 3-instance server's 32 s start on the CI machine. What the warm-up is for is tested on a
+# server of its own (tests/test_faults.py, test_the_first_requests_after_ready_...).
+TEST_BLS_WARM_UP = "false"
+
+
 def repository_spec(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
-                    max_batch_size: int = 16, max_queue_size: int | None = 0) -> CosyVoice2Repository:
+                    max_batch_size: int = 16, max_queue_size: int | None = 0,
+                    bls_warm_up: str = TEST_BLS_WARM_UP) -> CosyVoice2Repository:
     """The streaming CosyVoice2 repository on the CPU, ``bls_instances`` instances of both BLS models,
     each with a queue of ``max_queue_size`` waiting requests (0: no limit, run.sh's default; None: as
     many as instances)."""
     return CosyVoice2Repository(models_dir, device="cpu", bls_instances=bls_instances,
                                 offline_bls_instances=bls_instances, bls_max_queue_size=max_queue_size,
                                 offline_bls_max_queue_size=max_queue_size, max_tokens=max_tokens,
-                                min_tokens=min_tokens, max_batch_size=max_batch_size)
+                                min_tokens=min_tokens, max_batch_size=max_batch_size, bls_warm_up=bls_warm_up)
 
 
 def template_values(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
                     max_batch_size: int = 16) -> dict[str, dict[str, str]]:
     """The keys run.sh stage 2 fills, per model (``cosyvoice2_offline`` aside)."""
     models = repository_spec(models_dir, max_tokens=max_tokens, min_tokens=min_tokens, bls_instances=bls_instances,
-                             max_batch_size=max_batch_size).models()
+                             max_batch_size=max_batch_size, bls_warm_up="true").models()
     return {name: entry.values for name, entry in models.items() if name != "cosyvoice2_offline"}
 
 
@@ -60,10 +68,11 @@ def copy_of_bundle(tiny_bundle: Path, out: Path) -> Path:
 
 
 def build_model_repo(models_dir: Path, repo: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
-                     max_queue_size: int | None = 0) -> Path:
+                     max_queue_size: int | None = 0, bls_warm_up: str = TEST_BLS_WARM_UP) -> Path:
     """Streaming ``cosyvoice2`` + its offline twin ``cosyvoice2_offline`` + the four shared models."""
     return build(repository_spec(models_dir, max_tokens=max_tokens, min_tokens=min_tokens,
-                                 bls_instances=bls_instances, max_queue_size=max_queue_size), repo)
+                                 bls_instances=bls_instances, max_queue_size=max_queue_size,
+                                 bls_warm_up=bls_warm_up), repo)
 
 
 def set_parameter(config: Path, key: str, value: str) -> None:

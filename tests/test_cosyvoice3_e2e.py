@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import soundfile as sf
 from tritonclient.utils import InferenceServerException
 
 from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, assert_server_idle, grpc_input, metrics, serve_repo,
@@ -82,24 +84,6 @@ def test_streams_of_one_clip_share_its_voice_prefix(server):
     hits, misses = ("cosyserve_token2wav_voice_prefix_%s_total" % k for k in ("hits", "misses"))
     assert after[misses] - before.get(misses, 0) == 1 and after[hits] - before.get(hits, 0) == 1
     assert after["cosyserve_token2wav_voices_cached"] >= 1
-
-
-@pytest.fixture(scope="module")
-def rerun_server(tmp_path_factory, models):
-    """TOKEN2WAV_INCREMENTAL_STREAM=false: the reference's full-attention flow re-run every chunk."""
-    work = tmp_path_factory.mktemp("cv3_rerun")
-    repo = build(CosyVoice3Repository(models, device="cpu", bls_instances=1, bls_warm_up="false",
-                                      token2wav_incremental_stream="false"), work / "repo")
-    yield from serve_repo(repo, work)
-
-
-def test_the_reference_re_run_streams_960_samples_per_token(rerun_server):
-    start = rerun_server.log_file.stat().st_size
-    chunks = stream_tts(rerun_server, voice_inputs() + [grpc_input("target_text", "今天天气不错，我们去散步吧。")]
-                        + token_limits(60), MODEL)
-    assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * 60 and len(chunks) == len(plan_chunks(60))
-    assert np.isfinite(np.concatenate(chunks)).all()
-    assert_server_idle(rerun_server, start)
 
 
 @pytest.mark.parametrize("inputs, message", [
@@ -170,13 +154,16 @@ def test_grpc_client_streams_from_cosyvoice3(server, models, tmp_path):
 
 
 def test_run_cosyvoice3_sh_tiny_recipe(tmp_path):
-    """run_cosyvoice3.sh 0..4 with MODEL_SOURCE=tiny on the CPU (free ports), then ``stop``."""
+    """run_cosyvoice3.sh 0..4 with MODEL_SOURCE=tiny on the CPU (free ports), then ``stop``; the
+    token2wav with TOKEN2WAV_INCREMENTAL_STREAM=false (the reference's full-attention re-run; the
+    other tests here stream with the incremental flow): its streams give 960 samples per token too."""
     from conftest_triton import free_ports, server_env
 
     http, grpc, metrics_port = free_ports(3)
     env = dict(server_env(), VENV=sys.prefix, MODEL_SOURCE="tiny", MODELS_DIR=str(tmp_path / "models"),
                MODEL_REPO=str(tmp_path / "repo"), OUT_DIR=str(tmp_path / "out"), DEVICE="cpu", BLS_INSTANCE_NUM="2",
-               BLS_WARM_UP="false", MAX_TOKENS="20", MIN_TOKENS="20", NUM_TASKS="2", HTTP_PORT=str(http),
+               BLS_WARM_UP="false", TOKEN2WAV_INCREMENTAL_STREAM="false", MAX_TOKENS="20", MIN_TOKENS="20",
+               NUM_TASKS="2", HTTP_PORT=str(http),
                GRPC_PORT=str(grpc), METRICS_PORT=str(metrics_port), SERVER_LOG=str(tmp_path / "server.log"),
                SERVER_PID_FILE=str(tmp_path / "server.pid"))
     script = str(REPO_ROOT / "run_cosyvoice3.sh")
@@ -186,8 +173,10 @@ def test_run_cosyvoice3_sh_tiny_recipe(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == [
             "audio_tokenizer", "cosyvoice3", "llm", "speaker_embedding", "token2wav"]
+        config = (tmp_path / "repo" / "token2wav" / "config.pbtxt").read_text()
+        assert re.search(r'key: "incremental_stream", value: \{ string_value: "false" \}', config)
         wavs = sorted((tmp_path / "out" / "log_cosyvoice3_concurrent_tasks_2_streaming").glob("*.wav"))
-        assert len(wavs) == 2
+        assert len(wavs) == 2 and all(sf.info(str(w)).frames == 20 * SAMPLES_PER_TOKEN for w in wavs)
     finally:
         subprocess.run(["bash", script, "stop"], cwd=REPO_ROOT, env=env, capture_output=True, timeout=120)
     assert not (tmp_path / "server.pid").exists() or not (tmp_path / "server.pid").read_text().strip()

@@ -20,8 +20,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest_triton import (Stream, assert_server_idle, fill_to_capacity, grpc_input, metrics, serve_repo,
-                             set_parameter, stream_tts, token_limits, wait_until_idle)
+from conftest_triton import (TEST_BLS_WARM_UP, Stream, assert_server_idle, fill_to_capacity, grpc_input, metrics,
+                             serve_repo, set_parameter, stream_tts, token_limits, wait_until_idle)
 from cosyserve.bench.soak import BAD_INPUTS, SoakConfig, format_report, run_soak, write_report
 from cosyserve.serving.model_repository import CosyVoice2Repository, build
 from cosyserve.serving.tritonserver import is_ready
@@ -41,7 +41,8 @@ LLM_SEND_TIMEOUT_S = 2  # the llm model stops a request whose caller is gone aft
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle: Path, tmp_path_factory):
-    yield from serve_faults_repo(tiny_bundle, tmp_path_factory.mktemp("faults_server"))
+    # the text front-end loaded at start, as run.sh does: the module's first test measures it
+    yield from serve_faults_repo(tiny_bundle, tmp_path_factory.mktemp("faults_server"), bls_warm_up="true")
 
 
 @pytest.fixture
@@ -56,11 +57,11 @@ def watched_server(tiny_bundle: Path, tmp_path):
     yield from serve_faults_repo(tiny_bundle, tmp_path, watch_stubs=True)
 
 
-def serve_faults_repo(tiny_bundle: Path, work: Path, watch_stubs: bool = False):
+def serve_faults_repo(tiny_bundle: Path, work: Path, watch_stubs: bool = False, bls_warm_up: str = TEST_BLS_WARM_UP):
     repo = build(CosyVoice2Repository(
         tiny_bundle, device="cpu", bls_instances=BLS_INSTANCES, bls_max_queue_size=QUEUE,
         offline_bls_instances=OFFLINE_INSTANCES, offline_bls_max_queue_size=OFFLINE_QUEUE,
-        max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS), work / "repo")
+        max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_warm_up=bls_warm_up), work / "repo")
     token2wav_config = repo / "token2wav" / "config.pbtxt"
     token2wav_config.write_text(token2wav_config.read_text().replace(
         "parameters [", f'parameters [\n  {{ key: "stream_idle_timeout_s", value: {{ string_value: "{STREAM_IDLE_TIMEOUT_S}" }} }},', 1))
@@ -414,7 +415,7 @@ def serve_admitting(tiny_bundle: Path, tmp_path_factory, name: str, **admission)
     work = tmp_path_factory.mktemp(name)
     repo = build(CosyVoice2Repository(
         tiny_bundle, device="cpu", bls_instances=2, offline_bls_instances=1, max_tokens=NUM_TOKENS,
-        min_tokens=NUM_TOKENS, **admission), work / "repo")
+        min_tokens=NUM_TOKENS, bls_warm_up=TEST_BLS_WARM_UP, **admission), work / "repo")
     yield from serve_repo(repo, work)
 
 

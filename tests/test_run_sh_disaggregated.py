@@ -24,7 +24,7 @@ def test_stage_7_serves_through_the_api_over_an_llm_server_and_stops_cleanly(tin
     http, grpc, metrics, llm_port, api_port = free_ports(5)  # server i listens on DISAGG_*_BASE + i
     disagg = tmp_path / "disaggregated"
     env = dict(server_env(), VENV=str(Path(sys.prefix)), MODELS_DIR=str(tiny_bundle), DEVICE="cpu", CUDA_MPS="off",
-               LLM_GPUS="cpu", T2W_GPUS="cpu", BLS_INSTANCE_NUM="1", OFFLINE_BLS_INSTANCE_NUM="1",
+               LLM_GPUS="cpu", T2W_GPUS="cpu", BLS_INSTANCE_NUM="1", OFFLINE_BLS_INSTANCE_NUM="1", BLS_WARM_UP="false",
                MAX_TOKENS=str(NUM_TOKENS), MIN_TOKENS=str(NUM_TOKENS), LLM_MAX_SLOTS="4",
                DISAGG_LLM_PORT=str(llm_port), DISAGG_HTTP_BASE=str(http - 1), DISAGG_GRPC_BASE=str(grpc - 1),
                DISAGG_METRICS_BASE=str(metrics - 1), DISAGG_DIR=str(disagg), API_PORT=str(api_port),

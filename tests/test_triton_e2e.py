@@ -474,7 +474,7 @@ def test_run_sh_stage2_fills_the_same_templates(models_dir, tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     ours = build_model_repo(models_dir, tmp_path / "ours", max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS,
-                            bls_instances=BLS_INSTANCES)
+                            bls_instances=BLS_INSTANCES, bls_warm_up="true")  # run.sh's default
     for model in template_values(models_dir, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_instances=BLS_INSTANCES):
         assert (repo / model / "config.pbtxt").read_text() == (ours / model / "config.pbtxt").read_text(), model
 
