@@ -29,7 +29,7 @@ from ..frontend.prompt import PromptFeatures, Voice
 from ..token2wav.cosyvoice3 import load_cosyvoice3_token2wav
 from .settings import Cv3Token2WavSettings
 from .token2wav_model import PROMPT_INPUTS
-from .triton_utils import (Metric, error_response, limit_torch_threads, model_settings, optional_input,
+from .triton_utils import (Metric, WorkMetrics, error_response, limit_torch_threads, model_settings, optional_input,
                            optional_scalar, required_input, tensor)
 
 
@@ -45,11 +45,10 @@ class Cv3Token2WavModel:
                                    config["name"])
         self.voices_cached = Metric("cosyserve_token2wav_voices_cached", "voices whose prompt-only flow states "
                                     "are kept", config["name"])
-        self.prefix_lookups = {outcome: Metric(f"cosyserve_token2wav_voice_prefix_{outcome}_total",
-                                               f"incremental streams that found ({outcome}) their voice's prompt "
-                                               "states kept", config["name"], kind="counter")
-                               for outcome in ("hits", "misses")}
-        self._counted = {"hits": 0, "misses": 0}
+        self.prefix_lookups = WorkMetrics(config["name"], {
+            f"cosyserve_token2wav_voice_prefix_{outcome}_total": (
+                f"incremental streams that found ({outcome}) their voice's prompt states kept", self.token2wav,
+                f"prefix_{outcome}") for outcome in ("hits", "misses")})
 
     def execute(self, requests) -> list:
         responses = []
@@ -62,10 +61,7 @@ class Cv3Token2WavModel:
                 responses.append(error_response(exc))
         self.open_streams.set(self.token2wav.open_sessions)
         self.voices_cached.set(self.token2wav.cached_voices)
-        for outcome, metric in self.prefix_lookups.items():
-            total = getattr(self.token2wav, f"prefix_{outcome}")
-            metric.increment(total - self._counted[outcome])
-            self._counted[outcome] = total
+        self.prefix_lookups.publish()
         return responses
 
     def _run(self, request) -> np.ndarray:

@@ -56,7 +56,7 @@ class Cv3Session:
     flow: Cv3FlowStream | None  # None: the re-run flow (``incremental=False``)
     vocoder: CausalHiftStream
     prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    voice_key: bytes
+    voice_key: bytes  # b"" when no prefixes are kept
     received: int = 0
     frames: int = 0  # mel frames sent so far (the re-run flow's)
 
@@ -161,7 +161,8 @@ class CosyVoice3Token2Wav:
                 if voice is None:
                     raise InvalidInputError(f"request {request_id!r} has no open streaming session; its first "
                                             "step must carry the voice (prompt tokens, mel and embedding)")
-                prompt, key = self._prompt(voice), voice_key(voice)
+                prompt = self._prompt(voice)
+                key = voice_key(voice) if self.incremental and self.voice_prefixes else b""
                 flow = self._flow_stream(prompt, key) if self.incremental else None
                 session = Cv3Session(flow, CausalHiftStream(self.hift), prompt, key)
                 self._sessions[request_id] = session
