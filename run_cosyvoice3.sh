@@ -46,12 +46,14 @@ MAX_TOKENS=${MAX_TOKENS:-$([ "$MODEL_SOURCE" = tiny ] && echo 200 || echo 750)}
 MIN_TOKENS=${MIN_TOKENS:-0}
 TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-1}    # the reference's
 MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
-TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # the DiT flow: auto (float32) | bfloat16 | float16 | float32
+TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # the DiT flow: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
 # Streaming flow: true = incremental (block-masked DiT, only the new frames); false = the reference's
 # full-attention re-run over the whole prefix every chunk (docs/benchmarks.md compares them)
 TOKEN2WAV_INCREMENTAL_STREAM=${TOKEN2WAV_INCREMENTAL_STREAM:-true}
 # Voices whose prompt-only flow states incremental streams share (~720 MB each in float32 for a 5 s prompt)
 TOKEN2WAV_VOICE_PREFIXES=${TOKEN2WAV_VOICE_PREFIXES:-8}
+# Incremental streams' flow windows replayed from CUDA graphs: auto (on with CUDA) | true | false
+TOKEN2WAV_CUDA_GRAPHS=${TOKEN2WAV_CUDA_GRAPHS:-auto}
 HTTP_PORT=${HTTP_PORT:-18000}                 # the reference's Triton ports
 GRPC_PORT=${GRPC_PORT:-18001}
 METRICS_PORT=${METRICS_PORT:-18002}
@@ -109,7 +111,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --min-tokens "$MIN_TOKENS" --max-batch-size "$TRITON_MAX_BATCH_SIZE" \
     --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --token2wav-dtype "$TOKEN2WAV_DTYPE" \
     --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" \
-    --token2wav-voice-prefixes "$TOKEN2WAV_VOICE_PREFIXES" --voices-dir "$VOICES_DIR" > /dev/null \
+    --token2wav-voice-prefixes "$TOKEN2WAV_VOICE_PREFIXES" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" --voices-dir "$VOICES_DIR" > /dev/null \
     || die "Stage 2: could not build the model repository"
 fi
 

@@ -22,7 +22,8 @@ from cosyserve.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyserve.frontend.prompt import COSYVOICE3_MEL_FMAX, Voice, build_prompt_features
 from cosyserve.runtime import COSYVOICE3_DIR
 from cosyserve.schedule import ChunkScheduler
-from cosyserve.token2wav.cosyvoice3 import load_cosyvoice3_token2wav
+from cosyserve.token2wav.cosyvoice3 import Cv3WindowGraphs, load_cosyvoice3_token2wav
+from cosyserve.token2wav.graphs import frame_bucket
 
 SAMPLES_PER_TOKEN = 960
 
@@ -130,6 +131,33 @@ def test_streams_of_one_voice_share_its_prompt_only_flow_states(model_dir, voice
     assert (cached.prefix_misses, cached.prefix_hits, cached.cached_voices) == (2, 1, 1)  # the first voice went
     stream(cached, "d", ids, voice)
     assert cached.prefix_misses == 3
+
+
+def test_padded_windows_equal_the_eager_ones(model_dir, voice):
+    """The CUDA-graph sampler pads every window and the committed keys/values to bucketed shapes;
+    run eagerly (its graph cache replaced by the function it captures), the padding changes no
+    sample: padded keys are masked, padded frames follow the real ones and are dropped."""
+    eager, padded = (load_cosyvoice3_token2wav(model_dir, voice_prefixes=1) for _ in range(2))
+    sampler = Cv3WindowGraphs(padded.flow.decoder)
+    sampler.graphs = sampler._sample  # the captured function, run eagerly (no CUDA here)
+    padded.window_graphs = sampler
+    ids = tokens(260, seed=7)  # windows from frame 450 on: committed frames padded too (450 -> 500)
+    assert frame_bucket(450) == 500
+    expected = np.concatenate(stream(eager, "e", ids, voice))
+    for request in ("first", "second"):  # the second stream starts after the voice's kept prefix
+        assert rel_l2(np.concatenate(stream(padded, request, ids, voice)), expected) < 1e-5
+    assert sampler.calls > 0 and sampler.eager_calls == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_window_graphs_replay_the_eager_windows(model_dir, voice):
+    eager = load_cosyvoice3_token2wav(model_dir, "cuda")
+    graphed = load_cosyvoice3_token2wav(model_dir, "cuda", cuda_graphs=True)
+    ids = tokens(130, seed=7)
+    expected = np.concatenate(stream(eager, "e", ids, voice))
+    for request in ("eager", "capture", "replay"):  # a shape is captured when seen the second time
+        assert rel_l2(np.concatenate(stream(graphed, request, ids, voice)), expected) < 1e-4
+    assert graphed.window_graphs.graphs.num_graphs > 0
 
 
 def test_offline_is_the_full_attention_pass(t2w, voice):

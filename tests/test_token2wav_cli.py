@@ -116,7 +116,8 @@ def test_bad_token_id_is_a_clear_error(cv3_bundle, prompt, loaded, tmp_path, cap
 
 
 @pytest.mark.parametrize("extra, message", [
-    (("--variants", "fp16+graphs"), "takes flow dtypes"),
+    (("--variants", "fp16+batch4"), "takes flow dtypes"),
+    (("--variants", "fp16+rerun+graphs"), "takes flow dtypes"),
     (("--model-dir", "{cv2}"), "holds no cosyvoice3.yaml"),
     (("--reference-audio", "{missing}"), "does not exist"),
 ])

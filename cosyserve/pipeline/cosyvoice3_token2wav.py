@@ -18,7 +18,9 @@ offline or streamed in the ``cosyvoice3`` BLS's chunks, timed per flow dtype.
 Both modes give 960 samples per token (2 mel frames x 480 samples). A variant is a flow dtype
 (``fp32``, ``fp16``, ``bf16``; the causal HiFT stays float32), with ``+rerun`` for the streaming
 flow of the reference runtime (full attention over the whole prefix every chunk, the
-``token2wav`` model's ``incremental_stream=false``) instead of the incremental block-masked one;
+``token2wav`` model's ``incremental_stream=false``) instead of the incremental block-masked one, or
+``+graphs`` for the incremental flow's windows replayed from CUDA graphs (the model's ``cuda_graphs``;
+a second warm-up run captures them);
 the first run of each is an untimed warm-up whose audio is compared with the first variant's
 (rel-L2; nothing random is drawn, so fp32 against itself is 0, and ``fp32,fp32+rerun`` gives the
 distance between the two streaming flows).
@@ -95,16 +97,21 @@ def load_cosyvoice3_voice(model_dir: str | Path, reference_audio, reference_text
 
 
 RERUN = "+rerun"  # a variant's suffix: the reference's re-run streaming flow
+GRAPHS = "+graphs"  # a variant's suffix: the incremental flow's windows from CUDA graphs
+
+
+def variant_dtype(name: str) -> str:
+    return name.removesuffix(RERUN).removesuffix(GRAPHS)
 
 
 def parse_dtype_variants(specs: str) -> list[str]:
-    """``fp32,fp32+rerun,bf16`` -> variant names (a flow dtype, optionally ``+rerun``). CosyVoice2's
-    ``+graphs``/``+batchN``... do not apply here."""
+    """``fp32,fp32+rerun,bf16+graphs`` -> variant names (a flow dtype, optionally ``+rerun`` or
+    ``+graphs``). CosyVoice2's ``+incremental``/``+batchN``... do not apply here."""
     names = [spec.strip() for spec in specs.split(",") if spec.strip()]
     for name in names:
-        if name.removesuffix(RERUN) not in DTYPES:
+        if variant_dtype(name) not in DTYPES or name.count("+") > 1:
             raise InvalidInputError(f"variant {name!r}: --model cosyvoice3 takes flow dtypes ({', '.join(DTYPES)}), "
-                                    f"each optionally with {RERUN}; CUDA graphs, incremental and batchN are "
+                                    f"each optionally with {RERUN} or {GRAPHS}; incremental and batchN are "
                                     "CosyVoice2's")
     if not names:
         raise InvalidInputError("no variants given")
@@ -186,11 +193,15 @@ def _one_run(t2w: CosyVoice3Token2Wav, tokens: Sequence[torch.Tensor], voice: Vo
 
 def run_variant(name: str, model_dir: Path, tokens: Sequence[torch.Tensor], voice: Voice, *, device: torch.device,
                 mode: str, strategy: str, runs: int, reference: np.ndarray | None) -> VariantRun:
-    """Load the model in the variant's dtype, one warm-up (its audio is the check), ``runs`` timed runs."""
-    t2w = load_cosyvoice3_token2wav(model_dir, device, DTYPES[name.removesuffix(RERUN)],
-                                    incremental=not name.endswith(RERUN))
+    """Load the model in the variant's dtype, one warm-up (its audio is the check; graph variants get a
+    second one: a shape is captured when seen again), ``runs`` timed runs."""
+    graphs = name.endswith(GRAPHS)
+    t2w = load_cosyvoice3_token2wav(model_dir, device, DTYPES[variant_dtype(name)],
+                                    incremental=not name.endswith(RERUN), cuda_graphs=graphs)
     try:
         _, warm = _one_run(t2w, tokens, voice, mode, strategy, "warmup")
+        if graphs:
+            _one_run(t2w, tokens, voice, mode, strategy, "capture")
         timed = [_one_run(t2w, tokens, voice, mode, strategy, f"run{r}") for r in range(max(1, runs))]
     finally:
         del t2w

@@ -295,6 +295,7 @@ class CosyVoice3Repository:
     token2wav_dtype: str = Cv3Token2WavSettings.dtype          # TOKEN2WAV_DTYPE
     token2wav_incremental_stream: str = parameter_value(Cv3Token2WavSettings.incremental_stream)  # TOKEN2WAV_INCREMENTAL_STREAM
     token2wav_voice_prefixes: int = Cv3Token2WavSettings.voice_prefixes  # TOKEN2WAV_VOICE_PREFIXES
+    token2wav_cuda_graphs: str = parameter_value(Cv3Token2WavSettings.cuda_graphs)  # TOKEN2WAV_CUDA_GRAPHS
     voices_dir: str = ""                                       # VOICES_DIR (empty: <model dir>/voices)
 
     def models(self) -> dict[str, ModelEntry]:
@@ -316,7 +317,8 @@ class CosyVoice3Repository:
             "token2wav": ModelEntry("token2wav_cosyvoice3", {
                 **common, "token2wav_dtype": self.token2wav_dtype,
                 "token2wav_incremental_stream": self.token2wav_incremental_stream,
-                "token2wav_voice_prefixes": str(self.token2wav_voice_prefixes)}),
+                "token2wav_voice_prefixes": str(self.token2wav_voice_prefixes),
+                "token2wav_cuda_graphs": self.token2wav_cuda_graphs}),
             "audio_tokenizer": ModelEntry("audio_tokenizer_cosyvoice3", common),
             "speaker_embedding": ModelEntry("speaker_embedding", common),
         }

@@ -215,20 +215,29 @@ class DitToken2WavSettings(ProcessSettings):
 @dataclass(frozen=True)
 class Cv3Token2WavSettings(ProcessSettings):
     """The CosyVoice3 ``token2wav`` model (template ``token2wav_cosyvoice3``): the flow's ``dtype``
-    (auto: float32 everywhere: a plain fp16 DiT gives NaNs upstream, and no reduced precision has
-    been measured here yet; the causal HiFT stays fp32); ``incremental_stream`` (true: a stream's
+    (auto: bfloat16 on CUDA, float32 on the CPU: a plain fp16 DiT gives NaNs upstream, bfloat16 has
+    float32's range; layer norms and the attention softmax accumulate in float32 either way; the
+    causal HiFT stays fp32); ``incremental_stream`` (true: a stream's
     flow samples only its new frames under the DiT's block mask, with cached per-step keys/values;
     false: the reference's full-attention re-run over the whole prefix every chunk; auto: true);
-    ``voice_prefixes`` (voices whose prompt-only flow states incremental streams share; 0: none)."""
+    ``voice_prefixes`` (voices whose prompt-only flow states incremental streams share; 0: none);
+    ``cuda_graphs`` (auto: on with CUDA: incremental streams' flow windows replayed from CUDA graphs,
+    :class:`~cosyserve.token2wav.cosyvoice3.Cv3WindowGraphs`)."""
 
     model_dir: Path
     dtype: str = AUTO
     incremental_stream: bool | None = True
     voice_prefixes: int = DEFAULT_VOICE_PREFIXES
+    cuda_graphs: bool | None = None
     stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
 
+    def window_graphs(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
+
     def flow_dtype(self, device: torch.device) -> torch.dtype:
-        return torch.float32 if self.dtype == AUTO else resolve_device_dtype(device, self.dtype)[1]
+        if self.dtype == AUTO:
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return resolve_device_dtype(device, self.dtype)[1]
 
 
 # The settings of each model of ``model_repo/`` that takes parameters (tensorrt_llm is NVIDIA's).

@@ -40,7 +40,7 @@ class Cv3Token2WavModel:
         limit_torch_threads(settings.torch_threads, 1 if device.type == "cuda" else None)
         self.token2wav = load_cosyvoice3_token2wav(settings.model_dir, device, settings.flow_dtype(device),
                                                    settings.stream_idle_timeout_s, settings.incremental_stream is not False,
-                                                   settings.voice_prefixes)
+                                                   settings.voice_prefixes, settings.window_graphs(device))
         self.open_streams = Metric("cosyserve_token2wav_open_streams", "token2wav streaming sessions open",
                                    config["name"])
         self.voices_cached = Metric("cosyserve_token2wav_voices_cached", "voices whose prompt-only flow states "

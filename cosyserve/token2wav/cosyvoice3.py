@@ -41,12 +41,64 @@ import torch
 
 from ..errors import InvalidInputError
 from ..frontend.prompt import Voice
-from ..models.cosyvoice3.flow import CosyVoice3Flow, Cv3FlowStream, Cv3VoicePrefix, load_cosyvoice3_flow
+from ..models.cosyvoice3.dit import POS_CONV_KERNEL, WindowState
+from ..models.flow.cfm import N_TIMESTEPS
+from ..models.cosyvoice3.flow import Cv3CFM, CosyVoice3Flow, Cv3FlowStream, Cv3VoicePrefix, load_cosyvoice3_flow
 from ..models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, load_causal_hift
 from ..runtime import STREAM_IDLE_TIMEOUT_S
+from .graphs import GraphCache, frame_bucket
 from .sessions import SessionClock, _numpy
 
 DEFAULT_VOICE_PREFIXES = 8  # voices whose prompt-only flow states are kept (see CosyVoice3Token2Wav)
+
+
+MAX_GRAPHS = 64  # window graphs kept (LRU); each holds its padded inputs, the committed keys/values included
+
+
+class Cv3WindowGraphs:
+    """A :data:`~cosyserve.models.cosyvoice3.flow.WindowSampler` that replays the window's whole
+    sampling (10 Euler steps x 22 DiT blocks, ~10k kernels in eager mode, whose launches bound a
+    step on the GPU) from a CUDA graph per padded shape.
+
+    The window is padded on the right to a :func:`~cosyserve.token2wav.graphs.frame_bucket`, and the
+    committed frames' keys/values to one (multiples of 50 frames, then ~25 % apart): padded keys are
+    hidden by the attention mask, padded frames come after the real ones (the position
+    convolutions are causal) and are dropped, so the output equals the eager one up to rounding.
+    A shape runs eagerly the first time it is seen and is captured the second time
+    (:class:`~cosyserve.token2wav.graphs.GraphCache`); windows wider than ``max_window`` frames run
+    eagerly always. Memory: every graph keeps its padded inputs, the committed keys/values
+    included (~0.9 MB per frame in bfloat16), hence the ``max_graphs`` bound."""
+
+    def __init__(self, decoder: Cv3CFM, *, max_window: int = 400, max_graphs: int = MAX_GRAPHS):
+        self.decoder = decoder
+        self.max_window = max_window
+        self.graphs = GraphCache(self._sample, max_graphs=max_graphs)
+        self.calls = self.eager_calls = 0
+
+    def _sample(self, z, mu2, cond2, spks2, past_kv, conv_context, angles, mask):
+        return self.decoder.sample_window(z, mu2, cond2, spks2, past_kv, conv_context, angles, mask)
+
+    def __call__(self, z, mu2, cond2, spks2, state: WindowState) -> tuple[torch.Tensor, ...]:
+        estimator, width, start = self.decoder.estimator, z.shape[2], state.frames
+        padded_width, past = frame_bucket(width), frame_bucket(start) if start else 0
+        self.calls += 1
+        if width > self.max_window or padded_width < width or past < start:
+            self.eager_calls += 1
+            angles, mask = estimator.window_geometry(start, width)
+            return self.decoder.sample_window(z, mu2, cond2, spks2, state.kv, state.conv_context, angles, mask)
+        angles, mask = estimator.window_geometry(start, width, past, padded_width)
+        pad = padded_width - width
+        z, mu2, cond2 = (torch.nn.functional.pad(v, (0, pad)) for v in (z, mu2, cond2))
+        if state.kv is None:
+            cfg = estimator.cfg
+            past_kv = z.new_zeros(N_TIMESTEPS, cfg.depth, 2, mu2.shape[0], cfg.heads, past, cfg.dim_head)
+            conv_context = z.new_zeros(N_TIMESTEPS, 2, mu2.shape[0], cfg.dim, POS_CONV_KERNEL - 1)
+        else:
+            past_kv = torch.nn.functional.pad(state.kv, (0, 0, 0, past - start))
+            conv_context = state.conv_context
+        x, kv, inputs1, inputs2 = self.graphs(z, mu2, cond2, spks2, past_kv, conv_context, angles, mask)
+        return x[..., :width], kv[..., :width, :], inputs1[..., :POS_CONV_KERNEL - 1 + width], \
+            inputs2[..., :POS_CONV_KERNEL - 1 + width]
 
 
 @dataclass
@@ -76,7 +128,8 @@ class CosyVoice3Token2Wav:
 
     def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFTGenerator, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
-                 incremental: bool = True, voice_prefixes: int = DEFAULT_VOICE_PREFIXES):
+                 incremental: bool = True, voice_prefixes: int = DEFAULT_VOICE_PREFIXES,
+                 cuda_graphs: bool = False):
         self.device = torch.device(device)
         self.dtype = dtype
         self.incremental = incremental
@@ -84,6 +137,9 @@ class CosyVoice3Token2Wav:
         self._prefixes: OrderedDict[bytes, Cv3VoicePrefix] = OrderedDict()
         self.prefix_hits = self.prefix_misses = 0
         self.flow = flow.to(device=self.device, dtype=dtype).eval()
+        # incremental streams' windows from CUDA graphs (the re-run and offline flows stay eager)
+        self.window_graphs = Cv3WindowGraphs(self.flow.decoder) if cuda_graphs and self.device.type == "cuda" \
+            else None
         self.hift = hift.to(device=self.device).eval()
         self.idle_timeout_s = idle_timeout_s
         self._sessions: dict[str, Cv3Session] = {}
@@ -177,7 +233,8 @@ class CosyVoice3Token2Wav:
             self.prefix_hits += 1
         elif self.voice_prefixes:
             self.prefix_misses += 1
-        return Cv3FlowStream(self.flow, *prompt, prefix=prefix, keep_prefix=self.voice_prefixes > 0)
+        return Cv3FlowStream(self.flow, *prompt, prefix=prefix, keep_prefix=self.voice_prefixes > 0,
+                             sampler=self.window_graphs)
 
     def _keep_prefix(self, session: Cv3Session) -> None:
         """Keep the prefix a voice's first stream has sampled (the least recently used one goes)."""
@@ -233,8 +290,9 @@ def load_cosyvoice3_token2wav(model_dir: str | Path, device: torch.device | str 
                               dtype: torch.dtype = torch.float32,
                               idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
                               incremental: bool = True,
-                              voice_prefixes: int = DEFAULT_VOICE_PREFIXES) -> CosyVoice3Token2Wav:
+                              voice_prefixes: int = DEFAULT_VOICE_PREFIXES,
+                              cuda_graphs: bool = False) -> CosyVoice3Token2Wav:
     """``Fun-CosyVoice3-0.5B-2512/`` (cosyvoice3.yaml, flow.pt, hift.pt) -> :class:`CosyVoice3Token2Wav`."""
     flow = load_cosyvoice3_flow(model_dir, device, dtype)
     hift = load_causal_hift(model_dir, device)
-    return CosyVoice3Token2Wav(flow, hift, device, dtype, idle_timeout_s, incremental, voice_prefixes)
+    return CosyVoice3Token2Wav(flow, hift, device, dtype, idle_timeout_s, incremental, voice_prefixes, cuda_graphs)

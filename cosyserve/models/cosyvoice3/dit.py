@@ -208,14 +208,29 @@ class AdaLayerNormFinal(nn.Module):
         return modulate(F.layer_norm(x, x.shape[-1:], eps=NORM_EPS), shift, scale)
 
 
-@dataclass
+@dataclass(frozen=True)
 class WindowState:
-    """What the estimator keeps of the committed frames [0, frames) of one stream, for one Euler step."""
+    """What the estimator keeps of one stream's committed frames [0, ``frames``), for every Euler step.
+    Never changed in place (a commit makes new tensors), so streams may share one."""
 
     frames: int
-    keys: list[torch.Tensor]  # per block: (B, heads, frames, dim_head), rotated
-    values: list[torch.Tensor]
-    conv_context: tuple[torch.Tensor, torch.Tensor] | None  # last 30 inputs of each position conv (B, D, 30)
+    kv: torch.Tensor | None  # (steps, blocks, 2 (keys, values), B, heads, frames, dim_head), keys rotated
+    conv_context: torch.Tensor | None  # (steps, 2 (convolutions), B, D, kernel − 1): their last inputs
+
+
+def window_mask(start: int, width: int, chunk: int, device: torch.device, past_frames: int | None = None,
+                padded_width: int | None = None) -> torch.Tensor:
+    """(W', P' + W') bool block mask of a window's queries (frames start.. of the stream) over
+    [past keys ‖ window keys]. Past key j is frame j, valid below ``start``; window key k is frame
+    start + k, valid below ``width``. ``past_frames`` P' ≥ start and ``padded_width`` W' ≥ width pad
+    both to fixed shapes (CUDA graphs); the padding is never attended by a real query."""
+    past_frames = start if past_frames is None else past_frames
+    padded_width = width if padded_width is None else padded_width
+    past, window = torch.arange(past_frames, device=device), torch.arange(padded_width, device=device)
+    key_frame = torch.cat([past, start + window])
+    valid = torch.cat([past < start, window < width])
+    limit = ((start + window) // chunk + 1) * chunk  # a query sees the frames before the end of its block
+    return (key_frame[None, :] < limit[:, None]) & valid[None, :]
 
 
 class Cv3DiT(nn.Module):
@@ -248,30 +263,47 @@ class Cv3DiT(nn.Module):
             h = block(h, t_emb, angles, attn_mask)
         return self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
 
-    def empty_window_state(self) -> WindowState:
-        return WindowState(0, [None] * len(self.transformer_blocks), [None] * len(self.transformer_blocks), None)
+    def window_geometry(self, start: int, width: int, past_frames: int | None = None,
+                        padded_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary angles (W', dim_head) and attention mask (:func:`window_mask`) of a window of
+        ``width`` frames at frame ``start``, optionally padded (past to P' frames, window to W')."""
+        padded_width = width if padded_width is None else padded_width
+        device = self.rotary_embed.inv_freq.device
+        angles = self.rotary_embed.angles(start + padded_width)[start:]
+        return angles, window_mask(start, width, self.cfg.static_chunk_size, device, past_frames, padded_width)
 
-    def forward_window(self, x, mu, t, spks, cond, state: WindowState, commit: int
-                       ) -> tuple[torch.Tensor, WindowState]:
-        """Block-masked velocity of frames [state.frames, state.frames + W): x, mu, cond (B, 80, W), t (B,),
-        spks (B, 80). ``state.frames`` must be a multiple of the block size. Returns the velocity (B, 80, W)
-        and the state with the window's first ``commit`` frames committed."""
-        start, width, chunk = state.frames, x.shape[2], self.cfg.static_chunk_size
-        if start % chunk or not 0 <= commit <= width:
-            raise ValueError(f"window at frame {start} (block {chunk}) cannot commit {commit} of {width} frames")
+    def forward_window(self, x, mu, t, spks, cond, past_kv: torch.Tensor | None,
+                       conv_context: torch.Tensor | None, angles: torch.Tensor, mask: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block-masked velocity of a window of W frames that follows committed ones: x, mu, cond
+        (B, 80, W), t (B,), spks (B, 80); ``past_kv`` (blocks, 2, B, heads, P, dim_head) the committed
+        frames' keys/values at this Euler step (None: none); ``conv_context`` (2, B, D, 30) the last inputs
+        of the two position convolutions before the window (None: zeros); ``angles``, ``mask`` from
+        :meth:`window_geometry`. Returns the velocity (B, 80, W), the window's keys/values (blocks, 2,
+        B, heads, W, dim_head) and the two convolutions' inputs (B, D, 30 + W), context first.
+        Pure tensor work without host synchronisation (capturable in a CUDA graph)."""
         t_emb = self.time_embed(t)
         proj = self.input_embed.project(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
-        pos, inputs1, inputs2 = self.input_embed.conv_pos_embed.with_context(proj, state.conv_context)
+        context = None if conv_context is None else (conv_context[0], conv_context[1])
+        pos, inputs1, inputs2 = self.input_embed.conv_pos_embed.with_context(proj, context)
         h = pos + proj
-        angles = self.rotary_embed.angles(start + width)[start:]
-        mask = block_causal_mask(start + width, chunk, x.device)[start:]
         keys, values = [], []
-        for block, past_k, past_v in zip(self.transformer_blocks, state.keys, state.values):
-            h, (k, v) = block.forward_with_kv(h, t_emb, angles, mask, None if past_k is None else (past_k, past_v))
-            keys.append(k[:, :, :commit] if past_k is None else torch.cat([past_k, k[:, :, :commit]], dim=2))
-            values.append(v[:, :, :commit] if past_v is None else torch.cat([past_v, v[:, :, :commit]], dim=2))
-        context_end = POS_CONV_KERNEL - 1 + commit  # the convolution inputs end with the window's frames
-        context = (inputs1[:, :, context_end - (POS_CONV_KERNEL - 1):context_end],
-                   inputs2[:, :, context_end - (POS_CONV_KERNEL - 1):context_end])
+        for index, block in enumerate(self.transformer_blocks):
+            past = None if past_kv is None else (past_kv[index, 0], past_kv[index, 1])
+            h, (k, v) = block.forward_with_kv(h, t_emb, angles, mask, past)
+            keys.append(k)
+            values.append(v)
         velocity = self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
-        return velocity, WindowState(start + commit, keys, values, context)
+        return velocity, torch.stack([torch.stack(keys), torch.stack(values)], dim=1), inputs1, inputs2
+
+
+def commit_window(state: WindowState, kv: torch.Tensor, inputs1: torch.Tensor, inputs2: torch.Tensor,
+                  commit: int) -> WindowState:
+    """The state after a window's first ``commit`` frames: ``kv`` (steps, blocks, 2, B, heads, W', dim_head)
+    and the convolution inputs (steps, B, D, 30 + W') of every Euler step (W' ≥ commit: padding ignored)."""
+    new = kv[..., :commit, :]
+    kv = new.clone() if state.kv is None else torch.cat([state.kv, new], dim=-2)
+    end = POS_CONV_KERNEL - 1 + commit  # the convolution inputs end with the committed frames
+    context = torch.stack([inputs1[..., end - (POS_CONV_KERNEL - 1):end],
+                           inputs2[..., end - (POS_CONV_KERNEL - 1):end]], dim=1)
+    return WindowState(state.frames + commit, kv, context)

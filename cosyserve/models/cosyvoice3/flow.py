@@ -11,7 +11,7 @@ context only; ``streaming=True`` gives the DiT its block-causal 50-frame mask.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +23,10 @@ from ...errors import InvalidInputError, ModelLoadError
 from ..dit.cfm import cosine_time_grid
 from ..flow.cfm import N_TIMESTEPS, fixed_noise
 from .config import Cv3FlowConfig, config_from_model_dir
-from .dit import Cv3DiT, WindowState
+from .dit import Cv3DiT, WindowState, commit_window
+
+# (z, mu2, cond2, spks2, state) -> Cv3CFM.sample_window's outputs for that state's window
+WindowSampler = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 WEIGHTS_FILE = "flow.pt"
 
@@ -81,22 +84,45 @@ class Cv3CFM(nn.Module):
 
         return self._integrate(z, n_timesteps, estimate)
 
-    def window_steps(self, z, mu, spks, cond, states: list[WindowState], commit: int
-                     ) -> tuple[torch.Tensor, list[WindowState]]:
-        """Block-masked sampling of a window of frames after committed ones (:meth:`Cv3DiT.forward_window`):
-        one estimator state per Euler step. Returns the sampled window and the states after committing
-        the window's first ``commit`` frames."""
+    def window_steps(self, z, mu, spks, cond, state: WindowState, commit: int,
+                     sampler: "WindowSampler | None" = None) -> tuple[torch.Tensor, WindowState]:
+        """Block-masked sampling of a window of frames after the committed ones of ``state``
+        (:meth:`Cv3DiT.forward_window` at every Euler step): z, mu, cond (1, 80, W), spks (1, 80).
+        Returns the sampled window and the state with the window's first ``commit`` frames committed.
+        ``sampler`` runs :meth:`sample_window` another way (CUDA graphs, ``cosyserve.token2wav``)."""
+        chunk = self.estimator.cfg.static_chunk_size
+        if state.frames % chunk or not 0 <= commit <= z.shape[2]:
+            raise ValueError(f"window at frame {state.frames} (block {chunk}) cannot commit {commit} of "
+                             f"{z.shape[2]} frames")
         mu2, spks2, cond2 = _with_uncond(mu, spks, cond)
-        new_states = []
+        if sampler is None:
+            angles, mask = self.estimator.window_geometry(state.frames, z.shape[2])
+            x, kv, inputs1, inputs2 = self.sample_window(z, mu2, cond2, spks2, state.kv, state.conv_context,
+                                                         angles, mask)
+        else:
+            x, kv, inputs1, inputs2 = sampler(z, mu2, cond2, spks2, state)
+        return x, commit_window(state, kv, inputs1, inputs2, commit)
+
+    def sample_window(self, z, mu2, cond2, spks2, past_kv: torch.Tensor | None, conv_context: torch.Tensor | None,
+                      angles: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every Euler step on one window (conditions already in CFG rows, :func:`_with_uncond`):
+        ``past_kv`` (steps, blocks, 2, 2B, heads, P, dim_head), ``conv_context`` (steps, 2, 2B, D, 30).
+        Returns the sampled window (B, 80, W), the window's keys/values of every step (steps, blocks,
+        2, 2B, heads, W, dim_head) and the position convolutions' inputs (steps, 2B, D, 30 + W) x 2.
+        Pure tensor work without host synchronisation (capturable in a CUDA graph)."""
+        outputs = []
 
         def estimate(step: int, x2: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
-            out, state = self.estimator.forward_window(x2, mu2, t2, spks2, cond2, states[step], commit)
-            new_states.append(state)
+            out, kv, inputs1, inputs2 = self.estimator.forward_window(
+                x2, mu2, t2, spks2, cond2, None if past_kv is None else past_kv[step],
+                None if conv_context is None else conv_context[step], angles, mask)
+            outputs.append((kv, inputs1, inputs2))
             return out
 
-        for _, _, x in self._integrate(z, len(states), estimate):
+        for _, _, x in self._integrate(z, N_TIMESTEPS, estimate):
             pass
-        return x, new_states
+        kv, inputs1, inputs2 = (torch.stack(parts) for parts in zip(*outputs))
+        return x, kv, inputs1, inputs2
 
     def _integrate(self, z: torch.Tensor, n_timesteps: int, estimate) -> Iterator[tuple[torch.Tensor, ...]]:
         t_span = cosine_time_grid(n_timesteps, z.device, z.dtype)
@@ -198,12 +224,15 @@ class CosyVoice3Flow(nn.Module):
 
 @dataclass(frozen=True)
 class Cv3VoicePrefix:
-    """The estimator states of a voice's prompt-only blocks: frames [0, ``frames``) of every stream of
+    """The estimator state of a voice's prompt-only blocks: frames [0, ``frames``) of every stream of
     that voice, whatever its target tokens (:meth:`CosyVoice3Flow.voice_prefix_frames`). States are
     never changed in place (a commit makes new tensors), so streams share them."""
 
-    frames: int
-    states: list[WindowState]
+    state: WindowState
+
+    @property
+    def frames(self) -> int:
+        return self.state.frames
 
 
 class Cv3FlowStream:
@@ -223,17 +252,22 @@ class Cv3FlowStream:
     """
 
     def __init__(self, flow: CosyVoice3Flow, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor,
-                 embedding: torch.Tensor, prefix: Cv3VoicePrefix | None = None, keep_prefix: bool = False):
+                 embedding: torch.Tensor, prefix: Cv3VoicePrefix | None = None, keep_prefix: bool = False,
+                 sampler: WindowSampler | None = None):
         self.flow = flow
+        self.sampler = sampler  # how windows are sampled (None: eagerly, Cv3CFM.sample_window)
         self.prompt = (prompt_tokens, prompt_feat, embedding)
         self.tokens = prompt_tokens.new_zeros(1, 0)
-        self.states = prefix.states if prefix else [flow.decoder.estimator.empty_window_state()
-                                                    for _ in range(N_TIMESTEPS)]
-        self.committed = prefix.frames if prefix else 0  # frames (prompt included) whose estimator state is cached
+        self.state = prefix.state if prefix else WindowState(0, None, None)  # committed frames, prompt included
         self.emitted = prompt_feat.shape[1]  # frames returned so far, counting the prompt's
         self.finished = False
         self.prefix = prefix
         self._keep_prefix = keep_prefix and prefix is None
+
+    @property
+    def committed(self) -> int:
+        """Frames (prompt included) whose estimator states are kept."""
+        return self.state.frames
 
     @torch.inference_mode()
     def push(self, tokens: torch.Tensor, finalize: bool = False) -> torch.Tensor:
@@ -256,16 +290,16 @@ class Cv3FlowStream:
             frames = flow.voice_prefix_frames(prompt_tokens.shape[1])
             if frames:
                 window = slice(0, frames)
-                _, self.states = flow.decoder.window_steps(noise[:, :, window], c.mu[:, :, window], c.spks,
-                                                           c.cond[:, :, window], self.states, frames)
-                self.committed, self.prefix = frames, Cv3VoicePrefix(frames, self.states)
-        start, end = self.committed, c.mu.shape[2]
+                _, self.state = flow.decoder.window_steps(noise[:, :, window], c.mu[:, :, window], c.spks,
+                                                          c.cond[:, :, window], self.state, frames, self.sampler)
+                self.prefix = Cv3VoicePrefix(self.state)
+        start, end = self.state.frames, c.mu.shape[2]
         commit = end - start if finalize else end // chunk * chunk - start
         window = slice(start, end)
-        mel, self.states = flow.decoder.window_steps(noise[:, :, window], c.mu[:, :, window], c.spks,
-                                                     c.cond[:, :, window], self.states, commit)
+        mel, self.state = flow.decoder.window_steps(noise[:, :, window], c.mu[:, :, window], c.spks,
+                                                    c.cond[:, :, window], self.state, commit, self.sampler)
         new = mel[:, :, self.emitted - start:].float()
-        self.committed, self.emitted, self.finished = start + commit, end, finalize
+        self.emitted, self.finished = end, finalize
         return new
 
 
