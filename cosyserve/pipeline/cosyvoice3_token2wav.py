@@ -21,7 +21,7 @@ flow of the reference runtime (full attention over the whole prefix every chunk,
 ``token2wav`` model's ``incremental_stream=false``) instead of the incremental block-masked one, or
 ``+graphs`` for the incremental flow's windows replayed from CUDA graphs (the model's ``cuda_graphs``;
 a second warm-up run captures them);
-the first run of each is an untimed warm-up whose audio is compared with the first variant's
+the first run of each is an untimed warm-up; the last timed run's audio is compared with the first variant's
 (rel-L2; nothing random is drawn, so fp32 against itself is 0, and ``fp32,fp32+rerun`` gives the
 distance between the two streaming flows).
 """
@@ -179,7 +179,7 @@ class VariantRun:
     name: str
     row: list
     report: dict
-    check: np.ndarray | None = field(default=None, repr=False)  # the warm-up's audio, all utterances
+    check: np.ndarray | None = field(default=None, repr=False)  # the last timed run's audio, all utterances
     last: np.ndarray | None = field(default=None, repr=False)  # the last utterance of the last run
 
 
@@ -193,13 +193,14 @@ def _one_run(t2w: CosyVoice3Token2Wav, tokens: Sequence[torch.Tensor], voice: Vo
 
 def run_variant(name: str, model_dir: Path, tokens: Sequence[torch.Tensor], voice: Voice, *, device: torch.device,
                 mode: str, strategy: str, runs: int, reference: np.ndarray | None) -> VariantRun:
-    """Load the model in the variant's dtype, one warm-up (its audio is the check; graph variants get a
-    second one: a shape is captured when seen again), ``runs`` timed runs."""
+    """Load the model in the variant's dtype, one warm-up (graph variants get a second one: a shape is
+    captured when seen again), ``runs`` timed runs; the last one's audio is the check (replayed from
+    the graphs, for graph variants: the warm-up ran eagerly)."""
     graphs = name.endswith(GRAPHS)
     t2w = load_cosyvoice3_token2wav(model_dir, device, DTYPES[variant_dtype(name)],
                                     incremental=not name.endswith(RERUN), cuda_graphs=graphs)
     try:
-        _, warm = _one_run(t2w, tokens, voice, mode, strategy, "warmup")
+        _one_run(t2w, tokens, voice, mode, strategy, "warmup")
         if graphs:
             _one_run(t2w, tokens, voice, mode, strategy, "capture")
         timed = [_one_run(t2w, tokens, voice, mode, strategy, f"run{r}") for r in range(max(1, runs))]
@@ -208,7 +209,7 @@ def run_variant(name: str, model_dir: Path, tokens: Sequence[torch.Tensor], voic
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    check = np.concatenate([s.wave for s in warm])
+    check = np.concatenate([s.wave for s in timed[-1][1]])
     walls = [wall for wall, _ in timed]
     audio_s = sum(s.wave.size for s in timed[0][1]) / SAMPLE_RATE
     wall = statistics.median(walls)
