@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,59 +46,161 @@ from ..models.flow.cfm import N_TIMESTEPS
 from ..models.cosyvoice3.flow import Cv3CFM, CosyVoice3Flow, Cv3FlowStream, Cv3VoicePrefix, load_cosyvoice3_flow
 from ..models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, load_causal_hift
 from ..runtime import STREAM_IDLE_TIMEOUT_S
-from .graphs import GraphCache, frame_bucket
+from .graphs import frame_bucket
 from .sessions import SessionClock, _numpy
 
 DEFAULT_VOICE_PREFIXES = 8  # voices whose prompt-only flow states are kept (see CosyVoice3Token2Wav)
 
 
-MAX_GRAPHS = 64  # window graphs kept (LRU); each holds its padded inputs, the committed keys/values included
+DEFAULT_GRAPH_PAST_FRAMES = 2000  # committed frames (prompt included, 50 per second) windows are graphed after
+DEFAULT_GRAPH_WINDOW_FRAMES = 400  # frames of a graphed window
+
+
+@dataclass
+class _WindowBuffers:
+    """The inputs and outputs every window graph reads and writes, at the largest graphed shape:
+    each graph works on leading slices, so the graphs share them (replays are serialised)."""
+
+    z: torch.Tensor  # (1, 80, W)
+    mu2: torch.Tensor  # (2, 80, W): CFG rows
+    cond2: torch.Tensor
+    spks2: torch.Tensor  # (2, 80)
+    past_kv: torch.Tensor  # (steps, blocks, 2, 2, heads, P, dim_head)
+    conv_context: torch.Tensor  # (steps, 2, 2, D, 30)
+    angles: torch.Tensor  # (W, dim_head)
+    mask: torch.Tensor  # (W, P + W) bool
+    x: torch.Tensor  # outputs: the sampled window (1, 80, W)
+    kv: torch.Tensor  # (steps, blocks, 2, 2, heads, W, dim_head)
+    inputs1: torch.Tensor  # (steps, 2, D, 30 + W)
+    inputs2: torch.Tensor
+
+    @classmethod
+    def allocate(cls, decoder: Cv3CFM, past: int, width: int, dtype: torch.dtype, device: torch.device
+                 ) -> "_WindowBuffers":
+        cfg, context = decoder.estimator.cfg, POS_CONV_KERNEL - 1
+        mel = cfg.mel_dim
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(zeros(1, mel, width), zeros(2, mel, width), zeros(2, mel, width), zeros(2, mel),
+                   zeros(N_TIMESTEPS, cfg.depth, 2, 2, cfg.heads, past, cfg.dim_head),
+                   zeros(N_TIMESTEPS, 2, 2, cfg.dim, context),
+                   torch.zeros(width, cfg.dim_head, dtype=decoder.estimator.rotary_embed.inv_freq.dtype, device=device),
+                   torch.zeros(width, past + width, dtype=torch.bool, device=device),
+                   zeros(1, mel, width), zeros(N_TIMESTEPS, cfg.depth, 2, 2, cfg.heads, width, cfg.dim_head),
+                   zeros(N_TIMESTEPS, 2, cfg.dim, context + width), zeros(N_TIMESTEPS, 2, cfg.dim, context + width))
 
 
 class Cv3WindowGraphs:
-    """A :data:`~cosyserve.models.cosyvoice3.flow.WindowSampler` that replays the window's whole
-    sampling (10 Euler steps x 22 DiT blocks, ~10k kernels in eager mode, whose launches bound a
-    step on the GPU) from a CUDA graph per padded shape.
+    """A :data:`~cosyserve.models.cosyvoice3.flow.WindowSampler` that replays one stream's window
+    sampling (10 Euler steps x 22 DiT blocks: ~10k kernels in eager mode, whose launches, not the
+    arithmetic, bound a step on the GPU) from a CUDA graph per padded shape.
 
     The window is padded on the right to a :func:`~cosyserve.token2wav.graphs.frame_bucket`, and the
-    committed frames' keys/values to one (multiples of 50 frames, then ~25 % apart): padded keys are
-    hidden by the attention mask, padded frames come after the real ones (the position
+    committed frames' keys/values to another (multiples of 50 frames, then ~25 % apart): padded keys
+    are hidden by the attention mask, padded frames follow the real ones (the position
     convolutions are causal) and are dropped, so the output equals the eager one up to rounding.
-    A shape runs eagerly the first time it is seen and is captured the second time
-    (:class:`~cosyserve.token2wav.graphs.GraphCache`); windows wider than ``max_window`` frames run
-    eagerly always. Memory: every graph keeps its padded inputs, the committed keys/values
-    included (~0.9 MB per frame in bfloat16), hence the ``max_graphs`` bound."""
+    All graphs read and write leading slices of one set of buffers sized for ``max_past`` committed
+    frames and ``max_window`` window frames (:class:`_WindowBuffers`; ~0.9 MB per frame of keys and
+    values in bfloat16: ~2 GB at the defaults) and share one memory pool for their temporaries, so
+    graph memory does not grow with the number of shapes. A shape runs eagerly the first time it is
+    seen and is captured the second time; larger windows or pasts always run eagerly.
+    ``cuda_graphs=False`` runs the padded buffers eagerly instead of capturing them (any device: it
+    checks that the padding changes nothing)."""
 
-    def __init__(self, decoder: Cv3CFM, *, max_window: int = 400, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, decoder: Cv3CFM, *, max_past: int = DEFAULT_GRAPH_PAST_FRAMES,
+                 max_window: int = DEFAULT_GRAPH_WINDOW_FRAMES, capture_after: int = 1, cuda_graphs: bool = True):
         self.decoder = decoder
-        self.max_window = max_window
-        self.graphs = GraphCache(self._sample, max_graphs=max_graphs)
+        self.cuda_graphs = cuda_graphs
+        self.max_past, self.max_window = frame_bucket(max_past), frame_bucket(max_window)
+        self.capture_after = capture_after
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._seen: Counter = Counter()
+        self._buffers: _WindowBuffers | None = None
+        self._pool = None
+        self._lock = threading.Lock()
         self.calls = self.eager_calls = 0
 
-    def _sample(self, z, mu2, cond2, spks2, past_kv, conv_context, angles, mask):
-        return self.decoder.sample_window(z, mu2, cond2, spks2, past_kv, conv_context, angles, mask)
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
 
     def __call__(self, z, mu2, cond2, spks2, state: WindowState) -> tuple[torch.Tensor, ...]:
         estimator, width, start = self.decoder.estimator, z.shape[2], state.frames
         padded_width, past = frame_bucket(width), frame_bucket(start) if start else 0
-        self.calls += 1
-        if width > self.max_window or padded_width < width or past < start:
-            self.eager_calls += 1
-            angles, mask = estimator.window_geometry(start, width)
-            return self.decoder.sample_window(z, mu2, cond2, spks2, state.kv, state.conv_context, angles, mask)
-        angles, mask = estimator.window_geometry(start, width, past, padded_width)
-        pad = padded_width - width
-        z, mu2, cond2 = (torch.nn.functional.pad(v, (0, pad)) for v in (z, mu2, cond2))
+        key = (past, padded_width)
+        with self._lock:
+            self.calls += 1
+            graph = self._graphs.get(key)
+            if graph is None:
+                self._seen[key] += 1
+                if padded_width > self.max_window or past > self.max_past or padded_width < width or past < start \
+                        or mu2.shape[0] != 2 or self._seen[key] <= self.capture_after:
+                    self.eager_calls += 1
+                    angles, mask = estimator.window_geometry(start, width)
+                    return self.decoder.sample_window(z, mu2, cond2, spks2, state.kv, state.conv_context, angles, mask)
+            buffers = self._load(z, mu2, cond2, spks2, state, past, padded_width)
+            run = self._padded_run(buffers, past, padded_width)
+            if not self.cuda_graphs:
+                run()
+            else:
+                if graph is None:
+                    graph = self._graphs[key] = self._capture(run, z.device)
+                graph.replay()
+            context = POS_CONV_KERNEL - 1
+            return (buffers.x[..., :width].clone(), buffers.kv[..., :width, :].clone(),
+                    buffers.inputs1[..., :context + width].clone(), buffers.inputs2[..., :context + width].clone())
+
+    def _load(self, z, mu2, cond2, spks2, state: WindowState, past: int, padded_width: int) -> _WindowBuffers:
+        """Copy one window into the shared buffers' leading slices (padding zeroed)."""
+        if self._buffers is None:
+            self._buffers = _WindowBuffers.allocate(self.decoder, self.max_past, self.max_window, z.dtype, z.device)
+        b, width, start = self._buffers, z.shape[2], state.frames
+        for buffer, value in ((b.z, z), (b.mu2, mu2), (b.cond2, cond2)):
+            buffer[..., :width].copy_(value)
+            buffer[..., width:padded_width].zero_()
+        b.spks2.copy_(spks2)
         if state.kv is None:
-            cfg = estimator.cfg
-            past_kv = z.new_zeros(N_TIMESTEPS, cfg.depth, 2, mu2.shape[0], cfg.heads, past, cfg.dim_head)
-            conv_context = z.new_zeros(N_TIMESTEPS, 2, mu2.shape[0], cfg.dim, POS_CONV_KERNEL - 1)
+            b.conv_context.zero_()
         else:
-            past_kv = torch.nn.functional.pad(state.kv, (0, 0, 0, past - start))
-            conv_context = state.conv_context
-        x, kv, inputs1, inputs2 = self.graphs(z, mu2, cond2, spks2, past_kv, conv_context, angles, mask)
-        return x[..., :width], kv[..., :width, :], inputs1[..., :POS_CONV_KERNEL - 1 + width], \
-            inputs2[..., :POS_CONV_KERNEL - 1 + width]
+            b.past_kv[..., :start, :].copy_(state.kv)
+            b.conv_context.copy_(state.conv_context)
+        b.past_kv[..., start:past, :].zero_()  # hidden by the mask; zeros keep stale values out
+        angles, mask = self.decoder.estimator.window_geometry(start, width, past, padded_width)
+        b.angles[:padded_width].copy_(angles)
+        b.mask[:padded_width, :past + padded_width].copy_(mask)
+        return b
+
+    def _padded_run(self, b: _WindowBuffers, past: int, padded_width: int):
+        """The work one graph holds: the window sampled from the buffers' leading slices into them."""
+        context = POS_CONV_KERNEL - 1
+
+        def run() -> None:
+            x, kv, inputs1, inputs2 = self.decoder.sample_window(
+                b.z[..., :padded_width], b.mu2[..., :padded_width], b.cond2[..., :padded_width], b.spks2,
+                b.past_kv[..., :past, :], b.conv_context, b.angles[:padded_width],
+                b.mask[:padded_width, :past + padded_width])
+            b.x[..., :padded_width].copy_(x)
+            b.kv[..., :padded_width, :].copy_(kv)
+            b.inputs1[..., :context + padded_width].copy_(inputs1)
+            b.inputs2[..., :context + padded_width].copy_(inputs2)
+
+        return run
+
+    def _capture(self, run, device: torch.device) -> torch.cuda.CUDAGraph:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up: library handles and plans, lazy allocations
+            run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads may keep running (and allocating) eagerly during the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            run()
+        return graph
 
 
 @dataclass
