@@ -148,6 +148,18 @@ def test_padded_windows_equal_the_eager_ones(model_dir, voice):
     assert sampler.calls > 0 and sampler.eager_calls == 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a capture that fails: no CUDA")
+def test_a_failed_capture_runs_that_shape_eagerly(model_dir, voice, caplog):
+    """A window graph whose capture fails (here: no CUDA at all) costs speed, not the request."""
+    eager, fallback = (load_cosyvoice3_token2wav(model_dir) for _ in range(2))
+    sampler = fallback.window_graphs = Cv3WindowGraphs(fallback.flow.decoder, capture_after=0, max_past=1000)
+    ids = tokens(60, seed=3)
+    expected = np.concatenate(stream(eager, "e", ids, voice))
+    assert rel_l2(np.concatenate(stream(fallback, "f", ids, voice)), expected) < 1e-6
+    assert sampler.num_graphs == 0 and sampler.eager_calls == sampler.calls > 0
+    assert "runs eagerly" in caplog.text
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_window_graphs_replay_the_eager_windows(model_dir, voice):
     eager = load_cosyvoice3_token2wav(model_dir, "cuda")

@@ -30,6 +30,7 @@ concatenated stream of ``N`` tokens has ``960·N`` samples, as the reference's.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -51,6 +52,8 @@ from .sessions import SessionClock, _numpy
 
 DEFAULT_VOICE_PREFIXES = 8  # voices whose prompt-only flow states are kept (see CosyVoice3Token2Wav)
 
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GRAPH_PAST_FRAMES = 2000  # committed frames (prompt included, 50 per second) windows are graphed after
 DEFAULT_GRAPH_WINDOW_FRAMES = 400  # frames of a graphed window
@@ -117,6 +120,7 @@ class Cv3WindowGraphs:
         self.capture_after = capture_after
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._seen: Counter = Counter()
+        self._failed: set[tuple[int, int]] = set()  # shapes whose capture failed
         self._buffers: _WindowBuffers | None = None
         self._pool = None
         self._lock = threading.Lock()
@@ -136,21 +140,29 @@ class Cv3WindowGraphs:
             if graph is None:
                 self._seen[key] += 1
                 if padded_width > self.max_window or past > self.max_past or padded_width < width or past < start \
-                        or mu2.shape[0] != 2 or self._seen[key] <= self.capture_after:
-                    self.eager_calls += 1
-                    angles, mask = estimator.window_geometry(start, width)
-                    return self.decoder.sample_window(z, mu2, cond2, spks2, state.kv, state.conv_context, angles, mask)
+                        or mu2.shape[0] != 2 or self._seen[key] <= self.capture_after or key in self._failed:
+                    return self._eager(z, mu2, cond2, spks2, state)
             buffers = self._load(z, mu2, cond2, spks2, state, past, padded_width)
             run = self._padded_run(buffers, past, padded_width)
             if not self.cuda_graphs:
                 run()
             else:
                 if graph is None:
-                    graph = self._graphs[key] = self._capture(run, z.device)
+                    try:
+                        graph = self._graphs[key] = self._capture(run, z.device)
+                    except RuntimeError:  # a failed capture costs speed, never the request
+                        log.exception("capturing the CosyVoice3 window graph %s failed; that shape runs eagerly", key)
+                        self._failed.add(key)
+                        return self._eager(z, mu2, cond2, spks2, state)
                 graph.replay()
             context = POS_CONV_KERNEL - 1
             return (buffers.x[..., :width].clone(), buffers.kv[..., :width, :].clone(),
                     buffers.inputs1[..., :context + width].clone(), buffers.inputs2[..., :context + width].clone())
+
+    def _eager(self, z, mu2, cond2, spks2, state: WindowState) -> tuple[torch.Tensor, ...]:
+        self.eager_calls += 1
+        angles, mask = self.decoder.estimator.window_geometry(state.frames, z.shape[2])
+        return self.decoder.sample_window(z, mu2, cond2, spks2, state.kv, state.conv_context, angles, mask)
 
     def _load(self, z, mu2, cond2, spks2, state: WindowState, past: int, padded_width: int) -> _WindowBuffers:
         """Copy one window into the shared buffers' leading slices (padding zeroed)."""
