@@ -317,7 +317,8 @@ def timeout_server(tiny_bundle: Path, tmp_path_factory):
         tiny_bundle, device="cpu", bls_instances=1, offline_bls_instances=1, max_tokens=NUM_TOKENS,
         min_tokens=NUM_TOKENS, request_timeout_s=REQUEST_TIMEOUT_S, bls_max_queue_ms=QUEUE_WAIT_MS,
         offline_bls_max_queue_ms=QUEUE_WAIT_MS), work / "repo")
-    yield from serve_repo(repo, work, watch_stubs=True)
+    # its last test stops it and checks the exit status: the unload gets Triton's default 30 s
+    yield from serve_repo(repo, work, watch_stubs=True, exit_timeout_s=30)
 
 
 def test_a_request_that_waits_past_the_queue_bound_is_refused_and_the_running_one_goes_on(timeout_server):
