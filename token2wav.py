@@ -28,7 +28,7 @@ The DiT flow + causal HiFT; the voice from the clip through speech_tokenizer_v3.
 no registered speakers; the transcript is optional, token2wav does not read it). Variants are flow dtypes
 (fp32, fp16, bf16), each optionally ``+rerun``: the reference runtime's streaming flow (full attention over the
 whole prefix every chunk) instead of the incremental block-masked one, or ``+graphs``: the incremental flow's
-windows replayed from CUDA graphs (GPU only; a second warm-up run captures them); ``--variants fp32,fp32+rerun --mode
+windows replayed from CUDA graphs (GPU only; the warm-up run captures them); ``--variants fp32,fp32+rerun --mode
 streaming`` times both and gives their rel-L2. ``--mode streaming`` sends the chunks of the cosyvoice3 BLS (``--strategy`` exponential:
 15 + 3 look-ahead tokens, then 25, 50, 100, ...; or time_based), each step all tokens so far; both modes give
 960 samples per token. A bad token id or directory is an error (exit status 2) before any variant runs.

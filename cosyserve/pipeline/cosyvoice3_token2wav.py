@@ -20,7 +20,7 @@ Both modes give 960 samples per token (2 mel frames x 480 samples). A variant is
 flow of the reference runtime (full attention over the whole prefix every chunk, the
 ``token2wav`` model's ``incremental_stream=false``) instead of the incremental block-masked one, or
 ``+graphs`` for the incremental flow's windows replayed from CUDA graphs (the model's ``cuda_graphs``;
-a second warm-up run captures them);
+the warm-up run captures them);
 the first run of each is an untimed warm-up; the last timed run's audio is compared with the first variant's
 (rel-L2; nothing random is drawn, so fp32 against itself is 0, and ``fp32,fp32+rerun`` gives the
 distance between the two streaming flows).
@@ -193,16 +193,13 @@ def _one_run(t2w: CosyVoice3Token2Wav, tokens: Sequence[torch.Tensor], voice: Vo
 
 def run_variant(name: str, model_dir: Path, tokens: Sequence[torch.Tensor], voice: Voice, *, device: torch.device,
                 mode: str, strategy: str, runs: int, reference: np.ndarray | None) -> VariantRun:
-    """Load the model in the variant's dtype, one warm-up (graph variants get a second one: a shape is
-    captured when seen again), ``runs`` timed runs; the last one's audio is the check (replayed from
-    the graphs, for graph variants: the warm-up ran eagerly)."""
+    """Load the model in the variant's dtype, one warm-up (it captures a graph variant's shapes),
+    ``runs`` timed runs; the last one's audio is the check (replayed from the graphs, for graph variants)."""
     graphs = name.endswith(GRAPHS)
     t2w = load_cosyvoice3_token2wav(model_dir, device, DTYPES[variant_dtype(name)],
                                     incremental=not name.endswith(RERUN), cuda_graphs=graphs)
     try:
         _one_run(t2w, tokens, voice, mode, strategy, "warmup")
-        if graphs:
-            _one_run(t2w, tokens, voice, mode, strategy, "capture")
         timed = [_one_run(t2w, tokens, voice, mode, strategy, f"run{r}") for r in range(max(1, runs))]
     finally:
         del t2w

@@ -107,13 +107,14 @@ class Cv3WindowGraphs:
     All graphs read and write leading slices of one set of buffers sized for ``max_past`` committed
     frames and ``max_window`` window frames (:class:`_WindowBuffers`; ~0.9 MB per frame of keys and
     values in bfloat16: ~2 GB at the defaults) and share one memory pool for their temporaries, so
-    graph memory does not grow with the number of shapes. A shape runs eagerly the first time it is
-    seen and is captured the second time; larger windows or pasts always run eagerly.
+    graph memory does not grow with the number of shapes. A shape is captured the first time it is
+    seen (after ``capture_after`` eager runs; a capture costs about two eager runs, and bucketed shapes
+    recur); larger windows or pasts always run eagerly.
     ``cuda_graphs=False`` runs the padded buffers eagerly instead of capturing them (any device: it
     checks that the padding changes nothing)."""
 
     def __init__(self, decoder: Cv3CFM, *, max_past: int = DEFAULT_GRAPH_PAST_FRAMES,
-                 max_window: int = DEFAULT_GRAPH_WINDOW_FRAMES, capture_after: int = 1, cuda_graphs: bool = True):
+                 max_window: int = DEFAULT_GRAPH_WINDOW_FRAMES, capture_after: int = 0, cuda_graphs: bool = True):
         self.decoder = decoder
         self.cuda_graphs = cuda_graphs
         self.max_past, self.max_window = frame_bucket(max_past), frame_bucket(max_window)
