@@ -11,8 +11,9 @@
 #   4  one offline HTTP request (client_http.py)
 #   5  gRPC benchmark (client_grpc.py)
 #   6  offline benchmark (offline_inference.py)
-#   7  disaggregated serving: our LLM server on LLM_GPUS (or LLM_URL's), Triton servers (BLS + token2wav)
-#      on T2W_GPUS, the API in front spreading streams over them (bash run.sh stop ends them all)
+#   7  disaggregated serving: our LLM servers, one per GPU of LLM_GPUS (or LLM_URL's), Triton servers
+#      (BLS + token2wav) on T2W_GPUS taking speech tokens from the least loaded LLM server, the API in
+#      front spreading streams over them (bash run.sh stop ends them all)
 #
 # Every setting below can be overridden from the environment, e.g.
 #   MODEL_SOURCE=tiny bash run.sh -1 3 && bash run.sh 4 5
@@ -37,7 +38,8 @@ LLM_ENGINE=${LLM_ENGINE:-torch}               # our llm model's engine: torch | 
 # seed, as a TensorRT-LLM engine needs) | cosyserve; empty = tensorrt_llm with LLM_BACKEND=trtllm.
 LLM_PROTOCOL=${LLM_PROTOCOL:-}
 # http://HOST:PORT/v1 of an OpenAI-compatible completions server (python -m cosyserve.llm.openai_server,
-# trtllm-serve...): speech tokens come from there and the repository gets no Triton LLM model.
+# trtllm-serve...), or several separated by commas (each request to the one with the fewest in flight):
+# speech tokens come from there and the repository gets no Triton LLM model.
 LLM_URL=${LLM_URL:-}
 TRT_DTYPE=${TRT_DTYPE:-bfloat16}              # TensorRT-LLM only (LLM_BACKEND=trtllm)
 TRT_WEIGHTS_DIR=${TRT_WEIGHTS_DIR:-$MODELS_DIR/trt_weights_$TRT_DTYPE}
@@ -127,9 +129,10 @@ API_TRITON_URLS=${API_TRITON_URLS:-127.0.0.1:$GRPC_PORT}
 API_MODEL_URLS=${API_MODEL_URLS:-}
 API_LOG=${API_LOG:-$repo_root/outputs/api.log}
 API_PID_FILE=${API_PID_FILE:-$repo_root/outputs/api.pid}
-# Stage 7 (disaggregated): the GPU of our LLM server (cpu: none; ignored when LLM_URL names a server of
-# your own), the GPUs of the Triton servers (comma-separated, cpu entries run on the CPU) and how many
-# servers each GPU gets; server i (1-based) listens on DISAGG_*_BASE + i.
+# Stage 7 (disaggregated): the GPUs of our LLM servers, one server each (comma-separated; cpu: one on the
+# CPU; ignored when LLM_URL names servers of your own), LLM server i (1-based) on DISAGG_LLM_PORT + i - 1;
+# the GPUs of the Triton servers (comma-separated, cpu entries run on the CPU) and how many servers each
+# GPU gets; Triton server i (1-based) listens on DISAGG_*_BASE + i.
 LLM_GPUS=${LLM_GPUS:-0}
 T2W_GPUS=${T2W_GPUS:-1}
 T2W_SERVERS_PER_GPU=${T2W_SERVERS_PER_GPU:-1}
@@ -231,7 +234,9 @@ if [ "$stage" = "stop" ]; then
   for pid_file in "$DISAGG_DIR"/tritonserver_*.pid; do
     if [ -f "$pid_file" ]; then "$PY" -m cosyserve.serving.tritonserver stop --pid-file "$pid_file"; fi
   done
-  [ ! -f "$DISAGG_DIR/llm_server.pid" ] || stop_llm_server_process "$DISAGG_DIR/llm_server.pid"
+  for pid_file in "$DISAGG_DIR"/llm_server.pid "$DISAGG_DIR"/llm_server_*.pid; do
+    [ ! -f "$pid_file" ] || stop_llm_server_process "$pid_file"
+  done
   stop_mps
   exit 0
 fi
@@ -367,12 +372,19 @@ if [ "$stage" -le 7 ] && [ "$stop_stage" -ge 7 ]; then
   mkdir -p "$DISAGG_DIR"
   llm_url=$LLM_URL
   if [ -z "$llm_url" ]; then
-    llm_device=cuda llm_visible=$LLM_GPUS
-    [ "$LLM_GPUS" != cpu ] || llm_device=cpu llm_visible=""
-    CUDA_VISIBLE_DEVICES=$llm_visible start_llm_server_process "$DISAGG_DIR/llm_server.pid" "$DISAGG_DIR/llm_server.log" \
-      "$DISAGG_LLM_PORT" "$PY" -m cosyserve.llm.openai_server --model-dir "$MODELS_DIR/cosyvoice2_llm" --backend torch \
-      --device "$llm_device" --host 127.0.0.1 --port "$DISAGG_LLM_PORT" --max-slots "$LLM_MAX_SLOTS"
-    llm_url=http://127.0.0.1:$DISAGG_LLM_PORT/v1
+    # one LLM server per GPU, started together; the BLS sends each request to the least loaded one
+    llm_pids=() llm_urls=() i=0
+    for gpu in ${LLM_GPUS//,/ }; do
+      i=$((i + 1)) port=$((DISAGG_LLM_PORT + i - 1)) llm_device=cuda visible=$gpu
+      [ "$gpu" != cpu ] || llm_device=cpu visible=""
+      CUDA_VISIBLE_DEVICES=$visible start_llm_server_process "$DISAGG_DIR/llm_server_$i.pid" \
+        "$DISAGG_DIR/llm_server_$i.log" "$port" "$PY" -m cosyserve.llm.openai_server \
+        --model-dir "$MODELS_DIR/cosyvoice2_llm" --backend torch --device "$llm_device" --host 127.0.0.1 \
+        --port "$port" --max-slots "$LLM_MAX_SLOTS" &
+      llm_pids+=($!) llm_urls+=("http://127.0.0.1:$port/v1")
+    done
+    for pid in "${llm_pids[@]}"; do wait "$pid" || die "an LLM server failed to start (logs: $DISAGG_DIR)"; done
+    llm_url=$(IFS=,; echo "${llm_urls[*]}")
   fi
   build_repository "$DISAGG_DIR/model_repo" "$llm_url" > /dev/null || die "Stage 7: could not build the model repository"
   watch_stubs=()

@@ -186,6 +186,25 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
+def consecutive_free_ports(count: int, attempts: int = 50) -> int:
+    """The first of ``count`` consecutive free ports (servers numbered from one base port)."""
+    for _ in range(attempts):
+        (first,) = free_ports(1)
+        sockets = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
 def expected_chunk_samples(num_tokens: int) -> list[int]:
     """Samples per streamed chunk for ``num_tokens`` speech tokens (exponential schedule).
 

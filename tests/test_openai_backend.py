@@ -124,6 +124,41 @@ def vendor_backend(server, **options) -> OpenAIBackend:
     return OpenAIBackend(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", timeout=20, **options)
 
 
+def start_vendor() -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), VendorHandler)
+    server.daemon_threads = True
+    server.bodies, server.mode, server.pieces, server.disconnects = [], "normal", [], 0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_several_servers_share_the_requests_by_load_and_a_dead_one_is_passed_over():
+    """base_url lists two servers: requests in flight at once go one each way (fewest in flight
+    first); after one server goes away, every request is served by the other, none fails."""
+    first, second = start_vendor(), start_vendor()
+    for server in (first, second):
+        server.mode, server.pieces = "hang", ["<|s_1|>"]  # streams stay open: both are in flight together
+    urls = [f"http://127.0.0.1:{server.server_address[1]}/v1" for server in (first, second)]
+    backend = OpenAIBackend(base_url=" , ".join(urls), timeout=20)
+    assert [e.base_url for e in backend.endpoints] == urls
+    streams = [backend.generate_stream([158227, 10, 158228], REFERENCE, request_id=f"r{k}") for k in range(4)]
+    assert all(next(stream) == 1 for stream in streams)  # all four started
+    assert (len(first.bodies), len(second.bodies)) == (2, 2)
+    for stream in streams:
+        stream.close()
+    second.shutdown()
+    second.server_close()  # gone: its port refuses connections
+    first.mode = "normal"
+    for k in range(3):
+        assert list(backend.generate_stream([158227, 10, 158228], REFERENCE)) == [1]
+    assert len(first.bodies) == 5 and backend.endpoints[1].unreachable >= 1
+    first.shutdown()
+    first.server_close()
+    with pytest.raises(OpenAIServerError, match="cannot reach the completions server"):
+        list(backend.generate_stream([158227, 10, 158228], REFERENCE))  # none left: a clear error
+    backend.close()
+
+
 def test_vendor_request_body_and_split_stream(vendor):
     vendor.pieces = ["<|s_5|><|s_", "17|>", "<|s_0|>"]
     backend = vendor_backend(vendor)

@@ -23,6 +23,11 @@ Head bias: stock Qwen2 loaders (vLLM, SGLang, trtllm-serve) drop ``lm_head.bias`
 request with that explanation rather than pass text on as speech. ``cosyserve.llm.openai_server``
 keeps the bias. ``cancel`` closes the request's connection (servers abort on disconnect).
 Only the standard library's HTTP client is used.
+
+Several servers: ``base_url`` may list API roots separated by commas (e.g. one LLM server per GPU).
+Each request goes to the one with the fewest requests in flight from this backend; a server that
+cannot be connected to is passed over for the next one before the request fails. All of them must
+serve the model (``GET /models`` of each at start-up).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import http.client
 import json
 import logging
 import os
+import random
 import re
 import socket
 import threading
@@ -97,10 +103,34 @@ class SpeechTextParser:
 @dataclass(eq=False)
 class _Request:
     request_id: str
-    body: dict
+    ids: list[int]
+    params: SamplingParams
     stream: TokenStream
     cancelled: bool = False
     sock: socket.socket | None = field(default=None, repr=False)
+
+
+@dataclass(eq=False)
+class _Endpoint:
+    """One completions server: where it is, the model it serves for us, its load from this backend."""
+
+    base_url: str
+    scheme: str
+    host: str
+    port: int | None
+    path: str
+    model: str = ""
+    native: bool = False  # cosyserve.llm.openai_server
+    active: int = 0  # requests in flight
+    served: int = 0  # requests sent
+    unreachable: int = 0  # connections that failed
+
+    @classmethod
+    def parse(cls, base_url: str) -> "_Endpoint":
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise InvalidInputError(f"base_url {base_url!r} is not an http(s) URL like http://127.0.0.1:8000/v1")
+        return cls(base_url, parts.scheme, parts.hostname, parts.port, parts.path.rstrip("/"))
 
 
 class OpenAIBackend(LLMBackend):
@@ -112,17 +142,17 @@ class OpenAIBackend(LLMBackend):
         base_url = base_url or os.environ.get(BASE_URL_ENV)
         if not base_url:
             raise InvalidInputError(f"the openai backend needs base_url=http://HOST:PORT/v1 (or {BASE_URL_ENV})")
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise InvalidInputError(f"base_url {base_url!r} is not an http(s) URL like http://127.0.0.1:8000/v1")
-        self._scheme, self._host, self._port = parts.scheme, parts.hostname, parts.port
-        self._path = parts.path.rstrip("/")
+        self.endpoints = [_Endpoint.parse(url.strip()) for url in base_url.split(",") if url.strip()]
+        if not self.endpoints:
+            raise InvalidInputError(f"base_url {base_url!r} names no server")
         self.stream, self.timeout = stream, timeout
         self._headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self.base_url = base_url
-        self.model, self.native = self._select_model(model)
+        for endpoint in self.endpoints:
+            endpoint.model, endpoint.native = self._select_model(endpoint, model)
+        self.model, self.native = self.endpoints[0].model, self.endpoints[0].native
         self._lock = threading.Lock()
         self._active: dict[str, _Request] = {}
         self._warned_ras = False
@@ -135,8 +165,7 @@ class OpenAIBackend(LLMBackend):
             self._warned_ras = True
             log.warning("OpenAI-compatible servers have no repetition-aware sampling; ras=True is ignored")
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        request = _Request(request_id, self.completion_body(ids, params),
-                           TokenStream(request_id, lambda: self.cancel(request_id)))
+        request = _Request(request_id, ids, params, TokenStream(request_id, lambda: self.cancel(request_id)))
         with self._lock:
             if request_id in self._active:
                 raise InvalidInputError(f"request id {request_id!r} is already in use")
@@ -159,14 +188,17 @@ class OpenAIBackend(LLMBackend):
         return True
 
     def register_prefix(self, key: str, ids: list[int]) -> None:
-        """One 1-token completion over the prefix, so a server with prefix caching keeps its KV."""
+        """One 1-token completion over the prefix on every server, so that those with prefix caching
+        keep its KV."""
         ids = validate_prompt_ids(ids, TOKENIZER_SIZE)
-        body = {**self.completion_body(ids, SamplingParams.greedy(max_tokens=1, ras=False)), "stream": False}
-        connection = self._connect()
-        try:
-            self._post(connection, "/completions", body).read()  # the token itself is of no interest
-        finally:
-            connection.close()
+        for endpoint in self.endpoints:
+            body = {**self.completion_body(ids, SamplingParams.greedy(max_tokens=1, ras=False), endpoint),
+                    "stream": False}
+            connection = self._connect(endpoint)
+            try:
+                self._post(connection, endpoint, "/completions", body).read()  # the token itself is of no interest
+            finally:
+                connection.close()
 
     def close(self) -> None:
         with self._lock:
@@ -175,13 +207,14 @@ class OpenAIBackend(LLMBackend):
             self.cancel(request_id)
 
     # ---- protocol -----------------------------------------------------------------------------
-    def completion_body(self, ids: list[int], params: SamplingParams) -> dict:
-        """The JSON body of ``POST /completions`` for one request."""
-        body = {"model": self.model, "prompt": ids, "max_tokens": params.max_tokens, "temperature": params.temperature,
+    def completion_body(self, ids: list[int], params: SamplingParams, endpoint: _Endpoint | None = None) -> dict:
+        """The JSON body of ``POST /completions`` for one request (to ``endpoint``, default the first)."""
+        endpoint = endpoint or self.endpoints[0]
+        body = {"model": endpoint.model, "prompt": ids, "max_tokens": params.max_tokens, "temperature": params.temperature,
                 "top_p": params.top_p, "seed": params.seed if params.seed is not None else random_seed(),
                 "stream": self.stream}
         body.update({"ignore_eos": True} if params.ignore_eos else {"stop": list(EOS_STRINGS)})
-        if self.native:  # cosyserve.llm.openai_server: left-out fields would take CosyVoice defaults
+        if endpoint.native:  # cosyserve.llm.openai_server: left-out fields would take CosyVoice defaults
             body.update(top_k=params.top_k, repetition_penalty=params.repetition_penalty,
                         min_tokens=params.min_tokens, ras=params.ras, ras_window=params.ras_window,
                         ras_tau=params.ras_tau)
@@ -194,21 +227,22 @@ class OpenAIBackend(LLMBackend):
             body["min_tokens"] = params.min_tokens
         return body
 
-    def _connect(self) -> http.client.HTTPConnection:
-        kind = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
-        connection = kind(self._host, self._port, timeout=self.timeout)
+    def _connect(self, endpoint: _Endpoint) -> http.client.HTTPConnection:
+        kind = http.client.HTTPSConnection if endpoint.scheme == "https" else http.client.HTTPConnection
+        connection = kind(endpoint.host, endpoint.port, timeout=self.timeout)
         try:
             connection.connect()
         except OSError as exc:
-            raise OpenAIServerError(f"cannot reach the completions server at {self.base_url}: {exc}") from exc
+            raise OpenAIServerError(f"cannot reach the completions server at {endpoint.base_url}: {exc}") from exc
         return connection
 
-    def _post(self, connection: http.client.HTTPConnection, path: str, body: dict) -> http.client.HTTPResponse:
+    def _post(self, connection: http.client.HTTPConnection, endpoint: _Endpoint, path: str,
+              body: dict) -> http.client.HTTPResponse:
         try:
-            connection.request("POST", self._path + path, json.dumps(body), self._headers)
+            connection.request("POST", endpoint.path + path, json.dumps(body), self._headers)
             response = connection.getresponse()
         except OSError as exc:
-            raise OpenAIServerError(f"cannot reach the completions server at {self.base_url}: {exc}") from exc
+            raise OpenAIServerError(f"cannot reach the completions server at {endpoint.base_url}: {exc}") from exc
         if response.status != 200:
             detail = response.read().decode("utf-8", "replace")[:500]
             # 400/422: the server refused this request (e.g. prompt longer than its context)
@@ -216,38 +250,63 @@ class OpenAIBackend(LLMBackend):
             raise kind(f"the completions server answered HTTP {response.status}: {detail}")
         return response
 
-    def _select_model(self, wanted: str | None) -> tuple[str, bool]:
-        """(model id, served by cosyserve.llm.openai_server) from ``GET /models``."""
-        connection = self._connect()
+    def _select_model(self, endpoint: _Endpoint, wanted: str | None) -> tuple[str, bool]:
+        """(model id, served by cosyserve.llm.openai_server) from the server's ``GET /models``."""
+        connection = self._connect(endpoint)
         try:
-            connection.request("GET", self._path + "/models", headers=self._headers)
+            connection.request("GET", endpoint.path + "/models", headers=self._headers)
             response = connection.getresponse()
             payload = response.read()
             if response.status != 200:
-                raise OpenAIServerError(f"GET {self.base_url}/models answered HTTP {response.status}")
+                raise OpenAIServerError(f"GET {endpoint.base_url}/models answered HTTP {response.status}")
             models = {entry["id"]: entry for entry in json.loads(payload).get("data") or []}
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise OpenAIServerError(f"cannot list the models of the completions server at {self.base_url}: {exc}") from exc
+            raise OpenAIServerError(
+                f"cannot list the models of the completions server at {endpoint.base_url}: {exc}") from exc
         finally:
             connection.close()
         if not models:
-            raise OpenAIServerError(f"the completions server at {self.base_url} lists no model")
+            raise OpenAIServerError(f"the completions server at {endpoint.base_url} lists no model")
         model = wanted or next(iter(models))
         if model not in models:
-            raise InvalidInputError(f"model {model!r} is not served at {self.base_url}; it serves {sorted(models)}")
+            raise InvalidInputError(f"model {model!r} is not served at {endpoint.base_url}; it serves {sorted(models)}")
         return model, models[model].get("owned_by") == "cosyserve"
+
+    def _open(self) -> tuple[http.client.HTTPConnection, _Endpoint]:
+        """A connection to the least loaded server that answers (fewest requests in flight, then fewest
+        sent, then at random: a Triton server runs many BLS instances, each with its own backend and
+        counts, which must not all start on the first server); one that cannot be reached is passed
+        over for the next."""
+        errors, tried = [], []
+        while True:
+            with self._lock:  # chosen and counted at once: requests starting together spread
+                candidates = [e for e in self.endpoints if e not in tried]
+                if not candidates:
+                    raise OpenAIServerError("; ".join(errors))
+                endpoint = min(candidates, key=lambda e: (e.active, e.served, random.random()))
+                endpoint.active += 1
+                endpoint.served += 1
+            tried.append(endpoint)
+            try:
+                return self._connect(endpoint), endpoint
+            except OpenAIServerError as exc:
+                with self._lock:
+                    endpoint.active -= 1
+                    endpoint.unreachable += 1
+                errors.append(str(exc))
 
     # ---- one request on its own thread --------------------------------------------------------
     def _run(self, request: _Request) -> None:
-        connection = None
+        connection = endpoint = None
         try:
-            connection = self._connect()
+            connection, endpoint = self._open()
             with self._lock:  # the socket itself: http.client drops its own reference for HTTP/1.0 answers
                 request.sock = connection.sock
             if request.cancelled:
                 event = cancelled_error(request.request_id)
             else:
-                event = self._read(request, self._post(connection, "/completions", request.body))
+                body = self.completion_body(request.ids, request.params, endpoint)
+                event = self._read(request, self._post(connection, endpoint, "/completions", body))
         except Exception as exc:  # reported to this request's reader only
             event = cancelled_error(request.request_id) if request.cancelled else Finished("error", exc)
         finally:
@@ -255,6 +314,8 @@ class OpenAIBackend(LLMBackend):
                 connection.close()
             with self._lock:
                 self._active.pop(request.request_id, None)
+                if endpoint is not None:
+                    endpoint.active -= 1
         request.stream.put(event)
 
     def _read(self, request: _Request, response: http.client.HTTPResponse) -> Finished:

@@ -4,7 +4,7 @@
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a string or a list of token ids),
 ``POST /v1/chat/completions`` (``messages``, rendered with the tokenizer's chat template),
-``GET /v1/models``, ``GET /health``. Both POST endpoints take the fields trtllm-serve takes for
+``GET /v1/models``, ``GET /health`` (with the number of completions accepted). Both POST endpoints take the fields trtllm-serve takes for
 this model (``model``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
 ``stream``, ``repetition_penalty``) plus ``min_tokens``, ``ignore_eos`` and ``ras``; fields left
 out keep :class:`SamplingParams` defaults (CosyVoice's RAS sampling). The text of a completion
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -105,6 +106,12 @@ class OpenAIApp:
     def __init__(self, backend: LLMBackend, tokenizer, model_name: str):
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self._tokenizer_lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self.completions = 0  # requests accepted (completions and chat completions)
+
+    def accepted(self) -> None:
+        with self._count_lock:
+            self.completions += 1
 
     def _encode(self, text: str) -> list[int]:
         with self._tokenizer_lock:
@@ -180,7 +187,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         app = self.server.app
         if self.path == "/health":
-            self._send_json(200, {"status": "ok"})
+            self._send_json(200, {"status": "ok", "completions": app.completions})
         elif self.path == "/v1/models":
             self._send_json(200, {"object": "list", "data": [
                 {"id": app.model_name, "object": "model", "created": 0, "owned_by": "cosyserve"}]})
@@ -201,6 +208,7 @@ class Handler(BaseHTTPRequestHandler):
         except InvalidInputError as exc:
             self._send_error(400, str(exc))
             return
+        app.accepted()
         try:
             if request.stream:
                 self._stream_response(app, request, request_id, stream)
@@ -282,6 +290,14 @@ class OpenAIHTTPServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], app: OpenAIApp):
         super().__init__(address, Handler)
         self.app = app
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that closes its kept-alive connection (a BLS instance or server that ends) is
+        routine: logged at debug level, not as a traceback (hundreds of them when a server stops)."""
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            log.debug("connection from %s closed by the client", client_address)
+            return
+        super().handle_error(request, client_address)
 
 
 def make_server(backend: LLMBackend, tokenizer, model_name: str, host: str = "127.0.0.1",
