@@ -8,7 +8,7 @@
 #   1  prepare the LLM: nothing for our PyTorch engine (it reads the HF checkpoint); a TensorRT-LLM
 #      engine is not built for CosyVoice3 yet (see README)
 #   2  create the Triton model repository (cosyvoice3, llm, token2wav, audio_tokenizer,
-#      speaker_embedding) from model_repo/ templates
+#      speaker_embedding; no llm with LLM_URL) from model_repo/ templates
 #   3  launch Triton (returns when the server is ready; stop it with: bash run_cosyvoice3.sh stop)
 #   4  gRPC benchmark (client_grpc.py --model-name cosyvoice3, NVIDIA's client flags)
 #   5  offline benchmark (offline_inference.py --model cosyvoice3; no server needed)
@@ -27,6 +27,10 @@ MODEL_SOURCE=${MODEL_SOURCE:-huggingface}     # huggingface | modelscope | tiny 
 MODELS_DIR=${MODELS_DIR:-$repo_root/models}   # Fun-CosyVoice3-0.5B-2512/ and cosyvoice3_llm/ in it
 BUNDLE_SEED=${BUNDLE_SEED:-0}
 LLM_ENGINE=${LLM_ENGINE:-torch}               # our llm model's engine: torch | hf
+# http://HOST:PORT/v1 of OpenAI-compatible completions servers of the CosyVoice3 LLM (comma-separated; e.g.
+# python -m cosyserve.llm.openai_server --model-dir $MODELS_DIR/cosyvoice3_llm, or trtllm-serve as the
+# reference runs it): speech tokens come from there and the repository gets no Triton llm model
+LLM_URL=${LLM_URL:-}
 MODEL_REPO=${MODEL_REPO:-$repo_root/outputs/model_repo_cosyvoice3}
 DECOUPLED_MODE=${DECOUPLED_MODE:-True}        # True = streaming, False = offline
 STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | time_based (as CosyVoice2's BLS)
@@ -105,7 +109,7 @@ fi
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   log "Stage 2: creating the model repository $MODEL_REPO (decoupled=$DECOUPLED_MODE)"
   "$PY" -m cosyserve.serving.model_repository cosyvoice3 "$MODEL_REPO" --templates "$repo_root/model_repo" \
-    --models-dir "$MODELS_DIR" --llm-engine "$LLM_ENGINE" --decoupled "$DECOUPLED_MODE" \
+    --models-dir "$MODELS_DIR" --llm-engine "$LLM_ENGINE" --llm-url "$LLM_URL" --decoupled "$DECOUPLED_MODE" \
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
     --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --max-streams "$MAX_STREAMS" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --bls-warm-up "$BLS_WARM_UP" --max-tokens "$MAX_TOKENS" \
     --min-tokens "$MIN_TOKENS" --max-batch-size "$TRITON_MAX_BATCH_SIZE" \

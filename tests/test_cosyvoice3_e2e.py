@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 import pytest
@@ -156,8 +157,10 @@ def test_grpc_client_streams_from_cosyvoice3(server, models, tmp_path):
 def test_run_cosyvoice3_sh_tiny_recipe(tmp_path):
     """run_cosyvoice3.sh 0..4 with MODEL_SOURCE=tiny on the CPU (free ports), then ``stop``; the
     token2wav with TOKEN2WAV_INCREMENTAL_STREAM=false (the reference's full-attention re-run; the
-    other tests here stream with the incremental flow): its streams give 960 samples per token too."""
-    from conftest_triton import free_ports, server_env
+    other tests here stream with the incremental flow), and the speech tokens from an OpenAI-compatible
+    server of the CosyVoice3 LLM (LLM_URL, as the reference's trtllm-serve; the other tests use the
+    Triton llm model): its streams give 960 samples per token too."""
+    from conftest_triton import free_ports, serve_openai_llm, server_env
 
     http, grpc, metrics_port = free_ports(3)
     env = dict(server_env(), VENV=sys.prefix, MODEL_SOURCE="tiny", MODELS_DIR=str(tmp_path / "models"),
@@ -167,16 +170,24 @@ def test_run_cosyvoice3_sh_tiny_recipe(tmp_path):
                GRPC_PORT=str(grpc), METRICS_PORT=str(metrics_port), SERVER_LOG=str(tmp_path / "server.log"),
                SERVER_PID_FILE=str(tmp_path / "server.pid"))
     script = str(REPO_ROOT / "run_cosyvoice3.sh")
+    bundle = subprocess.run(["bash", script, "0", "0"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert bundle.returncode == 0, bundle.stdout[-3000:] + bundle.stderr[-3000:]
+    llm_server = serve_openai_llm(tmp_path / "models" / "cosyvoice3_llm", tmp_path / "llm_server.log", max_slots=4)
+    env["LLM_URL"], _ = next(llm_server)
     try:
-        proc = subprocess.run(["bash", script, "0", "4"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        proc = subprocess.run(["bash", script, "1", "4"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                               timeout=480)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == [
-            "audio_tokenizer", "cosyvoice3", "llm", "speaker_embedding", "token2wav"]
+            "audio_tokenizer", "cosyvoice3", "speaker_embedding", "token2wav"]  # no llm: LLM_URL serves it
+        completions = json.loads(urllib.request.urlopen(env["LLM_URL"].removesuffix("/v1") + "/health").read())
+        assert completions["completions"] >= 2, completions
         config = (tmp_path / "repo" / "token2wav" / "config.pbtxt").read_text()
         assert re.search(r'key: "incremental_stream", value: \{ string_value: "false" \}', config)
         wavs = sorted((tmp_path / "out" / "log_cosyvoice3_concurrent_tasks_2_streaming").glob("*.wav"))
         assert len(wavs) == 2 and all(sf.info(str(w)).frames == 20 * SAMPLES_PER_TOKEN for w in wavs)
     finally:
         subprocess.run(["bash", script, "stop"], cwd=REPO_ROOT, env=env, capture_output=True, timeout=120)
+        llm_server.close()
     assert not (tmp_path / "server.pid").exists() or not (tmp_path / "server.pid").read_text().strip()

@@ -7,6 +7,7 @@ a stream that never ends (cancellation).
 """
 
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,7 +19,7 @@ from cosyserve.bundle.llm import write_llm_bundle
 from cosyserve.errors import InvalidInputError, RequestCancelledError
 from cosyserve.llm.backends import TorchBackend
 from cosyserve.llm.openai_backend import EOS_STRINGS, OpenAIBackend, OpenAIServerError, SpeechTextParser
-from cosyserve.llm.prompt import build_prompt_ids
+from cosyserve.llm.prompt import COSYVOICE3, build_prompt_ids
 from cosyserve.llm.sampling import SamplingParams
 
 REFERENCE = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.1, seed=42, ras=False,
@@ -43,6 +44,24 @@ def test_parser_joins_token_strings_split_across_chunks():
 def test_parser_refuses_anything_but_speech_tokens(text, message):
     with pytest.raises(OpenAIServerError, match=message):
         SpeechTextParser().feed(text)
+
+
+@pytest.mark.parametrize("text, tokens", [
+    ("<|s_5|><|s_6560|><|eos1|><|s_7|>", [5, 6560]),
+    ("<|s_5|><|ta", [5]), ("<|s_5|><|fill|>", [5]), ("<|s_5|><|sos|>", [5]),
+    ("<|s_5|><|s_6565|><|s_7|>", [5]),  # a reserved class: upstream stops on it, the flow could not take it
+])
+def test_cosyvoice3_parser_ends_on_every_class_past_the_speech_tokens(text, tokens):
+    parser = SpeechTextParser(COSYVOICE3)
+    assert parser.feed(text) == tokens
+    if text.endswith("<|ta"):
+        assert not parser.ended and parser.feed("sk_id|><|s_9|>") == [] and parser.ended
+    assert parser.ended
+
+
+def test_cosyvoice3_parser_refuses_text_tokens():
+    with pytest.raises(OpenAIServerError, match=re.escape("not a speech token: '<|endofprompt|>'")):
+        SpeechTextParser(COSYVOICE3).feed("<|s_1|><|endofprompt|>")
 
 
 def test_parser_refuses_a_truncated_token_at_the_end():

@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 
 from ..errors import CosyServeError, InvalidInputError
 from .base import LLMBackend
-from .prompt import NUM_SPEECH_TOKENS, TOKENIZER_SIZE, validate_prompt_ids
+from .prompt import COSYVOICE2, COSYVOICE3, LAYOUTS, PromptLayout, validate_prompt_ids
 from .sampling import SamplingParams, random_seed
 from .stream import Finished, TokenStream, cancelled_error
 
@@ -56,9 +56,13 @@ log = logging.getLogger(__name__)
 
 BASE_URL_ENV = "COSYSERVE_OPENAI_BASE_URL"
 EOS_STRINGS = ("<|eos1|>", "<|eos2|>", "<|eos3|>")
-_TOKEN = re.compile(r"<\|(?:s_(\d+)|eos[123])\|>")
+# CosyVoice3's names of its classes 6561..6564 (sos, eos, task_id, fill): upstream stops on every class
+# from 6561 on; its Triton reference sends stop <|eos1|> only, which lets the others through to the flow.
+COSYVOICE3_END_STRINGS = ("<|eos1|>", "<|sos|>", "<|task_id|>", "<|fill|>")
+END_STRINGS = {COSYVOICE2.name: EOS_STRINGS, COSYVOICE3.name: COSYVOICE3_END_STRINGS}
+_TOKEN = re.compile(r"<\|(?:s_(\d+)|[a-z][a-z_0-9]*)\|>")
 # A string that a complete token string can start with: kept until the rest arrives.
-_TOKEN_PREFIX = re.compile(r"<(?:\|(?:s(?:_\d*\|?)?|e(?:o(?:s(?:[123]\|?)?)?)?)?)?")
+_TOKEN_PREFIX = re.compile(r"<(?:\|[a-z_0-9]*\|?)?")
 FINISH_REASONS = ("stop", "length")  # OpenAI's names are TokenStream's
 
 
@@ -67,9 +71,14 @@ class OpenAIServerError(CosyServeError, RuntimeError):
 
 
 class SpeechTextParser:
-    """Incremental ``<|s_N|>...`` text -> speech tokens; a token string may arrive in pieces."""
+    """Incremental ``<|s_N|>...`` text -> speech tokens; a token string may arrive in pieces. The
+    layout's end strings end the speech; with ``stop_past_speech`` (CosyVoice3, whose classes from
+    6561 on all stop upstream) so does ``<|s_N|>`` with N past the speech tokens."""
 
-    def __init__(self):
+    def __init__(self, layout: PromptLayout = COSYVOICE2):
+        self.end_strings = END_STRINGS[layout.name]
+        self.num_speech_tokens = layout.num_speech_tokens
+        self.stop_past_speech = layout is COSYVOICE3
         self._pending = ""
         self.ended = False  # an end-of-speech string was seen (servers usually strip it)
 
@@ -79,11 +88,17 @@ class SpeechTextParser:
         text, tokens, position = self._pending + text, [], 0
         while match := _TOKEN.match(text, position):
             if match.group(1) is None:
+                if match.group(0) not in self.end_strings:
+                    break  # another special token: reported below as text
                 self.ended, self._pending = True, ""
                 return tokens
             token = int(match.group(1))
-            if token >= NUM_SPEECH_TOKENS:
-                raise OpenAIServerError(f"the server returned <|s_{token}|>; speech tokens are 0..{NUM_SPEECH_TOKENS - 1}")
+            if token >= self.num_speech_tokens:
+                if self.stop_past_speech:
+                    self.ended, self._pending = True, ""
+                    return tokens
+                raise OpenAIServerError(
+                    f"the server returned <|s_{token}|>; speech tokens are 0..{self.num_speech_tokens - 1}")
             tokens.append(token)
             position = match.end()
         rest = text[position:]
@@ -137,8 +152,12 @@ class OpenAIBackend(LLMBackend):
     name = "openai"
 
     def __init__(self, model_dir: str | Path | None = None, device=None, dtype=None, *, base_url: str | None = None,
-                 model: str | None = None, stream: bool = True, api_key: str | None = None, timeout: float = 600.0):
+                 model: str | None = None, stream: bool = True, api_key: str | None = None, timeout: float = 600.0,
+                 layout: str = COSYVOICE2.name):
         # model_dir, device and dtype belong to the server; they are accepted for the common signature.
+        if layout not in LAYOUTS:
+            raise InvalidInputError(f"unknown LLM layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+        self.layout = LAYOUTS[layout]  # the prompt ids' vocabulary and the end strings
         base_url = base_url or os.environ.get(BASE_URL_ENV)
         if not base_url:
             raise InvalidInputError(f"the openai backend needs base_url=http://HOST:PORT/v1 (or {BASE_URL_ENV})")
@@ -159,7 +178,7 @@ class OpenAIBackend(LLMBackend):
 
     # ---- LLMBackend ---------------------------------------------------------------------------
     def generate_stream(self, prompt_ids, params: SamplingParams, request_id: str | None = None) -> TokenStream:
-        ids = validate_prompt_ids(prompt_ids, TOKENIZER_SIZE)
+        ids = validate_prompt_ids(prompt_ids, self.layout.tokenizer_size, self.layout)
         params.validate()
         if params.ras and params.temperature > 0 and not self.native and not self._warned_ras:
             self._warned_ras = True
@@ -190,7 +209,7 @@ class OpenAIBackend(LLMBackend):
     def register_prefix(self, key: str, ids: list[int]) -> None:
         """One 1-token completion over the prefix on every server, so that those with prefix caching
         keep its KV."""
-        ids = validate_prompt_ids(ids, TOKENIZER_SIZE)
+        ids = validate_prompt_ids(ids, self.layout.tokenizer_size, self.layout)
         for endpoint in self.endpoints:
             body = {**self.completion_body(ids, SamplingParams.greedy(max_tokens=1, ras=False), endpoint),
                     "stream": False}
@@ -213,7 +232,7 @@ class OpenAIBackend(LLMBackend):
         body = {"model": endpoint.model, "prompt": ids, "max_tokens": params.max_tokens, "temperature": params.temperature,
                 "top_p": params.top_p, "seed": params.seed if params.seed is not None else random_seed(),
                 "stream": self.stream}
-        body.update({"ignore_eos": True} if params.ignore_eos else {"stop": list(EOS_STRINGS)})
+        body.update({"ignore_eos": True} if params.ignore_eos else {"stop": list(END_STRINGS[self.layout.name])})
         if endpoint.native:  # cosyserve.llm.openai_server: left-out fields would take CosyVoice defaults
             body.update(top_k=params.top_k, repetition_penalty=params.repetition_penalty,
                         min_tokens=params.min_tokens, ras=params.ras, ras_window=params.ras_window,
@@ -319,7 +338,7 @@ class OpenAIBackend(LLMBackend):
         request.stream.put(event)
 
     def _read(self, request: _Request, response: http.client.HTTPResponse) -> Finished:
-        parser = SpeechTextParser()
+        parser = SpeechTextParser(self.layout)
         reason = None
         chunks = _events(response) if self.stream else [json.loads(response.read())]
         for chunk in chunks:

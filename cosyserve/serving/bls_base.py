@@ -30,8 +30,8 @@ from ..clients import OUTPUT_SAMPLE_RATE, Playback
 from ..errors import CapacityError
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.backends import create_backend
-from ..llm.prompt import SPEECH_TOKEN_OFFSET, register_voice_prefixes
-from ..llm.sampling import REFERENCE_SAMPLING
+from ..llm.prompt import COSYVOICE2, SPEECH_TOKEN_OFFSET, PromptLayout, register_voice_prefixes
+from ..llm.sampling import REFERENCE_SAMPLING, SamplingParams
 from ..pipeline.local import LocalSpeechTokens
 from ..pipeline.tts import TokenLimits, VoiceResolver, validate_text, with_timeout
 from ..runtime import SPK2INFO
@@ -71,16 +71,18 @@ class RemoteSpeechTokenizer:
         return torch.from_numpy(ids.astype(np.int32) - self.token_offset)
 
 
-def openai_speech_tokens(settings: BlsSettings, tokenizer, registry: SpeakerRegistry) -> LocalSpeechTokens:
-    """Speech tokens from the OpenAI-compatible server at ``settings.llm_url`` (model id:
-    ``llm_model``, empty = the first the server lists), with the registered voices' prefixes warmed
-    there. Its ``backend`` reads each stream on a thread of its own; close it when unloading."""
+def openai_speech_tokens(settings: BlsSettings, tokenizer, registry: SpeakerRegistry, layout: PromptLayout = COSYVOICE2,
+                         sampling: SamplingParams = REFERENCE_SAMPLING) -> LocalSpeechTokens:
+    """Speech tokens from the OpenAI-compatible server(s) at ``settings.llm_url`` (comma-separated:
+    the least loaded; model id: ``llm_model``, empty = the first the server lists) for prompts of
+    ``layout``, with the registered voices' prefixes warmed there. Its ``backend`` reads each stream
+    on a thread of its own; close it when unloading."""
     if not settings.llm_url:
         raise ValueError("model parameter 'llm_url' is missing or empty in config.pbtxt")
     backend = create_backend("openai", settings.llm_tokenizer_dir, base_url=settings.llm_url,
-                             model=settings.llm_model or None)
+                             model=settings.llm_model or None, layout=layout.name)
     register_voice_prefixes(backend, tokenizer, registry)
-    return LocalSpeechTokens(backend, REFERENCE_SAMPLING)
+    return LocalSpeechTokens(backend, sampling)
 
 
 @dataclass

@@ -14,6 +14,11 @@ transcript alone, so two voices with one transcript collide there; not here. Or 
 names a voice uploaded through the HTTP API (``voices_dir``, shared with a CosyVoice2 server: the
 clip is one, the features are CosyVoice3's own, in ``features.cosyvoice3.pt``).
 
+Speech tokens come from the ``llm`` Triton model (our engine), or from OpenAI-compatible completions
+servers when ``llm_url`` is set (``http://HOST:PORT/v1``, comma-separated for several: the reference
+runs trtllm-serve; each request sends the prompt ids, generation ends on every CosyVoice3 class from
+6561 on, as upstream's).
+
 Modes (LLM prompt forms of ``cosyvoice3_llm_layout.md`` §4.2, built by
 :func:`~cosyserve.llm.prompt.build_prompt_ids` with :data:`~cosyserve.llm.prompt.COSYVOICE3`; the
 voice conditions token2wav in every mode):
@@ -54,7 +59,7 @@ from ..llm.sampling import COSYVOICE3_SAMPLING
 from ..llm.trtllm.request import TritonLLMInputs
 from ..pipeline.tts import TTSPipeline, Voice, VoiceResolver
 from .bls import CosyVoice2BLS, TritonSpeechTokens
-from .bls_base import RemoteSpeechTokenizer, call_model
+from .bls_base import RemoteSpeechTokenizer, call_model, openai_speech_tokens
 from .settings import BlsSettings
 
 TOKEN2WAV = "token2wav"
@@ -92,7 +97,9 @@ class CosyVoice3BLS(CosyVoice2BLS):
 
     features_file = "features.cosyvoice3.pt"  # next to CosyVoice2's features.pt of the same stored voice
 
-    def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry) -> TritonSpeechTokens:
+    def speech_tokens(self, settings: BlsSettings, tokenizer, registry: SpeakerRegistry):
+        if settings.llm_url:  # an OpenAI-compatible server of the CosyVoice3 LLM, as the reference's trtllm-serve
+            return openai_speech_tokens(settings, tokenizer, registry, COSYVOICE3, COSYVOICE3_SAMPLING)
         inputs = TritonLLMInputs("cosyserve", COSYVOICE3_SAMPLING, self.decoupled, end_id=COSYVOICE3.eos_id)
         return TritonSpeechTokens(settings.llm_model_name, inputs, COSYVOICE3.speech_token_offset)
 

@@ -296,6 +296,7 @@ class CosyVoice3Repository:
     token2wav_incremental_stream: str = parameter_value(Cv3Token2WavSettings.incremental_stream)  # TOKEN2WAV_INCREMENTAL_STREAM
     token2wav_voice_prefixes: int = Cv3Token2WavSettings.voice_prefixes  # TOKEN2WAV_VOICE_PREFIXES
     token2wav_cuda_graphs: str = parameter_value(Cv3Token2WavSettings.cuda_graphs)  # TOKEN2WAV_CUDA_GRAPHS
+    llm_url: str = BlsSettings.llm_url                         # LLM_URL: no Triton LLM model then
     voices_dir: str = ""                                       # VOICES_DIR (empty: <model dir>/voices)
 
     def models(self) -> dict[str, ModelEntry]:
@@ -305,15 +306,18 @@ class CosyVoice3Repository:
         return {
             "cosyvoice3": ModelEntry("cosyvoice3", {
                 "model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
-                "llm_tokenizer_dir": llm_dir, "llm_model_name": "llm", "streaming_strategy": self.streaming_strategy,
+                "llm_tokenizer_dir": llm_dir, "llm_model_name": "llm", "llm_url": self.llm_url,
+                "streaming_strategy": self.streaming_strategy,
                 "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
                 "max_streams": _max_streams(self.max_streams),
                 "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s),
                 "bls_warm_up": self.bls_warm_up, "bls_instance_num": str(self.bls_instances),
                 "decoupled_mode": str(self.decoupled), "voices_dir": self.voices_dir,
                 **_queue_policy(self.bls_max_queue_size, self.bls_instances, self.bls_max_queue_ms)}),
-            # no model_dir: CosyVoice3 has no registered voices whose prefixes the engine could cache
-            "llm": ModelEntry("llm", {**common, "model_dir": "", "llm_dir": llm_dir, "llm_engine": self.llm_engine}),
+            # no model_dir: CosyVoice3 has no registered voices whose prefixes the engine could cache;
+            # with llm_url, speech tokens come from completions servers: no Triton LLM model
+            **({} if self.llm_url else {"llm": ModelEntry("llm", {
+                **common, "model_dir": "", "llm_dir": llm_dir, "llm_engine": self.llm_engine})}),
             "token2wav": ModelEntry("token2wav_cosyvoice3", {
                 **common, "token2wav_dtype": self.token2wav_dtype,
                 "token2wav_incremental_stream": self.token2wav_incremental_stream,
