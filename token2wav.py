@@ -31,7 +31,9 @@ whole prefix every chunk) instead of the incremental block-masked one, or ``+gra
 windows replayed from CUDA graphs (GPU only; the warm-up run captures them); ``--variants fp32,fp32+rerun --mode
 streaming`` times both and gives their rel-L2. ``--mode streaming`` sends the chunks of the cosyvoice3 BLS (``--strategy`` exponential:
 15 + 3 look-ahead tokens, then 25, 50, 100, ...; or time_based), each step all tokens so far; both modes give
-960 samples per token. A bad token id or directory is an error (exit status 2) before any variant runs.
+960 samples per token. ``--profile`` runs each variant's last utterance once more under torch.profiler: the host
+time of the steps' flow and vocoder, the GPU's activities and busy time (where a step's time goes). A bad token id
+or directory is an error (exit status 2) before any variant runs.
 """
 
 from __future__ import annotations
@@ -65,12 +67,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(CosyVoice2 streams in streaming_inference.py)")
     p.add_argument("--strategy", choices=STRATEGIES, default="exponential",
                    help="cosyvoice3 --mode streaming: the BLS's streaming_strategy")
+    p.add_argument("--profile", action="store_true",
+                   help="cosyvoice3: after each variant's timed runs, its last utterance once more under torch.profiler "
+                        "(host time of the flow and vocoder, GPU activities and busy time)")
     args = p.parse_args(argv)
     if args.model != "cosyvoice3":
         if args.mode != "offline" or args.strategy != "exponential":
             p.error("--mode/--strategy are for --model cosyvoice3; CosyVoice2 streams in streaming_inference.py")
-        if args.reference_text is not None:
-            p.error("--reference-text is for --model cosyvoice3")
+        if args.reference_text is not None or args.profile:
+            p.error("--reference-text and --profile are for --model cosyvoice3")
     elif args.reference_audio is None:
         p.error("--model cosyvoice3 needs --reference-audio (CosyVoice3 has no registered speakers)")
     return args
@@ -106,7 +111,7 @@ def main_cosyvoice3(args) -> int:
         tokens = utterance_tokens(args)
         result = cv3.run_cosyvoice3(
             args.model_dir, tokens, args.reference_audio, args.reference_text, device=args.device,
-            variants=args.variants, mode=args.mode, strategy=args.strategy, runs=args.runs,
+            variants=args.variants, mode=args.mode, strategy=args.strategy, runs=args.runs, profile=args.profile,
             on_start=lambda prompt: print(f"device={args.device} model=cosyvoice3 mode={args.mode} prompt={prompt} "
                                           f"tokens, utterances={[t.numel() for t in tokens]} tokens"),
             on_row=lambda row: print(markdown_table(cv3.HEADER, [row]).splitlines()[-1], flush=True))
@@ -115,6 +120,9 @@ def main_cosyvoice3(args) -> int:
         return 2
     print()
     print(markdown_table(cv3.HEADER, result.rows))
+    if result.profile_rows:
+        print("\nunder torch.profiler (one more run of the last utterance):\n")
+        print(markdown_table(cv3.PROFILE_HEADER, result.profile_rows))
     if args.output_json:
         args.output_json.write_text(json.dumps(result.to_json(args.mode, args.strategy), indent=2))
     if args.output and result.last is not None:

@@ -72,16 +72,24 @@ def test_cosyvoice3_gives_960_samples_per_token(cv3_bundle, prompt, tmp_path, ca
     assert np.isfinite(wave).all() and np.abs(wave).max() > 0
 
 
-def test_the_reference_re_run_is_a_variant_compared_with_the_incremental_flow(cv3_bundle, prompt, tmp_path):
+def test_the_reference_re_run_is_a_variant_compared_with_the_incremental_flow(cv3_bundle, prompt, tmp_path, capsys):
     """``fp32,fp32+rerun``: the second row streams with the reference's full-attention re-run and
-    reports its rel-L2 against the incremental block-masked stream; both give 960 samples per token."""
+    reports its rel-L2 against the incremental block-masked stream; both give 960 samples per token.
+    ``--profile``: each variant's last utterance once more under torch.profiler, the host time of its
+    steps' flow and vocoder ranges."""
     report = tmp_path / "report.json"
     assert token2wav.main(_cv3_args(cv3_bundle, prompt, "--num-tokens", "60", "--mode", "streaming",
-                                    "--variants", "fp32,fp32+rerun", "--output-json", str(report))) == 0
+                                    "--variants", "fp32,fp32+rerun", "--profile", "--output-json", str(report))) == 0
     results = json.loads(report.read_text())["results"]
     assert results["fp32"]["samples"] == results["fp32+rerun"]["samples"] == [960 * 60]
     assert results["fp32"]["rel_l2_vs_first"] == 0
     assert 0 < results["fp32+rerun"]["rel_l2_vs_first"] < float("inf")
+    for name in ("fp32", "fp32+rerun"):
+        profile = results[name]["profile"]
+        assert profile["tokens"] == 60 and profile["calls"] == len(plan_chunks(60))
+        assert 0 < profile["flow_host_ms"] + profile["vocoder_host_ms"] <= profile["wall_ms"]
+        assert profile["flow_host_ms"] > 0 and profile["vocoder_host_ms"] > 0
+    assert "under torch.profiler" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("n", [1, 17, 18, 43, 60])
@@ -130,7 +138,8 @@ def test_cosyvoice3_input_errors(cv3_bundle, prompt, tmp_path, capsys, extra, me
 @pytest.mark.parametrize("argv, message", [
     (["--model", "cosyvoice3"], "needs --reference-audio"),
     (["--mode", "streaming"], "streaming_inference.py"),
-    (["--reference-text", "hello"], "--reference-text is for --model cosyvoice3"),
+    (["--reference-text", "hello"], "--reference-text and --profile are for --model cosyvoice3"),
+    (["--profile"], "--reference-text and --profile are for --model cosyvoice3"),
 ])
 def test_argument_errors(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

@@ -49,7 +49,7 @@ from ..frontend.speakers import SpeakerRegistry
 from ..models.cosyvoice3.config import CONFIG_FILE, Cv3FlowConfig, config_from_model_dir
 from ..runtime import COSYVOICE3_DIR, resolve_device
 from ..schedule import STRATEGIES, Chunk, ChunkScheduler
-from ..token2wav.cosyvoice3 import CosyVoice3Token2Wav, load_cosyvoice3_token2wav
+from ..token2wav.cosyvoice3 import FLOW_SECTION, VOCODER_SECTION, CosyVoice3Token2Wav, load_cosyvoice3_token2wav
 from .tts import VoiceResolver
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,8 @@ MODES = ("offline", "streaming")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # token2wav.py's variant names
 HEADER = ["variant", "mode", "utterances", "audio s", "wall ms", "RTF", "first call ms (median)", "calls",
           "rel-L2 vs first"]
+PROFILE_HEADER = ["variant", "utterance tokens", "wall ms", "flow ms (host)", "vocoder ms (host)", "calls",
+                  "GPU activities", "GPU busy ms"]
 
 
 def cosyvoice3_voices(model_dir: str | Path, device: torch.device | str = "cpu") -> VoiceResolver:
@@ -174,6 +176,29 @@ def synthesize(t2w: CosyVoice3Token2Wav, tokens: Sequence[int] | torch.Tensor, v
     return Synthesis(np.concatenate(pieces), calls, chunks, pieces)
 
 
+def profile_utterance(t2w: CosyVoice3Token2Wav, tokens, voice: Voice, mode: str, strategy: str) -> dict:
+    """One more synthesis of ``tokens`` under ``torch.profiler``: its wall time, the host time of the
+    steps' flow and vocoder ranges (what the CPU spent in them, waiting on the GPU included), and the
+    GPU's activities (kernels, copies) and their summed time. The profiler slows host-bound code."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if t2w.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        done = synthesize(t2w, tokens, voice, mode, strategy, "token2wav-profile")
+        wall = time.perf_counter() - start
+    events = prof.events()
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def host_ms(section: str) -> float:
+        return sum(e.cpu_time_total for e in events if e.name == section and e.device_type == cpu) / 1e3
+
+    gpu = [e for e in events if e.device_type == cuda and e.name not in (FLOW_SECTION, VOCODER_SECTION)]
+    return {"tokens": len(torch.as_tensor(tokens).reshape(-1)), "wall_ms": 1e3 * wall, "calls": len(done.call_s),
+            "flow_host_ms": host_ms(FLOW_SECTION), "vocoder_host_ms": host_ms(VOCODER_SECTION),
+            "gpu_activities": len(gpu), "gpu_busy_ms": sum(e.device_time for e in gpu) / 1e3}
+
+
 @dataclass
 class VariantRun:
     name: str
@@ -192,7 +217,7 @@ def _one_run(t2w: CosyVoice3Token2Wav, tokens: Sequence[torch.Tensor], voice: Vo
 
 
 def run_variant(name: str, model_dir: Path, tokens: Sequence[torch.Tensor], voice: Voice, *, device: torch.device,
-                mode: str, strategy: str, runs: int, reference: np.ndarray | None) -> VariantRun:
+                mode: str, strategy: str, runs: int, reference: np.ndarray | None, profile: bool = False) -> VariantRun:
     """Load the model in the variant's dtype, one warm-up (it captures a graph variant's shapes),
     ``runs`` timed runs; the last one's audio is the check (replayed from the graphs, for graph variants)."""
     graphs = name.endswith(GRAPHS)
@@ -201,6 +226,7 @@ def run_variant(name: str, model_dir: Path, tokens: Sequence[torch.Tensor], voic
     try:
         _one_run(t2w, tokens, voice, mode, strategy, "warmup")
         timed = [_one_run(t2w, tokens, voice, mode, strategy, f"run{r}") for r in range(max(1, runs))]
+        profiled = profile_utterance(t2w, tokens[-1], voice, mode, strategy) if profile else None
     finally:
         del t2w
         gc.collect()
@@ -218,13 +244,14 @@ def run_variant(name: str, model_dir: Path, tokens: Sequence[torch.Tensor], voic
     report = {"walls_s": walls, "audio_s": audio_s, "samples": [int(s.wave.size) for s in timed[0][1]],
               "call_latencies_s": [[s.call_s for s in done] for _, done in timed],
               "chunks": [[dataclasses.asdict(c) for c in s.chunks] for s in timed[0][1]],
-              "rel_l2_vs_first": rel}
+              "rel_l2_vs_first": rel, **({"profile": profiled} if profiled else {})}
     return VariantRun(name, row, report, check, timed[-1][1][-1].wave)
 
 
 @dataclass
 class Cv3Token2WavReport:
     rows: list[list] = field(default_factory=list)
+    profile_rows: list[list] = field(default_factory=list)  # with profile: one per variant (PROFILE_HEADER)
     results: dict = field(default_factory=dict)
     last: np.ndarray | None = field(default=None, repr=False)
     prompt_tokens: int = 0
@@ -237,7 +264,7 @@ class Cv3Token2WavReport:
 
 def run_cosyvoice3(model_dir: str | Path, tokens: Sequence[torch.Tensor], reference_audio,
                    reference_text: str | None = None, *, device: str | torch.device = "auto", variants: str = "fp32",
-                   mode: str = "offline", strategy: str = "exponential", runs: int = 1,
+                   mode: str = "offline", strategy: str = "exponential", runs: int = 1, profile: bool = False,
                    on_start: Callable[[int], None] | None = None,
                    on_row: Callable[[list], None] | None = None) -> Cv3Token2WavReport:
     """Every variant over every utterance. Bad inputs (directory, tokens, variants, mode, strategy,
@@ -259,7 +286,7 @@ def run_cosyvoice3(model_dir: str | Path, tokens: Sequence[torch.Tensor], refere
     for name in names:
         try:
             run = run_variant(name, model_dir, tokens, voice, device=device, mode=mode, strategy=strategy, runs=runs,
-                              reference=reference)
+                              reference=reference, profile=profile)
         except Exception as exc:  # report it and go on with the other variants
             log.exception("variant %s failed", name)
             summary = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -269,6 +296,10 @@ def run_cosyvoice3(model_dir: str | Path, tokens: Sequence[torch.Tensor], refere
             reference = run.check if reference is None else reference
             out.rows.append(run.row)
             out.results[name] = run.report
+            if profile:
+                p = run.report["profile"]
+                out.profile_rows.append([name, p["tokens"], p["wall_ms"], p["flow_host_ms"], p["vocoder_host_ms"],
+                                         p["calls"], p["gpu_activities"], p["gpu_busy_ms"]])
             out.last = run.last
         if on_row:
             on_row(out.rows[-1])

@@ -55,6 +55,7 @@ DEFAULT_VOICE_PREFIXES = 8  # voices whose prompt-only flow states are kept (see
 
 log = logging.getLogger(__name__)
 
+FLOW_SECTION, VOCODER_SECTION = "cosyvoice3.flow", "cosyvoice3.vocoder"  # a step's profiler ranges
 DEFAULT_GRAPH_PAST_FRAMES = 2000  # committed frames (prompt included, 50 per second) windows are graphed after
 DEFAULT_GRAPH_WINDOW_FRAMES = 400  # frames of a graphed window
 
@@ -309,13 +310,15 @@ class CosyVoice3Token2Wav:
                     raise InvalidInputError(
                         f"request {request_id!r}: step with {ids.shape[1]} tokens and token_offset {token_offset} "
                         f"after {session.received} tokens; send all tokens so far, offset within them")
-                if session.flow is not None:
-                    mel = session.flow.push(ids[:, session.received:], finalize)
-                    self._keep_prefix(session)
-                else:
-                    mel = self._rerun(session, ids, finalize)
+                with torch.profiler.record_function(FLOW_SECTION):  # named ranges for token2wav.py --profile
+                    if session.flow is not None:
+                        mel = session.flow.push(ids[:, session.received:], finalize)
+                        self._keep_prefix(session)
+                    else:
+                        mel = self._rerun(session, ids, finalize)
                 session.received = ids.shape[1]
-                speech = session.vocoder.push(mel, finalize)
+                with torch.profiler.record_function(VOCODER_SECTION):
+                    speech = session.vocoder.push(mel, finalize)
         except BaseException:
             self.cancel(request_id)
             raise
