@@ -96,5 +96,11 @@ def test_the_tiers_fit_together(overlay):
         assert llm["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert llm["readinessProbe"]["httpGet"]["path"] == "/health"
         assert resources[("Service", "cosyserve-llm")]["spec"]["ports"][0]["port"] == 8000
+        annotations = resources[("Deployment", "cosyserve-llm")]["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == "8000" and annotations["prometheus.io/path"] == "/metrics"
+        llm_hpa = resources[("HorizontalPodAutoscaler", "cosyserve-llm")]["spec"]
+        assert llm_hpa["scaleTargetRef"]["name"] == "cosyserve-llm"
+        metric = llm_hpa["metrics"][0]["pods"]["metric"]["name"]
+        assert metric in (REPO / "cosyserve/llm/openai_server.py").read_text()  # a series the LLM server exports
     else:
         assert "LLM_URL" not in env and ("Deployment", "cosyserve-llm") not in resources

@@ -99,6 +99,22 @@ def test_chat_round_trip(server):
     assert choice["finish_reason"] == "stop"
 
 
+def test_health_and_metrics_count_the_completions(server):
+    """/health and /metrics (Prometheus) count the completions accepted, the tokens generated and the
+    requests in flight (an autoscaler of LLM servers reads the last)."""
+    url, _, tokenizer = server
+    before = json.loads(urllib.request.urlopen(url + "/health").read())["completions"]
+    status, _ = post(url + "/v1/completions", {"prompt": tokenizer.encode(PROMPT, add_special_tokens=False),
+                                               "max_tokens": 5, "ignore_eos": True, "stream": False})
+    assert status == 200
+    assert json.loads(urllib.request.urlopen(url + "/health").read())["completions"] == before + 1
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert values["cosyserve_llm_server_completions_total"] == before + 1
+    assert values["cosyserve_llm_server_generated_tokens_total"] >= 5
+    assert values["cosyserve_llm_server_active_requests"] == 0
+
+
 def test_bad_requests_get_400(server):
     url, _, _ = server
     for body in ({"prompt": "", "max_tokens": 4}, {"prompt": PROMPT, "max_tokens": 0},

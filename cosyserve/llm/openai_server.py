@@ -4,7 +4,9 @@
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a string or a list of token ids),
 ``POST /v1/chat/completions`` (``messages``, rendered with the tokenizer's chat template),
-``GET /v1/models``, ``GET /health`` (with the number of completions accepted). Both POST endpoints take the fields trtllm-serve takes for
+``GET /v1/models``, ``GET /health`` (with the number of completions accepted), ``GET /metrics``
+(Prometheus: requests in flight, completions, generated tokens; what an autoscaler of LLM servers
+reads). Both POST endpoints take the fields trtllm-serve takes for
 this model (``model``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
 ``stream``, ``repetition_penalty``) plus ``min_tokens``, ``ignore_eos`` and ``ras``; fields left
 out keep :class:`SamplingParams` defaults (CosyVoice's RAS sampling). The text of a completion
@@ -23,6 +25,8 @@ import uuid
 from dataclasses import fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from ..errors import InvalidInputError
 from .backends import create_backend
@@ -106,12 +110,16 @@ class OpenAIApp:
     def __init__(self, backend: LLMBackend, tokenizer, model_name: str):
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self._tokenizer_lock = threading.Lock()
-        self._count_lock = threading.Lock()
-        self.completions = 0  # requests accepted (completions and chat completions)
+        self.metrics = CollectorRegistry()  # this server's own (several may share a process in tests)
+        self.active = Gauge("cosyserve_llm_server_active_requests", "completions being generated",
+                            registry=self.metrics)
+        self.accepted = Counter("cosyserve_llm_server_completions", "completions accepted", registry=self.metrics)
+        self.generated = Counter("cosyserve_llm_server_generated_tokens", "speech tokens generated",
+                                 registry=self.metrics)
 
-    def accepted(self) -> None:
-        with self._count_lock:
-            self.completions += 1
+    @property
+    def completions(self) -> int:
+        return int(self.metrics.get_sample_value("cosyserve_llm_server_completions_total") or 0)
 
     def _encode(self, text: str) -> list[int]:
         with self._tokenizer_lock:
@@ -188,6 +196,13 @@ class Handler(BaseHTTPRequestHandler):
         app = self.server.app
         if self.path == "/health":
             self._send_json(200, {"status": "ok", "completions": app.completions})
+        elif self.path == "/metrics":
+            data = generate_latest(app.metrics)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         elif self.path == "/v1/models":
             self._send_json(200, {"object": "list", "data": [
                 {"id": app.model_name, "object": "model", "created": 0, "owned_by": "cosyserve"}]})
@@ -208,7 +223,8 @@ class Handler(BaseHTTPRequestHandler):
         except InvalidInputError as exc:
             self._send_error(400, str(exc))
             return
-        app.accepted()
+        app.accepted.inc()
+        app.active.inc()
         try:
             if request.stream:
                 self._stream_response(app, request, request_id, stream)
@@ -218,6 +234,8 @@ class Handler(BaseHTTPRequestHandler):
             log.info("client of %s went away; request cancelled", request_id)
         finally:
             stream.close()
+            app.active.dec()
+            app.generated.inc(stream.num_tokens)
 
     def _run(self, request: CompletionRequest, stream: TokenStream, matcher: StopMatcher):
         """Yield text deltas until the stream ends or a stop string matches."""
