@@ -61,6 +61,7 @@ HEADER = ["variant", "mode", "utterances", "audio s", "wall ms", "RTF", "first c
           "rel-L2 vs first"]
 PROFILE_HEADER = ["variant", "utterance tokens", "wall ms", "flow ms (host)", "vocoder ms (host)", "calls",
                   "GPU activities", "GPU busy ms"]
+PROFILE_KEYS = ("tokens", "wall_ms", "flow_host_ms", "vocoder_host_ms", "calls", "gpu_activities", "gpu_busy_ms")
 
 
 def cosyvoice3_voices(model_dir: str | Path, device: torch.device | str = "cpu") -> VoiceResolver:
@@ -251,11 +252,16 @@ def run_variant(name: str, model_dir: Path, tokens: Sequence[torch.Tensor], voic
 @dataclass
 class Cv3Token2WavReport:
     rows: list[list] = field(default_factory=list)
-    profile_rows: list[list] = field(default_factory=list)  # with profile: one per variant (PROFILE_HEADER)
     results: dict = field(default_factory=dict)
     last: np.ndarray | None = field(default=None, repr=False)
     prompt_tokens: int = 0
     device: str = "cpu"
+
+    @property
+    def profile_rows(self) -> list[list]:
+        """The profiled variants' rows (:data:`PROFILE_HEADER`)."""
+        return [[name, *(result["profile"][key] for key in PROFILE_KEYS)]
+                for name, result in self.results.items() if "profile" in result]
 
     def to_json(self, mode: str, strategy: str) -> dict:
         return {"device": self.device, "model": "cosyvoice3", "mode": mode,
@@ -296,10 +302,6 @@ def run_cosyvoice3(model_dir: str | Path, tokens: Sequence[torch.Tensor], refere
             reference = run.check if reference is None else reference
             out.rows.append(run.row)
             out.results[name] = run.report
-            if profile:
-                p = run.report["profile"]
-                out.profile_rows.append([name, p["tokens"], p["wall_ms"], p["flow_host_ms"], p["vocoder_host_ms"],
-                                         p["calls"], p["gpu_activities"], p["gpu_busy_ms"]])
             out.last = run.last
         if on_row:
             on_row(out.rows[-1])

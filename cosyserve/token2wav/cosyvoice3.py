@@ -47,7 +47,7 @@ from ..models.flow.cfm import N_TIMESTEPS
 from ..models.cosyvoice3.flow import Cv3CFM, CosyVoice3Flow, Cv3FlowStream, Cv3VoicePrefix, load_cosyvoice3_flow
 from ..models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, load_causal_hift
 from ..runtime import STREAM_IDLE_TIMEOUT_S
-from .graphs import frame_bucket
+from .graphs import capture_graph, frame_bucket
 from .sessions import SessionClock, _numpy
 
 DEFAULT_VOICE_PREFIXES = 8  # voices whose prompt-only flow states are kept (see CosyVoice3Token2Wav)
@@ -145,17 +145,19 @@ class Cv3WindowGraphs:
                         or mu2.shape[0] != 2 or self._seen[key] <= self.capture_after or key in self._failed:
                     return self._eager(z, mu2, cond2, spks2, state)
             buffers = self._load(z, mu2, cond2, spks2, state, past, padded_width)
-            run = self._padded_run(buffers, past, padded_width)
             if not self.cuda_graphs:
-                run()
+                self._padded_run(buffers, past, padded_width)()
             else:
                 if graph is None:
                     try:
-                        graph = self._graphs[key] = self._capture(run, z.device)
+                        if self._pool is None:
+                            self._pool = torch.cuda.graph_pool_handle()
+                        graph, _ = capture_graph(self._padded_run(buffers, past, padded_width), z.device, self._pool)
                     except RuntimeError:  # a failed capture costs speed, never the request
                         log.exception("capturing the CosyVoice3 window graph %s failed; that shape runs eagerly", key)
                         self._failed.add(key)
                         return self._eager(z, mu2, cond2, spks2, state)
+                    self._graphs[key] = graph
                 graph.replay()
             context = POS_CONV_KERNEL - 1
             return (buffers.x[..., :width].clone(), buffers.kv[..., :width, :].clone(),
@@ -163,8 +165,7 @@ class Cv3WindowGraphs:
 
     def _eager(self, z, mu2, cond2, spks2, state: WindowState) -> tuple[torch.Tensor, ...]:
         self.eager_calls += 1
-        angles, mask = self.decoder.estimator.window_geometry(state.frames, z.shape[2])
-        return self.decoder.sample_window(z, mu2, cond2, spks2, state.kv, state.conv_context, angles, mask)
+        return self.decoder.sample_state_window(z, mu2, cond2, spks2, state)
 
     def _load(self, z, mu2, cond2, spks2, state: WindowState, past: int, padded_width: int) -> _WindowBuffers:
         """Copy one window into the shared buffers' leading slices (padding zeroed)."""
@@ -201,20 +202,6 @@ class Cv3WindowGraphs:
             b.inputs2[..., :context + padded_width].copy_(inputs2)
 
         return run
-
-    def _capture(self, run, device: torch.device) -> torch.cuda.CUDAGraph:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up: library handles and plans, lazy allocations
-            run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads may keep running (and allocating) eagerly during the capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            run()
-        return graph
 
 
 @dataclass

@@ -114,24 +114,32 @@ class GraphCache:
         return tuple(out.clone() for out in entry.outputs)
 
     def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...]) -> _Graph:
-        device = inputs[0].device
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         static = tuple(t.clone(memory_format=torch.contiguous_format) for t in inputs)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up: library handles, cuDNN/cuFFT plans, lazy allocations
-            for _ in range(self.warmup if not self._graphs else 1):
-                self.fn(*static)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads may keep running (and allocating) eagerly during the capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            outputs = self.fn(*static)
+        graph, outputs = capture_graph(lambda: self.fn(*static), inputs[0].device, self._pool,
+                                       self.warmup if not self._graphs else 1)
         if len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
         entry = self._graphs[key] = _Graph(graph, static, tuple(outputs))
         return entry
+
+
+def capture_graph(run: Callable[[], object], device: torch.device, pool, warmup: int = 1
+                  ) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``run`` (pure GPU work, no host synchronisation) captured into a CUDA graph sharing ``pool``,
+    after ``warmup`` eager runs on a side stream; returns the graph and what the captured run returned."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up: library handles, cuDNN/cuFFT plans, lazy allocations
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: other threads may keep running (and allocating) eagerly during the capture.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        outputs = run()
+    return graph, outputs
 
 
 def _round_up(value: int, multiple: int) -> int:

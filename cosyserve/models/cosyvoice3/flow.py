@@ -25,7 +25,7 @@ from ..flow.cfm import N_TIMESTEPS, fixed_noise
 from .config import Cv3FlowConfig, config_from_model_dir
 from .dit import Cv3DiT, WindowState, commit_window
 
-# (z, mu2, cond2, spks2, state) -> Cv3CFM.sample_window's outputs for that state's window
+# (z, mu2, cond2, spks2, state) -> Cv3CFM.sample_state_window's outputs
 WindowSampler = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 WEIGHTS_FILE = "flow.pt"
@@ -89,19 +89,20 @@ class Cv3CFM(nn.Module):
         """Block-masked sampling of a window of frames after the committed ones of ``state``
         (:meth:`Cv3DiT.forward_window` at every Euler step): z, mu, cond (1, 80, W), spks (1, 80).
         Returns the sampled window and the state with the window's first ``commit`` frames committed.
-        ``sampler`` runs :meth:`sample_window` another way (CUDA graphs, ``cosyserve.token2wav``)."""
+        ``sampler`` runs :meth:`sample_state_window` another way (CUDA graphs, ``cosyserve.token2wav``)."""
         chunk = self.estimator.cfg.static_chunk_size
         if state.frames % chunk or not 0 <= commit <= z.shape[2]:
             raise ValueError(f"window at frame {state.frames} (block {chunk}) cannot commit {commit} of "
                              f"{z.shape[2]} frames")
         mu2, spks2, cond2 = _with_uncond(mu, spks, cond)
-        if sampler is None:
-            angles, mask = self.estimator.window_geometry(state.frames, z.shape[2])
-            x, kv, inputs1, inputs2 = self.sample_window(z, mu2, cond2, spks2, state.kv, state.conv_context,
-                                                         angles, mask)
-        else:
-            x, kv, inputs1, inputs2 = sampler(z, mu2, cond2, spks2, state)
+        x, kv, inputs1, inputs2 = (sampler or self.sample_state_window)(z, mu2, cond2, spks2, state)
         return x, commit_window(state, kv, inputs1, inputs2, commit)
+
+    def sample_state_window(self, z, mu2, cond2, spks2, state: WindowState) -> tuple[torch.Tensor, ...]:
+        """:meth:`sample_window` on the window after ``state``'s committed frames, eagerly (the default
+        :data:`WindowSampler`)."""
+        angles, mask = self.estimator.window_geometry(state.frames, z.shape[2])
+        return self.sample_window(z, mu2, cond2, spks2, state.kv, state.conv_context, angles, mask)
 
     def sample_window(self, z, mu2, cond2, spks2, past_kv: torch.Tensor | None, conv_context: torch.Tensor | None,
                       angles: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -255,7 +256,7 @@ class Cv3FlowStream:
                  embedding: torch.Tensor, prefix: Cv3VoicePrefix | None = None, keep_prefix: bool = False,
                  sampler: WindowSampler | None = None):
         self.flow = flow
-        self.sampler = sampler  # how windows are sampled (None: eagerly, Cv3CFM.sample_window)
+        self.sampler = sampler  # how windows are sampled (None: eagerly, Cv3CFM.sample_state_window)
         self.prompt = (prompt_tokens, prompt_feat, embedding)
         self.tokens = prompt_tokens.new_zeros(1, 0)
         self.state = prefix.state if prefix else WindowState(0, None, None)  # committed frames, prompt included
