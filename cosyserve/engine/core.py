@@ -3,14 +3,14 @@
 Each iteration (:meth:`EngineCore.step`), read top to bottom:
 
 1. take new requests and cancellations; end requests past their timeout;
-2. one LLM step: prefill of newly admitted prompts, then one decode step for every request
-   still generating (:mod:`.runners.llm`);
-3. per request, take the tokens that arrived and plan its next chunk when its chunk schedule
+2. per request, take the tokens that arrived and plan its next chunk when its chunk schedule
    allows (one chunk in flight per stream: chunks run in order);
-4. start the waiting chunks the :class:`~.scheduler.Scheduler` picks (earliest deadline first,
+3. start the waiting chunks the :class:`~.scheduler.Scheduler` picks (earliest deadline first,
    within the step's frame budget): the kind runs their encoder and takes their state pages;
-5. one packed Euler step of every flow job under way, whatever its step (the kind's
+4. one packed Euler step of every flow job under way, whatever its step (the kind's
    :meth:`step`: chunks of different streams and at different steps in one estimator call);
+5. one LLM step: prefill of newly admitted prompts, then one decode step for every request
+   still generating (:mod:`.runners.llm`), beside the flow step on the GPU;
 6. jobs that took their last step are vocoded together and their PCM handed to the requests'
    ``emit``; finished segments hand over to the next, finished requests call ``finish``.
 
@@ -157,36 +157,37 @@ class EngineCore:
             seg.pending is not None for state in self._states.values() for seg in state.segments())
 
     def step(self) -> None:
-        """One iteration (see the module docstring)."""
+        """One iteration (see the module docstring). The flow step is launched before the LLM step:
+        on a GPU the two run side by side (the LLM on a stream of its own), and the host waits for
+        the flow's work only when the vocoder reads the mels."""
         c = self.counters
         c.iterations += 1
         began = time.perf_counter()
         self._take_events()
-        mark = time.perf_counter()
-        if self.llm.has_work:
-            self.llm.step()
-        llm_end = time.perf_counter()
         candidates = []
         for state in self._live():
             try:
                 candidates += self._plan(state)
             except Exception as exc:
                 self._end(state, exc)
-        picked = self.scheduler.pick(candidates, sum(seg.job.frames for seg, _ in self._jobs))
+        picked = self.scheduler.pick(candidates, sum(seg.job.frames for seg, _ in self._jobs), len(self._jobs))
         start_begin = time.perf_counter()
         self._start_jobs(picked)
         self._sync()
         flow_begin = time.perf_counter()
         if self._jobs:
             self._flow_step()
+        llm_begin = time.perf_counter()
+        if self.llm.has_work:
+            self.llm.step()
         vocoder_begin = time.perf_counter()
         self._finish_jobs()
         end = time.perf_counter()
-        c.llm_s += llm_end - mark
         c.start_s += flow_begin - start_begin
-        c.flow_s += vocoder_begin - flow_begin
+        c.flow_s += llm_begin - flow_begin
+        c.llm_s += vocoder_begin - llm_begin
         c.vocoder_s += end - vocoder_begin
-        c.host_s += (mark - began) + (start_begin - llm_end)
+        c.host_s += start_begin - began
 
     # ----- stages -----
 

@@ -11,8 +11,8 @@ both rules without being counted as streams.
 started chunk is never held up; what the scheduler decides is which *waiting* chunks start.
 Earliest deadline first (:attr:`~.request.RequestState.deadline`: a playing stream's chunk is due
 when its listener runs dry, a first chunk ``FIRST_CHUNK_BUDGET_S`` after arrival, offline work
-never), while the frames of the windows under way stay within ``max_step_frames``: a bigger step
-would slow every stream's chunk. A job that does not fit waits for the next iteration; one job
+never), while the frames of the jobs under way stay within ``max_step_frames`` and their number within
+``max_step_jobs``: a bigger step would slow every stream's chunk. A job that does not fit waits for the next iteration; one job
 always starts when none is under way, however large.
 """
 
@@ -26,8 +26,10 @@ from typing import Any
 from ..errors import CapacityError
 from .request import RequestState
 
-# Frames of estimator windows per packed step (both CFG rows of a window count once).
+# Frames of estimator windows per packed step (both CFG rows of a window count once), and jobs:
+# past the largest captured step shape (16 windows) a step runs eagerly, several times slower.
 DEFAULT_MAX_STEP_FRAMES = 4096
+DEFAULT_MAX_STEP_JOBS = 16
 STREAM_CAP_RETRY_AFTER_MS = 500
 
 
@@ -43,10 +45,11 @@ class Candidate:
 
 class Scheduler:
     def __init__(self, max_streams: int = 0, min_buffer_s: float = 0.0,
-                 max_step_frames: int = DEFAULT_MAX_STEP_FRAMES, clock: Callable[[], float] = time.monotonic):
+                 max_step_frames: int = DEFAULT_MAX_STEP_FRAMES, max_step_jobs: int = DEFAULT_MAX_STEP_JOBS, clock: Callable[[], float] = time.monotonic):
         self.max_streams = max_streams
         self.min_buffer_s = min_buffer_s
         self.max_step_frames = max_step_frames
+        self.max_step_jobs = max_step_jobs
         self.clock = clock
 
     def admit(self, streaming: bool, states: Iterable[RequestState]) -> None:
@@ -67,12 +70,13 @@ class Scheduler:
                     f"{self.min_buffer_s:g} s it keeps for every stream (admission_min_buffer_s); retry after "
                     f"{max(100, round(1000 * (self.min_buffer_s - least)))} ms")
 
-    def pick(self, candidates: list[Candidate], frames_under_way: int) -> list[Candidate]:
+    def pick(self, candidates: list[Candidate], frames_under_way: int, jobs_under_way: int) -> list[Candidate]:
         """The candidates that start now, most urgent first (see the module docstring)."""
-        chosen, frames = [], frames_under_way
+        chosen, frames, jobs = [], frames_under_way, jobs_under_way
         for candidate in sorted(candidates, key=lambda c: c.state.deadline):
-            if frames and frames + candidate.frames > self.max_step_frames:
+            if jobs and (frames + candidate.frames > self.max_step_frames or jobs >= self.max_step_jobs):
                 continue
+            jobs += 1
             chosen.append(candidate)
             frames += candidate.frames
         return chosen

@@ -24,7 +24,7 @@ from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..frontend.speakers import SpeakerRegistry
 from ..frontend.voice_store import VoiceStore
 from ..llm.sampling import REFERENCE_SAMPLING, SamplingParams
-from ..pipeline.tts import DEFAULT_SPEAKER, SegmentPrompter, TTSRequest, VoiceResolver
+from ..pipeline.tts import DEFAULT_SPEAKER, SegmentPrompter, TokenLimits, TTSRequest, VoiceResolver
 from ..runtime import SPK2INFO
 from ..token2wav.cosyvoice2 import Token2WavOptions, load_token2wav
 from ..token2wav.vocoder_stream import SineNoiseProvider
@@ -33,6 +33,8 @@ from .kinds.cosyvoice2 import CosyVoice2Kind
 from .request import EngineRequest
 from .runners.llm import BackendLLM, LoopLLM
 from .scheduler import Scheduler
+
+WARM_UP_TEXT = "你好，欢迎使用语音合成服务。"
 
 
 class TTSEngine:
@@ -85,6 +87,23 @@ class TTSEngine:
             raise error
         return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 
+    def warm_up(self, streams: tuple[int, ...] = (1, 4), tokens: int = 60) -> None:
+        """Voice ``streams[k]`` concurrent requests of ``tokens`` speech tokens (the default voice,
+        a short text), one round after the other, and an offline one: every stage of the loop
+        (LLM prefill and decode, encoder, window and final steps, HiFT) runs its kernels once."""
+        self.prompter.text.warm_up()
+        voice = self.voices.resolve()
+        limits = TokenLimits(tokens, tokens)
+        for count in streams:
+            ends: queue.SimpleQueue = queue.SimpleQueue()
+            for k in range(count):
+                self.submit(TTSRequest(f"warm-up-{count}-{k}", WARM_UP_TEXT, voice, limits), streaming=True,
+                            emit=lambda pcm: None, finish=ends.put)
+            for _ in range(count):
+                if (error := ends.get()) is not None:
+                    raise error
+        self.synthesize(TTSRequest("warm-up-offline", WARM_UP_TEXT, voice, limits))
+
     def close(self) -> None:
         self.core.close()
 
@@ -95,11 +114,13 @@ def load_cosyvoice2_engine(model_dir: str | Path, llm_dir: str | Path, device: t
                            strategy: str = "exponential", scheduler: Scheduler | None = None,
                            voices_dir: Path | None = None, features_file: str | None = None,
                            max_text_chars: int | None = None, sine_noise: SineNoiseProvider | None = None,
-                           sync_stages: bool = False) -> TTSEngine:
+                           sync_stages: bool = False, warm_up: bool = False) -> TTSEngine:
     """The CosyVoice2 stack on ``device``, its loop running. ``llm_backend``: None for our LLM engine
     in the loop (``llm_options``: :class:`~cosyserve.llm.engine.llm_engine.LLMEngine`'s), or a
     :mod:`cosyserve.llm` back end that generates on its own threads (an OpenAI-compatible server).
-    ``options`` must have ``incremental_stream``."""
+    ``options`` must have ``incremental_stream``. ``warm_up``: capture and compile every shape
+    class of the flow, then voice a few requests through the whole loop, before returning (a GPU
+    server's ready state: its first request is then as fast as the hundredth)."""
     from transformers import AutoTokenizer
 
     from ..llm.engine.llm_engine import LLMEngine
@@ -116,13 +137,15 @@ def load_cosyvoice2_engine(model_dir: str | Path, llm_dir: str | Path, device: t
     kind = CosyVoice2Kind(model, sine_noise)
     for speaker_id in registry.ids()[:kind.flow_engine.max_voices]:
         kind.warm_voice(registry.get(speaker_id).features)
-    if kind.flow_engine.graphs is not None:
-        with torch.inference_mode():
-            kind.flow_engine.graphs.capture_all()
+    if warm_up:
+        kind.warm_up(registry.get(DEFAULT_SPEAKER).features)
     providers = None if device.type == "cuda" else ["CPUExecutionProvider"]
     store = VoiceStore(voices_dir, features_file=features_file) if voices_dir is not None else None
     voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", providers),
                            SpeakerEncoder(model_dir / "campplus.onnx"), default_speaker=DEFAULT_SPEAKER, store=store)
     prompter = SegmentPrompter(text_tokenizer, **({} if max_text_chars is None else {"max_text_chars": max_text_chars}))
     core = EngineCore(kind, llm, strategy=strategy, scheduler=scheduler, sync_stages=sync_stages).start()
-    return TTSEngine(core, prompter, voices)
+    engine = TTSEngine(core, prompter, voices)
+    if warm_up:
+        engine.warm_up()
+    return engine

@@ -20,6 +20,9 @@ from ..models.flow import CosyVoice2Flow, fixed_noise
 from ..models.flow.fused import FusedEstimator
 from .flow_engine import StepBuffers
 
+# Rows of a packed pass are padded to a multiple of this many frames (masked, never returned).
+FRAME_ALIGN = 16
+
 
 @dataclass
 class FullPassJob:
@@ -71,11 +74,26 @@ class FullPass:
                            streaming, skip_frames)
 
     @torch.inference_mode()
+    def warm_up(self, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
+                rows: tuple[int, ...] = (1, 2, 16), tokens: tuple[int, ...] = (20, 250)) -> None:
+        """One step of passes of every size class the kernels are tuned for (few and short rows,
+        many and long ones) in both attention kinds, so that their compilation happens now and not
+        under a request."""
+        for count in rows:
+            for n in tokens:
+                for streaming in (True, False):
+                    job = self.start(torch.zeros(1, n, dtype=torch.long), prompt_tokens, prompt_feat, embedding,
+                                     streaming=streaming)
+                    self.step([job] + [FullPassJob(job.mu, job.spks, job.cond, job.prompt_frames, job.x, job.steps,
+                                                   streaming) for _ in range(count - 1)])
+
+    @torch.inference_mode()
     def step(self, jobs: list[FullPassJob]) -> None:
         """One guided Euler step of every job (each at its own step), in one estimator call; the
         jobs share their attention kind (:attr:`FullPassJob.streaming`)."""
         fused, count = self.fused, len(jobs)
-        frames = max(job.frames for job in jobs)
+        # padded to a multiple of FRAME_ALIGN: the kernels then see a few shapes, each compiled once
+        frames = -(-max(job.frames for job in jobs) // FRAME_ALIGN) * FRAME_ALIGN
         buffers = StepBuffers(fused, count, frames, 0)
         buffers.set_rows(fused.rows([job.frames for job in jobs] * 2, [0] * (2 * count), frames, streaming=jobs[0].streaming,
                                     slots=0))

@@ -103,6 +103,14 @@ class CosyVoice2Kind:
         """Compute and keep a registered voice's prompt state (at load, not on a first request)."""
         self.open(features).close()
 
+    def warm_up(self, features: PromptFeatures) -> None:
+        """Capture the window steps' CUDA graphs and compile the full passes' kernels (at load)."""
+        if self.flow_engine.graphs is not None:
+            with torch.inference_mode():
+                self.flow_engine.graphs.capture_all()
+        p = self.model._prompt(features.speech_tokens, features.speech_feat, features.embedding)
+        self.full.warm_up(p.tokens, p.feat, p.embedding)
+
     # ----- flow jobs -----
 
     def start_chunks(self, chunks: list[tuple[Voicing, list[int], int, bool]]) -> list[FlowJob]:

@@ -10,7 +10,10 @@ thread and one CUDA context, with no process between them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+
+import torch
 
 from ...llm.prompt import register_voice_prefixes
 from ...llm.sampling import REFERENCE_SAMPLING, SamplingParams
@@ -27,6 +30,11 @@ class LoopLLM:
     def __init__(self, engine, sampling: SamplingParams = REFERENCE_SAMPLING) -> None:
         self.engine = engine
         self.sampling = sampling
+        device = engine.runner.device
+        # On a GPU the LLM's kernels go to a stream of their own, so that a decode step runs beside
+        # the flow step the loop launched just before it; reading the sampled tokens then waits for
+        # the LLM's work only.
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
     def has_work(self) -> bool:
@@ -38,7 +46,8 @@ class LoopLLM:
 
     def step(self) -> int:
         """One engine step; returns the requests it advanced."""
-        stats = self.engine.step()
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            stats = self.engine.step()
         return stats.prefilled + stats.decoded
 
     def register_voices(self, text_tokenizer, registry) -> None:
