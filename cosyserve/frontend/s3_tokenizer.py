@@ -148,10 +148,10 @@ class S3Tokenizer(nn.Module):
 def load_s3_tokenizer(path: str | Path) -> S3Tokenizer:
     """Build an :class:`S3Tokenizer` of the file's size and load its weights (CPU, eval mode)."""
     weights = ScopedWeights(path)
-    conv1 = weights.conv("conv1")["weight"]
+    conv1 = weights.conv("conv1")["weight"] if weights.node("conv1", "Conv") is not None else None
     n_layers = sum(1 for scope in weights.by_module if scope.startswith("blocks.") and scope.endswith(".attn.query"))
-    if conv1.ndim != 3 or conv1.shape[1] != N_MELS or n_layers == 0:
-        raise ModelLoadError(f"{path} is not an S3 speech tokenizer (conv1 {conv1.shape}, {n_layers} blocks)")
+    if conv1 is None or conv1.ndim != 3 or conv1.shape[1] != N_MELS or n_layers == 0:
+        raise ModelLoadError(f"{path} is not an S3 speech tokenizer (no 128-mel conv1 and attention blocks)")
     model = S3Tokenizer(int(conv1.shape[0]), n_layers)
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):

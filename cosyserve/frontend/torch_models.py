@@ -1,0 +1,128 @@
+"""The front-end models in PyTorch on any device, batched, and the choice between the two back ends.
+
+* :class:`TorchSpeechTokenizer` - the S3 tokenizer (v2 or v3 ONNX file, weights loaded by
+  :func:`~cosyserve.frontend.s3_tokenizer.load_s3_tokenizer`): Whisper log-mel and the model on
+  ``device`` over a zero-padded batch of clips.
+* :class:`TorchSpeakerEncoder` - CAM++ (:func:`~cosyserve.frontend.campplus.load_campplus`):
+  mean-normalised Kaldi fbank and the model on ``device``, batched the same way.
+
+Both have the interface of the onnxruntime wrappers (``tokenize``/``embed`` one clip,
+``tokenize_batch``/``embed_batch`` several; CPU tensors out), check clips with the same
+functions, and give each clip of a batch what it gives the clip alone.
+:func:`load_frontend_models` picks the back end: PyTorch on CUDA, onnxruntime (the released
+graphs, the parity reference) on the CPU, unless told otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from ..audio.features import WHISPER_HOP, campplus_features, kaldi_frame_count, whisper_log_mel
+from ..errors import InvalidInputError, ModelLoadError
+from .campplus import load_campplus
+from .onnx_models import (
+    WHISPER_N_MELS,
+    SpeakerEncoder,
+    SpeechTokenizer,
+    checked_embedding,
+    checked_tokens,
+    speaker_input,
+    tokenizer_input,
+)
+from .s3_tokenizer import load_s3_tokenizer
+
+TORCH = "torch"
+ONNXRUNTIME = "onnxruntime"
+FRONTEND_BACKENDS = (TORCH, ONNXRUNTIME)
+
+
+def _existing(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"ONNX model {path} does not exist")
+    return path
+
+
+def _padded(wavs16: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clips -> zero-padded ``(B, N)`` batch and ``(B,)`` lengths on ``device``."""
+    lengths = torch.tensor([wav.numel() for wav in wavs16], device=device)
+    return pad_sequence([wav.to(device) for wav in wavs16], batch_first=True), lengths
+
+
+class TorchSpeechTokenizer:
+    """``tokenize(wav16 (N,)) -> int32 (T',)``; ``tokenize_batch`` runs the clips together."""
+
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu"):
+        self.path = _existing(path)
+        self.device = torch.device(device)
+        self.model = load_s3_tokenizer(self.path).to(self.device)
+
+    def tokenize(self, wav16: torch.Tensor) -> torch.Tensor:
+        return self.tokenize_batch([wav16])[0]
+
+    @torch.inference_mode()
+    def tokenize_batch(self, wavs16: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if not wavs16:
+            return []
+        batch, lengths = _padded([tokenizer_input(wav) for wav in wavs16], self.device)
+        codes, counts = self.model(whisper_log_mel(batch, WHISPER_N_MELS, lengths), lengths // WHISPER_HOP)
+        codes = codes.cpu()
+        return [checked_tokens(codes[i, :count].clone(), self.path) for i, count in enumerate(counts.tolist())]
+
+
+class TorchSpeakerEncoder:
+    """``embed(wav16 (N,)) -> float32 (192,)`` raw CAM++ x-vector; ``embed_batch`` runs the clips together."""
+
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu"):
+        self.path = _existing(path)
+        self.device = torch.device(device)
+        self.model = load_campplus(self.path).to(self.device)
+
+    def embed(self, wav16: torch.Tensor) -> torch.Tensor:
+        return self.embed_batch([wav16])[0]
+
+    @torch.inference_mode()
+    def embed_batch(self, wavs16: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if not wavs16:
+            return []
+        batch, lengths = _padded([speaker_input(wav) for wav in wavs16], self.device)
+        embeddings = self.model(campplus_features(batch, lengths), kaldi_frame_count(lengths)).float().cpu()
+        return [checked_embedding(embedding.clone(), self.path) for embedding in embeddings]
+
+
+def frontend_backend(device: str | torch.device, backend: str | None = None) -> str:
+    """``backend`` as given (``torch`` or ``onnxruntime``), or the default for ``device``: PyTorch
+    on CUDA (batched on the GPU), onnxruntime on the CPU (the released graphs themselves)."""
+    if backend in (None, "", "auto"):
+        return TORCH if torch.device(device).type == "cuda" else ONNXRUNTIME
+    if backend not in FRONTEND_BACKENDS:
+        raise InvalidInputError(f"unknown front-end backend {backend!r}; use one of {FRONTEND_BACKENDS} or auto")
+    return backend
+
+
+def load_speech_tokenizer(path: str | Path, device: str | torch.device = "cpu",
+                          backend: str | None = None) -> TorchSpeechTokenizer | SpeechTokenizer:
+    """The speech tokenizer of ``path`` on ``device`` with the chosen back end (:func:`frontend_backend`);
+    onnxruntime takes its CUDA provider for a CUDA device when it has one."""
+    if frontend_backend(device, backend) == TORCH:
+        return TorchSpeechTokenizer(path, device)
+    return SpeechTokenizer(path, None if torch.device(device).type == "cuda" else ["CPUExecutionProvider"])
+
+
+def load_speaker_encoder(path: str | Path, device: str | torch.device = "cpu",
+                         backend: str | None = None) -> TorchSpeakerEncoder | SpeakerEncoder:
+    """CAM++ of ``path`` on ``device`` with the chosen back end (onnxruntime: its CPU provider, as upstream)."""
+    if frontend_backend(device, backend) == TORCH:
+        return TorchSpeakerEncoder(path, device)
+    return SpeakerEncoder(path)
+
+
+def load_frontend_models(tokenizer_path: str | Path, speaker_path: str | Path, device: str | torch.device = "cpu",
+                         backend: str | None = None):
+    """(speech tokenizer, speaker encoder) for a model directory's two ONNX files."""
+    return (load_speech_tokenizer(tokenizer_path, device, backend),
+            load_speaker_encoder(speaker_path, device, backend))
