@@ -150,3 +150,18 @@ def test_stand_ins_have_the_released_graph_forms(tokenizer_pair, encoder_pair):
     batch_norms = {module_path(node.name) for node in graph.node if node.op_type == "BatchNormalization"}
     assert "xvector.block1.tdnnd1.nonlinear1.batchnorm" in batch_norms
     assert not any(path.startswith("head.") or path.startswith("xvector.tdnn.") for path in batch_norms)
+
+
+def test_voices_of_a_batch_equal_the_onnxruntime_voices(tokenizer_pair, encoder_pair, clips):
+    """The one place a voice is computed, batched on the PyTorch back end vs clip by clip on onnxruntime."""
+    from cosyserve.audio import prompt_audio_from_array
+    from cosyserve.frontend import build_prompt_features, build_prompt_features_batch
+
+    (ort_tok, torch_tok), (ort_enc, torch_enc) = tokenizer_pair, encoder_pair
+    prompts = [prompt_audio_from_array(wav, 16000) for wav in clips[:4]]
+    batch = build_prompt_features_batch(prompts, torch_tok, torch_enc)
+    for features, prompt in zip(batch, prompts):
+        expected = build_prompt_features(prompt, ort_tok, ort_enc)
+        assert torch.equal(features.speech_tokens, expected.speech_tokens)
+        assert torch.equal(features.speech_feat, expected.speech_feat)
+        assert rel_l2(features.embedding, expected.embedding) <= 1e-4

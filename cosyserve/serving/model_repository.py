@@ -34,12 +34,13 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
 # Parameters that repositories filled with the keys of NVIDIA's runtime (which has none of them)
 # leave empty: llm_protocol / llm_url of cosyvoice2 (by llm_model_name / a Triton LLM model),
 # bls_warm_up (on), request_timeout_s (no limit), admission_min_buffer_s and max_streams (off) and
-# mps_thread_percentage / mps_priority (no cap, normal priority); max_queue_size and
+# mps_thread_percentage / mps_priority (no cap, normal priority), frontend_backend (auto: torch on
+# CUDA, onnxruntime on the CPU); max_queue_size and
 # queue_timeout_microseconds 0 are no limit.
 DEFAULTS = {"max_queue_size": "0", "queue_timeout_microseconds": "0", "max_queue_delay_microseconds": "0",
             "llm_protocol": "", "llm_url": "",
             "bls_warm_up": "", "request_timeout_s": "", "admission_min_buffer_s": "", "max_streams": "",
-            "mps_thread_percentage": "", "mps_priority": ""}
+            "mps_thread_percentage": "", "mps_priority": "", "frontend_backend": ""}
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 
 
