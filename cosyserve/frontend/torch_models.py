@@ -15,6 +15,7 @@ graphs, the parity reference) on the CPU, unless told otherwise.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -47,6 +48,22 @@ def _existing(path: str | Path) -> Path:
     return path
 
 
+@contextmanager
+def _float32_exact(device: torch.device):
+    """No TF32 in the models' matmuls and convolutions on CUDA: the codes are rounded FSQ outputs and
+    the parity target is onnxruntime's float32 (the process-wide flags are restored afterwards)."""
+    if device.type != "cuda":
+        yield
+        return
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
 def _padded(wavs16: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Clips -> zero-padded ``(B, N)`` batch and ``(B,)`` lengths on ``device``."""
     lengths = torch.tensor([wav.numel() for wav in wavs16], device=device)
@@ -69,7 +86,8 @@ class TorchSpeechTokenizer:
         if not wavs16:
             return []
         batch, lengths = _padded([tokenizer_input(wav) for wav in wavs16], self.device)
-        codes, counts = self.model(whisper_log_mel(batch, WHISPER_N_MELS, lengths), lengths // WHISPER_HOP)
+        with _float32_exact(self.device):
+            codes, counts = self.model(whisper_log_mel(batch, WHISPER_N_MELS, lengths), lengths // WHISPER_HOP)
         codes = codes.cpu()
         return [checked_tokens(codes[i, :count].clone(), self.path) for i, count in enumerate(counts.tolist())]
 
@@ -90,7 +108,8 @@ class TorchSpeakerEncoder:
         if not wavs16:
             return []
         batch, lengths = _padded([speaker_input(wav) for wav in wavs16], self.device)
-        embeddings = self.model(campplus_features(batch, lengths), kaldi_frame_count(lengths)).float().cpu()
+        with _float32_exact(self.device):
+            embeddings = self.model(campplus_features(batch, lengths), kaldi_frame_count(lengths)).float().cpu()
         return [checked_embedding(embedding.clone(), self.path) for embedding in embeddings]
 
 
