@@ -70,47 +70,55 @@ def _padded(wavs16: Sequence[torch.Tensor], device: torch.device) -> tuple[torch
     return pad_sequence([wav.to(device) for wav in wavs16], batch_first=True), lengths
 
 
-class TorchSpeechTokenizer:
+class _DeviceModel:
+    """A model loaded from its ONNX file onto ``device``, run on zero-padded batches of clips."""
+
+    def __init__(self, path: str | Path, device: str | torch.device, loader):
+        self.path = _existing(path)
+        self.device = torch.device(device)
+        self.model = loader(self.path).to(self.device)
+
+    @torch.inference_mode()
+    def _run(self, wavs16: Sequence[torch.Tensor], check, forward):
+        """``forward(batch (B, N), lengths (B,))`` on the checked clips, on the device."""
+        batch, lengths = _padded([check(wav) for wav in wavs16], self.device)
+        with _float32_exact(self.device):
+            return forward(batch, lengths)
+
+
+class TorchSpeechTokenizer(_DeviceModel):
     """``tokenize(wav16 (N,)) -> int32 (T',)``; ``tokenize_batch`` runs the clips together."""
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu"):
-        self.path = _existing(path)
-        self.device = torch.device(device)
-        self.model = load_s3_tokenizer(self.path).to(self.device)
+        super().__init__(path, device, load_s3_tokenizer)
 
     def tokenize(self, wav16: torch.Tensor) -> torch.Tensor:
         return self.tokenize_batch([wav16])[0]
 
-    @torch.inference_mode()
     def tokenize_batch(self, wavs16: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if not wavs16:
             return []
-        batch, lengths = _padded([tokenizer_input(wav) for wav in wavs16], self.device)
-        with _float32_exact(self.device):
-            codes, counts = self.model(whisper_log_mel(batch, WHISPER_N_MELS, lengths), lengths // WHISPER_HOP)
+        codes, counts = self._run(wavs16, tokenizer_input, lambda batch, lengths: self.model(
+            whisper_log_mel(batch, WHISPER_N_MELS, lengths), lengths // WHISPER_HOP))
         codes = codes.cpu()
         return [checked_tokens(codes[i, :count].clone(), self.path) for i, count in enumerate(counts.tolist())]
 
 
-class TorchSpeakerEncoder:
+class TorchSpeakerEncoder(_DeviceModel):
     """``embed(wav16 (N,)) -> float32 (192,)`` raw CAM++ x-vector; ``embed_batch`` runs the clips together."""
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu"):
-        self.path = _existing(path)
-        self.device = torch.device(device)
-        self.model = load_campplus(self.path).to(self.device)
+        super().__init__(path, device, load_campplus)
 
     def embed(self, wav16: torch.Tensor) -> torch.Tensor:
         return self.embed_batch([wav16])[0]
 
-    @torch.inference_mode()
     def embed_batch(self, wavs16: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if not wavs16:
             return []
-        batch, lengths = _padded([speaker_input(wav) for wav in wavs16], self.device)
-        with _float32_exact(self.device):
-            embeddings = self.model(campplus_features(batch, lengths), kaldi_frame_count(lengths)).float().cpu()
-        return [checked_embedding(embedding.clone(), self.path) for embedding in embeddings]
+        embeddings = self._run(wavs16, speaker_input, lambda batch, lengths: self.model(
+            campplus_features(batch, lengths), kaldi_frame_count(lengths)))
+        return [checked_embedding(embedding.clone(), self.path) for embedding in embeddings.float().cpu()]
 
 
 def frontend_backend(device: str | torch.device, backend: str | None = None) -> str:
