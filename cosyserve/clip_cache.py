@@ -50,7 +50,9 @@ class ClipCache(Generic[T]):
                     self._values.move_to_end(key)
                     self.hits += 1
                     found[key] = self._values[key]
-                elif key not in missing:
+                elif key in missing:  # computed once for both: the second is a hit
+                    self.hits += 1
+                else:
                     self.misses += 1
                     missing[key] = samples
         if missing:
