@@ -165,3 +165,27 @@ def test_voices_of_a_batch_equal_the_onnxruntime_voices(tokenizer_pair, encoder_
         assert torch.equal(features.speech_tokens, expected.speech_tokens)
         assert torch.equal(features.speech_feat, expected.speech_feat)
         assert rel_l2(features.embedding, expected.embedding) <= 1e-4
+
+
+def test_bad_clips_get_the_same_errors_on_both_back_ends(tokenizer_pair, encoder_pair):
+    """Silence, NaN, 0.1 s, 60 s and an unsupported rate, as a request sends them: the voice path
+    refuses each with one message, whichever back end computes the voice."""
+    from cosyserve.audio import prompt_audio_from_array
+    from cosyserve.frontend import build_prompt_features_batch
+
+    good = clip(1.0, 0)
+    nan = good.clone()
+    nan[100] = float("nan")
+    bad_clips = {"silence": (torch.zeros(16000), 16000), "nan": (nan, 16000), "0.1 s": (good[:1600], 16000),
+                 "60 s": (clip(60.0, 1), 16000), "8 kHz": (good, 8000)}
+
+    def error(tokenizer, encoder, wav, rate) -> str:
+        with pytest.raises(InvalidInputError) as caught:
+            build_prompt_features_batch([prompt_audio_from_array(wav, rate)], tokenizer, encoder)
+        return str(caught.value)
+
+    (ort_tok, torch_tok), (ort_enc, torch_enc) = tokenizer_pair, encoder_pair
+    messages = {name: error(torch_tok, torch_enc, *bad) for name, bad in bad_clips.items()}
+    assert messages == {name: error(ort_tok, ort_enc, *bad) for name, bad in bad_clips.items()}
+    assert "silent" in messages["silence"] and "NaN" in messages["nan"] and "30 s" in messages["60 s"]
+    assert "0.10 s" in messages["0.1 s"] and "8000 Hz" in messages["8 kHz"]
