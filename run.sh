@@ -102,6 +102,7 @@ TOKEN2WAV_FINAL=${TOKEN2WAV_FINAL:-reference}  # incremental streams' last chunk
 TOKEN2WAV_STATE_POOL_GB=${TOKEN2WAV_STATE_POOL_GB:-0}  # their state memory; 0: a third of the free GPU memory
 TOKEN2WAV_MAX_VOICES=${TOKEN2WAV_MAX_VOICES:-64}  # voice prompt states kept for them
 MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
+FRONTEND_BACKEND=${FRONTEND_BACKEND:-auto}   # speech tokenizer + CAM++: auto (torch on CUDA, onnxruntime on CPU) | torch | onnxruntime
 HTTP_PORT=${HTTP_PORT:-8000}
 GRPC_PORT=${GRPC_PORT:-8001}
 METRICS_PORT=${METRICS_PORT:-8002}
@@ -200,7 +201,7 @@ build_repository() {
     --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --offline-bls-max-queue-ms "$OFFLINE_BLS_MAX_QUEUE_MS" \
     --request-timeout-s "$REQUEST_TIMEOUT_S" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --max-streams "$MAX_STREAMS" \
     --offline-bls-max-queue-size "$OFFLINE_BLS_MAX_QUEUE_SIZE" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
-    --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" \
+    --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --frontend-backend "$FRONTEND_BACKEND" \
     --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \
     --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" --token2wav-precapture-frames "$TOKEN2WAV_PRECAPTURE_FRAMES" \
     --token2wav-final "$TOKEN2WAV_FINAL" --token2wav-state-pool-gb "$TOKEN2WAV_STATE_POOL_GB" \

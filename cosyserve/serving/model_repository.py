@@ -34,12 +34,13 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
 # Parameters that repositories filled with the keys of NVIDIA's runtime (which has none of them)
 # leave empty: llm_protocol / llm_url of cosyvoice2 (by llm_model_name / a Triton LLM model),
 # bls_warm_up (on), request_timeout_s (no limit), admission_min_buffer_s and max_streams (off) and
-# mps_thread_percentage / mps_priority (no cap, normal priority); max_queue_size and
+# mps_thread_percentage / mps_priority (no cap, normal priority), frontend_backend (auto: torch on
+# CUDA, onnxruntime on the CPU); max_queue_size and
 # queue_timeout_microseconds 0 are no limit.
 DEFAULTS = {"max_queue_size": "0", "queue_timeout_microseconds": "0", "max_queue_delay_microseconds": "0",
             "llm_protocol": "", "llm_url": "",
             "bls_warm_up": "", "request_timeout_s": "", "admission_min_buffer_s": "", "max_streams": "",
-            "mps_thread_percentage": "", "mps_priority": ""}
+            "mps_thread_percentage": "", "mps_priority": "", "frontend_backend": ""}
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 
 
@@ -144,6 +145,7 @@ class CosyVoice2Repository:
     max_streams: int = BlsSettings.max_streams                 # MAX_STREAMS
     max_batch_size: int = Token2WavSettings.max_batch          # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
+    frontend_backend: str = FrontendSettings.frontend_backend  # FRONTEND_BACKEND (auto: torch on CUDA)
     token2wav_dtype: str = Token2WavSettings.dtype             # TOKEN2WAV_*
     token2wav_cuda_graphs: str = parameter_value(Token2WavSettings.cuda_graphs)
     token2wav_incremental_stream: str = parameter_value(Token2WavSettings.incremental_stream)
@@ -175,8 +177,9 @@ class CosyVoice2Repository:
             "token2wav_hift_dtype": self.token2wav_hift_dtype,
             "mps_thread_percentage": self.token2wav_mps_thread_percentage,
             "mps_priority": self.token2wav_mps_priority})}
-        models["audio_tokenizer"] = ModelEntry("audio_tokenizer", common)
-        models["speaker_embedding"] = ModelEntry("speaker_embedding", common)
+        frontend = {**common, "frontend_backend": self.frontend_backend}
+        models["audio_tokenizer"] = ModelEntry("audio_tokenizer", frontend)
+        models["speaker_embedding"] = ModelEntry("speaker_embedding", frontend)
         llm_model = "tensorrt_llm" if self.llm_backend == "trtllm" else "llm"
         # With llm_url, speech tokens come from a completions server: no Triton LLM model.
         triton_llm = None if self.llm_url else llm_model
@@ -298,11 +301,13 @@ class CosyVoice3Repository:
     token2wav_cuda_graphs: str = parameter_value(Cv3Token2WavSettings.cuda_graphs)  # TOKEN2WAV_CUDA_GRAPHS
     llm_url: str = BlsSettings.llm_url                         # LLM_URL: no Triton LLM model then
     voices_dir: str = ""                                       # VOICES_DIR (empty: <model dir>/voices)
+    frontend_backend: str = FrontendSettings.frontend_backend  # FRONTEND_BACKEND (auto: torch on CUDA)
 
     def models(self) -> dict[str, ModelEntry]:
         model_dir, llm_dir = f"{self.models_dir}/{COSYVOICE3_DIR}", f"{self.models_dir}/{COSYVOICE3_LLM_DIR}"
         common = {"model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
                   "max_queue_delay_microseconds": str(self.max_queue_delay_microseconds), "device": self.device}
+        frontend = {**common, "frontend_backend": self.frontend_backend}
         return {
             "cosyvoice3": ModelEntry("cosyvoice3", {
                 "model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
@@ -323,8 +328,8 @@ class CosyVoice3Repository:
                 "token2wav_incremental_stream": self.token2wav_incremental_stream,
                 "token2wav_voice_prefixes": str(self.token2wav_voice_prefixes),
                 "token2wav_cuda_graphs": self.token2wav_cuda_graphs}),
-            "audio_tokenizer": ModelEntry("audio_tokenizer_cosyvoice3", common),
-            "speaker_embedding": ModelEntry("speaker_embedding", common),
+            "audio_tokenizer": ModelEntry("audio_tokenizer_cosyvoice3", frontend),
+            "speaker_embedding": ModelEntry("speaker_embedding", frontend),
         }
 
 

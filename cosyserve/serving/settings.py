@@ -196,10 +196,12 @@ class BlsSettings:
 
 @dataclass(frozen=True)
 class FrontendSettings(ProcessSettings):
-    """The ``audio_tokenizer`` and ``speaker_embedding`` models: ``clip_cache_size`` clips' results kept."""
+    """The ``audio_tokenizer`` and ``speaker_embedding`` models: ``clip_cache_size`` clips' results
+    kept; ``frontend_backend`` torch, onnxruntime or auto (torch on CUDA, onnxruntime on the CPU)."""
 
     model_dir: Path
     clip_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE
+    frontend_backend: str = AUTO
 
 
 @dataclass(frozen=True)
