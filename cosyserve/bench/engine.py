@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..clients import Playback
@@ -42,7 +43,8 @@ class Outcome:
 
 
 def one_request(engine: TTSEngine, voice, tokens: int, request_id: str) -> Outcome:
-    """Stream one request; times are taken as the loop hands each piece out."""
+    """Stream one request; times are taken as the loop hands each piece out. ``voice``: a resolved
+    voice, or a callable that resolves one (a new clip: its front-end time is then counted too)."""
     arrival = time.perf_counter()
     playback, first = Playback(), None
     done = threading.Event()
@@ -59,9 +61,11 @@ def one_request(engine: TTSEngine, voice, tokens: int, request_id: str) -> Outco
         error.append(exc)
         done.set()
     try:
+        if callable(voice):
+            voice = voice()
         engine.submit(TTSRequest(request_id, TEXT, voice, TokenLimits(tokens, tokens)), streaming=True, emit=emit,
                       finish=finish)
-    except Exception as exc:  # refused
+    except Exception as exc:  # refused, or a bad clip
         return Outcome(None, 0, 0.0, f"{type(exc).__name__}: {exc}")
     done.wait()
     failed = error[0]
@@ -136,12 +140,33 @@ def run(args: argparse.Namespace) -> dict:
                 t.join()
             report["levels"].append(level(engine, voice, outcomes, f"{concurrency} concurrent",
                                           time.perf_counter() - start, before))
+            print(table(report, report["levels"][-1:]), flush=True)
+        rng = np.random.default_rng(args.seed)
+
+        def new_clip():  # a clip of 3-8 s the server has never seen, with the registered voice's transcript
+            wav = rng.standard_normal(int(16000 * rng.uniform(3, 8))).astype(np.float32) * 0.1
+            return lambda: engine.voices.resolve(wav, engine.voices.registry.get(args.voice).prompt_text)
+        for count in args.new_clips:
+            before = dataclasses.replace(engine.core.counters)
+            start = time.perf_counter()
+            clips = [new_clip() for _ in range(count)]
+            results: list[Outcome] = [None] * count
+            threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+                i, one_request(engine, clips[i], args.tokens, f"n-{next(counter)}"))) for i in range(count)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            report["levels"].append(level(engine, voice, results, f"{count} new clips together",
+                                          time.perf_counter() - start, before))
+            print(table(report, report["levels"][-1:]), flush=True)
         for rate in args.rates:
             arrivals = poisson_arrivals(rate, args.seed, duration_s=args.seconds_per_rate)
             before = dataclasses.replace(engine.core.counters)
             run_ = run_open_loop(arrivals, lambda i: one_request(engine, voice, args.tokens, f"o-{next(counter)}"))
             report["levels"].append({**level(engine, voice, run_.results, f"{rate:g} req/s", run_.wall_s, before),
                                      "peak_in_flight": run_.peak_in_flight})
+            print(table(report, report["levels"][-1:]), flush=True)
     finally:
         engine.close()
     return report
@@ -152,14 +177,15 @@ COLUMNS = ("level", "requests", "failed", "first_p50_ms", "first_p95_ms", "under
            "vocoder_ms_per_iteration", "host_ms_per_iteration", "idle_share", "jobs_per_flow_step")
 
 
-def table(report: dict) -> str:
+def table(report: dict, levels: list[dict] | None = None) -> str:
+    """The report as a markdown table (only ``levels``, when given: one level as it is measured)."""
     def cell(value) -> str:
         return f"{value:.1f}" if isinstance(value, float) else str(value)
     lines = [f"device {report['device']}, load {report['load_s']:.1f} s, {report['tokens']} tokens a reply, "
              f"final {report['final']}, first request after load: first chunk "
              f"{cell(report.get('first_request_ms'))} ms",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in report["levels"]:
+    for row in report["levels"] if levels is None else levels:
         lines.append("| " + " | ".join(cell(row.get(c)) for c in COLUMNS) + " |")
     return "\n".join(lines)
 
@@ -173,6 +199,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--final", default="reference", choices=("reference", "streaming"))
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 16], help="closed-loop levels")
     p.add_argument("--requests-per-sender", type=int, default=4)
+    p.add_argument("--new-clips", type=int, nargs="*", default=[],
+                   help="levels of N never-seen 3-8 s clips arriving together (their front-end counted)")
     p.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop Poisson arrival rates (req/s)")
     p.add_argument("--seconds-per-rate", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)

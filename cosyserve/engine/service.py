@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..frontend.speakers import SpeakerRegistry
+from ..frontend.torch_models import load_frontend_models
 from ..frontend.voice_store import VoiceStore
 from ..llm.sampling import REFERENCE_SAMPLING, SamplingParams
 from ..pipeline.tts import DEFAULT_SPEAKER, SegmentPrompter, TokenLimits, TTSRequest, VoiceResolver
@@ -114,11 +114,14 @@ def load_cosyvoice2_engine(model_dir: str | Path, llm_dir: str | Path, device: t
                            strategy: str = "exponential", scheduler: Scheduler | None = None,
                            voices_dir: Path | None = None, features_file: str | None = None,
                            max_text_chars: int | None = None, sine_noise: SineNoiseProvider | None = None,
-                           sync_stages: bool = False, warm_up: bool = False) -> TTSEngine:
+                           sync_stages: bool = False, warm_up: bool = False,
+                           frontend_backend: str | None = None) -> TTSEngine:
     """The CosyVoice2 stack on ``device``, its loop running. ``llm_backend``: None for our LLM engine
     in the loop (``llm_options``: :class:`~cosyserve.llm.engine.llm_engine.LLMEngine`'s), or a
     :mod:`cosyserve.llm` back end that generates on its own threads (an OpenAI-compatible server).
-    ``options`` must have ``incremental_stream``. ``warm_up``: capture and compile every shape
+    ``options`` must have ``incremental_stream``. ``frontend_backend``: the speech tokenizer's and
+    speaker encoder's (:func:`~cosyserve.frontend.torch_models.load_frontend_models`; None: PyTorch
+    on a GPU, onnxruntime on the CPU). ``warm_up``: capture and compile every shape
     class of the flow, then voice a few requests through the whole loop, before returning (a GPU
     server's ready state: its first request is then as fast as the hundredth)."""
     from transformers import AutoTokenizer
@@ -139,10 +142,10 @@ def load_cosyvoice2_engine(model_dir: str | Path, llm_dir: str | Path, device: t
         kind.warm_voice(registry.get(speaker_id).features)
     if warm_up:
         kind.warm_up(registry.get(DEFAULT_SPEAKER).features)
-    providers = None if device.type == "cuda" else ["CPUExecutionProvider"]
     store = VoiceStore(voices_dir, features_file=features_file) if voices_dir is not None else None
-    voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", providers),
-                           SpeakerEncoder(model_dir / "campplus.onnx"), default_speaker=DEFAULT_SPEAKER, store=store)
+    tokenizer, speaker_encoder = load_frontend_models(model_dir / "speech_tokenizer_v2.onnx", model_dir / "campplus.onnx",
+                                                      device, frontend_backend)
+    voices = VoiceResolver(registry, tokenizer, speaker_encoder, default_speaker=DEFAULT_SPEAKER, store=store)
     prompter = SegmentPrompter(text_tokenizer, **({} if max_text_chars is None else {"max_text_chars": max_text_chars}))
     core = EngineCore(kind, llm, strategy=strategy, scheduler=scheduler, sync_stages=sync_stages).start()
     engine = TTSEngine(core, prompter, voices)

@@ -249,7 +249,7 @@ def load_campplus(path: str | Path) -> Campplus:
     except ModelLoadError as exc:
         raise ModelLoadError(f"{path} is not a CAM++ speaker encoder: {exc}") from exc
     model = Campplus(size)
-    for name, module in model.named_modules():
+    for name, module in list(model.named_modules()):
         if isinstance(module, (nn.Conv1d, nn.Conv2d)):
             tensors = weights.conv(name)
             if module.bias is not None and "bias" not in tensors:
@@ -257,10 +257,9 @@ def load_campplus(path: str | Path) -> Campplus:
             load_into(module, tensors, name, weights.path)
         elif isinstance(module, nn.modules.batchnorm._BatchNorm):
             tensors = weights.batch_norm(name)
-            if tensors is None:  # folded into the convolution before it
-                with torch.no_grad():
-                    module.weight.fill_(1.0), module.bias.zero_(), module.running_mean.zero_(), module.running_var.fill_(1.0)
-                module.eps = 0.0
+            if tensors is None:  # folded into the convolution before it: nothing left to do
+                parent, _, attribute = name.rpartition(".")
+                setattr(model.get_submodule(parent), attribute, nn.Identity())
             else:
                 load_into(module, tensors, name, weights.path)
     return model.eval()

@@ -18,10 +18,13 @@ import torch
 
 from ..models.flow import CosyVoice2Flow, fixed_noise
 from ..models.flow.fused import FusedEstimator
-from .flow_engine import StepBuffers
+from .flow_engine import GRAPH_PAIRS, EngineGraphs, StepBuffers
 
-# Rows of a packed pass are padded to a multiple of this many frames (masked, never returned).
+# Rows of an eager packed pass are padded to a multiple of this many frames (masked, never returned).
 FRAME_ALIGN = 16
+# Captured shapes of a packed pass: jobs as the window steps' (GRAPH_PAIRS), frames (prompt +
+# speech) up to a 10 s prompt with 20 s of speech; bigger passes run eagerly.
+GRAPH_FRAMES = (128, 256, 384, 512, 768, 1024, 1536)
 
 
 @dataclass
@@ -52,12 +55,40 @@ class FullPassJob:
 
 
 class FullPass:
-    """Packs the Euler steps of :class:`FullPassJob` s over one flow's fused estimator."""
+    """Packs the Euler steps of :class:`FullPassJob` s over one flow's fused estimator.
 
-    def __init__(self, flow: CosyVoice2Flow, fused: FusedEstimator, n_timesteps: int) -> None:
+    With ``graphs`` (the window steps' :class:`~.flow_engine.EngineGraphs`), a step of up to
+    ``GRAPH_PAIRS[-1]`` jobs of up to ``GRAPH_FRAMES[-1]`` frames replays a CUDA graph of its
+    padded shape (captured when first used, or all at once by :meth:`capture_all`): an eager step
+    costs ~300 kernel launches of host time. The graphs use the window graphs' key/value buffer
+    and memory pool: the loop never runs both at once."""
+
+    def __init__(self, flow: CosyVoice2Flow, fused: FusedEstimator, n_timesteps: int,
+                 graphs: EngineGraphs | None = None) -> None:
         self.flow, self.fused = flow, fused
         self.n_timesteps = n_timesteps
+        self.graphs = graphs
         _, self._dt, self._time_bias = fused.schedule(n_timesteps)
+        self._captured: dict[tuple[int, int], StepBuffers] = {}
+
+    def _buffers(self, count: int, frames: int) -> StepBuffers:
+        pairs = next((p for p in GRAPH_PAIRS if count <= p), None)
+        padded = next((f for f in GRAPH_FRAMES if frames <= f), None)
+        if self.graphs is None or pairs is None or padded is None:
+            return StepBuffers(self.fused, count, -(-frames // FRAME_ALIGN) * FRAME_ALIGN, 0)
+        key = (pairs, padded)
+        if key not in self._captured:
+            buffers = StepBuffers(self.fused, pairs, padded, 0, kv=self.graphs.kv)
+            if self.graphs.replay:
+                buffers.capture(self.graphs.pool)
+            self._captured[key] = buffers
+        return self._captured[key]
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        for pairs in GRAPH_PAIRS:
+            for frames in GRAPH_FRAMES:
+                self._buffers(pairs, frames)
 
     @torch.inference_mode()
     def start(self, tokens: torch.Tensor, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor,
@@ -92,17 +123,18 @@ class FullPass:
         """One guided Euler step of every job (each at its own step), in one estimator call; the
         jobs share their attention kind (:attr:`FullPassJob.streaming`)."""
         fused, count = self.fused, len(jobs)
-        # padded to a multiple of FRAME_ALIGN: the kernels then see a few shapes, each compiled once
-        frames = -(-max(job.frames for job in jobs) // FRAME_ALIGN) * FRAME_ALIGN
-        buffers = StepBuffers(fused, count, frames, 0)
-        buffers.set_rows(fused.rows([job.frames for job in jobs] * 2, [0] * (2 * count), frames, streaming=jobs[0].streaming,
-                                    slots=0))
+        buffers = self._buffers(count, max(job.frames for job in jobs))
+        pairs, frames = buffers.pairs, buffers.frames
+        idle = [0] * (pairs - count)  # padding pairs of a captured shape: no frames
+        buffers.set_rows(fused.rows(([job.frames for job in jobs] + idle) * 2, [0] * (2 * pairs), frames,
+                                    streaming=jobs[0].streaming, slots=0))
+        buffers.inp.zero_()
         for j, job in enumerate(jobs):
-            fused.fill_input(buffers.inp, (j, count + j), job.x, job.mu, job.spks, job.cond)
-        row_steps = torch.tensor([job.step for job in jobs] * 2, device=fused.device)
+            fused.fill_input(buffers.inp, (j, pairs + j), job.x, job.mu, job.spks, job.cond)
+        row_steps = torch.tensor(([job.step for job in jobs] + idle) * 2, device=fused.device)
         buffers.time_bias.copy_(self._time_bias[row_steps].transpose(0, 1))
-        buffers.dt.copy_(self._dt[row_steps[:count]])
-        x_out, _ = fused.step(buffers.rows, buffers.state, buffers.inp, buffers.time_bias, buffers.dt)
+        buffers.dt.copy_(self._dt[row_steps[:pairs]])
+        x_out = buffers.step()
         for j, job in enumerate(jobs):
             job.x = x_out[j, :job.frames].T[None].clone()
             job.step += 1

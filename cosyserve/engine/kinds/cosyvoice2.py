@@ -78,7 +78,8 @@ class CosyVoice2Kind:
             raise ValueError("the engine's CosyVoice2 kind needs the incremental flow engine (incremental_stream)")
         self.model = model
         self.flow_engine = model.engine
-        self.full = FullPass(model.flow, self.flow_engine.fused, self.flow_engine.n_timesteps)
+        self.full = FullPass(model.flow, self.flow_engine.fused, self.flow_engine.n_timesteps,
+                             self.flow_engine.graphs)
         self.final = model.options.final
         self.sample_rate = model.sample_rate
         self.sine_noise = sine_noise
@@ -104,10 +105,12 @@ class CosyVoice2Kind:
         self.open(features).close()
 
     def warm_up(self, features: PromptFeatures) -> None:
-        """Capture the window steps' CUDA graphs and compile the full passes' kernels (at load)."""
+        """Capture the window steps' and full passes' CUDA graphs (on a GPU) and compile the eager
+        passes' kernels (at load)."""
         if self.flow_engine.graphs is not None:
             with torch.inference_mode():
                 self.flow_engine.graphs.capture_all()
+            self.full.capture_all()
         p = self.model._prompt(features.speech_tokens, features.speech_feat, features.embedding)
         self.full.warm_up(p.tokens, p.feat, p.embedding)
 
