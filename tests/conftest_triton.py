@@ -41,13 +41,14 @@ TEST_BLS_WARM_UP = "false"
 def repository_spec(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
                     max_batch_size: int = 16, max_queue_size: int | None = 0,
                     bls_warm_up: str = TEST_BLS_WARM_UP) -> CosyVoice2Repository:
-    """The streaming CosyVoice2 repository on the CPU, ``bls_instances`` instances of both BLS models,
-    each with a queue of ``max_queue_size`` waiting requests (0: no limit, run.sh's default; None: as
-    many as instances)."""
-    return CosyVoice2Repository(models_dir, device="cpu", bls_instances=bls_instances,
-                                offline_bls_instances=bls_instances, bls_max_queue_size=max_queue_size,
+    """The streaming CosyVoice2 repository on the CPU: the engine (``cosyvoice2``), ``bls_instances``
+    instances of ``cosyvoice2_offline`` with a queue of ``max_queue_size`` waiting requests (0: no
+    limit, run.sh's default; None: as many as instances), and the reference layout's models, which
+    tests call directly."""
+    return CosyVoice2Repository(models_dir, device="cpu", offline_bls_instances=bls_instances,
                                 offline_bls_max_queue_size=max_queue_size, max_tokens=max_tokens,
-                                min_tokens=min_tokens, max_batch_size=max_batch_size, bls_warm_up=bls_warm_up)
+                                min_tokens=min_tokens, max_batch_size=max_batch_size, bls_warm_up=bls_warm_up,
+                                reference_models=True)
 
 
 def template_values(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
@@ -238,7 +239,9 @@ def wait_until_idle(port: int, timeout_s: float = 20.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         values = metrics(port)
-        idle = (values["cosyserve_llm_active_requests"] == 0 and values["cosyserve_token2wav_open_streams"] == 0
+        idle = (values.get("cosyserve_llm_active_requests", 0) == 0
+                and values.get("cosyserve_token2wav_open_streams", 0) == 0
+                and values.get("cosyserve_engine_requests", 0) == 0
                 and values.get("cosyserve_bls_requests_in_progress", 0) == 0 and pending_requests(port) == 0)
         if idle or time.monotonic() > deadline:
             return values
@@ -366,8 +369,9 @@ def assert_server_idle(server, log_start: int) -> None:
     assert not crash, f"a model's stub crashed during the test; server log:\n{crash}"
     values = wait_until_idle(server.metrics_port)
     leftovers = f"{values}\nserver log:\n{crash_report(server.log_file) or 'no crash reported'}"
-    assert values["cosyserve_llm_active_requests"] == 0, leftovers
-    assert values["cosyserve_token2wav_open_streams"] == 0, leftovers
+    assert values.get("cosyserve_llm_active_requests", 0) == 0, leftovers
+    assert values.get("cosyserve_token2wav_open_streams", 0) == 0, leftovers
+    assert values.get("cosyserve_engine_requests", 0) == 0, leftovers
     assert values.get("cosyserve_bls_requests_in_progress", 0) == 0, leftovers
     # the flow engine's state: only cached voices hold pages once no stream is open
     assert values.get("cosyserve_token2wav_state_pages_in_use", 0) == \

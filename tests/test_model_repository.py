@@ -18,26 +18,30 @@ def parameter(repo: Path, model: str, key: str) -> str:
     return re.search(r'key: "%s", value: \{ string_value: "([^"]*)"' % key, text).group(1)
 
 
-def test_streaming_repository_has_an_offline_twin(tmp_path):
-    repo = build(CosyVoice2Repository(Path("/m"), bls_instances=3), tmp_path / "repo")
-    assert sorted(p.name for p in repo.iterdir()) == ["audio_tokenizer", "cosyvoice2", "cosyvoice2_offline", "llm",
-                                                     "speaker_embedding", "token2wav"]
+def test_streaming_repository_is_the_engine_with_an_offline_twin(tmp_path):
+    repo = build(CosyVoice2Repository(Path("/m"), offline_bls_instances=3), tmp_path / "repo")
+    assert sorted(p.name for p in repo.iterdir()) == ["cosyvoice2", "cosyvoice2_offline"]
     offline = (repo / "cosyvoice2_offline" / "config.pbtxt").read_text()
-    assert 'name: "cosyvoice2_offline"' in offline and "decoupled: False" in offline and "count: 1," in offline
-    assert "count: 3," in (repo / "cosyvoice2" / "config.pbtxt").read_text()
-    assert (repo / "llm" / "1" / "model.py").is_file()
+    assert 'name: "cosyvoice2_offline"' in offline and "count: 3," in offline
+    engine = (repo / "cosyvoice2" / "config.pbtxt").read_text()
+    assert "decoupled: True" in engine and "count: 1," in engine  # one engine per GPU
+    assert parameter(repo, "cosyvoice2", "llm_model_name") == ""  # the LLM engine in the loop
+    with_reference = build(CosyVoice2Repository(Path("/m"), reference_models=True), tmp_path / "reference")
+    assert sorted(p.name for p in with_reference.iterdir()) == ["audio_tokenizer", "cosyvoice2", "cosyvoice2_offline",
+                                                                "llm", "speaker_embedding", "token2wav"]
+    assert (with_reference / "llm" / "1" / "model.py").is_file()
+    assert parameter(with_reference, "cosyvoice2", "llm_model_name") == ""  # the engine does not use them
 
 
 def test_llm_choices(tmp_path):
     trt = build(CosyVoice2Repository(Path("/m"), llm_backend="trtllm", trt_engine_dir="/e", decoupled=False),
                 tmp_path / "trt")
-    assert sorted(p.name for p in trt.iterdir()) == ["audio_tokenizer", "cosyvoice2", "speaker_embedding",
-                                                    "tensorrt_llm", "token2wav"]
+    assert sorted(p.name for p in trt.iterdir()) == ["cosyvoice2", "tensorrt_llm"]
     assert parameter(trt, "tensorrt_llm", "gpt_model_path") == "/e"
     assert parameter(trt, "cosyvoice2", "llm_model_name") == "tensorrt_llm"
     remote = build(CosyVoice2Repository(Path("/m"), llm_url="http://h:1/v1,x"), tmp_path / "remote")
-    assert not (remote / "llm").exists() and not (remote / "tensorrt_llm").exists()
-    assert parameter(remote, "cosyvoice2_offline", "llm_url") == "http://h:1/v1,x"
+    assert sorted(p.name for p in remote.iterdir()) == ["cosyvoice2", "cosyvoice2_offline"]
+    assert parameter(remote, "cosyvoice2", "llm_url") == "http://h:1/v1,x"
 
 
 def test_dit_repository(tmp_path):
@@ -68,13 +72,13 @@ def test_command_line_refuses_a_bad_flag_value(tmp_path):
 
 
 def test_the_stream_cap_reaches_every_streaming_bls(tmp_path):
-    """MAX_STREAMS (max_streams) is a parameter of each BLS model, the offline twin's too (the
-    offline requests obey the cap); 0, the default, is no cap; a negative cap is refused. So is
+    """MAX_STREAMS (max_streams) is a parameter of each model that streams (CosyVoice2's engine, whose
+    offline requests obey it too); 0, the default, is no cap; a negative cap is refused. So is
     ADMISSION_MIN_BUFFER_S."""
     from cosyserve.serving.model_repository import CosyVoice3Repository
 
     cv2 = build(CosyVoice2Repository(Path("/m"), max_streams=6), tmp_path / "cv2")
-    assert parameter(cv2, "cosyvoice2", "max_streams") == parameter(cv2, "cosyvoice2_offline", "max_streams") == "6"
+    assert parameter(cv2, "cosyvoice2", "max_streams") == "6"  # the engine's: offline requests obey it too
     assert parameter(build(CosyVoice2Repository(Path("/m")), tmp_path / "off"), "cosyvoice2", "max_streams") == "0"
     dit = build(DitRepository(Path("/d"), Path("/c"), Path("/l"), "u", max_streams=3), tmp_path / "dit")
     assert parameter(dit, "cosyvoice2_dit", "max_streams") == "3"

@@ -77,7 +77,7 @@ def test_run_script_defaults_are_the_settings_defaults(script, tmp_path):
     models = sorted(p.name for p in (tmp_path / "repo").iterdir())
     assert models
     for model in models:
-        cls = MODEL_SETTINGS[model.removesuffix("_offline")]
+        cls = MODEL_SETTINGS.get(model) or MODEL_SETTINGS[model.removesuffix("_offline")]
         params = parameters(tmp_path / "repo" / model / "config.pbtxt")
         names = {f.name for f in dataclasses.fields(cls)}
         assert set(params) <= names, f"{model}: parameters that {cls.__name__} does not read"
@@ -88,20 +88,18 @@ def test_run_script_defaults_are_the_settings_defaults(script, tmp_path):
             assert getattr(settings, field.name) == field.default, (script, model, field.name)
 
 
-def test_run_sh_default_queues_are_the_builders(tmp_path):
-    """run.sh's BLS_MAX_QUEUE_SIZE / OFFLINE_BLS_MAX_QUEUE_SIZE default to the builder's (0, no
-    limit); None in the builder is as many as there are instances."""
+def test_run_sh_default_queue_is_the_builders(tmp_path):
+    """run.sh's OFFLINE_BLS_MAX_QUEUE_SIZE defaults to the builder's (0, no limit); None in the
+    builder is as many as there are instances. The engine (cosyvoice2) never queues in Triton."""
     from cosyserve.serving.model_repository import CosyVoice2Repository
 
     proc = subprocess.run(["bash", str(REPO_ROOT / "run.sh"), "2", "2"], cwd=REPO_ROOT, env=_defaults_env(tmp_path),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     built = CosyVoice2Repository(tmp_path / "models").models()
-    for model in ("cosyvoice2", "cosyvoice2_offline"):
-        text = (tmp_path / "repo" / model / "config.pbtxt").read_text()
-        queue = re.search(r"max_queue_size: (\d+)", text).group(1)
-        assert queue == built[model].values["max_queue_size"], model
-    assert built["cosyvoice2"].values["max_queue_size"] == built["cosyvoice2_offline"].values["max_queue_size"] == "0"
-    per_instance = CosyVoice2Repository(tmp_path, bls_max_queue_size=None, offline_bls_max_queue_size=None).models()
-    assert (per_instance["cosyvoice2"].values["max_queue_size"],
-            per_instance["cosyvoice2_offline"].values["max_queue_size"]) == ("4", "1")
+    text = (tmp_path / "repo" / "cosyvoice2_offline" / "config.pbtxt").read_text()
+    assert re.search(r"max_queue_size: (\d+)", text).group(1) == built["cosyvoice2_offline"].values["max_queue_size"]
+    assert built["cosyvoice2_offline"].values["max_queue_size"] == "0"
+    assert "max_queue_size" not in (tmp_path / "repo" / "cosyvoice2" / "config.pbtxt").read_text()
+    per_instance = CosyVoice2Repository(tmp_path, offline_bls_max_queue_size=None, offline_bls_instances=2).models()
+    assert per_instance["cosyvoice2_offline"].values["max_queue_size"] == "2"

@@ -53,6 +53,7 @@ class EngineCounters:
     flow_steps: int = 0
     flow_step_jobs: int = 0  # jobs advanced, summed over packed steps
     chunks: int = 0  # chunk (or offline) jobs finished
+    tokens: int = 0  # speech tokens received from the LLM
     requests_finished: int = 0
     requests_failed: int = 0
 
@@ -107,6 +108,12 @@ class EngineCore:
     def active_requests(self) -> int:
         with self._lock:
             return len(self._states)
+
+    @property
+    def generating(self) -> int:
+        """LLM requests under way (segments whose tokens are still coming)."""
+        with self._lock:
+            return sum(not seg.llm_done for state in self._states.values() for seg in state.segments())
 
     @property
     def active_streams(self) -> int:
@@ -233,6 +240,7 @@ class EngineCore:
             if not seg.llm_done:
                 tokens, end = seg.tokens.drain()
                 seg.received += tokens
+                self.counters.tokens += len(tokens)
                 if end is not None:
                     if end.error is not None:
                         raise end.error

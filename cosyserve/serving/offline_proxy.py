@@ -3,12 +3,14 @@ decoupled model (Triton's HTTP ``infer``), from the ``cosyvoice2`` engine of the
 
 There is one engine per GPU, in the ``cosyvoice2`` model's process; this model owns no model. It
 forwards each request, its inputs as sent plus ``streaming`` false, to ``cosyvoice2`` (a BLS call)
-and answers with the one waveform the engine returns, or its error. Each instance forwards one
+and answers with the one waveform the engine returns, or its error (with its code: :data:`CODE_TAG`). Each instance forwards one
 request at a time: ``instance_count`` bounds the offline requests in flight, Triton queues the
 rest (``max_queue_size``, ``queue_timeout_microseconds``: refused at once past them).
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -16,6 +18,24 @@ import triton_python_backend_utils as pb_utils
 from .triton_utils import error_response
 
 ENGINE_MODEL = "cosyvoice2"
+# Triton 24.10 hands a decoupled model's error to a BLS caller with code INTERNAL whatever it was,
+# so the engine's front door puts the code at the head of the message of the errors it sends this
+# model ("[INVALID_ARG] ...": bad input stays INVALID_ARG, capacity UNAVAILABLE), and this model
+# sends it on with that code and without the tag.
+CODE_TAG = re.compile(r"^\[([A-Z_]+)\] ")
+
+
+def tagged_error(error) -> "pb_utils.TritonError":
+    """``error`` (a TritonError) with its code at the head of its message, for this model to read."""
+    return pb_utils.TritonError(f"[{str(error.code()).rpartition('.')[2]}] {error.message()}", error.code())
+
+
+def untagged_error(message: str) -> "pb_utils.TritonError":
+    match = CODE_TAG.match(message)
+    code = getattr(pb_utils.TritonError, match.group(1), None) if match else None
+    if code is None:
+        return pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
+    return pb_utils.TritonError(message[match.end():], code)
 
 
 class OfflineProxy:
@@ -36,7 +56,7 @@ class OfflineProxy:
             waveform = None
             for response in responses:
                 if response.has_error():
-                    return pb_utils.InferenceResponse(error=response.error())
+                    return pb_utils.InferenceResponse(error=untagged_error(response.error().message()))
                 output = pb_utils.get_output_tensor_by_name(response, "waveform")
                 if output is not None:
                     waveform = output.as_numpy()

@@ -300,8 +300,14 @@ class Cv3Token2WavSettings(ProcessSettings):
 
 
 # The settings of each model of ``model_repo/`` that takes parameters (tensorrt_llm is NVIDIA's).
+@dataclass(frozen=True)
+class OfflineProxySettings:
+    """The ``cosyvoice2_offline`` model (:mod:`.offline_proxy`) has no parameters: it forwards to ``cosyvoice2``."""
+
+
 MODEL_SETTINGS: dict[str, type] = {
-    "token2wav": Token2WavSettings, "llm": LLMSettings, "cosyvoice2": BlsSettings, "cosyvoice2_dit": BlsSettings,
+    "cosyvoice2_offline": OfflineProxySettings,
+    "token2wav": Token2WavSettings, "llm": LLMSettings, "cosyvoice2": EngineSettings, "cosyvoice2_dit": BlsSettings,
     "audio_tokenizer": FrontendSettings, "speaker_embedding": FrontendSettings, "token2wav_dit": DitToken2WavSettings,
     "cosyvoice3": BlsSettings, "token2wav_cosyvoice3": Cv3Token2WavSettings, "audio_tokenizer_cosyvoice3": FrontendSettings,
 }
