@@ -21,6 +21,11 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from ..schedule import OUTPUT_SAMPLE_RATE
+
+# The rate of the prompt audio the speech tokenizer (Whisper log-mel) and CAM++ (Kaldi fbank) take.
+TOKENIZER_SAMPLE_RATE = 16000
+
 # --- resampling ------------------------------------------------------------------------
 
 
@@ -165,9 +170,9 @@ def _window(kind: str, length: int, device: torch.device) -> torch.Tensor:
 # --- Matcha 24 kHz mel (flow prompt features) --------------------------------------------
 
 
-def matcha_mel_spectrogram(wav: torch.Tensor, *, n_fft: int = 1920, num_mels: int = 80, sample_rate: int = 24000,
-                           hop_size: int = 480, win_size: int = 1920, fmin: float = 0.0,
-                           fmax: float | None = 8000.0) -> torch.Tensor:
+def matcha_mel_spectrogram(wav: torch.Tensor, *, n_fft: int = 1920, num_mels: int = 80,
+                           sample_rate: int = OUTPUT_SAMPLE_RATE, hop_size: int = 480, win_size: int = 1920,
+                           fmin: float = 0.0, fmax: float | None = 8000.0) -> torch.Tensor:
     """Matcha-TTS ``mel_spectrogram(..., center=False)``: ``(..., N)`` -> ``(..., num_mels, N // hop)``.
 
     Reflect-pad (n_fft - hop)/2 on both sides, uncentred STFT with a periodic Hann window,
@@ -192,7 +197,7 @@ def matcha_mel_spectrogram(wav: torch.Tensor, *, n_fft: int = 1920, num_mels: in
 # --- Kaldi fbank (CAM++ input) ----------------------------------------------------------
 
 
-def kaldi_fbank(wav: torch.Tensor, *, num_mel_bins: int = 80, sample_frequency: float = 16000.0,
+def kaldi_fbank(wav: torch.Tensor, *, num_mel_bins: int = 80, sample_frequency: float = float(TOKENIZER_SAMPLE_RATE),
                 frame_length_ms: float = 25.0, frame_shift_ms: float = 10.0,
                 preemphasis: float = 0.97, low_freq: float = 20.0, high_freq: float = 0.0) -> torch.Tensor:
     """``torchaudio.compliance.kaldi.fbank(wav, num_mel_bins, dither=0, sample_frequency)``.
@@ -223,7 +228,7 @@ def kaldi_fbank(wav: torch.Tensor, *, num_mel_bins: int = 80, sample_frequency: 
 
 def campplus_features(wav16: torch.Tensor) -> torch.Tensor:
     """CAM++ input: 80-bin Kaldi fbank of 16 kHz audio minus its per-bin mean -> ``(1, frames, 80)``."""
-    fbank = kaldi_fbank(wav16, num_mel_bins=80, sample_frequency=16000.0)
+    fbank = kaldi_fbank(wav16, num_mel_bins=80, sample_frequency=float(TOKENIZER_SAMPLE_RATE))
     return (fbank - fbank.mean(dim=0, keepdim=True)).unsqueeze(0)
 
 
@@ -231,7 +236,6 @@ def campplus_features(wav16: torch.Tensor) -> torch.Tensor:
 
 WHISPER_N_FFT = 400
 WHISPER_HOP = 160
-WHISPER_SAMPLE_RATE = 16000
 
 
 def whisper_log_mel(wav16: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
@@ -249,7 +253,7 @@ def whisper_log_mel(wav16: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
     spec = torch.stft(wav16.reshape(-1, wav16.shape[-1]), WHISPER_N_FFT, WHISPER_HOP,
                       window=_window("hann", WHISPER_N_FFT, wav16.device), return_complex=True)
     power = spec[..., :-1].abs() ** 2
-    filters = slaney_mel_filters(WHISPER_SAMPLE_RATE, WHISPER_N_FFT, n_mels, device=wav16.device)
+    filters = slaney_mel_filters(TOKENIZER_SAMPLE_RATE, WHISPER_N_FFT, n_mels, device=wav16.device)
     log_spec = torch.clamp(filters @ power, min=1e-10).log10()
     log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
     return ((log_spec + 4.0) / 4.0).reshape(*lead_shape, n_mels, -1)
