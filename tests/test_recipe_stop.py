@@ -59,8 +59,8 @@ def write_pid(path: Path, process: subprocess.Popen) -> Path:
 
 
 def bare_stop(script: str, path: str, tmp_path: Path, **env) -> subprocess.CompletedProcess:
-    full_env = {"PATH": path, "HOME": str(tmp_path), "VENV": str(tmp_path / "no_venv"), "OUT_DIR": str(tmp_path / "out"),
-                "MPS_DIR": str(tmp_path / "mps"), "STOP_TIMEOUT_S": "2", **env}
+    full_env = {"PATH": path, "HOME": str(tmp_path), "VENV": str(tmp_path / "no_venv"),
+                "OUT_DIR": str(tmp_path / "out"), "MPS_DIR": str(tmp_path / "mps"), "STOP_TIMEOUT_S": "2", **env}
     return subprocess.run([shutil.which("bash"), str(REPO_ROOT / script), "stop"], cwd=tmp_path, env=full_env,
                           capture_output=True, text=True, timeout=60)
 
@@ -79,7 +79,8 @@ def test_run_sh_stop_ends_the_api_triton_and_the_disaggregated_servers(bare_path
     for process in (api, triton, triton_1, stubborn, llm_1):
         assert not running(process)
     assert not any(path.exists() for path in pid_files)
-    assert f"stopped cosyserve API (pid {api.pid})" in proc.stdout and f"stopped tritonserver (pid {stubborn.pid})" in proc.stdout
+    assert f"stopped cosyserve API (pid {api.pid})" in proc.stdout
+    assert f"stopped tritonserver (pid {stubborn.pid})" in proc.stdout
     assert "MPS" not in proc.stdout
 
 
