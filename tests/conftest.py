@@ -101,6 +101,42 @@ def tiny_bundle(tmp_path_factory) -> Path:
     return make_bundle(tmp_path_factory.mktemp("bundle"), "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def shared_triton(tmp_path_factory):
+    """server(spec, replica=0): a tritonserver on the CosyVoice2 repository ``spec``
+    (:class:`cosyserve.serving.model_repository.CosyVoice2Repository`), one per equal spec for the
+    whole session, so modules that need the same configuration share its start-up; ``replica``
+    numbers servers of one spec that must be distinct (a router's). Started on first use; one that
+    has exited (a test killed it) is started again; all are stopped at the session's end."""
+    from conftest_triton import serve_repo
+    from cosyserve.serving.model_repository import build
+
+    running = {}  # (spec, replica) -> (generator of serve_repo, its server)
+
+    def server(spec, replica: int = 0):
+        key = (spec, replica)
+        if key in running and running[key][1].process.poll() is not None:
+            next(running.pop(key)[0], None)
+        if key not in running:
+            work = tmp_path_factory.mktemp("shared_triton")
+            generator = serve_repo(build(spec, work / "repo"), work)
+            running[key] = (generator, next(generator))
+        return running[key][1]
+
+    yield server
+    for generator, _ in running.values():
+        next(generator, None)
+
+
+@pytest.fixture(scope="session")
+def api_models_dir(tiny_bundle: Path, tmp_path_factory) -> Path:
+    """The tiny bundle with a model directory of its own (a voice store lives in it), for the API's
+    modules (tests/test_api.py, tests/test_api_router.py), whose servers are then of one spec."""
+    from conftest_triton import copy_of_bundle
+
+    return copy_of_bundle(tiny_bundle, tmp_path_factory.mktemp("api_models"))
+
+
 @pytest.fixture
 def idle_server(server):
     """The requesting module's ``server`` (a real tritonserver), checked after the test: no stub
