@@ -37,6 +37,7 @@ import torch
 from cosyserve import data
 from cosyserve.errors import CosyServeError, InvalidInputError
 from cosyserve.data import FixedLength
+from cosyserve.frontend.torch_models import FRONTEND_BACKENDS
 from cosyserve.pipeline.offline import (BACKENDS, DTYPES, MODELS, OfflineConfig, OfflineTTS, Timers, build_report,
                                         format_report_md, synthesize_items, write_reports)
 from cosyserve.token2wav.cosyvoice2 import DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions
@@ -59,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="LLM requests in flight together")
     p.add_argument("--token2wav-batch-size", type=int, default=8, help="utterances per flow/HiFT batch")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
+    p.add_argument("--frontend-backend", choices=FRONTEND_BACKENDS,
+                   help="speech tokenizer + CAM++ (default: torch on CUDA, batched; onnxruntime on the CPU)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="flow dtype (default float16 on CUDA, float32 on CPU)")
     p.add_argument("--llm-dtype", choices=sorted(DTYPES), help="LLM dtype (default bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--cuda-graphs", action="store_true",
@@ -102,7 +105,7 @@ def config_from_args(args) -> OfflineConfig:
                              cuda_graphs=args.cuda_graphs, compile=args.compile_flow,
                              precapture_frames=args.precapture_frames if args.cuda_graphs else 0,
                              precapture_batch=args.token2wav_batch_size, precapture_streaming=False),
-                         fixed_length=fixed,
+                         fixed_length=fixed, frontend_backend=args.frontend_backend,
                          speaker_id=args.speaker_id, seed=args.seed, llm_options=llm_options)
 
 

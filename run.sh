@@ -51,11 +51,11 @@ MODEL_REPO=${MODEL_REPO:-$repo_root/outputs/model_repo_cosyvoice2}
 DECOUPLED_MODE=${DECOUPLED_MODE:-True}        # True = streaming, False = offline
 STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | time_based
 DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
-# CUDA MPS lets the LLM and token2wav processes run kernels on the GPU at once (measured 10-20 %
-# faster than time-slicing, docs/benchmarks.md). auto: on when a GPU and nvidia-cuda-mps-control are there.
-CUDA_MPS=${CUDA_MPS:-auto}                    # auto | on | off
+# CUDA MPS lets several processes run kernels on one GPU at once. The engine is one process that owns
+# the GPU, so it is off by default; auto: on when a GPU and nvidia-cuda-mps-control are there (for the
+# reference layout's own models, REFERENCE_MODELS=true, which are processes of their own).
+CUDA_MPS=${CUDA_MPS:-off}                     # off | auto | on
 MPS_DIR=${MPS_DIR:-$repo_root/outputs/mps}    # the daemon's pipes and logs
-BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-4}
 OFFLINE_BLS_INSTANCE_NUM=${OFFLINE_BLS_INSTANCE_NUM:-1}  # cosyvoice2_offline, served next to a streaming cosyvoice2
 BLS_WARM_UP=${BLS_WARM_UP:-true}               # load the BLS's text front-end at start, not on the first request
 # Seconds a request may run once a BLS instance has taken it; past that it ends with "request timed out
@@ -71,37 +71,30 @@ ADMISSION_MIN_BUFFER_S=${ADMISSION_MIN_BUFFER_S:-0}
 # clean up to 6 at once and underran at 8; measure your GPU (docs/operations.md). Requests arriving within
 # the same few ms may both be refused when one place is left; the cap is never exceeded.
 MAX_STREAMS=${MAX_STREAMS:-0}
-# Requests that wait for a free BLS instance at most; one more is refused at once (gRPC UNAVAILABLE,
-# HTTP API 429 with Retry-After), so clients can go to another replica. 0 (default): no limit, requests
-# queue as in NVIDIA's runtime; no bound is the default until a GPU run shows one safe (docs/operations.md).
-BLS_MAX_QUEUE_SIZE=${BLS_MAX_QUEUE_SIZE:-0}
+# cosyvoice2_offline (one response per request, for HTTP clients, from the same engine): requests that
+# wait for one of its instances at most, and milliseconds one may wait; past either it is refused at once
+# (gRPC UNAVAILABLE, HTTP API 429). 0 (default): no limit.
 OFFLINE_BLS_MAX_QUEUE_SIZE=${OFFLINE_BLS_MAX_QUEUE_SIZE:-0}
-# Milliseconds a request may wait for a free BLS instance; past that it is refused the same way ("Request
-# timeout expired"; HTTP API 429, or the next server behind the API's router). 0 (default): no limit.
-BLS_MAX_QUEUE_MS=${BLS_MAX_QUEUE_MS:-0}
 OFFLINE_BLS_MAX_QUEUE_MS=${OFFLINE_BLS_MAX_QUEUE_MS:-0}
+# The engine (cosyvoice2): auto = on with CUDA: the server reports ready only once every shape of the flow
+# is captured and a few requests ran through the loop (its first request is then as fast as the hundredth).
+ENGINE_WARM_UP=${ENGINE_WARM_UP:-auto}
+# true: the repository also holds the reference layout's own models (llm, token2wav, audio_tokenizer,
+# speaker_embedding), to call them directly; the engine does not use them.
+REFERENCE_MODELS=${REFERENCE_MODELS:-false}
 # Speech tokens per request at most: 750 (30 s of audio) as the reference; random-weight bundles
 # never emit end-of-speech, so the tiny one stops at 200 (8 s) to keep CPU runs short.
 MAX_TOKENS=${MAX_TOKENS:-$([ "$MODEL_SOURCE" = tiny ] && echo 200 || echo 750)}
 MIN_TOKENS=${MIN_TOKENS:-0}                   # and at least (benchmarks on random weights fix lengths)
-TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-16}   # also the flow/HiFT batch of token2wav
+TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-16}   # requests Triton hands a model at once
 TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # auto (fp16 on CUDA, fp32 on CPU) | float16 | bfloat16 | float32
 TOKEN2WAV_CUDA_GRAPHS=${TOKEN2WAV_CUDA_GRAPHS:-auto}   # auto (on with CUDA) | true | false
-TOKEN2WAV_PRECAPTURE_FRAMES=${TOKEN2WAV_PRECAPTURE_FRAMES:-auto}  # auto (1500 with graphs) | N mel frames | 0 (lazy)
-TOKEN2WAV_COMPILE=${TOKEN2WAV_COMPILE:-false}  # true: torch.compile the flow estimator
-TOKEN2WAV_HIFT_GRAPHS=${TOKEN2WAV_HIFT_GRAPHS:-auto}   # auto (as the flow's): HiFT graphs of streaming chunk shapes
 TOKEN2WAV_HIFT_DTYPE=${TOKEN2WAV_HIFT_DTYPE:-auto}     # HiFT network: auto (float16 on CUDA, float32 on CPU) | float32 | ...
-# Under MPS: the share (1-100 %) of the GPU's SMs each process may use (empty = all), and the
-# priority of its GPU work (normal | below_normal; empty = normal). Measured in docs/benchmarks.md.
-TOKEN2WAV_MPS_THREAD_PERCENTAGE=${TOKEN2WAV_MPS_THREAD_PERCENTAGE:-}
-LLM_MPS_THREAD_PERCENTAGE=${LLM_MPS_THREAD_PERCENTAGE:-}
-TOKEN2WAV_MPS_PRIORITY=${TOKEN2WAV_MPS_PRIORITY:-}
-LLM_MPS_PRIORITY=${LLM_MPS_PRIORITY:-}
-TOKEN2WAV_INCREMENTAL_STREAM=${TOKEN2WAV_INCREMENTAL_STREAM:-true}  # false: every chunk re-runs the flow over everything (the reference)
 TOKEN2WAV_FINAL=${TOKEN2WAV_FINAL:-reference}  # incremental streams' last chunk: reference | streaming (README)
 TOKEN2WAV_STATE_POOL_GB=${TOKEN2WAV_STATE_POOL_GB:-0}  # their state memory; 0: a third of the free GPU memory
 TOKEN2WAV_MAX_VOICES=${TOKEN2WAV_MAX_VOICES:-64}  # voice prompt states kept for them
 MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
+FRONTEND_BACKEND=${FRONTEND_BACKEND:-auto}   # speech tokenizer + CAM++: auto (torch on CUDA, onnxruntime on CPU) | torch | onnxruntime
 HTTP_PORT=${HTTP_PORT:-8000}
 GRPC_PORT=${GRPC_PORT:-8001}
 METRICS_PORT=${METRICS_PORT:-8002}
@@ -195,20 +188,15 @@ build_repository() {
   "$PY" -m cosyserve.serving.model_repository cosyvoice2 "$1" --templates "$repo_root/model_repo" \
     --models-dir "$MODELS_DIR" --llm-backend "$LLM_BACKEND" --llm-engine "$LLM_ENGINE" --llm-protocol "$LLM_PROTOCOL" --llm-url "$2" \
     --trt-engine-dir "$TRT_ENGINE_DIR" --trt-kv-cache-tokens "$TRT_KV_CACHE_TOKENS" --decoupled "$DECOUPLED_MODE" \
-    --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
-    --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-warm-up "$BLS_WARM_UP" \
-    --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --offline-bls-max-queue-ms "$OFFLINE_BLS_MAX_QUEUE_MS" \
+    --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --engine-warm-up "$ENGINE_WARM_UP" \
+    --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --bls-warm-up "$BLS_WARM_UP" --reference-models "$REFERENCE_MODELS" \
+    --offline-bls-max-queue-ms "$OFFLINE_BLS_MAX_QUEUE_MS" \
     --request-timeout-s "$REQUEST_TIMEOUT_S" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --max-streams "$MAX_STREAMS" \
     --offline-bls-max-queue-size "$OFFLINE_BLS_MAX_QUEUE_SIZE" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
-    --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" \
+    --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --frontend-backend "$FRONTEND_BACKEND" \
     --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \
-    --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" --token2wav-precapture-frames "$TOKEN2WAV_PRECAPTURE_FRAMES" \
     --token2wav-final "$TOKEN2WAV_FINAL" --token2wav-state-pool-gb "$TOKEN2WAV_STATE_POOL_GB" \
-    --token2wav-max-voices "$TOKEN2WAV_MAX_VOICES" \
-    --token2wav-compile "$TOKEN2WAV_COMPILE" --token2wav-hift-graphs "$TOKEN2WAV_HIFT_GRAPHS" \
-    --token2wav-hift-dtype "$TOKEN2WAV_HIFT_DTYPE" \
-    --token2wav-mps-thread-percentage "$TOKEN2WAV_MPS_THREAD_PERCENTAGE" --token2wav-mps-priority "$TOKEN2WAV_MPS_PRIORITY" \
-    --llm-mps-thread-percentage "$LLM_MPS_THREAD_PERCENTAGE" --llm-mps-priority "$LLM_MPS_PRIORITY"
+    --token2wav-max-voices "$TOKEN2WAV_MAX_VOICES" --token2wav-hift-dtype "$TOKEN2WAV_HIFT_DTYPE"
 }
 
 api_model_urls() {  # API_MODEL_URLS as --model-url flags

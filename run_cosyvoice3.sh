@@ -50,6 +50,7 @@ MAX_TOKENS=${MAX_TOKENS:-$([ "$MODEL_SOURCE" = tiny ] && echo 200 || echo 750)}
 MIN_TOKENS=${MIN_TOKENS:-0}
 TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-1}    # the reference's
 MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
+FRONTEND_BACKEND=${FRONTEND_BACKEND:-auto}   # speech tokenizer + CAM++: auto (torch on CUDA, onnxruntime on CPU) | torch | onnxruntime
 TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # the DiT flow: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
 # Streaming flow: true = incremental (block-masked DiT, only the new frames); false = the reference's
 # full-attention re-run over the whole prefix every chunk (docs/benchmarks.md compares them)
@@ -112,7 +113,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
     --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --max-streams "$MAX_STREAMS" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --bls-warm-up "$BLS_WARM_UP" --max-tokens "$MAX_TOKENS" \
     --min-tokens "$MIN_TOKENS" --max-batch-size "$TRITON_MAX_BATCH_SIZE" \
-    --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --token2wav-dtype "$TOKEN2WAV_DTYPE" \
+    --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --frontend-backend "$FRONTEND_BACKEND" --token2wav-dtype "$TOKEN2WAV_DTYPE" \
     --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" \
     --token2wav-voice-prefixes "$TOKEN2WAV_VOICE_PREFIXES" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" --voices-dir "$VOICES_DIR" > /dev/null \
     || die "Stage 2: could not build the model repository"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import numpy as np
 
@@ -34,21 +34,35 @@ class ClipCache(Generic[T]):
 
     def get_or_compute(self, samples: Any, compute: Callable[[], T]) -> T:
         """The value for ``samples`` (a numpy array or torch tensor), computed by ``compute()`` on a miss."""
+        return self.get_or_compute_batch([samples], lambda missing: [compute()])[0]
+
+    def get_or_compute_batch(self, clips: Sequence[Any], compute: Callable[[list], list[T]]) -> list[T]:
+        """The values for ``clips``; the missing ones are computed by one ``compute(missing clips)``
+        call (a batch for the model), a clip repeated in ``clips`` once."""
         if self.size == 0:
-            return compute()
-        key = _clip_key(samples)
+            return compute(list(clips))
+        keys = [_clip_key(samples) for samples in clips]
+        found: dict[bytes, T] = {}
+        missing: dict[bytes, Any] = {}
         with self._lock:
-            if key in self._values:
-                self._values.move_to_end(key)
-                self.hits += 1
-                return self._values[key]
-            self.misses += 1
-        value = compute()
-        with self._lock:
-            self._values[key] = value
-            while len(self._values) > self.size:
-                self._values.popitem(last=False)
-        return value
+            for key, samples in zip(keys, clips):
+                if key in self._values:
+                    self._values.move_to_end(key)
+                    self.hits += 1
+                    found[key] = self._values[key]
+                elif key in missing:  # computed once for both: the second is a hit
+                    self.hits += 1
+                else:
+                    self.misses += 1
+                    missing[key] = samples
+        if missing:
+            computed = dict(zip(missing, compute(list(missing.values()))))
+            found.update(computed)
+            with self._lock:
+                self._values.update(computed)
+                while len(self._values) > self.size:
+                    self._values.popitem(last=False)
+        return [found[key] for key in keys]
 
 
 def _clip_key(samples: Any) -> bytes:

@@ -145,6 +145,48 @@ def test_whisper_floor_is_global_over_the_batch():
     assert float(whisper_log_mel(quiet).min()) < float(batch[1].min()) - 0.5
 
 
+def padded_batch(clips: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([c.numel() for c in clips])
+    return torch.stack([torch.nn.functional.pad(c, (0, int(lengths.max()) - c.numel())) for c in clips]), lengths
+
+
+def test_batched_features_equal_each_clip_alone():
+    """Zero-padded batches: Whisper log-mel per clip (own end reflection, own floor), CAM++ input
+    per clip (own mean), padding frames of the fbank zero."""
+    g = torch.Generator().manual_seed(3)
+    clips = [0.1 * torch.randn(n, generator=g) for n in (8000, 3 * 16000 + 77, 401, 12345)]
+    clips[1] = clips[1] * 1e-4  # a quiet clip: its floor must not come from the loud ones
+    batch, lengths = padded_batch(clips)
+    log_mel, feats = whisper_log_mel(batch, lengths=lengths), campplus_features(batch, lengths)
+    for i, wav in enumerate(clips):
+        alone = whisper_log_mel(wav)
+        assert torch.equal(log_mel[i, :, :alone.shape[-1]], alone)
+        alone = campplus_features(wav)[0]
+        torch.testing.assert_close(feats[i, :alone.shape[0]], alone, rtol=0, atol=1e-5)
+        assert not feats[i, alone.shape[0]:].any()
+    with pytest.raises(ValueError, match="too short"):
+        whisper_log_mel(batch, lengths=torch.tensor([8000, 200, 401, 12345]))
+
+
+def test_batched_features_match_the_reference_fixtures(parity_dir: Path):
+    fixture_dir = parity_dir / "cosyvoice2"
+    if not cv2_frontend.detect(fixture_dir):
+        pytest.skip(f"no {cv2_frontend.FEATURES_FILE} in {fixture_dir}")
+    from safetensors.torch import load_file
+
+    stored = load_file(str(fixture_dir / cv2_frontend.FEATURES_FILE))
+    names = ("w16_a", "w16_b")  # 27200 and 19683 samples: different lengths in one batch
+    batch, lengths = padded_batch([stored[f"{name}/wave"][0] for name in names])
+    log_mel, feats = whisper_log_mel(batch, lengths=lengths), campplus_features(batch, lengths)
+    for i, name in enumerate(names):
+        reference = stored[f"{name}/whisper_logmel128"][0]
+        assert float((log_mel[i, :, :reference.shape[-1]] - reference).abs().max()) < cv2_frontend.LOG_MEL_MAX_ABS
+        reference = stored[f"{name}/campplus_input"][0]
+        ours = feats[i, :reference.shape[0]]
+        assert float((ours - reference).norm() / reference.norm()) < cv2_frontend.FBANK_REL
+        assert float((ours - reference).abs().max()) < cv2_frontend.FBANK_MAX_ABS
+
+
 def test_too_short_for_stft_is_a_value_error():
     with pytest.raises(ValueError):
         matcha_mel_spectrogram(torch.zeros(100))

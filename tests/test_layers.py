@@ -15,7 +15,8 @@ of imports leads back to where it started. A module's layer is that of its top-l
 2. what turns audio or text into model inputs, and the models: ``frontend``, ``text`` (text
    normalisation), ``models``, ``data`` (synthesis items; reads audio);
 3. ``token2wav``, ``llm`` (with ``llm.trtllm``);
-4. ``pipeline``;
+4. ``pipeline`` (one request on the calling thread), ``engine`` (the engine core: every request
+   of a GPU in one loop);
 5. entry points and tools over the whole stack: ``serving``, ``api``, ``bench``, ``clients``, and
    the tools that build, fetch or check models (``bundle``, ``download``, ``parity``): they use the
    stack, the stack never uses them.
@@ -35,7 +36,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"audio"}),
     frozenset({"frontend", "text", "models", "data"}),
     frozenset({"token2wav", "llm"}),
-    frozenset({"pipeline"}),
+    frozenset({"pipeline", "engine"}),
     frozenset({"serving", "api", "bench", "clients", "bundle", "download", "parity"}),
 )
 

@@ -99,3 +99,20 @@ def test_clip_cache_counts_and_keys_on_samples_dtype_and_shape():
     assert computed == ["a", "f64", "2d"] and (cache.hits, cache.misses) == (1, 3)
     with pytest.raises(ValueError):
         ClipCache(-1)
+
+
+def test_clip_cache_computes_the_misses_of_a_batch_in_one_call():
+    from cosyserve.clip_cache import ClipCache
+
+    cache = ClipCache(3)
+    calls = []
+
+    def compute(clips):
+        calls.append(len(clips))
+        return [float(c[0]) for c in clips]
+
+    a, b, c = clip(1), clip(2), clip(3)
+    assert cache.get_or_compute_batch([a, b, a], compute) == [float(a[0]), float(b[0]), float(a[0])]
+    assert cache.get_or_compute_batch([b, c], compute) == [float(b[0]), float(c[0])]
+    assert calls == [2, 1] and (cache.hits, cache.misses) == (2, 3)  # a repeated in a batch is computed once
+    assert ClipCache(0).get_or_compute_batch([a, a], compute) == [float(a[0])] * 2 and calls[-1] == 2

@@ -8,6 +8,7 @@
 from .features import (
     campplus_features,
     kaldi_fbank,
+    kaldi_frame_count,
     matcha_mel_spectrogram,
     resample,
     slaney_mel_filters,
@@ -19,6 +20,7 @@ __all__ = [
     "PromptAudio",
     "campplus_features",
     "kaldi_fbank",
+    "kaldi_frame_count",
     "load_prompt_audio",
     "matcha_mel_spectrogram",
     "prompt_audio_from_array",

@@ -197,28 +197,41 @@ def matcha_mel_spectrogram(wav: torch.Tensor, *, n_fft: int = 1920, num_mels: in
 # --- Kaldi fbank (CAM++ input) ----------------------------------------------------------
 
 
+def kaldi_frame_count(n_samples: torch.Tensor | int, sample_frequency: float = float(TOKENIZER_SAMPLE_RATE),
+                      frame_length_ms: float = 25.0, frame_shift_ms: float = 10.0):
+    """Whole Kaldi frames in ``n_samples`` samples: 1 + (N - win) // shift, 0 when N < win."""
+    win = int(sample_frequency * frame_length_ms * 0.001)
+    shift = int(sample_frequency * frame_shift_ms * 0.001)
+    if isinstance(n_samples, torch.Tensor):
+        return torch.where(n_samples < win, 0, 1 + (n_samples - win).clamp(min=0) // shift)
+    return 0 if n_samples < win else 1 + (n_samples - win) // shift
+
+
 def kaldi_fbank(wav: torch.Tensor, *, num_mel_bins: int = 80, sample_frequency: float = float(TOKENIZER_SAMPLE_RATE),
                 frame_length_ms: float = 25.0, frame_shift_ms: float = 10.0,
-                preemphasis: float = 0.97, low_freq: float = 20.0, high_freq: float = 0.0) -> torch.Tensor:
+                preemphasis: float = 0.97, low_freq: float = 20.0, high_freq: float = 0.0,
+                batched: bool = False) -> torch.Tensor:
     """``torchaudio.compliance.kaldi.fbank(wav, num_mel_bins, dither=0, sample_frequency)``.
 
     Input ``(N,)`` or ``(1, N)`` float waveform in [-1, 1] (no int16 scaling); output
     ``(frames, num_mel_bins)`` with frames = 1 + (N - win) // shift (whole frames only; zero
     frames when N < win). Per frame: DC removal, pre-emphasis (first sample is its own
     predecessor), Povey window, zero-pad to a power of two, power spectrum, mel banks,
-    natural log floored at float32 eps.
+    natural log floored at float32 eps. ``batched``: ``wav`` is ``(B, N)``, clips zero-padded at
+    the end, output ``(B, frames of N, bins)``; every frame lies inside its clip, so clip b's first
+    :func:`kaldi_frame_count` frames are those of the clip alone and the rest are padding.
     """
-    if wav.dim() == 2:
+    if wav.dim() == 2 and not batched:
         wav = wav[0]  # torchaudio reads channel 0
     wav = wav.to(torch.float32)
     win = int(sample_frequency * frame_length_ms * 0.001)
     shift = int(sample_frequency * frame_shift_ms * 0.001)
     padded = 1 << (win - 1).bit_length()
-    if wav.numel() < win:
-        return wav.new_zeros(0, num_mel_bins)
-    frames = wav.unfold(0, win, shift)  # (frames, win), a view: no copy
-    frames = frames - frames.mean(dim=1, keepdim=True)
-    previous = torch.cat([frames[:, :1], frames[:, :-1]], dim=1)
+    if wav.shape[-1] < win:
+        return wav.new_zeros(*wav.shape[:-1], 0, num_mel_bins)
+    frames = wav.unfold(-1, win, shift)  # (..., frames, win), a view: no copy
+    frames = frames - frames.mean(dim=-1, keepdim=True)
+    previous = torch.cat([frames[..., :1], frames[..., :-1]], dim=-1)
     frames = (frames - preemphasis * previous) * _window("povey", win, wav.device)
     power = torch.fft.rfft(F.pad(frames, (0, padded - win))).abs().pow(2)
     banks = kaldi_mel_banks(num_mel_bins, padded, sample_frequency, low_freq, high_freq, device=wav.device)
@@ -226,10 +239,20 @@ def kaldi_fbank(wav: torch.Tensor, *, num_mel_bins: int = 80, sample_frequency: 
     return energies.clamp(min=torch.finfo(torch.float32).eps).log()
 
 
-def campplus_features(wav16: torch.Tensor) -> torch.Tensor:
-    """CAM++ input: 80-bin Kaldi fbank of 16 kHz audio minus its per-bin mean -> ``(1, frames, 80)``."""
-    fbank = kaldi_fbank(wav16, num_mel_bins=80, sample_frequency=float(TOKENIZER_SAMPLE_RATE))
-    return (fbank - fbank.mean(dim=0, keepdim=True)).unsqueeze(0)
+def campplus_features(wav16: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """CAM++ input: 80-bin Kaldi fbank of 16 kHz audio minus its per-bin mean -> ``(1, frames, 80)``.
+
+    ``lengths``: ``wav16`` is a zero-padded batch ``(B, N)`` of clips of ``lengths`` samples ->
+    ``(B, frames, 80)``, each clip normalised by the mean over its own frames, padding frames 0.
+    """
+    if lengths is None:
+        fbank = kaldi_fbank(wav16, num_mel_bins=80, sample_frequency=float(TOKENIZER_SAMPLE_RATE))
+        return (fbank - fbank.mean(dim=0, keepdim=True)).unsqueeze(0)
+    fbank = kaldi_fbank(wav16, num_mel_bins=80, sample_frequency=float(TOKENIZER_SAMPLE_RATE), batched=True)
+    counts = kaldi_frame_count(lengths.to(fbank.device))
+    inside = (torch.arange(fbank.shape[1], device=fbank.device)[None, :] < counts[:, None])[..., None]
+    mean = torch.where(inside, fbank, 0.0).sum(dim=1, keepdim=True) / counts.clamp(min=1)[:, None, None]
+    return torch.where(inside, fbank - mean, 0.0)
 
 
 # --- Whisper log-mel (S3 speech tokenizer input) ----------------------------------------
@@ -238,22 +261,43 @@ WHISPER_N_FFT = 400
 WHISPER_HOP = 160
 
 
-def whisper_log_mel(wav16: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
+def _reflect_pad_each(wav: torch.Tensor, lengths: torch.Tensor, pad: int) -> torch.Tensor:
+    """``(B, N)`` zero-padded clips -> ``(B, N + 2*pad)``, each reflect-padded at its own ends."""
+    index = torch.arange(-pad, wav.shape[-1] + pad, device=wav.device)[None, :].expand(wav.shape[0], -1)
+    last = (lengths.to(wav.device) - 1)[:, None]
+    index = index.abs()  # reflection at the start
+    index = torch.where(index > last, 2 * last - index, index)  # reflection at each clip's end
+    return wav.gather(1, index.clamp(min=0))
+
+
+def whisper_log_mel(wav16: torch.Tensor, n_mels: int = 128, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """``whisper.log_mel_spectrogram(wav, n_mels)``: ``(..., N)`` -> ``(..., n_mels, N // 160)``.
 
     Centred STFT (reflect padding, periodic Hann 400, hop 160) with its last frame dropped,
     power spectrum, Slaney mel filters (sr 16 kHz, n_fft 400), log10 after clamping at 1e-10,
     floor at (max - 8) over the WHOLE tensor (all batch items), then (x + 4) / 4.
+    ``lengths``: ``wav16`` is a zero-padded batch ``(B, N)`` of clips of ``lengths`` samples; each
+    clip is reflect-padded at its own end and floored at its own maximum, so clip b's first
+    ``lengths[b] // 160`` frames equal the clip's log-mel alone (later frames are padding).
     """
     wav16 = wav16.to(torch.float32)
-    if wav16.shape[-1] <= WHISPER_N_FFT // 2:
-        raise ValueError(f"waveform of {wav16.shape[-1]} samples is too short for the log-mel "
+    shortest = wav16.shape[-1] if lengths is None else int(lengths.min())
+    if shortest <= WHISPER_N_FFT // 2:
+        raise ValueError(f"waveform of {shortest} samples is too short for the log-mel "
                          f"(needs > {WHISPER_N_FFT // 2})")
     lead_shape = wav16.shape[:-1]
-    spec = torch.stft(wav16.reshape(-1, wav16.shape[-1]), WHISPER_N_FFT, WHISPER_HOP,
-                      window=_window("hann", WHISPER_N_FFT, wav16.device), return_complex=True)
+    flat = wav16.reshape(-1, wav16.shape[-1])
+    flat_lengths = torch.full((flat.shape[0],), flat.shape[-1]) if lengths is None else lengths
+    spec = torch.stft(_reflect_pad_each(flat, flat_lengths, WHISPER_N_FFT // 2), WHISPER_N_FFT, WHISPER_HOP,
+                      window=_window("hann", WHISPER_N_FFT, wav16.device), center=False, return_complex=True)
     power = spec[..., :-1].abs() ** 2
     filters = slaney_mel_filters(TOKENIZER_SAMPLE_RATE, WHISPER_N_FFT, n_mels, device=wav16.device)
     log_spec = torch.clamp(filters @ power, min=1e-10).log10()
-    log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+    if lengths is None:
+        floor = log_spec.max()
+    else:
+        frames = (lengths.to(wav16.device) // WHISPER_HOP)[:, None, None]
+        inside = torch.arange(log_spec.shape[-1], device=wav16.device)[None, None, :] < frames
+        floor = torch.where(inside, log_spec, -torch.inf).amax(dim=(1, 2), keepdim=True)
+    log_spec = torch.maximum(log_spec, floor - 8.0)
     return ((log_spec + 4.0) / 4.0).reshape(*lead_shape, n_mels, -1)

@@ -47,6 +47,6 @@ def make_cosyvoice3_dir(out_dir: Path, size: str, seed: int) -> Path:
     torch.save(CosyVoice3Flow(flow_cfg).state_dict(), model_dir / FLOW_FILE)
     torch.manual_seed(seed + 1)
     torch.save(CausalHiFTGenerator(hift_cfg).state_dict(), model_dir / HIFT_FILE)
-    write_speech_tokenizer_onnx(model_dir / SPEECH_TOKENIZER_FILE, size, seed + 2)
+    write_speech_tokenizer_onnx(model_dir / SPEECH_TOKENIZER_FILE, size, seed + 2, version="v3")
     write_campplus_onnx(model_dir / SPEAKER_ENCODER_FILE, size, seed + 3)
     return model_dir

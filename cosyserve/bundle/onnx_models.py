@@ -1,135 +1,40 @@
-"""Random-weight stand-ins for the two ONNX front-end models (``speech_tokenizer_v2.onnx``,
-``campplus.onnx``), built node by node with the ``onnx`` helper API.
+"""Random-weight stand-ins for the front-end ONNX models (``speech_tokenizer_v2.onnx``,
+``speech_tokenizer_v3.onnx``, ``campplus.onnx``), made the way the released files were made.
 
-The released graphs cannot be downloaded here. These files reproduce their *interfaces*
-exactly (input/output names, dtypes, shapes, value ranges; llm_layout.md §6) so that the
-serving code, which reads names from the session by position like upstream, is exercised for
-real. The graph bodies are simplified stand-ins, NOT the real topologies: ``real`` only gives
-parameter counts and layer widths of the released models' order of magnitude (S3 tokenizer
-v2 ~ 124 M parameters, CAM++ ~ 7 M) so that timings are roughly representative; ``tiny``
-builds in milliseconds for tests.
+The released graphs are ``torch.onnx.export`` (TorchScript exporter) traces of the upstream
+modules; these are traces of the same architectures (:mod:`cosyserve.frontend.s3_tokenizer`,
+:mod:`cosyserve.frontend.campplus`, whose module names are the upstream ones) with random
+weights, so node scopes, initializer forms (anonymous ``onnx::MatMul_N`` weights, named biases,
+BatchNorms folded into the convolutions before them), operator sets and input/output contracts
+are the released ones (llm_layout.md §6): the torch loaders that read a stand-in read the
+released file the same way. v2 is exported at opset 17 (LayerNormalization nodes), v3 at
+opset 15 (decomposed layer norms), as the released v2/v3 graphs are. ``real`` has the released
+sizes (S3 tokenizer 1280 wide, 20 heads, 6 (v2) or 12 (v3) blocks; CAM++ 3D-Speaker defaults);
+``tiny`` builds in a fraction of a second for tests.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import io
+import warnings
 from pathlib import Path
 
-import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+import torch
+from onnx import helper
+from torch import nn
 
-from ..frontend.onnx_models import SPEAKER_EMBEDDING_DIM
+from ..frontend.campplus import Campplus, CampplusSize
+from ..frontend.s3_tokenizer import N_MELS, S3Tokenizer
 
 SIZES = ("tiny", "real")
-OPSET = 17  # LayerNormalization; widely supported by onnxruntime and TensorRT
-IR_VERSION = 8  # the IR version that goes with opset 17
-FSQ_DIMS = 8  # S3 tokenizer v2: 8 dims x 3 levels = 6561 codes
-FSQ_LEVELS = 3
-
-
-class _GraphBuilder:
-    """Accumulates nodes and random initialisers; every helper returns its output's name."""
-
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
-        self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
-        self._count = 0
-
-    def _fresh(self, prefix: str) -> str:
-        self._count += 1
-        return f"{prefix}_{self._count}"
-
-    def const(self, value: np.ndarray, prefix: str = "const") -> str:
-        name = self._fresh(prefix)
-        self.initializers.append(numpy_helper.from_array(np.asarray(value), name))
-        return name
-
-    def weight(self, shape: tuple[int, ...], fan_in: int) -> str:
-        value = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / math.sqrt(fan_in))
-        return self.const(value, "w")
-
-    def op(self, op_type: str, *inputs: str, **attrs) -> str:
-        out = self._fresh(op_type.lower())
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
-        return out
-
-    def linear(self, x: str, d_in: int, d_out: int) -> str:
-        return self.op("Add", self.op("MatMul", x, self.weight((d_in, d_out), d_in)),
-                       self.const(np.zeros(d_out, np.float32), "b"))
-
-    def layer_norm(self, x: str, dim: int) -> str:
-        return self.op("LayerNormalization", x, self.const(np.ones(dim, np.float32), "ln_g"),
-                       self.const(np.zeros(dim, np.float32), "ln_b"), axis=-1, epsilon=1e-5)
-
-    def conv1d(self, x: str, c_in: int, c_out: int, kernel: int, stride: int = 1) -> str:
-        return self.op("Conv", x, self.weight((c_out, c_in, kernel), c_in * kernel),
-                       self.const(np.zeros(c_out, np.float32), "b"),
-                       kernel_shape=[kernel], strides=[stride], pads=[kernel // 2, kernel // 2])
-
-    def gelu(self, x: str) -> str:
-        erf = self.op("Erf", self.op("Div", x, self.const(np.float32(math.sqrt(2.0)))))
-        return self.op("Mul", self.op("Mul", x, self.const(np.float32(0.5))),
-                       self.op("Add", erf, self.const(np.float32(1.0))))
-
-    def self_attention(self, x: str, dim: int, heads: int) -> str:
-        """Multi-head self-attention over (B, T, dim) with fused q/k/v projection."""
-        head_dim = dim // heads
-        q, k, v = (self.op("Reshape", part, self.const(np.array([0, 0, heads, head_dim], np.int64)))
-                   for part in self._split3(self.linear(x, dim, 3 * dim), dim))
-        q = self.op("Transpose", q, perm=[0, 2, 1, 3])  # (B, H, T, d)
-        k = self.op("Transpose", k, perm=[0, 2, 3, 1])  # (B, H, d, T)
-        v = self.op("Transpose", v, perm=[0, 2, 1, 3])
-        scores = self.op("Mul", self.op("MatMul", q, k), self.const(np.float32(1.0 / math.sqrt(head_dim))))
-        context = self.op("MatMul", self.op("Softmax", scores, axis=-1), v)
-        context = self.op("Reshape", self.op("Transpose", context, perm=[0, 2, 1, 3]),
-                          self.const(np.array([0, 0, dim], np.int64)))
-        return self.linear(context, dim, dim)
-
-    def _split3(self, x: str, dim: int) -> list[str]:
-        outs = [self._fresh("split") for _ in range(3)]
-        self.nodes.append(helper.make_node("Split", [x, self.const(np.array([dim] * 3, np.int64))], outs, axis=-1))
-        return outs
-
-    def transformer_block(self, x: str, dim: int, heads: int, ffn_dim: int) -> str:
-        x = self.op("Add", x, self.self_attention(self.layer_norm(x, dim), dim, heads))
-        ffn = self.linear(self.gelu(self.linear(self.layer_norm(x, dim), dim, ffn_dim)), ffn_dim, dim)
-        return self.op("Add", x, ffn)
-
-    def save(self, path: str | Path, inputs: list, outputs: list, name: str, doc: str,
-             metadata: dict[str, str]) -> Path:
-        graph = helper.make_graph(self.nodes, name, inputs, outputs, self.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                                  producer_name="cosyserve", doc_string=doc)
-        model.ir_version = IR_VERSION
-        helper.set_model_props(model, metadata)
-        onnx.checker.check_model(model)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        onnx.save(model, path)
-        return path
-
-
-@dataclass(frozen=True)
-class _TokenizerSize:
-    dim: int
-    heads: int
-    layers: int
-    ffn_dim: int
-
-
-@dataclass(frozen=True)
-class _CampplusSize:
-    channels: int
-    blocks: int
-
-
-# 'real' follows the released S3 tokenizer v2 widths (Whisper-style encoder, 1280 wide, 20
-# heads, 6 layers) and a CAM++-sized conv stack; 'tiny' is for tests.
-_TOKENIZER_SIZES = {"tiny": _TokenizerSize(32, 2, 1, 64), "real": _TokenizerSize(1280, 20, 6, 5120)}
-_CAMPPLUS_SIZES = {"tiny": _CampplusSize(32, 1), "real": _CampplusSize(512, 9)}
+TOKENIZER_VERSIONS = {"v2": 17, "v3": 15}  # version -> opset of the released graph
+CAMPPLUS_OPSET = 13
+# (width, blocks) per size and version; the head size is fixed at 64 (20 heads at 1280).
+_TOKENIZER_SIZES = {("tiny", "v2"): (128, 2), ("tiny", "v3"): (128, 2),
+                    ("real", "v2"): (1280, 6), ("real", "v3"): (1280, 12)}
+_CAMPPLUS_SIZES = {"tiny": CampplusSize(head_channels=8, init_channels=32, growth=8, bottleneck=16, layers=(2, 2, 2)),
+                   "real": CampplusSize()}
 
 
 def _check_size(size: str) -> None:
@@ -137,74 +42,81 @@ def _check_size(size: str) -> None:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
 
 
-def write_speech_tokenizer_onnx(path: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write a stand-in ``speech_tokenizer_v2.onnx`` with the real I/O contract.
+class _TokenizerGraph(S3Tokenizer):
+    """The released graph's contract: (1, 128, T) log-mel + (1,) length -> (1, T') codes, cut to the
+    valid length (a subclass, so that the modules stay at the graph's root scope)."""
+
+    def forward(self, feats: torch.Tensor, feats_length: torch.Tensor) -> torch.Tensor:
+        codes, lengths = super().forward(feats, feats_length)
+        keep = torch.arange(codes.shape[1], device=codes.device) < lengths[0]
+        return codes[:, keep]
+
+
+def _randomise(model: nn.Module, seed: int) -> None:
+    """Torch's default initialisation, then BatchNorm statistics and affine terms drawn at random
+    so that folding them into the convolutions is not the identity."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+                bound = (3.0 / (module.weight[0].numel())) ** 0.5
+                module.weight.copy_((torch.rand(module.weight.shape, generator=generator) * 2 - 1) * bound)
+                if module.bias is not None:
+                    module.bias.copy_((torch.rand(module.bias.shape, generator=generator) * 2 - 1) * 0.1)
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.copy_(1 + 0.1 * torch.randn(module.weight.shape, generator=generator))
+                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
+            elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.weight.copy_(1 + 0.1 * torch.randn(module.weight.shape, generator=generator))
+                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
+                module.running_mean.copy_(0.1 * torch.randn(module.running_mean.shape, generator=generator))
+                module.running_var.copy_(1 + 0.2 * torch.rand(module.running_var.shape, generator=generator))
+
+
+def _export(module: nn.Module, args: tuple, path: str | Path, input_names: list[str], output_names: list[str],
+            dynamic_axes: dict, opset: int, metadata: dict[str, str]) -> Path:
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        # the TorchScript exporter is the one that made the released files; torch marks it deprecated
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module.eval(), args, buffer, dynamo=False, input_names=input_names,
+                          output_names=output_names, dynamic_axes=dynamic_axes, opset_version=opset,
+                          do_constant_folding=True)
+    model = onnx.load_from_string(buffer.getvalue())
+    helper.set_model_props(model, metadata)
+    onnx.checker.check_model(model)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def write_speech_tokenizer_onnx(path: str | Path, size: str = "tiny", seed: int = 0, version: str = "v2") -> Path:
+    """Write a stand-in ``speech_tokenizer_{version}.onnx``.
 
     Inputs: ``feats`` float32 (1, 128, T) Whisper log-mel, ``feats_length`` int32 (1,) = T.
-    Output: ``indices`` int32 (1, T') with T' = ceil(ceil(L/2)/2) for L = feats_length (two
-    stride-2 convolutions; frames past L are padding), codes in [0, 6561).
-    Body (simplified stand-in, not the real topology): two stride-2 Conv1d + GELU, pre-norm
-    transformer blocks, a projection to 8 dims quantised like S3 tokenizer v2's FSQ:
-    round(tanh(z)) in {-1, 0, 1} -> +1 -> base-3 digits -> index.
+    Output: ``indices`` int32 (1, T') with T' = ceil(ceil(L/2)/2) for L = feats_length, codes in
+    [0, 6561).
     """
     _check_size(size)
-    cfg = _TOKENIZER_SIZES[size]
-    g = _GraphBuilder(seed)
-    h = g.gelu(g.conv1d("feats", 128, cfg.dim, 3, stride=2))
-    h = g.gelu(g.conv1d(h, cfg.dim, cfg.dim, 3, stride=2))
-    h = g.op("Transpose", h, perm=[0, 2, 1])  # (1, T', dim)
-    for _ in range(cfg.layers):
-        h = g.transformer_block(h, cfg.dim, cfg.heads, cfg.ffn_dim)
-    # Random weights map every frame near one common direction; removing the time mean lets
-    # the codes follow the input's variation over time (real tokens vary frame to frame).
-    h = g.op("Sub", h, g.op("ReduceMean", h, axes=[1], keepdims=1))
-    z = g.linear(g.layer_norm(h, cfg.dim), cfg.dim, FSQ_DIMS)
-    digits = g.op("Add", g.op("Round", g.op("Tanh", z)), g.const(np.float32(1.0)))
-    powers = (FSQ_LEVELS ** np.arange(FSQ_DIMS, dtype=np.float32))[:, None]
-    codes = g.op("Squeeze", g.op("MatMul", digits, g.const(powers)), g.const(np.array([2], np.int64)))
-    codes = g.op("Cast", codes, to=TensorProto.INT32)  # exact: codes < 6561 are exact in float32
-    # Valid output frames from the valid input length: ceil(ceil(L / 2) / 2).
-    one, two = g.const(np.array([1], np.int32)), g.const(np.array([2], np.int32))
-    valid = g.op("Div", g.op("Add", g.op("Div", g.op("Add", "feats_length", one), two), one), two)
-    g.nodes.append(helper.make_node(
-        "Slice", [codes, g.const(np.array([0], np.int64)), g.op("Cast", valid, to=TensorProto.INT64),
-                  g.const(np.array([1], np.int64))], ["indices"]))
-    return g.save(
-        path,
-        inputs=[helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"]),
-                helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1])],
-        outputs=[helper.make_tensor_value_info("indices", TensorProto.INT32, [1, "T_tokens"])],
-        name="speech_tokenizer_v2_stand_in",
-        doc="cosyserve random-weight stand-in for speech_tokenizer_v2.onnx: real I/O, simplified body.",
-        metadata={"cosyserve.stand_in": "true", "size": size, "seed": str(seed)},
-    )
+    if version not in TOKENIZER_VERSIONS:
+        raise ValueError(f"version must be one of {sorted(TOKENIZER_VERSIONS)}, got {version!r}")
+    width, blocks = _TOKENIZER_SIZES[size, version]
+    model = _TokenizerGraph(width, blocks)
+    _randomise(model, seed)
+    frames = 64
+    return _export(model, (torch.zeros(1, N_MELS, frames), torch.tensor([frames], dtype=torch.int32)),
+                   path, ["feats", "feats_length"], ["indices"], {"feats": {2: "T"}, "indices": {1: "T_tokens"}},
+                   TOKENIZER_VERSIONS[version],
+                   {"cosyserve.stand_in": "true", "size": size, "seed": str(seed), "version": version})
 
 
 def write_campplus_onnx(path: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write a stand-in ``campplus.onnx`` with the real I/O contract.
-
-    Input: ``input`` float32 (B, frames, 80) mean-normalised Kaldi fbank. Output: ``output``
-    float32 (B, 192) speaker embedding (not normalised; the flow normalises it).
-    Body (simplified stand-in, not the real CAM++ topology): Conv1d stem, residual Conv1d +
-    ReLU blocks, statistics pooling (mean and standard deviation over time), linear 192.
-    """
+    """Write a stand-in ``campplus.onnx``: ``input`` float32 (B, frames, 80) mean-normalised Kaldi
+    fbank -> ``output`` float32 (B, 192) raw speaker embedding (the flow normalises it)."""
     _check_size(size)
-    cfg = _CAMPPLUS_SIZES[size]
-    g = _GraphBuilder(seed)
-    h = g.op("Relu", g.conv1d(g.op("Transpose", "input", perm=[0, 2, 1]), 80, cfg.channels, 5))
-    for _ in range(cfg.blocks):
-        h = g.op("Add", h, g.op("Relu", g.conv1d(h, cfg.channels, cfg.channels, 3)))
-    mean = g.op("ReduceMean", h, axes=[2], keepdims=1)
-    variance = g.op("ReduceMean", g.op("Pow", g.op("Sub", h, mean), g.const(np.float32(2.0))), axes=[2], keepdims=0)
-    std = g.op("Sqrt", g.op("Add", variance, g.const(np.float32(1e-5))))
-    pooled = g.op("Concat", g.op("Squeeze", mean, g.const(np.array([2], np.int64))), std, axis=1)
-    embedding = g.linear(pooled, 2 * cfg.channels, SPEAKER_EMBEDDING_DIM)
-    g.nodes.append(helper.make_node("Identity", [embedding], ["output"]))
-    return g.save(
-        path,
-        inputs=[helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", "frames", 80])],
-        outputs=[helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", SPEAKER_EMBEDDING_DIM])],
-        name="campplus_stand_in",
-        doc="cosyserve random-weight stand-in for campplus.onnx: real I/O, simplified body.",
-        metadata={"cosyserve.stand_in": "true", "size": size, "seed": str(seed)},
-    )
+    model = Campplus(_CAMPPLUS_SIZES[size])
+    _randomise(model, seed)
+    return _export(model, (torch.zeros(1, 200, 80),), path, ["input"], ["output"],
+                   {"input": {0: "batch", 1: "frames"}, "output": {0: "batch"}}, CAMPPLUS_OPSET,
+                   {"cosyserve.stand_in": "true", "size": size, "seed": str(seed)})

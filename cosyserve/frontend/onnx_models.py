@@ -1,12 +1,13 @@
 """onnxruntime wrappers of the two front-end models, called the way the reference calls them.
 
-* :class:`SpeechTokenizer` - ``speech_tokenizer_v2.onnx`` (S3 tokenizer v2, 25 tokens/s,
+* :class:`SpeechTokenizer` - ``speech_tokenizer_v2.onnx`` / ``_v3`` (S3 tokenizer, 25 tokens/s,
   6561 codes): 16 kHz audio -> Whisper 128-bin log-mel -> token ids.
 * :class:`SpeakerEncoder` - ``campplus.onnx`` (CAM++): 16 kHz audio -> mean-normalised
   Kaldi fbank -> 192-dim speaker embedding.
 
 Input and output names are read from the session by position, never hard-coded (llm_layout.md
-§6). Sessions use ``ORT_ENABLE_ALL``; ``InferenceSession.run`` is thread-safe, so one
+§6). The input checks and result checks here are shared with the PyTorch back end
+(:mod:`cosyserve.frontend.torch_models`), so both refuse the same clips with the same errors. Sessions use ``ORT_ENABLE_ALL``; ``InferenceSession.run`` is thread-safe, so one
 instance serves concurrent requests.
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from ..audio.features import campplus_features, whisper_log_mel
+from ..audio.features import WHISPER_N_FFT, campplus_features, kaldi_frame_count, whisper_log_mel
 from ..audio.io import MAX_PROMPT_SECONDS, TOKENIZER_SAMPLE_RATE
 from ..errors import InvalidInputError, ModelLoadError
 
@@ -55,6 +56,41 @@ def _check_wav16(wav16: torch.Tensor) -> torch.Tensor:
     return wav16.detach().to("cpu", torch.float32)
 
 
+def tokenizer_input(wav16: torch.Tensor) -> torch.Tensor:
+    """A clip the speech tokenizer accepts (1-D, at most 30 s, longer than half an STFT window) as
+    float32 on the CPU; anything else raises InvalidInputError. Both back ends check with this."""
+    wav16 = _check_wav16(wav16)
+    if wav16.numel() > MAX_PROMPT_SECONDS * TOKENIZER_SAMPLE_RATE:
+        raise InvalidInputError(f"speech tokenizer input is {wav16.numel() / TOKENIZER_SAMPLE_RATE:.2f} s; "
+                                f"at most {MAX_PROMPT_SECONDS:g} s is supported")
+    if wav16.numel() <= WHISPER_N_FFT // 2:
+        raise InvalidInputError(f"audio too short for the speech tokenizer: {wav16.numel()} samples "
+                                f"(needs > {WHISPER_N_FFT // 2})")
+    return wav16
+
+
+def speaker_input(wav16: torch.Tensor) -> torch.Tensor:
+    """A clip the speaker encoder accepts (1-D, at least one fbank frame) as float32 on the CPU."""
+    wav16 = _check_wav16(wav16)
+    if kaldi_frame_count(wav16.numel()) == 0:
+        raise InvalidInputError(f"audio of {wav16.numel()} samples is too short for the speaker encoder")
+    return wav16
+
+
+def checked_tokens(tokens: torch.Tensor, path: Path) -> torch.Tensor:
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= SPEECH_TOKEN_VOCAB):
+        raise ModelLoadError(f"{path} produced speech token ids outside [0, {SPEECH_TOKEN_VOCAB}); "
+                             "is it a CosyVoice speech tokenizer model?")
+    return tokens
+
+
+def checked_embedding(embedding: torch.Tensor, path: Path) -> torch.Tensor:
+    if embedding.numel() != SPEAKER_EMBEDDING_DIM:
+        raise ModelLoadError(f"{path} produced {embedding.numel()} values; a CosyVoice speaker "
+                             f"embedding has {SPEAKER_EMBEDDING_DIM}")
+    return embedding
+
+
 class SpeechTokenizer:
     """``speech_tokenizer_v2.onnx``: ``tokenize(wav16 (N,)) -> int32 (T',)``, about 25 ids per second."""
 
@@ -66,23 +102,16 @@ class SpeechTokenizer:
         self._output_name = self.session.get_outputs()[0].name
 
     def tokenize(self, wav16: torch.Tensor) -> torch.Tensor:
-        wav16 = _check_wav16(wav16)
-        if wav16.numel() > MAX_PROMPT_SECONDS * TOKENIZER_SAMPLE_RATE:
-            raise InvalidInputError(f"speech tokenizer input is {wav16.numel() / TOKENIZER_SAMPLE_RATE:.2f} s; "
-                                    f"at most {MAX_PROMPT_SECONDS:g} s is supported")
-        try:
-            log_mel = whisper_log_mel(wav16, n_mels=WHISPER_N_MELS).unsqueeze(0)  # (1, 128, T)
-        except ValueError as exc:
-            raise InvalidInputError(f"audio too short for the speech tokenizer: {exc}") from exc
+        log_mel = whisper_log_mel(tokenizer_input(wav16), n_mels=WHISPER_N_MELS).unsqueeze(0)  # (1, 128, T)
         (codes,) = self.session.run([self._output_name], {
             self._feats_name: log_mel.numpy(),
             self._length_name: np.array([log_mel.shape[2]], dtype=np.int32),
         })
-        tokens = torch.from_numpy(np.ascontiguousarray(codes).reshape(-1).astype(np.int32))
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= SPEECH_TOKEN_VOCAB):
-            raise ModelLoadError(f"{self.path} produced speech token ids outside [0, {SPEECH_TOKEN_VOCAB}); "
-                                 "is it a CosyVoice2 speech_tokenizer_v2 model?")
-        return tokens
+        return checked_tokens(torch.from_numpy(np.ascontiguousarray(codes).reshape(-1).astype(np.int32)), self.path)
+
+    def tokenize_batch(self, wavs16: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One session run per clip: the released graph takes one clip."""
+        return [self.tokenize(wav16) for wav16 in wavs16]
 
 
 class SpeakerEncoder:
@@ -96,12 +125,11 @@ class SpeakerEncoder:
         self._output_name = self.session.get_outputs()[0].name
 
     def embed(self, wav16: torch.Tensor) -> torch.Tensor:
-        feats = campplus_features(_check_wav16(wav16))
-        if feats.shape[1] == 0:
-            raise InvalidInputError(f"audio of {wav16.numel()} samples is too short for the speaker encoder")
+        feats = campplus_features(speaker_input(wav16))
         (embedding,) = self.session.run([self._output_name], {self._input_name: feats.numpy()})
-        embedding = torch.from_numpy(np.ascontiguousarray(embedding, dtype=np.float32).reshape(-1))
-        if embedding.numel() != SPEAKER_EMBEDDING_DIM:
-            raise ModelLoadError(f"{self.path} produced {embedding.numel()} values; a CosyVoice2 speaker "
-                                 f"embedding has {SPEAKER_EMBEDDING_DIM}")
-        return embedding
+        return checked_embedding(torch.from_numpy(np.ascontiguousarray(embedding, dtype=np.float32).reshape(-1)),
+                                 self.path)
+
+    def embed_batch(self, wavs16: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One session run per clip (clips of different lengths cannot share the graph's batch)."""
+        return [self.embed(wav16) for wav16 in wavs16]

@@ -9,6 +9,7 @@ frames per prompt token (25 tokens/s vs 50 mel frames/s), so both are cut to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ from ..audio.features import matcha_mel_spectrogram
 from ..audio.io import PromptAudio
 from ..errors import InvalidInputError
 from .onnx_models import SpeakerEncoder, SpeechTokenizer
+from .torch_models import TorchSpeakerEncoder, TorchSpeechTokenizer
 
 TOKEN_MEL_RATIO = 2  # mel frames per speech token
 
@@ -69,10 +71,28 @@ def trim_to_token_rate(speech_tokens: torch.Tensor, speech_feat: torch.Tensor) -
     return speech_tokens[:token_len], speech_feat[:TOKEN_MEL_RATIO * token_len]
 
 
-def build_prompt_features(prompt_audio: PromptAudio, tokenizer: SpeechTokenizer,
-                          speaker_encoder: SpeakerEncoder, mel_fmax: float | None = COSYVOICE2_MEL_FMAX) -> PromptFeatures:
-    """Run the speech tokenizer, the prompt mel and the speaker encoder on a validated prompt
-    (``mel_fmax``: the model's prompt-mel band edge, :data:`COSYVOICE3_MEL_FMAX` for CosyVoice3)."""
-    tokens, feat = trim_to_token_rate(tokenizer.tokenize(prompt_audio.wav16), prompt_mel(prompt_audio.wav24, mel_fmax))
-    return PromptFeatures(speech_tokens=tokens.to(torch.int32), speech_feat=feat,
-                          embedding=speaker_encoder.embed(prompt_audio.wav16))
+def _voice_features(prompt_audio: PromptAudio, tokens: torch.Tensor, embedding: torch.Tensor,
+                    mel_fmax: float | None) -> PromptFeatures:
+    tokens, feat = trim_to_token_rate(tokens, prompt_mel(prompt_audio.wav24, mel_fmax))
+    return PromptFeatures(speech_tokens=tokens.to(torch.int32), speech_feat=feat, embedding=embedding)
+
+
+def build_prompt_features(prompt_audio: PromptAudio, tokenizer, speaker_encoder,
+                          mel_fmax: float | None = COSYVOICE2_MEL_FMAX) -> PromptFeatures:
+    """Run the speech tokenizer (``tokenize``), the prompt mel and the speaker encoder (``embed``) on
+    a validated prompt (``mel_fmax``: the model's prompt-mel band edge, :data:`COSYVOICE3_MEL_FMAX`
+    for CosyVoice3). Any object with those methods serves (local models, remote Triton models)."""
+    return _voice_features(prompt_audio, tokenizer.tokenize(prompt_audio.wav16),
+                           speaker_encoder.embed(prompt_audio.wav16), mel_fmax)
+
+
+def build_prompt_features_batch(prompt_audios: Sequence[PromptAudio],
+                                tokenizer: SpeechTokenizer | TorchSpeechTokenizer,
+                                speaker_encoder: SpeakerEncoder | TorchSpeakerEncoder,
+                                mel_fmax: float | None = COSYVOICE2_MEL_FMAX) -> list[PromptFeatures]:
+    """:func:`build_prompt_features` of several prompts, the tokenizer and the speaker encoder each
+    called once for all of them (``tokenize_batch`` / ``embed_batch``: one batch on the device with
+    the PyTorch back end)."""
+    wavs16 = [audio.wav16 for audio in prompt_audios]
+    return [_voice_features(audio, tokens, embedding, mel_fmax) for audio, tokens, embedding in
+            zip(prompt_audios, tokenizer.tokenize_batch(wavs16), speaker_encoder.embed_batch(wavs16))]

@@ -71,6 +71,25 @@ class TokenStream(Iterator[int]):
         self.num_tokens += len(tokens) - 1
         return tokens
 
+    def drain(self) -> tuple[list[int], Finished | None]:
+        """Without blocking: the tokens produced since the last call, and the last event once it
+        came (then the stream is over: a failed or cancelled request's event carries its error).
+        For a reader polling many streams from one loop (the engine core)."""
+        tokens: list[int] = []
+        while self._end is None:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(event, Finished):
+                self._end = event
+            else:
+                tokens.append(event)
+        self.num_tokens += len(tokens)
+        if self._end is not None:
+            self.finish_reason = self._end.reason
+        return tokens, self._end
+
     def close(self) -> None:
         if self.finish_reason is None:
             self.finish_reason = "cancelled"

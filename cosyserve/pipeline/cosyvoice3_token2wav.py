@@ -43,7 +43,7 @@ import torch
 from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..data import load_reference_audio
 from ..errors import InvalidInputError
-from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
+from ..frontend.torch_models import load_frontend_models
 from ..frontend.prompt import COSYVOICE3_MEL_FMAX, Voice, build_prompt_features
 from ..frontend.speakers import SpeakerRegistry
 from ..models.cosyvoice3.config import CONFIG_FILE, Cv3FlowConfig, config_from_model_dir
@@ -63,13 +63,15 @@ PROFILE_HEADER = ["variant", "utterance tokens", "wall ms", "flow ms (host)", "v
 PROFILE_KEYS = ("tokens", "wall_ms", "flow_host_ms", "vocoder_host_ms", "calls", "gpu_activities", "gpu_busy_ms")
 
 
-def cosyvoice3_voices(model_dir: str | Path, device: torch.device | str = "cpu") -> VoiceResolver:
+def cosyvoice3_voices(model_dir: str | Path, device: torch.device | str = "cpu",
+                      frontend_backend: str | None = None) -> VoiceResolver:
     """Reference clip + transcript -> CosyVoice3 :class:`Voice`: ``speech_tokenizer_v3.onnx`` (raw
-    codes), CAM++, the prompt mel up to the Nyquist frequency; no registered (default) voice."""
+    codes), CAM++ (back end: :func:`~cosyserve.frontend.torch_models.frontend_backend`), the prompt
+    mel up to the Nyquist frequency; no registered (default) voice."""
     model_dir = Path(model_dir)
-    providers = None if torch.device(device).type == "cuda" else ["CPUExecutionProvider"]
-    return VoiceResolver(SpeakerRegistry(), SpeechTokenizer(model_dir / "speech_tokenizer_v3.onnx", providers),
-                         SpeakerEncoder(model_dir / "campplus.onnx"), default_speaker=None,
+    tokenizer, speaker_encoder = load_frontend_models(model_dir / "speech_tokenizer_v3.onnx",
+                                                      model_dir / "campplus.onnx", device, frontend_backend)
+    return VoiceResolver(SpeakerRegistry(), tokenizer, speaker_encoder, default_speaker=None,
                          mel_fmax=COSYVOICE3_MEL_FMAX)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
+from ..frontend.torch_models import load_frontend_models
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.prompt import register_voice_prefixes
 from ..llm.sampling import REFERENCE_SAMPLING, SamplingParams
@@ -65,10 +65,12 @@ class LocalTTS:
 
 def load_local_tts(models_dir: str | Path, device: str = "auto", *, llm_backend: str = "torch",
                    strategy: str = "exponential", sampling: SamplingParams = REFERENCE_SAMPLING,
-                   llm_options: dict | None = None) -> LocalTTS:
+                   llm_options: dict | None = None, frontend_backend: str | None = None) -> LocalTTS:
     """Load the bundle layout ``<models_dir>/{CosyVoice2-0.5B, cosyvoice2_llm}`` on ``device``.
 
     fp32 on CPU; on CUDA the flow and HiFT's network run in fp16 and the LLM in bf16.
+    ``frontend_backend``: the speech tokenizer's and CAM++'s (torch / onnxruntime; default torch on
+    CUDA, onnxruntime on the CPU).
     """
     from transformers import AutoTokenizer
 
@@ -79,9 +81,9 @@ def load_local_tts(models_dir: str | Path, device: str = "auto", *, llm_backend:
     device = resolve_device(device)
     text_tokenizer = AutoTokenizer.from_pretrained(llm_dir)
     registry = SpeakerRegistry.load(model_dir / SPK2INFO)
-    providers = None if device.type == "cuda" else ["CPUExecutionProvider"]
-    voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", providers),
-                           SpeakerEncoder(model_dir / "campplus.onnx"), default_speaker=DEFAULT_SPEAKER)
+    tokenizer, speaker_encoder = load_frontend_models(model_dir / "speech_tokenizer_v2.onnx",
+                                                      model_dir / "campplus.onnx", device, frontend_backend)
+    voices = VoiceResolver(registry, tokenizer, speaker_encoder, default_speaker=DEFAULT_SPEAKER)
     token2wav = LocalToken2Wav(load_token2wav(model_dir, device, default_flow_dtype(device)))
     backend = create_backend(llm_backend, llm_dir, device, None, **(llm_options or {}))
     register_voice_prefixes(backend, text_tokenizer, registry)

@@ -42,7 +42,7 @@ import torch
 
 from ..data import FixedLength, Utterance, load_reference_audio
 from ..errors import InvalidInputError
-from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
+from ..frontend.torch_models import load_frontend_models
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.backends import create_backend
 from ..llm.base import BackendUnavailableError
@@ -103,6 +103,7 @@ class OfflineConfig:
     speaker_id: str | None = None  # use this registered voice for every utterance instead of its prompt
     seed: int = 0  # HiFT noise (per utterance, with its id) and the fixed-length draws
     llm_options: dict = field(default_factory=dict)  # e.g. engine_dir (trtllm), base_url (openai)
+    frontend_backend: str | None = None  # speech tokenizer + CAM++: torch / onnxruntime; None: by device
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -165,16 +166,17 @@ class OfflineTTS:
         flow_dtype = DTYPES[config.dtype] if config.dtype else default_flow_dtype(self.device)
         self.text_tokenizer = AutoTokenizer.from_pretrained(llm_dir)
         if self.cosyvoice3:  # no registered voices; the DiT in float32 unless asked (plain fp16 gives NaNs upstream)
-            self.voices = cosyvoice3_voices(model_dir, self.device)
+            self.voices = cosyvoice3_voices(model_dir, self.device, config.frontend_backend)
             registry = self.voices.registry
             self.token2wav = load_cosyvoice3_token2wav(model_dir, self.device,
                                                        DTYPES[config.dtype] if config.dtype else torch.float32)
             sampling, layout = COSYVOICE3_SAMPLING, COSYVOICE3
         else:
             registry = SpeakerRegistry.load(model_dir / SPK2INFO)
-            providers = None if self.device.type == "cuda" else ["CPUExecutionProvider"]
-            self.voices = VoiceResolver(registry, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", providers),
-                                        SpeakerEncoder(model_dir / "campplus.onnx"), default_speaker=DEFAULT_SPEAKER)
+            tokenizer, speaker_encoder = load_frontend_models(model_dir / "speech_tokenizer_v2.onnx",
+                                                              model_dir / "campplus.onnx", self.device,
+                                                              config.frontend_backend)
+            self.voices = VoiceResolver(registry, tokenizer, speaker_encoder, default_speaker=DEFAULT_SPEAKER)
             self.token2wav = load_token2wav(model_dir, self.device, flow_dtype, config.token2wav_options)
             sampling, layout = REFERENCE_SAMPLING, COSYVOICE2
         self.llm_backend = create_llm(config.backend, llm_dir, self.device, config.llm_dtype, **config.llm_options)

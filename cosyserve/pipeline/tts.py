@@ -254,23 +254,18 @@ def with_timeout(is_cancelled: Callable[[], bool], timeout_s: float) -> Callable
     return cancelled_or_timed_out
 
 
-class TTSPipeline:
-    """Text + voice -> 24 kHz waveform, offline (:meth:`synthesize`) or chunk by chunk (:meth:`stream`).
+class SegmentPrompter:
+    """A request's text -> its segments' LLM prompts: the text front-end (normalisation and
+    splitting, :class:`~cosyserve.text.TextFrontend`) and the prompt layout.
 
     ``text_tokenizer`` is the LLM's HuggingFace tokenizer (prompt ids, llm_layout.md §3; it also
     measures English segments). ``max_text_chars`` bounds a request's whole text. ``layout``: the
     LLM's prompt layout (CosyVoice2's or CosyVoice3's, ``llm/prompt.py``).
     """
 
-    def __init__(self, text_tokenizer: Any, llm: SpeechTokenSource, token2wav: Token2Wav, *,
-                 strategy: str = "exponential", max_text_chars: int = MAX_TEXT_CHARS,
-                 kind: Token2WavKind = COSYVOICE2_FLOW, layout: PromptLayout = COSYVOICE2):
-        kind.scheduler(strategy)  # fail at start-up, not per request, on an unknown strategy
+    def __init__(self, text_tokenizer: Any, *, max_text_chars: int = MAX_TEXT_CHARS,
+                 layout: PromptLayout = COSYVOICE2):
         self.text_tokenizer = text_tokenizer
-        self.llm = llm
-        self.token2wav = token2wav
-        self.strategy = strategy
-        self.kind = kind
         self.layout = layout
         self.text = TextFrontend(lambda text: text_tokenizer.encode(text, add_special_tokens=False),
                                  max_text_chars=max_text_chars)
@@ -309,6 +304,29 @@ class TTSPipeline:
                 prompt_text = self.voice_prompt_text(request.voice, request.text_frontend)
             yield SegmentPrompt(request.request_id if k == 0 else f"{request.request_id}.{k}", segment,
                                 self.prompt_ids(segment, request.voice, prompt_text, request.instruction))
+
+
+class TTSPipeline:
+    """Text + voice -> 24 kHz waveform, offline (:meth:`synthesize`) or chunk by chunk (:meth:`stream`),
+    one request on the calling thread, over a :class:`SpeechTokenSource` and a :class:`Token2Wav`.
+    Arguments as for :class:`SegmentPrompter`, whose methods it offers too.
+    """
+
+    def __init__(self, text_tokenizer: Any, llm: SpeechTokenSource, token2wav: Token2Wav, *,
+                 strategy: str = "exponential", max_text_chars: int = MAX_TEXT_CHARS,
+                 kind: Token2WavKind = COSYVOICE2_FLOW, layout: PromptLayout = COSYVOICE2):
+        kind.scheduler(strategy)  # fail at start-up, not per request, on an unknown strategy
+        self.llm = llm
+        self.token2wav = token2wav
+        self.strategy = strategy
+        self.kind = kind
+        self.prompter = SegmentPrompter(text_tokenizer, max_text_chars=max_text_chars, layout=layout)
+        self.text = self.prompter.text
+        self.segment_prompts = self.prompter.segment_prompts
+
+    @property
+    def max_text_chars(self) -> int:
+        return self.prompter.max_text_chars
 
     def synthesize(self, request: TTSRequest, is_cancelled: Callable[[], bool] = never_cancelled) -> np.ndarray:
         """The whole waveform (float32, 24 kHz) in one piece: the segments' waveforms concatenated.

@@ -1,7 +1,7 @@
 """The Triton model repository, built from the ``model_repo/`` templates: one builder for every pipeline.
 
-``run.sh`` stage 2 (CosyVoice2: ``cosyvoice2`` BLS, ``llm`` or ``tensorrt_llm``, ``token2wav``,
-``audio_tokenizer``, ``speaker_embedding``), ``run_stepaudio2_dit_token2wav.sh`` stage 2 (DiT:
+``run.sh`` stage 2 (CosyVoice2: ``cosyvoice2``, the engine core, with ``cosyvoice2_offline`` and
+``tensorrt_llm`` when its LLM is TensorRT-LLM; the reference layout's models on request), ``run_stepaudio2_dit_token2wav.sh`` stage 2 (DiT:
 ``cosyvoice2_dit``, ``token2wav_dit``, ``audio_tokenizer``), ``run_cosyvoice3.sh`` stage 2 (CosyVoice3:
 ``cosyvoice3``, ``llm``, ``token2wav``, ``audio_tokenizer``, ``speaker_embedding``) and the tests all
 call :func:`build`::
@@ -28,18 +28,20 @@ from pathlib import Path
 from typing import Sequence
 
 from ..runtime import COSYVOICE3_DIR, COSYVOICE3_LLM_DIR
-from .settings import BlsSettings, Cv3Token2WavSettings, FrontendSettings, LLMSettings, Token2WavSettings, parameter_value
+from .settings import (BlsSettings, Cv3Token2WavSettings, EngineSettings, FrontendSettings, LLMSettings, Token2WavSettings,
+                       parameter_value)
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
 # Parameters that repositories filled with the keys of NVIDIA's runtime (which has none of them)
 # leave empty: llm_protocol / llm_url of cosyvoice2 (by llm_model_name / a Triton LLM model),
 # bls_warm_up (on), request_timeout_s (no limit), admission_min_buffer_s and max_streams (off) and
-# mps_thread_percentage / mps_priority (no cap, normal priority); max_queue_size and
+# mps_thread_percentage / mps_priority (no cap, normal priority), frontend_backend (auto: torch on
+# CUDA, onnxruntime on the CPU); max_queue_size and
 # queue_timeout_microseconds 0 are no limit.
 DEFAULTS = {"max_queue_size": "0", "queue_timeout_microseconds": "0", "max_queue_delay_microseconds": "0",
-            "llm_protocol": "", "llm_url": "",
+            "llm_protocol": "", "llm_url": "", "engine_warm_up": "",
             "bls_warm_up": "", "request_timeout_s": "", "admission_min_buffer_s": "", "max_streams": "",
-            "mps_thread_percentage": "", "mps_priority": ""}
+            "mps_thread_percentage": "", "mps_priority": "", "frontend_backend": ""}
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 
 
@@ -112,52 +114,47 @@ class ModelEntry:
 
 @dataclass(frozen=True)
 class CosyVoice2Repository:
-    """What ``run.sh`` stage 2 builds (its variables in the comments)."""
+    """What ``run.sh`` stage 2 builds (its variables in the comments): ``cosyvoice2``, the engine
+    core behind its front door, with ``cosyvoice2_offline`` beside a decoupled one (one response
+    per request, from the same engine), ``tensorrt_llm`` with LLM_BACKEND=trtllm, and with
+    ``reference_models`` the reference layout's own models (``llm``, ``token2wav``,
+    ``audio_tokenizer``, ``speaker_embedding``: to call them directly; the engine does not)."""
 
     models_dir: Path                                           # MODELS_DIR (CosyVoice2-0.5B, cosyvoice2_llm)
-    llm_backend: str = "torch"                                 # LLM_BACKEND: torch (our llm model) | trtllm
-    llm_engine: str = LLMSettings.llm_backend                  # LLM_ENGINE
-    llm_protocol: str = BlsSettings.llm_protocol               # LLM_PROTOCOL
-    llm_url: str = BlsSettings.llm_url                         # LLM_URL: no Triton LLM model then
+    # torch: our LLM engine in the cosyvoice2 model's loop | trtllm: the tensorrt_llm model
+    llm_backend: str = "torch"                                 # LLM_BACKEND
+    llm_engine: str = LLMSettings.llm_backend                  # LLM_ENGINE (the reference llm model's)
+    llm_protocol: str = EngineSettings.llm_protocol            # LLM_PROTOCOL
+    llm_url: str = EngineSettings.llm_url                      # LLM_URL: no LLM in the loop then
     trt_engine_dir: str = ""                                   # TRT_ENGINE_DIR
     trt_kv_cache_tokens: int = 2560                            # TRT_KV_CACHE_TOKENS
     decoupled: bool = True                                     # DECOUPLED_MODE
-    streaming_strategy: str = BlsSettings.streaming_strategy   # STREAMING_STRATEGY
-    device: str = Token2WavSettings.device                     # DEVICE
-    bls_instances: int = 4                                     # BLS_INSTANCE_NUM
+    streaming_strategy: str = EngineSettings.streaming_strategy  # STREAMING_STRATEGY
+    device: str = EngineSettings.device                        # DEVICE
     offline_bls_instances: int = 1                             # OFFLINE_BLS_INSTANCE_NUM
-    # Requests that wait for a BLS instance at most (past that: refused at once, UNAVAILABLE);
-    # 0: no limit (the default: requests queue, as in NVIDIA's runtime); None: as many as instances.
-    bls_max_queue_size: int | None = 0                         # BLS_MAX_QUEUE_SIZE
+    # cosyvoice2_offline's waiting requests at most (past that: refused at once, UNAVAILABLE); 0: no
+    # limit; None: as many as instances. And how long one may wait (ms; 0: no limit).
     offline_bls_max_queue_size: int | None = 0                 # OFFLINE_BLS_MAX_QUEUE_SIZE
-    # Milliseconds a request may wait for a BLS instance (past that: refused, UNAVAILABLE "Request
-    # timeout expired"); 0: no limit.
-    bls_max_queue_ms: float = 0                                # BLS_MAX_QUEUE_MS
     offline_bls_max_queue_ms: float = 0                        # OFFLINE_BLS_MAX_QUEUE_MS
-    max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
-    min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
-    bls_warm_up: str = parameter_value(BlsSettings.warm_up)    # BLS_WARM_UP
-    request_timeout_s: float = BlsSettings.request_timeout_s   # REQUEST_TIMEOUT_S
-    admission_min_buffer_s: float = BlsSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S
-    # Streams the server sends at most; a new request past that is refused at once ("overloaded:
+    max_tokens: int = EngineSettings.max_tokens                # MAX_TOKENS
+    min_tokens: int = EngineSettings.min_tokens                # MIN_TOKENS
+    bls_warm_up: str = parameter_value(EngineSettings.warm_up)  # BLS_WARM_UP (the text front-end)
+    engine_warm_up: str = parameter_value(EngineSettings.engine_warm_up)  # ENGINE_WARM_UP
+    request_timeout_s: float = EngineSettings.request_timeout_s  # REQUEST_TIMEOUT_S
+    admission_min_buffer_s: float = EngineSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S
+    # Streams the engine sends at most; a new request past that is refused at once ("overloaded:
     # ..."); 0: no cap.
-    max_streams: int = BlsSettings.max_streams                 # MAX_STREAMS
+    max_streams: int = EngineSettings.max_streams              # MAX_STREAMS
     max_batch_size: int = Token2WavSettings.max_batch          # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
+    frontend_backend: str = FrontendSettings.frontend_backend  # FRONTEND_BACKEND (auto: torch on CUDA)
     token2wav_dtype: str = Token2WavSettings.dtype             # TOKEN2WAV_*
     token2wav_cuda_graphs: str = parameter_value(Token2WavSettings.cuda_graphs)
-    token2wav_incremental_stream: str = parameter_value(Token2WavSettings.incremental_stream)
     token2wav_final: str = Token2WavSettings.final
     token2wav_state_pool_gb: float = Token2WavSettings.state_pool_gb
     token2wav_max_voices: int = Token2WavSettings.max_voices
-    token2wav_precapture_frames: str = parameter_value(Token2WavSettings.precapture_frames)
-    token2wav_compile: str = parameter_value(Token2WavSettings.compile)
-    token2wav_hift_graphs: str = parameter_value(Token2WavSettings.hift_graphs)
     token2wav_hift_dtype: str = Token2WavSettings.hift_dtype
-    token2wav_mps_thread_percentage: str = ""
-    token2wav_mps_priority: str = ""
-    llm_mps_thread_percentage: str = ""
-    llm_mps_priority: str = ""
+    reference_models: bool = False                             # REFERENCE_MODELS
 
     def models(self) -> dict[str, ModelEntry]:
         """Model name -> entry; ``cosyvoice2_offline`` next to a decoupled ``cosyvoice2`` (HTTP
@@ -165,28 +162,27 @@ class CosyVoice2Repository:
         model_dir, llm_dir = f"{self.models_dir}/CosyVoice2-0.5B", f"{self.models_dir}/cosyvoice2_llm"
         common = {"model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
                   "max_queue_delay_microseconds": str(self.max_queue_delay_microseconds), "device": self.device}
-        models = {"token2wav": ModelEntry("token2wav", {
-            **common, "token2wav_dtype": self.token2wav_dtype, "token2wav_cuda_graphs": self.token2wav_cuda_graphs,
-            "token2wav_incremental_stream": self.token2wav_incremental_stream,
-            "token2wav_final": self.token2wav_final, "token2wav_state_pool_gb": f"{self.token2wav_state_pool_gb:g}",
-            "token2wav_max_voices": str(self.token2wav_max_voices),
-            "token2wav_precapture_frames": self.token2wav_precapture_frames,
-            "token2wav_compile": self.token2wav_compile, "token2wav_hift_graphs": self.token2wav_hift_graphs,
-            "token2wav_hift_dtype": self.token2wav_hift_dtype,
-            "mps_thread_percentage": self.token2wav_mps_thread_percentage,
-            "mps_priority": self.token2wav_mps_priority})}
-        models["audio_tokenizer"] = ModelEntry("audio_tokenizer", common)
-        models["speaker_embedding"] = ModelEntry("speaker_embedding", common)
-        llm_model = "tensorrt_llm" if self.llm_backend == "trtllm" else "llm"
-        # With llm_url, speech tokens come from a completions server: no Triton LLM model.
-        triton_llm = None if self.llm_url else llm_model
-        if triton_llm == "llm":
-            models["llm"] = ModelEntry("llm", {
-                **common, "llm_dir": llm_dir, "llm_engine": self.llm_engine,
-                "mps_thread_percentage": self.llm_mps_thread_percentage, "mps_priority": self.llm_mps_priority})
-        elif triton_llm == "tensorrt_llm":
+        token2wav = {"token2wav_dtype": self.token2wav_dtype, "token2wav_cuda_graphs": self.token2wav_cuda_graphs,
+                     "token2wav_final": self.token2wav_final,
+                     "token2wav_state_pool_gb": f"{self.token2wav_state_pool_gb:g}",
+                     "token2wav_max_voices": str(self.token2wav_max_voices),
+                     "token2wav_hift_dtype": self.token2wav_hift_dtype}
+        models = {}
+        if self.reference_models:
+            models["token2wav"] = ModelEntry("token2wav", {
+                **common, **token2wav, "token2wav_incremental_stream": "auto", "token2wav_precapture_frames": "auto",
+                "token2wav_compile": "auto", "token2wav_hift_graphs": "auto", "mps_thread_percentage": "",
+                "mps_priority": ""})
+            frontend = {**common, "frontend_backend": self.frontend_backend}
+            models["audio_tokenizer"] = ModelEntry("audio_tokenizer", frontend)
+            models["speaker_embedding"] = ModelEntry("speaker_embedding", frontend)
+            models["llm"] = ModelEntry("llm", {**common, "llm_dir": llm_dir, "llm_engine": self.llm_engine,
+                                               "mps_thread_percentage": "", "mps_priority": ""})
+        # The engine's speech tokens: the completions server at llm_url, the tensorrt_llm model, or
+        # (llm_model_name empty) our LLM engine in its own loop.
+        llm_model = "tensorrt_llm" if self.llm_backend == "trtllm" and not self.llm_url else ""
+        if llm_model:
             kv_tokens = str(self.trt_kv_cache_tokens)
-            # decoupled always: the BLS streams from the LLM model in both modes (one response when not streaming)
             models["tensorrt_llm"] = ModelEntry("tensorrt_llm", {
                 "triton_backend": "tensorrtllm", "triton_max_batch_size": str(self.max_batch_size),
                 "decoupled_mode": "True", "max_beam_width": "1", "engine_dir": self.trt_engine_dir,
@@ -195,19 +191,18 @@ class CosyVoice2Repository:
                 "enable_kv_cache_reuse": "False", "batching_strategy": "inflight_fused_batching",
                 "max_queue_delay_microseconds": str(self.max_queue_delay_microseconds),
                 "encoder_input_features_data_type": "TYPE_FP16", "logits_datatype": "TYPE_FP32"})
-        bls = {"model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
-               "llm_tokenizer_dir": llm_dir, "streaming_strategy": self.streaming_strategy,
-               "llm_model_name": llm_model, "llm_protocol": self.llm_protocol, "llm_url": self.llm_url,
-               "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
-               "bls_warm_up": self.bls_warm_up, "request_timeout_s": parameter_value(self.request_timeout_s),
-               "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s),
-               "max_streams": _max_streams(self.max_streams)}
         models["cosyvoice2"] = ModelEntry("cosyvoice2", {
-            **bls, "bls_instance_num": str(self.bls_instances), "decoupled_mode": str(self.decoupled),
-            **_queue_policy(self.bls_max_queue_size, self.bls_instances, self.bls_max_queue_ms)})
+            "model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size), "device": self.device,
+            **token2wav, "llm_tokenizer_dir": llm_dir, "streaming_strategy": self.streaming_strategy,
+            "llm_model_name": llm_model, "llm_protocol": self.llm_protocol, "llm_url": self.llm_url,
+            "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens), "bls_warm_up": self.bls_warm_up,
+            "engine_warm_up": self.engine_warm_up, "request_timeout_s": parameter_value(self.request_timeout_s),
+            "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s),
+            "max_streams": _max_streams(self.max_streams), "decoupled_mode": str(self.decoupled),
+            "frontend_backend": self.frontend_backend})
         if self.decoupled:
-            models["cosyvoice2_offline"] = ModelEntry("cosyvoice2", {
-                **bls, "bls_instance_num": str(self.offline_bls_instances), "decoupled_mode": "False",
+            models["cosyvoice2_offline"] = ModelEntry("cosyvoice2_offline", {
+                "triton_max_batch_size": str(self.max_batch_size), "bls_instance_num": str(self.offline_bls_instances),
                 **_queue_policy(self.offline_bls_max_queue_size, self.offline_bls_instances,
                                 self.offline_bls_max_queue_ms)})
         return models
@@ -298,11 +293,13 @@ class CosyVoice3Repository:
     token2wav_cuda_graphs: str = parameter_value(Cv3Token2WavSettings.cuda_graphs)  # TOKEN2WAV_CUDA_GRAPHS
     llm_url: str = BlsSettings.llm_url                         # LLM_URL: no Triton LLM model then
     voices_dir: str = ""                                       # VOICES_DIR (empty: <model dir>/voices)
+    frontend_backend: str = FrontendSettings.frontend_backend  # FRONTEND_BACKEND (auto: torch on CUDA)
 
     def models(self) -> dict[str, ModelEntry]:
         model_dir, llm_dir = f"{self.models_dir}/{COSYVOICE3_DIR}", f"{self.models_dir}/{COSYVOICE3_LLM_DIR}"
         common = {"model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
                   "max_queue_delay_microseconds": str(self.max_queue_delay_microseconds), "device": self.device}
+        frontend = {**common, "frontend_backend": self.frontend_backend}
         return {
             "cosyvoice3": ModelEntry("cosyvoice3", {
                 "model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
@@ -323,8 +320,8 @@ class CosyVoice3Repository:
                 "token2wav_incremental_stream": self.token2wav_incremental_stream,
                 "token2wav_voice_prefixes": str(self.token2wav_voice_prefixes),
                 "token2wav_cuda_graphs": self.token2wav_cuda_graphs}),
-            "audio_tokenizer": ModelEntry("audio_tokenizer_cosyvoice3", common),
-            "speaker_embedding": ModelEntry("speaker_embedding", common),
+            "audio_tokenizer": ModelEntry("audio_tokenizer_cosyvoice3", frontend),
+            "speaker_embedding": ModelEntry("speaker_embedding", frontend),
         }
 
 

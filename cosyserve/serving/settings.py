@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 
+from ..engine.scheduler import DEFAULT_MAX_STEP_FRAMES, DEFAULT_MAX_STEP_JOBS
 from ..runtime import STREAM_IDLE_TIMEOUT_S, resolve_device, resolve_device_dtype
 from ..pipeline.tts import DEFAULT_FEATURE_CACHE_SIZE, DEFAULT_MAX_TOKENS, MAX_TEXT_CHARS
 from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, default_flow_dtype,
@@ -195,11 +196,69 @@ class BlsSettings:
 
 
 @dataclass(frozen=True)
+class EngineSettings(BlsSettings):
+    """The ``cosyvoice2`` model: the engine core (:mod:`cosyserve.engine`) behind a thin front door.
+
+    Speech tokens: ``llm_url`` (OpenAI-compatible servers) when set, else the Triton model
+    ``llm_model_name`` when set (``tensorrt_llm``: TensorRT-LLM; the reference layout), else our
+    LLM engine in the loop (``llm_max_slots`` requests decoded at once, ``llm_max_model_len``
+    positions each). ``device`` (auto: CUDA when available); the flow in ``token2wav_dtype``
+    (auto: fp16 on CUDA), HiFT's network in ``hift_dtype``; ``cuda_graphs`` (auto: on with CUDA:
+    the flow's steps and HiFT's streaming shapes from CUDA graphs); ``final`` (reference |
+    streaming: how a stream's last chunk is voiced); ``state_pool_gb`` (the flow's state pages;
+    0: a third of the GPU memory free after the LLM loads); ``max_voices`` (voice prompt states
+    kept); ``frontend_backend`` (the speech tokenizer's and speaker encoder's: torch, onnxruntime,
+    auto); ``max_step_frames`` / ``max_step_jobs`` (a packed Euler step's budget);
+    ``prepare_threads`` (threads that resolve voices and build prompts: a new clip's front-end
+    runs there, never in the loop); ``engine_warm_up`` (auto: on with CUDA: the server reports
+    ready only once every shape is captured and a few requests have run through the loop).
+    """
+
+    llm_model_name: str = ""  # empty: the LLM engine in the loop
+    device: str = AUTO
+    llm_max_slots: int = 64
+    llm_max_model_len: int = 2048
+    token2wav_dtype: str = AUTO
+    cuda_graphs: bool | None = None
+    hift_dtype: str = AUTO
+    hift_max_tokens: int = 750
+    final: str = "reference"
+    state_pool_gb: float = 0.0
+    max_voices: int = 64
+    frontend_backend: str = AUTO
+    max_step_frames: int = DEFAULT_MAX_STEP_FRAMES
+    max_step_jobs: int = DEFAULT_MAX_STEP_JOBS
+    prepare_threads: int = 4
+    engine_warm_up: bool | None = None
+
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    def flow_dtype(self, device: torch.device) -> torch.dtype:
+        if self.token2wav_dtype == AUTO:
+            return default_flow_dtype(device)
+        return resolve_device_dtype(device, self.token2wav_dtype)[1]
+
+    def options(self, device: torch.device) -> Token2WavOptions:
+        graphs = device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
+        return Token2WavOptions(
+            cuda_graphs=graphs, hift_graphs=graphs,
+            hift_precapture_frames=streaming_vocoder_frames(self.hift_max_tokens) if graphs else (),
+            incremental_stream=True, final=self.final, state_pool_bytes=int(self.state_pool_gb * (1 << 30)),
+            max_voices=self.max_voices, hift_dtype=self.hift_dtype)
+
+    def warm_up_engine(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.engine_warm_up is None else self.engine_warm_up
+
+
+@dataclass(frozen=True)
 class FrontendSettings(ProcessSettings):
-    """The ``audio_tokenizer`` and ``speaker_embedding`` models: ``clip_cache_size`` clips' results kept."""
+    """The ``audio_tokenizer`` and ``speaker_embedding`` models: ``clip_cache_size`` clips' results
+    kept; ``frontend_backend`` torch, onnxruntime or auto (torch on CUDA, onnxruntime on the CPU)."""
 
     model_dir: Path
     clip_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE
+    frontend_backend: str = AUTO
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,27 @@ def respond_each(requests, run) -> list:
     return responses
 
 
+def respond_batch(requests, prepare, run_batch) -> list:
+    """Non-decoupled execute over a batch: ``prepare(request) -> item`` per request (its errors stay
+    with that request), then one ``run_batch(items) -> [output tensors]`` for all prepared ones."""
+    outcomes: list = [None] * len(requests)
+    items = {}
+    for index, request in enumerate(requests):
+        try:
+            items[index] = prepare(request)
+        except Exception as exc:
+            outcomes[index] = exc
+    if items:
+        try:
+            outcomes_of_batch = run_batch(list(items.values()))
+        except Exception as exc:
+            outcomes_of_batch = [exc] * len(items)
+        for index, outcome in zip(items, outcomes_of_batch):
+            outcomes[index] = outcome
+    return [error_response(outcome) if isinstance(outcome, BaseException)
+            else pb_utils.InferenceResponse(output_tensors=outcome) for outcome in outcomes]
+
+
 def raw_speech_tokens(llm_ids: np.ndarray, name: str) -> np.ndarray:
     """Speech tokens as they travel between models, LLM ids (151663 + k) -> raw speech tokens k (int32)."""
     ids = llm_ids.reshape(-1).astype(np.int64)

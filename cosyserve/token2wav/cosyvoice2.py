@@ -35,10 +35,11 @@ import torch
 
 from ..errors import CapacityError, InvalidInputError
 from ..models.flow import CosyVoice2Flow, load_flow
-from ..models.hift import HiFTGenerator, draw_source_noise, load_hift
+from ..models.hift import HiFTGenerator, load_hift
 from .flow_engine import EngineStream, FlowEngine
 from .graphs import FlowSampler, HiftRunner
 from ..schedule import plan_chunks
+from .vocoder_batch import source_noise, vocode_batch
 from .vocoder_stream import MEL_CACHE_FRAMES, HiftStream, SineNoiseProvider, VocoderCall, VocoderChunk
 
 
@@ -379,40 +380,14 @@ class CosyVoice2Token2Wav:
         return mels
 
     def _vocode(self, work: Sequence[BatchItem], calls: Sequence[VocoderCall]) -> list[tuple | None]:
-        """HiFT (speech, source) of each needed call (None otherwise), batched per (frames, cached samples).
-
-        Noise is drawn per unit in order, as the unbatched calls would draw it; the random initial
-        phases that HiFT would also draw never reach its output (fixture README §5.2)."""
+        """HiFT (speech, source) of each needed call (None otherwise), batched per shape; noise drawn
+        per unit in order (:func:`~.vocoder_batch.vocode_batch`)."""
         harmonics = self.hift.m_source.num_harmonics
-        noises: list[torch.Tensor | None] = []
-        for w, call in zip(work, calls):
-            if not call.needed:
-                noises.append(None)
-                continue
-            generator, provider = ((w.stream._vocoder.generator, w.stream._vocoder.sine_noise) if w.stream
-                                   else (w.generator, w.sine_noise))
-            if provider is None:
-                noises.append(draw_source_noise(1, call.samples, harmonics, self.device, generator).sine_noise)
-                continue
-            noise = provider(call.samples)
-            if tuple(noise.shape) != (1, call.samples, harmonics):
-                raise InvalidInputError(
-                    f"sine_noise must have shape {(1, call.samples, harmonics)}, got {tuple(noise.shape)}")
-            noises.append(noise)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, call in enumerate(calls):
-            if call.needed:
-                cached = -1 if call.cache_source is None else call.cache_source.shape[-1]
-                groups.setdefault((call.mel_in.shape[2], cached), []).append(i)
-        outputs: list[tuple | None] = [None] * len(calls)
-        for (_, cached), members in groups.items():
-            mel = torch.cat([calls[i].mel_in for i in members])
-            cache = None if cached < 0 else torch.cat([calls[i].cache_source for i in members])
-            noise = torch.cat([noises[i].to(self.device) for i in members])
-            speech, source = self.vocoder(mel, cache, noise)
-            for row, i in enumerate(members):
-                outputs[i] = (speech[row:row + 1], source[row:row + 1])
-        return outputs
+        noises = [None if not call.needed else
+                  source_noise(call, harmonics, self.device, *((w.stream._vocoder.generator, w.stream._vocoder.sine_noise)
+                                                                if w.stream else (w.generator, w.sine_noise)))
+                  for w, call in zip(work, calls)]
+        return vocode_batch(self.vocoder, calls, noises)
 
     # ----- validation -----
 

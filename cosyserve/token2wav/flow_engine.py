@@ -197,10 +197,17 @@ class _Window:
     token_commit: int
     mu: torch.Tensor  # (1, 80, frames - frame_start)
     new_pages: list[int]
+    x: torch.Tensor  # (1, 80, width): the ODE state before Euler step ``step`` (the fixed noise at 0)
+    kept: torch.Tensor  # (steps, 2 CFG rows, conv width): conv context at frame_commit, per step taken
+    step: int = 0  # Euler steps taken
 
     @property
     def width(self) -> int:
         return self.frames - self.frame_start
+
+    @property
+    def done(self) -> bool:
+        return self.step == self.kept.size(0)
 
 
 class StepBuffers:
@@ -420,8 +427,9 @@ class FlowEngine:
                 ends = list(range(lookahead + PREFIX_PIECE_TOKENS, tokens.size(1), PREFIX_PIECE_TOKENS))
                 for end in ends + [tokens.size(1)]:
                     (window,) = self._windows([(stream, tokens[:, :end], False)])
-                    self._run_windows([window])
-                    self._take_blocks(window)
+                    while not window.done:
+                        self._step_windows([window])
+                    self._commit(window)
             voice.state = stream._state
             stream._state = None  # its pages now belong to the voice
             stream.closed = True
@@ -487,29 +495,55 @@ class FlowEngine:
         one up to 2n and closes its stream. A stream that fails (bad tokens, no state pages) is
         closed; an error in the packed run closes every stream of the run.
         """
+        windows = self.start(chunks)
+        while not windows[0].done:
+            self.step(windows)
+        return [self.finish(w) for w in windows]
+
+    def start(self, chunks: list[tuple[EngineStream, torch.Tensor, bool]]) -> list[_Window]:
+        """The chunks' windows (encoder run, state pages taken), ready for :meth:`step`; chunks as
+        for :meth:`run`. Each window then takes one Euler step per :meth:`step` call it is part of,
+        whatever the others' steps, and is voiced by :meth:`finish` once :attr:`_Window.done`.
+        On an error the chunks' streams are closed."""
         with self._lock, torch.inference_mode():
-            windows = []
             try:
-                windows = self._windows([(stream, torch.cat([stream.voice.prompt_tokens,
-                                                              self._validated(stream, tokens, finalize)], dim=1),
-                                          finalize) for stream, tokens, finalize in chunks])
-                x = self._run_windows(windows)
+                return self._windows([(stream, torch.cat([stream.voice.prompt_tokens,
+                                                          self._validated(stream, tokens, finalize)], dim=1),
+                                       finalize) for stream, tokens, finalize in chunks])
             except BaseException:
-                for window in windows:
-                    self.pool.release(window.new_pages)
                 for stream, _, _ in chunks:
                     stream.close()
                 raise
-            mels = []
-            for j, w in enumerate(windows):
-                stream = w.stream
-                # a copy: x is a workspace the next run of this shape overwrites
-                mels.append(x[j, stream._frames_out - w.frame_start:w.width].T[None].to(torch.float32, copy=True))
-                self._take_blocks(w)
-                stream._frames_out = w.frames
-                if w.finalize:
-                    stream.close()
-            return mels
+
+    def step(self, windows: list[_Window]) -> None:
+        """One guided Euler step of every window, packed into one estimator call; each window is
+        at its own step. An error closes every stream of the call (their pages freed)."""
+        with self._lock, torch.inference_mode():
+            try:
+                self._step_windows(windows)
+            except BaseException:
+                self.abort(windows)
+                raise
+
+    def finish(self, w: _Window) -> torch.Tensor:
+        """A done window's mel (1, 80, f) float32 of the frames not returned before; its complete
+        blocks become its stream's context (a final window closes the stream)."""
+        with self._lock:
+            stream = w.stream
+            mel = w.x[:, :, stream._frames_out - w.frame_start:].to(torch.float32, copy=True)
+            self._commit(w)
+            stream._frames_out = w.frames
+            if w.finalize:
+                stream.close()
+            return mel
+
+    def abort(self, windows: list[_Window]) -> None:
+        """Give up windows not finished: their new pages are freed and their streams closed."""
+        with self._lock:
+            for w in windows:
+                self.pool.release(w.new_pages)
+                w.new_pages = []
+                w.stream.close()
 
     def _validated(self, stream: EngineStream, tokens: torch.Tensor, finalize: bool) -> torch.Tensor:
         flow = self.flow
@@ -562,9 +596,12 @@ class FlowEngine:
             for (stream, state, finalize, valid_tokens, token_commit, frame_commit), mu in zip(plans, mus):
                 mu = state.mu.extend(mu, commit=ratio * (token_commit - state.token_commit))
                 frame_start = state.frame_commit
-                windows.append(_Window(stream, state, finalize, ratio * valid_tokens, frame_start, frame_commit,
+                frames = ratio * valid_tokens
+                windows.append(_Window(stream, state, finalize, frames, frame_start, frame_commit,
                                        token_commit, mu[:, :, frame_start:],
-                                       self._allocate((frame_commit - frame_start) // self.pool.page_frames)))
+                                       self._allocate((frame_commit - frame_start) // self.pool.page_frames),
+                                       fixed_noise(frames, self.device, self.dtype)[:, :, frame_start:],
+                                       torch.empty_like(state.conv)))
         except BaseException:
             for window in windows:
                 self.pool.release(window.new_pages)
@@ -583,9 +620,10 @@ class FlowEngine:
                     "retry later")
         return allocated
 
-    def _run_windows(self, windows: list[_Window]) -> torch.Tensor:
-        """The 10 guided Euler steps of every window, packed; returns x after the last step
-        (pairs, frames, 80; window j in row j), a view valid until the next run of this shape."""
+    def _step_windows(self, windows: list[_Window]) -> None:
+        """One guided Euler step of every window, each at its own step, packed into one estimator
+        call: each window's context is gathered from its pages at its step, the blocks it completes
+        are written back to its new pages at that step, and its x advances."""
         fused, pool, page = self.fused, self.pool, self.pool.page_frames
         count = len(windows)
         widths = [w.width for w in windows]
@@ -594,58 +632,68 @@ class FlowEngine:
         if buffers is None:
             buffers = StepBuffers(fused, count, max(widths), context_slots(max(contexts), max(widths)))
         pairs, frames = buffers.pairs, buffers.frames
+        # counted as Euler loops (the sampler's unit): a window counts at its first step
+        starting = [w.width for w in windows if w.step == 0]
         counters = self.counters
-        counters.calls, counters.rows = counters.calls + 1, counters.rows + count
-        counters.frames, counters.padded_frames = counters.frames + sum(widths), counters.padded_frames + pairs * frames
+        counters.calls, counters.rows = counters.calls + bool(starting), counters.rows + len(starting)
+        counters.frames, counters.padded_frames = (counters.frames + sum(starting),
+                                                   counters.padded_frames + len(starting) * frames)
         idle = [0] * (pairs - count)  # padding pairs of a captured shape: no frames, no context
         buffers.set_rows(fused.rows((widths + idle) * 2, (contexts + idle) * 2, frames, streaming=True,
                                     slots=buffers.slots))
         inp = buffers.inp
         inp.zero_()
         for j, w in enumerate(windows):
-            end = w.frames
             voice = w.stream.voice
-            x = fixed_noise(end, self.device, self.dtype)[:, :, w.frame_start:]
-            cond = self.flow.prompt_condition(voice.prompt_feat, w.frame_start, end)
-            fused.fill_input(inp, (j, pairs + j), x, w.mu, voice.spks, cond)
-        commits = [w.frame_commit - w.frame_start for w in windows] + idle
-        buffers.commit.copy_(torch.tensor(commits * 2))
-        # Every index is built once per run and moved in one copy each: per step, all streams'
-        # context moves in one gather + one scatter, and their new blocks back in one of each.
+            cond = self.flow.prompt_condition(voice.prompt_feat, w.frame_start, w.frames)
+            fused.fill_input(inp, (j, pairs + j), w.x, w.mu, voice.spks, cond)
+        steps = [w.step for w in windows]
+        buffers.commit.copy_(torch.tensor([w.frame_commit - w.frame_start for w in windows] + idle, dtype=torch.long)
+                             .repeat(2))
+        # Every index is built once per call and moved in one copy each: all windows' context moves
+        # in one gather + one scatter, and their new blocks back in one of each.
         rows = torch.tensor(list(range(count)) + list(range(pairs, pairs + count)), device=self.device)
-        context_pages, context_keys, new_pages, new_keys = [], [], [], []
+        context_pages, context_steps, context_keys, new_pages, new_steps, new_keys = [], [], [], [], [], []
         for j, w in enumerate(windows):
             cfg_rows = (j * buffers.key_stride, (pairs + j) * buffers.key_stride)
             for q, number in enumerate(w.state.pages):
                 context_pages.append(number)
+                context_steps.append(w.step)
                 context_keys += [row + q * page for row in cfg_rows]
             if not w.finalize:
                 for q, number in enumerate(w.new_pages):
                     new_pages.append(number)
+                    new_steps.append(w.step)
                     new_keys += [row + buffers.slots + q * page for row in cfg_rows]
-        context_pages, context_keys, new_pages, new_keys = (
+        context_pages, context_steps, context_keys, new_pages, new_steps, new_keys = (
             torch.tensor(v, device=self.device, dtype=torch.long) if v else None
-            for v in (context_pages, _page_keys(context_keys, page), new_pages, _page_keys(new_keys, page)))
-        conv = torch.stack([w.state.conv for w in windows])  # (windows, steps, 2, conv width)
-        kept = torch.empty_like(conv)
+            for v in (context_pages, context_steps, _page_keys(context_keys, page), new_pages, new_steps,
+                      _page_keys(new_keys, page)))
         kv, conv_all = buffers.kv_flat, buffers.state.conv_all
         layers, width = kv.size(0), kv.size(2)
-        for step in range(self.n_timesteps):
-            if context_pages is not None:
-                context = pool.data[context_pages, step]  # (pages, layers, 2, page, width)
-                kv.index_copy_(1, context_keys, context.transpose(0, 1).reshape(layers, -1, width))
-            conv_all.index_copy_(0, rows, conv[:, step].transpose(0, 1).reshape(2 * count, -1))
-            buffers.time_bias.copy_(self._time_bias[step][:, None, :].expand(-1, 2 * pairs, -1))
-            buffers.dt.copy_(self._dt[step].expand(pairs))
-            x_out = buffers.step()
-            kept[:, step] = buffers.kept.index_select(0, rows).unflatten(0, (2, count)).transpose(0, 1)
-            if new_pages is not None:
-                blocks = kv.index_select(1, new_keys).unflatten(1, (len(new_pages), 2, page))
-                pool.data[new_pages, step] = blocks.transpose(0, 1)
+        if context_pages is not None:
+            context = pool.data[context_pages, context_steps]  # (pages, layers, 2, page, width)
+            kv.index_copy_(1, context_keys, context.transpose(0, 1).reshape(layers, -1, width))
+        conv = torch.stack([w.state.conv[w.step] for w in windows])  # (windows, 2, conv width)
+        conv_all.index_copy_(0, rows, conv.transpose(0, 1).reshape(2 * count, -1))
+        row_steps = torch.tensor((steps + idle) * 2, device=self.device)
+        buffers.time_bias.copy_(self._time_bias[row_steps].transpose(0, 1))
+        buffers.dt.copy_(self._dt[row_steps[:pairs]])
+        x_out = buffers.step()
+        kept = buffers.kept.index_select(0, rows).unflatten(0, (2, count)).transpose(0, 1)
+        if new_pages is not None:
+            blocks = kv.index_select(1, new_keys).unflatten(1, (len(new_pages), 2, page))
+            pool.data[new_pages, new_steps] = blocks.transpose(0, 1)
         for j, w in enumerate(windows):
-            if not w.finalize:
-                w.state.conv.copy_(kept[j])
-        return x_out
+            w.kept[w.step].copy_(kept[j])
+            w.x = x_out[j, :w.width].T[None].clone()  # x_out is the shape's workspace
+            w.step += 1
+
+    def _commit(self, w: _Window) -> None:
+        """A done window's complete blocks and conv context become its stream's state."""
+        if not w.finalize:
+            w.state.conv.copy_(w.kept)
+        self._take_blocks(w)
 
     @staticmethod
     def _take_blocks(w: _Window) -> None:

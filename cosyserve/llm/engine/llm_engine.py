@@ -141,6 +141,12 @@ class LLMEngine:
         return self.runner.layout
 
     @property
+    def has_work(self) -> bool:
+        """Whether a :meth:`step` would do anything (for a caller that steps the engine itself)."""
+        with self._lock:
+            return bool(self._inbox or self._calls) or self.scheduler.has_work
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 

@@ -1,14 +1,14 @@
 """Triton model `cosyvoice2`: text (+ voice) -> 24 kHz waveform, streaming or offline.
 
-A thin adapter: the logic is in cosyserve.serving.bls.
+A thin adapter: the front door is cosyserve.serving.frontdoor, the engine cosyserve.engine.
 """
-from cosyserve.serving.bls import CosyVoice2BLS
+from cosyserve.serving.frontdoor import CosyVoice2FrontDoor
 from cosyserve.serving.triton_utils import model_config
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.model = CosyVoice2BLS(model_config(args))
+        self.model = CosyVoice2FrontDoor(model_config(args))
 
     def execute(self, requests):
         return self.model.execute(requests)

@@ -1,0 +1,222 @@
+"""The engine core in-process (no Triton): open-loop Poisson arrivals and closed-loop concurrency
+against :class:`~cosyserve.engine.service.TTSEngine`, with the loop's own per-stage profile
+(``scripts/bench_engine.py``). A GPU experiment takes minutes, not a server start.
+
+Per level: first-chunk latency (arrival to the first PCM piece handed out by the loop), playback
+underruns of each stream (a listener that starts with the first piece, :class:`~cosyserve.clients.Playback`),
+and where the loop's time went (:class:`~cosyserve.engine.core.EngineCounters` deltas: LLM steps,
+chunk starts, packed Euler steps, vocoder, host, idle; ms per iteration). Every reply is exactly
+``--tokens`` speech tokens (min = max), so timing depends on shapes, not on random weights' output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..clients import Playback
+from ..engine.scheduler import DEFAULT_MAX_STEP_FRAMES, DEFAULT_MAX_STEP_JOBS, Scheduler
+from ..engine.service import TTSEngine, load_cosyvoice2_engine
+from ..pipeline.tts import TokenLimits, TTSRequest
+from ..runtime import COSYVOICE2_DIR, LLM_DIR, resolve_device
+from ..token2wav.cosyvoice2 import Token2WavOptions, default_flow_dtype, streaming_vocoder_frames
+from .openloop import poisson_arrivals, run_open_loop
+
+TEXT = "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。"
+
+
+@dataclass
+class Outcome:
+    first_chunk_ms: float | None
+    underruns: int
+    stall_s: float
+    error: str | None
+
+
+def one_request(engine: TTSEngine, voice, tokens: int, request_id: str) -> Outcome:
+    """Stream one request; times are taken as the loop hands each piece out. ``voice``: a resolved
+    voice, or a callable that resolves one (a new clip: its front-end time is then counted too)."""
+    arrival = time.perf_counter()
+    playback, first = Playback(), None
+    done = threading.Event()
+    error: list[BaseException | None] = []
+
+    def emit(pcm) -> None:
+        nonlocal first
+        now = time.perf_counter()
+        if first is None and pcm.size:
+            first = now
+        playback.arrive(now, pcm.size / engine.sample_rate)
+
+    def finish(exc) -> None:
+        error.append(exc)
+        done.set()
+    try:
+        if callable(voice):
+            voice = voice()
+        engine.submit(TTSRequest(request_id, TEXT, voice, TokenLimits(tokens, tokens)), streaming=True, emit=emit,
+                      finish=finish)
+    except Exception as exc:  # refused, or a bad clip
+        return Outcome(None, 0, 0.0, f"{type(exc).__name__}: {exc}")
+    done.wait()
+    failed = error[0]
+    return Outcome(None if first is None else 1e3 * (first - arrival), playback.underruns, playback.stall_s,
+                   None if failed is None else f"{type(failed).__name__}: {failed}")
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _profile(before, after) -> dict:
+    delta = {f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)}
+    iterations = max(delta["iterations"], 1)
+    busy = sum(delta[k] for k in ("llm_s", "start_s", "flow_s", "vocoder_s", "host_s"))
+    return {"iterations": delta["iterations"], "busy_ms_per_iteration": 1e3 * busy / iterations,
+            **{f"{k[:-2]}_ms_per_iteration": 1e3 * delta[k] / iterations
+               for k in ("llm_s", "start_s", "flow_s", "vocoder_s", "host_s")},
+            "idle_share": delta["idle_s"] / max(busy + delta["idle_s"], 1e-9),
+            "jobs_per_flow_step": delta["flow_step_jobs"] / max(delta["flow_steps"], 1)}
+
+
+def level(engine: TTSEngine, voice, outcomes: list[Outcome], label: str, wall_s: float, before) -> dict:
+    firsts = [o.first_chunk_ms for o in outcomes if o.first_chunk_ms is not None]
+    return {"level": label, "requests": len(outcomes), "failed": sum(o.error is not None for o in outcomes),
+            "first_p50_ms": _percentile(firsts, 0.5), "first_p95_ms": _percentile(firsts, 0.95),
+            "underrun_requests": sum(o.underruns > 0 for o in outcomes),
+            "stall_s": sum(o.stall_s for o in outcomes), "wall_s": wall_s,
+            "errors": sorted({o.error for o in outcomes if o.error})[:3],
+            **_profile(before, engine.core.counters)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = resolve_device(args.device)
+    models = Path(args.models_dir)
+    options = Token2WavOptions(
+        incremental_stream=True, final=args.final, cuda_graphs=device.type == "cuda",
+        hift_graphs=device.type == "cuda",
+        hift_precapture_frames=streaming_vocoder_frames(args.tokens) if device.type == "cuda" else (),
+        state_pool_bytes=int(args.state_pool_gb * (1 << 30)))
+    loading = time.perf_counter()
+    engine = load_cosyvoice2_engine(models / COSYVOICE2_DIR, models / LLM_DIR, device,
+                                    flow_dtype=default_flow_dtype(device), options=options,
+                                    llm_options={"max_slots": args.max_slots},
+                                    scheduler=Scheduler(max_step_frames=args.max_step_frames, max_step_jobs=args.max_step_jobs),
+                                    sync_stages=args.sync_stages, warm_up=not args.cold)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "load_s": time.perf_counter() - loading, "tokens": args.tokens, "final": args.final, "levels": []}
+    voice = engine.voices.resolve(speaker_id=args.voice)
+    counter = iter(range(1 << 30))
+    try:
+        first = one_request(engine, voice, args.tokens, f"first-{next(counter)}")
+        report["first_request_ms"] = first.first_chunk_ms
+        for concurrency in args.concurrency:
+            before = dataclasses.replace(engine.core.counters)
+            start = time.perf_counter()
+            outcomes: list[Outcome] = []
+            lock = threading.Lock()
+
+            def sender() -> None:
+                for _ in range(args.requests_per_sender):
+                    outcome = one_request(engine, voice, args.tokens, f"c-{next(counter)}")
+                    with lock:
+                        outcomes.append(outcome)
+            threads = [threading.Thread(target=sender) for _ in range(concurrency)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            report["levels"].append(level(engine, voice, outcomes, f"{concurrency} concurrent",
+                                          time.perf_counter() - start, before))
+            print(table(report, report["levels"][-1:]), flush=True)
+        rng = np.random.default_rng(args.seed)
+
+        def new_clip():  # a clip of 3-8 s the server has never seen, with the registered voice's transcript
+            wav = rng.standard_normal(int(16000 * rng.uniform(3, 8))).astype(np.float32) * 0.1
+            return lambda: engine.voices.resolve(wav, engine.voices.registry.get(args.voice).prompt_text)
+        for count in args.new_clips:
+            before = dataclasses.replace(engine.core.counters)
+            start = time.perf_counter()
+            clips = [new_clip() for _ in range(count)]
+            results: list[Outcome] = [None] * count
+            threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+                i, one_request(engine, clips[i], args.tokens, f"n-{next(counter)}"))) for i in range(count)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            report["levels"].append(level(engine, voice, results, f"{count} new clips together",
+                                          time.perf_counter() - start, before))
+            print(table(report, report["levels"][-1:]), flush=True)
+        for rate in args.rates:
+            arrivals = poisson_arrivals(rate, args.seed, duration_s=args.seconds_per_rate)
+            before = dataclasses.replace(engine.core.counters)
+            run_ = run_open_loop(arrivals, lambda i: one_request(engine, voice, args.tokens, f"o-{next(counter)}"))
+            report["levels"].append({**level(engine, voice, run_.results, f"{rate:g} req/s", run_.wall_s, before),
+                                     "peak_in_flight": run_.peak_in_flight})
+            print(table(report, report["levels"][-1:]), flush=True)
+    finally:
+        engine.close()
+    return report
+
+
+COLUMNS = ("level", "requests", "failed", "first_p50_ms", "first_p95_ms", "underrun_requests", "stall_s",
+           "busy_ms_per_iteration", "llm_ms_per_iteration", "start_ms_per_iteration", "flow_ms_per_iteration",
+           "vocoder_ms_per_iteration", "host_ms_per_iteration", "idle_share", "jobs_per_flow_step")
+
+
+def table(report: dict, levels: list[dict] | None = None) -> str:
+    """The report as a markdown table (only ``levels``, when given: one level as it is measured)."""
+    def cell(value) -> str:
+        return f"{value:.1f}" if isinstance(value, float) else str(value)
+    lines = [f"device {report['device']}, load {report['load_s']:.1f} s, {report['tokens']} tokens a reply, "
+             f"final {report['final']}, first request after load: first chunk "
+             f"{cell(report.get('first_request_ms'))} ms",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in report["levels"] if levels is None else levels:
+        lines.append("| " + " | ".join(cell(row.get(c)) for c in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models-dir", default="models", help="bundle layout: CosyVoice2-0.5B/ and cosyvoice2_llm/")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--voice", default="001", help="registered voice of spk2info.pt")
+    p.add_argument("--tokens", type=int, default=150, help="speech tokens per reply (6 s)")
+    p.add_argument("--final", default="reference", choices=("reference", "streaming"))
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 16], help="closed-loop levels")
+    p.add_argument("--requests-per-sender", type=int, default=4)
+    p.add_argument("--new-clips", type=int, nargs="*", default=[],
+                   help="levels of N never-seen 3-8 s clips arriving together (their front-end counted)")
+    p.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop Poisson arrival rates (req/s)")
+    p.add_argument("--seconds-per-rate", type=float, default=20.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-slots", type=int, default=64, help="LLM requests decoded at once")
+    p.add_argument("--max-step-frames", type=int, default=DEFAULT_MAX_STEP_FRAMES)
+    p.add_argument("--max-step-jobs", type=int, default=DEFAULT_MAX_STEP_JOBS)
+    p.add_argument("--state-pool-gb", type=float, default=0.0, help="0: a third of the free GPU memory")
+    p.add_argument("--sync-stages", action="store_true", help="wait for the GPU after each stage (a true split)")
+    p.add_argument("--cold", action="store_true", help="no warm-up at load (graphs and kernels on first use)")
+    p.add_argument("--json", help="write the report here")
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    report = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    print(table(report))

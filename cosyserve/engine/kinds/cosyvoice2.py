@@ -1,0 +1,190 @@
+"""CosyVoice2's token2wav as a kind of the engine: the UNet flow (incremental windows and
+full passes, packed per Euler step) and HiFT with overlapping streaming chunks.
+
+What the engine asks of a kind: a chunk schedule, flow jobs for a stream's chunks and for
+offline requests, one packed Euler step over any set of its jobs (:meth:`CosyVoice2Kind.step`),
+the mel of a done job, and batched vocoding. Everything else (requests, LLM, scheduling,
+admission) is the engine's and the same for every kind.
+
+Chunks of a stream run through the :class:`~cosyserve.token2wav.flow_engine.FlowEngine`: each
+computes only its window against the stream's paged context (the voice's prompt blocks shared).
+The final chunk is, by default, the reference's (``final="reference"``): a non-streaming pass
+over prompt + all tokens (:class:`~cosyserve.token2wav.full_pass.FullPass`), the stream's pages
+freed when it starts; ``final="streaming"`` voices it as one more window. A stream for which the
+page pool has no room re-runs every chunk as a streaming full pass (the reference's own
+computation, no state kept) instead of failing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...errors import CapacityError
+from ...frontend.prompt import PromptFeatures
+from ...schedule import ChunkScheduler
+from ...token2wav.cosyvoice2 import CosyVoice2Token2Wav
+from ...token2wav.flow_engine import EngineStream
+from ...token2wav.full_pass import FullPass, FullPassJob
+from ...token2wav.vocoder_batch import source_noise, vocode_batch
+from ...token2wav.vocoder_stream import HiftStream, SineNoiseProvider, VocoderCall
+
+
+@dataclass(eq=False)
+class FlowJob:
+    """One chunk's (or offline request's) flow work: an engine window or a full pass."""
+
+    finalize: bool
+    window: Any = None  # flow_engine._Window
+    full: FullPassJob | None = None
+
+    @property
+    def done(self) -> bool:
+        return (self.window or self.full).done
+
+    @property
+    def frames(self) -> int:
+        """Estimator frames it adds to a packed step."""
+        return self.window.width if self.window is not None else self.full.frames
+
+
+@dataclass(eq=False)
+class Voicing:
+    """A stream's token2wav state: its flow stream (None: re-run mode) and its vocoder."""
+
+    features: PromptFeatures
+    prompt: Any  # CosyVoice2Token2Wav's validated prompt
+    flow: EngineStream | None
+    vocoder: HiftStream
+
+    def close(self) -> None:
+        if self.flow is not None:
+            self.flow.close()
+        self.vocoder.close()
+
+
+class CosyVoice2Kind:
+    """Over a loaded :class:`CosyVoice2Token2Wav` with the incremental engine
+    (``Token2WavOptions(incremental_stream=True)``). ``sine_noise``: HiFT's harmonic noise for
+    every call (tests: zero noise), else drawn per call."""
+
+    name = "cosyvoice2"
+
+    def __init__(self, model: CosyVoice2Token2Wav, sine_noise: SineNoiseProvider | None = None) -> None:
+        if model.engine is None:
+            raise ValueError("the engine's CosyVoice2 kind needs the incremental flow engine (incremental_stream)")
+        self.model = model
+        self.flow_engine = model.engine
+        self.full = FullPass(model.flow, self.flow_engine.fused, self.flow_engine.n_timesteps,
+                             self.flow_engine.graphs)
+        self.final = model.options.final
+        self.sample_rate = model.sample_rate
+        self.sine_noise = sine_noise
+        self.fallbacks = 0  # streams that re-ran their chunks because the page pool was full
+
+    def chunk_schedule(self, strategy: str) -> ChunkScheduler:
+        return ChunkScheduler(strategy)
+
+    # ----- streams -----
+
+    def open(self, features: PromptFeatures) -> Voicing:
+        """A stream's token2wav state; the voice's prompt state is computed here on first use."""
+        prompt = self.model._prompt(features.speech_tokens, features.speech_feat, features.embedding)
+        try:
+            flow = self.flow_engine.open(prompt.tokens, prompt.feat, prompt.embedding)
+        except CapacityError:
+            flow = None
+            self.fallbacks += 1
+        return Voicing(features, prompt, flow, HiftStream(self.model.hift, sine_noise=self.sine_noise))
+
+    def warm_voice(self, features: PromptFeatures) -> None:
+        """Compute and keep a registered voice's prompt state (at load, not on a first request)."""
+        self.open(features).close()
+
+    def warm_up(self, features: PromptFeatures) -> None:
+        """Capture the window steps' and full passes' CUDA graphs (on a GPU) and compile the eager
+        passes' kernels (at load)."""
+        if self.flow_engine.graphs is not None:
+            with torch.inference_mode():
+                self.flow_engine.graphs.capture_all()
+            self.full.capture_all()
+        p = self.model._prompt(features.speech_tokens, features.speech_feat, features.embedding)
+        self.full.warm_up(p.tokens, p.feat, p.embedding)
+
+    # ----- flow jobs -----
+
+    def start_chunks(self, chunks: list[tuple[Voicing, list[int], int, bool]]) -> list[FlowJob]:
+        """Flow jobs of streams' chunks: (voicing, tokens so far, tokens already voiced, finalize)."""
+        jobs: list[FlowJob | None] = [None] * len(chunks)
+        windows = []
+        for i, (voicing, tokens, offset, finalize) in enumerate(chunks):
+            if voicing.flow is not None and (not finalize or self.final == "streaming"):
+                windows.append(i)
+                continue
+            if voicing.flow is not None:  # the reference's final pass: the stream's pages are not needed
+                voicing.flow.close()
+                voicing.flow = None
+            p = voicing.prompt
+            jobs[i] = FlowJob(finalize, full=self.full.start(_tensor(tokens), p.tokens, p.feat, p.embedding,
+                                                             skip_frames=2 * offset, streaming=not finalize))
+        if windows:
+            started = self.flow_engine.start([(chunks[i][0].flow, _tensor(chunks[i][1]), chunks[i][3])
+                                              for i in windows])
+            for i, window in zip(windows, started):
+                jobs[i] = FlowJob(chunks[i][3], window=window)
+        return jobs
+
+    def start_offline(self, features: PromptFeatures, tokens: list[int]) -> FlowJob:
+        p = self.model._prompt(features.speech_tokens, features.speech_feat, features.embedding)
+        return FlowJob(True, full=self.full.start(_tensor(tokens), p.tokens, p.feat, p.embedding))
+
+    def step(self, jobs: list[FlowJob]) -> None:
+        """One Euler step of every job: windows packed in one call, full passes in one per attention kind."""
+        windows = [job.window for job in jobs if job.window is not None]
+        if windows:
+            self.flow_engine.step(windows)
+        for streaming in (True, False):
+            passes = [job.full for job in jobs if job.full is not None and job.full.streaming == streaming]
+            if passes:
+                self.full.step(passes)
+
+    def mel(self, job: FlowJob) -> torch.Tensor:
+        """A done job's new target mel (1, 80, f) float32."""
+        return self.flow_engine.finish(job.window) if job.window is not None else job.full.target_mel()
+
+    def abort(self, jobs: list[FlowJob]) -> None:
+        """Release what unfinished jobs hold (a failed step)."""
+        self.flow_engine.abort([job.window for job in jobs if job.window is not None])
+
+    def synchronize(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    # ----- vocoder -----
+
+    def vocode(self, items: list[tuple[Voicing | None, torch.Tensor, bool]]) -> list[np.ndarray]:
+        """PCM (float32) of each (stream's voicing, or None for an offline request; mel; final chunk),
+        HiFT batched by shape."""
+        hift = self.model.hift
+        calls = [v.vocoder.prepare(mel, finalize=final) if v is not None else
+                 VocoderCall(mel, None, True, hift.hop_length, True) for v, mel, final in items]
+        harmonics = hift.m_source.num_harmonics
+        noises = [source_noise(call, harmonics, self.model.device, None, self.sine_noise) if call.needed else None
+                  for call in calls]
+        outputs = vocode_batch(self.model.vocoder, calls, noises)
+        pcm = []
+        for (voicing, _, _), call, output in zip(items, calls, outputs):
+            if voicing is None:
+                audio = output[0][0]
+            else:
+                raw, source = output if output is not None else (None, None)
+                audio = voicing.vocoder.complete(call, raw, source).audio[0]
+            pcm.append(audio.detach().to("cpu", torch.float32).numpy())
+        return pcm
+
+
+def _tensor(tokens: list[int]) -> torch.Tensor:
+    return torch.tensor(tokens, dtype=torch.long)[None]

@@ -1,0 +1,98 @@
+"""One request inside the engine: text segments -> speech tokens -> chunk jobs -> PCM, and its listener.
+
+An :class:`EngineRequest` is what a front door submits: the segments' LLM prompts (computed
+lazily, in order), the voice, token limits, streaming or not, and two callbacks that the engine
+calls from its loop thread: ``emit`` with each piece of PCM (float32, 24 kHz) and ``finish`` once
+with None or the error that ended the request. :class:`RequestState` is the engine's record of it.
+
+A request voices its segments one after the other as one stream. Each :class:`SegmentState` owns
+its LLM token stream, its chunk schedule (:class:`~cosyserve.schedule.ChunkScheduler`, the
+reference BLS's chunks), its flow and vocoder state, and at most one chunk job in flight: a
+stream's chunks must run in order. The LLM request of the next segment starts as soon as the
+current one has sent its first chunk (or its LLM has ended), so it generates while the current
+segment is voiced, as the reference pipeline does.
+
+Deadlines: a playing stream's next chunk is due when its listener would run out of audio
+(first emit + seconds emitted); a stream with nothing emitted yet is due ``first_chunk_budget_s``
+after it arrived; an offline request has no deadline (it is served after every due chunk).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..frontend.prompt import Voice
+from ..llm.stream import TokenStream
+from ..pipeline.tts import SegmentPrompt, TokenLimits
+
+# When a stream's first chunk is due, counted from its arrival (seconds).
+FIRST_CHUNK_BUDGET_S = 0.15
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    request_id: str
+    segments: Iterator[SegmentPrompt]  # lazy: a text error surfaces at the first next()
+    voice: Voice
+    limits: TokenLimits
+    streaming: bool
+    emit: Callable[[np.ndarray], None]  # PCM pieces in order (offline: one per segment)
+    finish: Callable[[BaseException | None], None]  # exactly once, last
+    timeout_s: float = 0.0  # 0: no limit; past it the request ends with RequestTimeoutError
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class SegmentState:
+    prompt: SegmentPrompt
+    tokens: TokenStream
+    schedule: Any  # the kind's chunk schedule (None offline)
+    received: list[int] = field(default_factory=list)
+    llm_done: bool = False
+    flow: Any = None  # the kind's stream state (flow and vocoder), opened at the first chunk
+    pending: Any = None  # the next chunk's plan, waiting to start
+    job: Any = None  # the chunk's flow job under way
+    chunks: int = 0  # chunks emitted
+    done: bool = False
+
+
+@dataclass(eq=False)
+class RequestState:
+    request: EngineRequest
+    current: SegmentState | None = None
+    ahead: SegmentState | None = None  # the next segment, its LLM started early
+    segments_left: bool = True
+    first_emit: float | None = None
+    seconds_emitted: float = 0.0
+    admitted: float = field(default_factory=time.monotonic)
+    ended: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def deadline(self) -> float:
+        """When this request's next chunk is due on the monotonic clock (inf: offline)."""
+        if not self.request.streaming:
+            return math.inf
+        if self.first_emit is None:
+            return self.request.arrival + FIRST_CHUNK_BUDGET_S
+        return self.first_emit + self.seconds_emitted
+
+    def emitted(self, samples: int, sample_rate: int, now: float) -> None:
+        if samples and self.first_emit is None:
+            self.first_emit = now
+        self.seconds_emitted += samples / sample_rate
+
+    def timed_out(self, now: float) -> bool:
+        return bool(self.request.timeout_s) and now - self.admitted > self.request.timeout_s
+
+    def segments(self) -> list[SegmentState]:
+        return [s for s in (self.current, self.ahead) if s is not None]

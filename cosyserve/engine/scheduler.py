@@ -1,0 +1,82 @@
+"""What the engine core admits and which chunk jobs join the next Euler step.
+
+**Admission** (at submit, on the caller's thread): a new request is refused at once with a
+:class:`~cosyserve.errors.CapacityError` "overloaded: ..." (gRPC ``UNAVAILABLE``, API ``429``)
+while the engine already sends ``max_streams`` streams (0: no cap), or while a playing stream has
+less than ``min_buffer_s`` seconds of audio buffered ahead of its listener (0: off): the loop is
+then falling behind, and one more stream would make every stream stall. Offline requests obey
+both rules without being counted as streams.
+
+**Deadlines** (in the loop): every iteration advances every job under way by one Euler step, so a
+started chunk is never held up; what the scheduler decides is which *waiting* chunks start.
+Earliest deadline first (:attr:`~.request.RequestState.deadline`: a playing stream's chunk is due
+when its listener runs dry, a first chunk ``FIRST_CHUNK_BUDGET_S`` after arrival, offline work
+never), while the frames of the jobs under way stay within ``max_step_frames`` and their number within
+``max_step_jobs``: a bigger step would slow every stream's chunk. A job that does not fit waits for the next iteration; one job
+always starts when none is under way, however large.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CapacityError
+from .request import RequestState
+
+# Frames of estimator windows per packed step (both CFG rows of a window count once), and jobs:
+# past the largest captured step shape (16 windows) a step runs eagerly, several times slower.
+DEFAULT_MAX_STEP_FRAMES = 4096
+DEFAULT_MAX_STEP_JOBS = 16
+STREAM_CAP_RETRY_AFTER_MS = 500
+
+
+@dataclass(eq=False)
+class Candidate:
+    """A chunk ready to start: its request, segment and the kind-independent chunk plan."""
+
+    state: RequestState
+    segment: Any
+    chunk: Any  # schedule.Chunk, or None for an offline segment
+    frames: int  # estimator frames it adds to a step (its window, or its whole pass)
+
+
+class Scheduler:
+    def __init__(self, max_streams: int = 0, min_buffer_s: float = 0.0,
+                 max_step_frames: int = DEFAULT_MAX_STEP_FRAMES, max_step_jobs: int = DEFAULT_MAX_STEP_JOBS, clock: Callable[[], float] = time.monotonic):
+        self.max_streams = max_streams
+        self.min_buffer_s = min_buffer_s
+        self.max_step_frames = max_step_frames
+        self.max_step_jobs = max_step_jobs
+        self.clock = clock
+
+    def admit(self, streaming: bool, states: Iterable[RequestState]) -> None:
+        """Raise CapacityError when a new request must be refused now (see the module docstring)."""
+        states = [s for s in states if not s.ended]
+        if self.max_streams > 0:
+            streams = sum(s.request.streaming for s in states)
+            if streams >= self.max_streams:
+                raise CapacityError(f"overloaded: this server is sending {streams} streams, its limit of "
+                                    f"{self.max_streams} (max_streams); retry after {STREAM_CAP_RETRY_AFTER_MS} ms")
+        if self.min_buffer_s > 0:
+            now = self.clock()
+            buffered = [s.deadline - now for s in states if s.request.streaming and s.first_emit is not None]
+            least = min(buffered, default=None)
+            if least is not None and least < self.min_buffer_s:
+                raise CapacityError(
+                    f"overloaded: a stream on this server has {least:.2f} s of audio buffered, under the "
+                    f"{self.min_buffer_s:g} s it keeps for every stream (admission_min_buffer_s); retry after "
+                    f"{max(100, round(1000 * (self.min_buffer_s - least)))} ms")
+
+    def pick(self, candidates: list[Candidate], frames_under_way: int, jobs_under_way: int) -> list[Candidate]:
+        """The candidates that start now, most urgent first (see the module docstring)."""
+        chosen, frames, jobs = [], frames_under_way, jobs_under_way
+        for candidate in sorted(candidates, key=lambda c: c.state.deadline):
+            if jobs and (frames + candidate.frames > self.max_step_frames or jobs >= self.max_step_jobs):
+                continue
+            jobs += 1
+            chosen.append(candidate)
+            frames += candidate.frames
+        return chosen

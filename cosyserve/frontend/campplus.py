@@ -1,0 +1,265 @@
+"""CAM++ (3D-Speaker's D-TDNN speaker encoder, ``campplus.onnx``) in PyTorch, batched over clips.
+
+Input: mean-normalised 80-bin Kaldi fbank ``(B, T, 80)``; output: the 192-value x-vector.
+Structure (module names are 3D-Speaker's, which the exported graph's node scopes carry):
+
+* ``head`` (FCM): Conv2d 3x3 + BN + ReLU over (frequency, time), two ``layer``s of two residual
+  blocks that halve the frequency axis, Conv2d 3x3 stride (2, 1) + BN + ReLU; flattened to
+  channels x (80 / 8) per frame.
+* ``xvector``: ``tdnn`` (Conv1d kernel 5, stride 2 in time + BN + ReLU); three dense blocks
+  (12/24/16 layers, dilation 1/2/2) whose layers are BN-ReLU-Conv1x1-BN-ReLU then a CAM layer (a
+  kernel-3 convolution gated by sigmoid(MLP(mean over the clip + mean over its 100-frame
+  segment))), each output concatenated to the block input; after each block a ``transit``
+  (BN-ReLU-Conv1x1 halving the channels); ``out_nonlinear`` BN-ReLU; ``stats`` (mean and
+  unbiased standard deviation over time); ``dense`` (Conv1x1 to 192 + BN without affine).
+
+The exporter folds a BatchNorm that follows a convolution into it (``head`` convolutions, ``tdnn``, the last ``transit``,
+each dense layer's ``linear1``, ``dense``), so those convolutions take a bias here and their
+BatchNorm is the identity unless the graph still holds it.
+
+Batching: padded frames are zeroed before every convolution that looks across time, and the
+clip/segment means and the statistics pooling count only each clip's frames, so each clip's
+embedding is that of the clip alone (``lengths=None``: the single-clip graph of the ONNX file).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ModelLoadError
+from .onnx_weights import ScopedWeights, load_into
+
+FEAT_DIM = 80
+SEGMENT_FRAMES = 100
+DENSE_BLOCKS = ((3, 1), (3, 2), (3, 2))  # (kernel, dilation) of block 1, 2, 3
+
+
+@dataclass(frozen=True)
+class CampplusSize:
+    head_channels: int = 32
+    init_channels: int = 128
+    growth: int = 32
+    bottleneck: int = 128  # bn_size 4 x growth
+    layers: tuple[int, int, int] = (12, 24, 16)
+    embedding: int = 192
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return x if mask is None else x * mask
+
+
+def _seq(**modules: nn.Module) -> nn.Sequential:
+    sequence = nn.Sequential()
+    for name, module in modules.items():
+        sequence.add_module(name, module)
+    return sequence
+
+
+class ResBlock(nn.Module):
+    def __init__(self, in_planes: int, planes: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=(stride, 1), padding=1)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=1, padding=1)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != planes:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride=(stride, 1)), nn.BatchNorm2d(planes))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(_masked(x, mask))))
+        out = self.bn2(self.conv2(_masked(out, mask)))
+        return F.relu(out + self.shortcut(x))
+
+
+class Fcm(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, channels, 3, stride=1, padding=1)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.layer1 = nn.Sequential(ResBlock(channels, channels, 2), ResBlock(channels, channels, 1))
+        self.layer2 = nn.Sequential(ResBlock(channels, channels, 2), ResBlock(channels, channels, 1))
+        self.conv2 = nn.Conv2d(channels, channels, 3, stride=(2, 1), padding=1)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.out_channels = channels * (FEAT_DIM // 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        mask = None if mask is None else mask[:, None, None, :]
+        x = F.relu(self.bn1(self.conv1(_masked(x.unsqueeze(1), mask))))
+        for block in (*self.layer1, *self.layer2):
+            x = block(x, mask)
+        x = F.relu(self.bn2(self.conv2(_masked(x, mask))))
+        return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+def _clip_and_segment_mean(x: torch.Tensor, mask: torch.Tensor | None, lengths: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the clip plus, per frame, the mean over its 100-frame segment (last one partial)."""
+    frames = x.shape[-1]
+    if mask is None:
+        segments = F.avg_pool1d(x, SEGMENT_FRAMES, SEGMENT_FRAMES, ceil_mode=True)
+        per_frame = segments.unsqueeze(-1).expand(*segments.shape, SEGMENT_FRAMES).reshape(*segments.shape[:-1], -1)
+        return x.mean(-1, keepdim=True) + per_frame[..., :frames]
+    x = x * mask
+    n_segments = -(-frames // SEGMENT_FRAMES)
+    sums = F.pad(x, (0, n_segments * SEGMENT_FRAMES - frames)).reshape(*x.shape[:2], n_segments, SEGMENT_FRAMES).sum(-1)
+    starts = torch.arange(n_segments, device=x.device) * SEGMENT_FRAMES
+    counts = (lengths[:, None] - starts[None, :]).clamp(1, SEGMENT_FRAMES)[:, None, :]
+    per_frame = (sums / counts).repeat_interleave(SEGMENT_FRAMES, dim=-1)[..., :frames]
+    return x.sum(-1, keepdim=True) / lengths[:, None, None] + per_frame
+
+
+class CamLayer(nn.Module):
+    def __init__(self, bottleneck: int, out_channels: int, kernel: int, dilation: int):
+        super().__init__()
+        self.linear_local = nn.Conv1d(bottleneck, out_channels, kernel, padding=(kernel - 1) // 2 * dilation,
+                                      dilation=dilation, bias=False)
+        self.linear1 = nn.Conv1d(bottleneck, bottleneck // 2, 1)
+        self.relu = nn.ReLU()
+        self.linear2 = nn.Conv1d(bottleneck // 2, out_channels, 1)
+        self.sigmoid = nn.Sigmoid()
+
+    def forward(self, x, mask, lengths):
+        local = self.linear_local(_masked(x, mask))
+        context = _clip_and_segment_mean(x, mask, lengths)
+        return local * self.sigmoid(self.linear2(self.relu(self.linear1(context))))
+
+
+class DenseTdnnLayer(nn.Module):
+    def __init__(self, in_channels: int, size: CampplusSize, kernel: int, dilation: int):
+        super().__init__()
+        self.nonlinear1 = _seq(batchnorm=nn.BatchNorm1d(in_channels), relu=nn.ReLU())
+        self.linear1 = nn.Conv1d(in_channels, size.bottleneck, 1)
+        self.nonlinear2 = _seq(batchnorm=nn.BatchNorm1d(size.bottleneck), relu=nn.ReLU())
+        self.cam_layer = CamLayer(size.bottleneck, size.growth, kernel, dilation)
+
+    def forward(self, x, mask, lengths):
+        return self.cam_layer(self.nonlinear2(self.linear1(self.nonlinear1(x))), mask, lengths)
+
+
+class DenseTdnnBlock(nn.ModuleList):
+    def __init__(self, n_layers: int, in_channels: int, size: CampplusSize, kernel: int, dilation: int):
+        super().__init__()
+        for i in range(n_layers):
+            self.add_module(f"tdnnd{i + 1}", DenseTdnnLayer(in_channels + i * size.growth, size, kernel, dilation))
+
+    def forward(self, x, mask, lengths):
+        for layer in self:
+            x = torch.cat([x, layer(x, mask, lengths)], dim=1)
+        return x
+
+
+class TdnnLayer(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__()
+        self.linear = nn.Conv1d(in_channels, out_channels, 5, stride=2, padding=2)
+        self.nonlinear = _seq(batchnorm=nn.BatchNorm1d(out_channels), relu=nn.ReLU())
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.nonlinear(self.linear(_masked(x, mask)))
+
+
+def _stats(x: torch.Tensor, mask: torch.Tensor | None, lengths: torch.Tensor | None) -> torch.Tensor:
+    """Mean and unbiased standard deviation over each clip's frames."""
+    if mask is None:
+        return torch.cat([x.mean(-1), x.std(-1, unbiased=True)], dim=-1)
+    count = lengths[:, None].to(x.dtype)
+    mean = (x * mask).sum(-1) / count
+    variance = ((x - mean[..., None]) ** 2 * mask).sum(-1) / (count - 1)
+    return torch.cat([mean, variance.sqrt()], dim=-1)
+
+
+class DenseLayer(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__()
+        self.linear = nn.Conv1d(in_channels, out_channels, 1)
+        self.nonlinear = _seq(batchnorm=nn.BatchNorm1d(out_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.nonlinear(self.linear(x.unsqueeze(-1)).squeeze(-1))
+
+
+class Xvector(nn.Module):
+    """The D-TDNN trunk after the head: frames (B, C, T) -> embedding (B, 192)."""
+
+    def __init__(self, in_channels: int, size: CampplusSize):
+        super().__init__()
+        channels = size.init_channels
+        self.tdnn = TdnnLayer(in_channels, channels)
+        for index, (n_layers, (kernel, dilation)) in enumerate(zip(size.layers, DENSE_BLOCKS), start=1):
+            self.add_module(f"block{index}", DenseTdnnBlock(n_layers, channels, size, kernel, dilation))
+            channels += n_layers * size.growth
+            self.add_module(f"transit{index}", _seq(nonlinear=_seq(batchnorm=nn.BatchNorm1d(channels), relu=nn.ReLU()),
+                                                    linear=nn.Conv1d(channels, channels // 2, 1)))
+            channels //= 2
+        self.out_nonlinear = _seq(batchnorm=nn.BatchNorm1d(channels), relu=nn.ReLU())
+        self.dense = DenseLayer(2 * channels, size.embedding)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, lengths: torch.Tensor | None) -> torch.Tensor:
+        x = self.tdnn(x, None if mask is None else mask[:, None, :])
+        if lengths is not None:
+            lengths = (lengths - 1) // 2 + 1  # kernel 5, stride 2, padding 2
+            mask = (torch.arange(x.shape[-1], device=x.device)[None, :] < lengths[:, None]).to(x.dtype)[:, None, :]
+        for index in range(1, len(DENSE_BLOCKS) + 1):
+            x = getattr(self, f"block{index}")(x, mask, lengths)
+            x = getattr(self, f"transit{index}")(x)
+        return self.dense(_stats(self.out_nonlinear(x), mask, lengths))
+
+
+class Campplus(nn.Module):
+    """``forward(feats (B, T, 80), lengths (B,) or None) -> (B, embedding)``."""
+
+    def __init__(self, size: CampplusSize = CampplusSize()):
+        super().__init__()
+        self.size = size
+        self.head = Fcm(size.head_channels)
+        self.xvector = Xvector(self.head.out_channels, size)
+
+    def forward(self, feats: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        mask = None
+        if lengths is not None:
+            lengths = lengths.to(feats.device, torch.int64)
+            mask = (torch.arange(feats.shape[1], device=feats.device)[None, :] < lengths[:, None]).to(feats.dtype)
+        return self.xvector(self.head(feats.transpose(1, 2), mask), mask, lengths)
+
+
+def _size_of(weights: ScopedWeights) -> CampplusSize:
+    def out_channels(path: str) -> int:
+        return int(weights.conv(path)["weight"].shape[0])
+
+    layers = []
+    for block in range(1, 4):
+        prefix = f"xvector.block{block}.tdnnd"
+        layers.append(sum(1 for scope in weights.by_module if scope.startswith(prefix) and scope.endswith(".cam_layer.linear_local")))
+    return CampplusSize(head_channels=out_channels("head.conv1"), init_channels=out_channels("xvector.tdnn.linear"),
+                        growth=out_channels("xvector.block1.tdnnd1.cam_layer.linear_local"),
+                        bottleneck=out_channels("xvector.block1.tdnnd1.linear1"), layers=tuple(layers),
+                        embedding=out_channels("xvector.dense.linear"))
+
+
+def load_campplus(path: str | Path) -> Campplus:
+    """Build a :class:`Campplus` of the file's size and load its weights (CPU, eval mode)."""
+    weights = ScopedWeights(path)
+    try:
+        size = _size_of(weights)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path} is not a CAM++ speaker encoder: {exc}") from exc
+    model = Campplus(size)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+            tensors = weights.conv(name)
+            if module.bias is not None and "bias" not in tensors:
+                tensors["bias"] = torch.zeros_like(module.bias).numpy()
+            load_into(module, tensors, name, weights.path)
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+            tensors = weights.batch_norm(name)
+            if tensors is None:  # folded into the convolution before it: nothing left to do
+                parent, _, attribute = name.rpartition(".")
+                setattr(model.get_submodule(parent), attribute, nn.Identity())
+            else:
+                load_into(module, tensors, name, weights.path)
+    return model.eval()

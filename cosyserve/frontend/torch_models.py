@@ -1,0 +1,155 @@
+"""The front-end models in PyTorch on any device, batched, and the choice between the two back ends.
+
+* :class:`TorchSpeechTokenizer` - the S3 tokenizer (v2 or v3 ONNX file, weights loaded by
+  :func:`~cosyserve.frontend.s3_tokenizer.load_s3_tokenizer`): Whisper log-mel and the model on
+  ``device`` over a zero-padded batch of clips.
+* :class:`TorchSpeakerEncoder` - CAM++ (:func:`~cosyserve.frontend.campplus.load_campplus`):
+  mean-normalised Kaldi fbank and the model on ``device``, batched the same way.
+
+Both have the interface of the onnxruntime wrappers (``tokenize``/``embed`` one clip,
+``tokenize_batch``/``embed_batch`` several; CPU tensors out), check clips with the same
+functions, and give each clip of a batch what it gives the clip alone.
+:func:`load_frontend_models` picks the back end: PyTorch on CUDA, onnxruntime (the released
+graphs, the parity reference) on the CPU, unless told otherwise.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from ..audio.features import WHISPER_HOP, campplus_features, kaldi_frame_count, whisper_log_mel
+from ..errors import InvalidInputError, ModelLoadError
+from .campplus import load_campplus
+from .onnx_models import (
+    WHISPER_N_MELS,
+    SpeakerEncoder,
+    SpeechTokenizer,
+    checked_embedding,
+    checked_tokens,
+    speaker_input,
+    tokenizer_input,
+)
+from .s3_tokenizer import load_s3_tokenizer
+
+TORCH = "torch"
+ONNXRUNTIME = "onnxruntime"
+FRONTEND_BACKENDS = (TORCH, ONNXRUNTIME)
+
+
+def _existing(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"ONNX model {path} does not exist")
+    return path
+
+
+@contextmanager
+def _float32_exact(device: torch.device):
+    """No TF32 in the models' matmuls and convolutions on CUDA: the codes are rounded FSQ outputs and
+    the parity target is onnxruntime's float32 (the process-wide flags are restored afterwards)."""
+    if device.type != "cuda":
+        yield
+        return
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _padded(wavs16: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clips -> zero-padded ``(B, N)`` batch and ``(B,)`` lengths on ``device``."""
+    lengths = torch.tensor([wav.numel() for wav in wavs16], device=device)
+    return pad_sequence([wav.to(device) for wav in wavs16], batch_first=True), lengths
+
+
+class _DeviceModel:
+    """A model loaded from its ONNX file onto ``device``, run on zero-padded batches of clips."""
+
+    def __init__(self, path: str | Path, device: str | torch.device, loader):
+        self.path = _existing(path)
+        self.device = torch.device(device)
+        self.model = loader(self.path).to(self.device)
+
+    @torch.inference_mode()
+    def _run(self, wavs16: Sequence[torch.Tensor], check, forward):
+        """``forward(batch (B, N), lengths (B,))`` on the checked clips, on the device."""
+        batch, lengths = _padded([check(wav) for wav in wavs16], self.device)
+        with _float32_exact(self.device):
+            return forward(batch, lengths)
+
+
+class TorchSpeechTokenizer(_DeviceModel):
+    """``tokenize(wav16 (N,)) -> int32 (T',)``; ``tokenize_batch`` runs the clips together."""
+
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu"):
+        super().__init__(path, device, load_s3_tokenizer)
+
+    def tokenize(self, wav16: torch.Tensor) -> torch.Tensor:
+        return self.tokenize_batch([wav16])[0]
+
+    def tokenize_batch(self, wavs16: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if not wavs16:
+            return []
+        codes, counts = self._run(wavs16, tokenizer_input, lambda batch, lengths: self.model(
+            whisper_log_mel(batch, WHISPER_N_MELS, lengths), lengths // WHISPER_HOP))
+        codes = codes.cpu()
+        return [checked_tokens(codes[i, :count].clone(), self.path) for i, count in enumerate(counts.tolist())]
+
+
+class TorchSpeakerEncoder(_DeviceModel):
+    """``embed(wav16 (N,)) -> float32 (192,)`` raw CAM++ x-vector; ``embed_batch`` runs the clips together."""
+
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu"):
+        super().__init__(path, device, load_campplus)
+
+    def embed(self, wav16: torch.Tensor) -> torch.Tensor:
+        return self.embed_batch([wav16])[0]
+
+    def embed_batch(self, wavs16: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if not wavs16:
+            return []
+        embeddings = self._run(wavs16, speaker_input, lambda batch, lengths: self.model(
+            campplus_features(batch, lengths), kaldi_frame_count(lengths)))
+        return [checked_embedding(embedding.clone(), self.path) for embedding in embeddings.float().cpu()]
+
+
+def frontend_backend(device: str | torch.device, backend: str | None = None) -> str:
+    """``backend`` as given (``torch`` or ``onnxruntime``), or the default for ``device``: PyTorch
+    on CUDA (batched on the GPU), onnxruntime on the CPU (the released graphs themselves)."""
+    if backend in (None, "", "auto"):
+        return TORCH if torch.device(device).type == "cuda" else ONNXRUNTIME
+    if backend not in FRONTEND_BACKENDS:
+        raise InvalidInputError(f"unknown front-end backend {backend!r}; use one of {FRONTEND_BACKENDS} or auto")
+    return backend
+
+
+def load_speech_tokenizer(path: str | Path, device: str | torch.device = "cpu",
+                          backend: str | None = None) -> TorchSpeechTokenizer | SpeechTokenizer:
+    """The speech tokenizer of ``path`` on ``device`` with the chosen back end (:func:`frontend_backend`);
+    onnxruntime takes its CUDA provider for a CUDA device when it has one."""
+    if frontend_backend(device, backend) == TORCH:
+        return TorchSpeechTokenizer(path, device)
+    return SpeechTokenizer(path, None if torch.device(device).type == "cuda" else ["CPUExecutionProvider"])
+
+
+def load_speaker_encoder(path: str | Path, device: str | torch.device = "cpu",
+                         backend: str | None = None) -> TorchSpeakerEncoder | SpeakerEncoder:
+    """CAM++ of ``path`` on ``device`` with the chosen back end (onnxruntime: its CPU provider, as upstream)."""
+    if frontend_backend(device, backend) == TORCH:
+        return TorchSpeakerEncoder(path, device)
+    return SpeakerEncoder(path)
+
+
+def load_frontend_models(tokenizer_path: str | Path, speaker_path: str | Path, device: str | torch.device = "cpu",
+                         backend: str | None = None):
+    """(speech tokenizer, speaker encoder) for a model directory's two ONNX files."""
+    return (load_speech_tokenizer(tokenizer_path, device, backend),
+            load_speaker_encoder(speaker_path, device, backend))

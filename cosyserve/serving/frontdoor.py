@@ -1,0 +1,304 @@
+"""The ``cosyvoice2`` Triton model: a thin front door over the engine core of this GPU.
+
+One model instance holds the :class:`~cosyserve.engine.service.TTSEngine` (LLM, flow and HiFT
+stepped by one loop in this process; no other process on the GPU). ``execute`` reads each
+request's inputs (:func:`~cosyserve.serving.bls_base.parse_tts_inputs`, the reference's wire
+protocol unchanged) and returns at once; a pool of ``prepare_threads`` resolves the voice (a new
+clip's speech tokenizer and speaker encoder run there) and builds the prompts, then hands the
+request to the engine, which refuses it at once when it is past capacity (gRPC ``UNAVAILABLE``
+"overloaded: ...", the API's 429). PCM comes back through each request's response sender as soon
+as the loop has it: one thread sends every response, so the loop never waits for Triton. Nothing
+is a process per request: concurrency is the engine's, bounded by its admission
+(``max_streams``, ``admission_min_buffer_s``), not by instance counts.
+
+Decoupled (streaming): one response per chunk, then the final flag. Not decoupled: one response
+with the whole waveform (the engine's offline path: one flow pass over each segment). The
+optional ``streaming`` BOOL input (default: the model's mode) lets a decoupled model voice a
+request offline and answer it in one response: what ``cosyvoice2_offline`` asks for on behalf
+of HTTP clients (:mod:`.offline_proxy`).
+
+Speech tokens: :class:`~.settings.EngineSettings` (the in-loop LLM engine, an OpenAI-compatible
+server, or a Triton LLM model such as ``tensorrt_llm``, read on a thread per request).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ..clients import OUTPUT_SAMPLE_RATE, Playback
+from ..engine.scheduler import Scheduler
+from ..engine.service import TTSEngine, load_cosyvoice2_engine
+from ..errors import CapacityError
+from ..frontend.voice_store import FEATURES_FILE, VOICES_DIR
+from ..llm.backends import create_backend
+from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
+from ..llm.sampling import REFERENCE_SAMPLING
+from ..llm.stream import Finished, TokenStream
+from ..llm.trtllm.request import TritonLLMInputs, resolve_protocol
+from ..pipeline.tts import TokenLimits, TTSRequest
+from .bls_base import BUFFER_BUCKETS, bls_request, parse_tts_inputs
+from .settings import EngineSettings
+from .triton_utils import (FINAL, FinishedResponseIterators, Metric, error_response, limit_torch_threads,
+                           model_settings, optional_scalar, raise_response_error, tensor)
+
+# How often open streams are asked whether their client has gone (seconds).
+CANCEL_POLL_S = 0.05
+
+
+class TritonModelTokens:
+    """Speech tokens from a Triton LLM model with TensorRT-LLM's tensor interface (``tensorrt_llm``,
+    or this package's ``llm``), as a :mod:`cosyserve.llm` back end: each request's responses are
+    read on a thread of its own into its :class:`~cosyserve.llm.stream.TokenStream`. Finished
+    response iterators are kept until the stub lets go of them (``finished``, released by the
+    front door while some request is open)."""
+
+    def __init__(self, model_name: str, inputs: TritonLLMInputs):
+        self.model_name = model_name
+        self.inputs = inputs
+        self.finished = FinishedResponseIterators()
+        self._lock = threading.Lock()
+
+    def generate_stream(self, prompt_ids, params, request_id=None) -> TokenStream:
+        stream = TokenStream(request_id, lambda: self._stop(request_id))
+        inputs = self.inputs.generate(prompt_ids, params.max_tokens, params.min_tokens)
+        threading.Thread(target=self._read, args=(stream, inputs, request_id), daemon=True,
+                         name=f"llm-{request_id}").start()
+        return stream
+
+    def _read(self, stream: TokenStream, inputs: dict, request_id: str) -> None:
+        responses = None
+        try:
+            responses = bls_request(self.model_name, inputs, ["output_ids", "sequence_length"], request_id).exec(
+                decoupled=True)
+            ended = False
+            for response in responses:  # read to the final response even once the speech ended
+                raise_response_error(response, self.model_name)
+                output_ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
+                if output_ids is None or ended:
+                    continue
+                length = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
+                for token in (output_ids.as_numpy()[0][0][:length].astype(np.int64) - SPEECH_TOKEN_OFFSET).tolist():
+                    if not 0 <= token < NUM_SPEECH_TOKENS:
+                        ended = True
+                        break
+                    stream.put(token)
+            stream.put(Finished("stop"))
+        except Exception as exc:
+            stream.put(Finished("error", exc))
+        finally:
+            if responses is not None:
+                with self._lock:
+                    self.finished.keep(responses)
+
+    def _stop(self, request_id: str) -> None:
+        def stop() -> None:
+            responses = bls_request(self.model_name, self.inputs.stop(), ["output_ids"], request_id).exec(decoupled=True)
+            for _ in responses:
+                pass
+            with self._lock:
+                self.finished.keep(responses)
+        threading.Thread(target=stop, daemon=True, name=f"llm-stop-{request_id}").start()
+
+    def release(self, is_cancelled) -> None:
+        with self._lock:
+            self.finished.release(is_cancelled)
+
+    def register_prefix(self, key, ids) -> None:
+        """The Triton LLM model keeps its own prefix cache."""
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _Reply:
+    """One request's response side: its sender, offline pieces, its listener's playback."""
+
+    request_id: str
+    sender: object
+    streaming: bool
+    pieces: list = field(default_factory=list)
+    playback: Playback = field(default_factory=Playback)
+
+
+class CosyVoice2FrontDoor:
+    def __init__(self, config: dict):
+        settings = model_settings(config, EngineSettings)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        device = settings.torch_device()
+        limit_torch_threads(settings.torch_threads, 1 if device.type == "cuda" else None)
+        self.limits = TokenLimits(settings.max_tokens, settings.min_tokens)
+        self.timeout_s = settings.request_timeout_s
+        self.triton_llm = None
+        llm_backend = None
+        if settings.llm_url:
+            llm_backend = create_backend("openai", settings.llm_tokenizer_dir, base_url=settings.llm_url,
+                                         model=settings.llm_model or None)
+        elif settings.llm_model_name:
+            protocol = resolve_protocol(settings.llm_protocol, settings.llm_model_name)
+            llm_backend = self.triton_llm = TritonModelTokens(
+                settings.llm_model_name, TritonLLMInputs(protocol, REFERENCE_SAMPLING, True, settings.llm_tokenizer_dir))
+        self.engine: TTSEngine = load_cosyvoice2_engine(
+            settings.model_dir, settings.llm_tokenizer_dir, device, flow_dtype=settings.flow_dtype(device),
+            options=settings.options(device), llm_backend=llm_backend,
+            llm_options={"max_slots": settings.llm_max_slots, "max_model_len": settings.llm_max_model_len},
+            strategy=settings.streaming_strategy,
+            scheduler=Scheduler(settings.max_streams, settings.admission_min_buffer_s, settings.max_step_frames,
+                                settings.max_step_jobs),
+            voices_dir=settings.voices_dir or settings.model_dir / VOICES_DIR, features_file=FEATURES_FILE,
+            max_text_chars=settings.max_text_chars, warm_up=settings.warm_up_engine(device),
+            frontend_backend=settings.frontend_backend)
+        if settings.warm_up is not False:  # the text front-end: before the server reports ready
+            self.engine.prompter.text.warm_up()
+        self.prepare = ThreadPoolExecutor(settings.prepare_threads, thread_name_prefix="prepare")
+        self._replies: dict[str, _Reply] = {}
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._closing = False
+        self._metrics(config["name"])
+        self._responder = threading.Thread(target=self._respond, name="responder", daemon=True)
+        self._responder.start()
+
+    def _metrics(self, name: str) -> None:
+        self.in_progress = Metric("cosyserve_bls_requests_in_progress", "requests taken and not yet answered", name)
+        self.buffer_s = Metric("cosyserve_bls_stream_buffer_seconds", "audio a stream's listener still had "
+                               "buffered when its next chunk was sent (negative: playback had stalled)",
+                               name, kind="histogram", buckets=BUFFER_BUCKETS)
+        self.underruns = Metric("cosyserve_bls_stream_underruns", "chunks sent after the audio before them had "
+                                "finished playing", name, kind="counter")
+        self.stall_s = Metric("cosyserve_bls_stream_stall_seconds", "playback stalls of those underruns, in seconds",
+                              name, kind="counter")
+        self.admitted = Metric("cosyserve_bls_requests_admitted", "requests the engine took", name, kind="counter")
+        self.refused = Metric("cosyserve_bls_requests_refused", "requests refused because the engine was past "
+                              "max_streams or a stream had less than admission_min_buffer_s of audio buffered",
+                              name, kind="counter")
+        self.streams = Metric("cosyserve_engine_streams", "streaming requests in the engine", name)
+        self.requests = Metric("cosyserve_engine_requests", "requests in the engine", name)
+        flow = self.engine.core.kind.flow_engine
+        Metric("cosyserve_token2wav_state_pages", "pages of the flow engine's state pool", name).set(flow.pool.pages)
+        self.pages_in_use = Metric("cosyserve_token2wav_state_pages_in_use", "state pages held by streams and "
+                                   "cached voices", name)
+        self.voice_pages = Metric("cosyserve_token2wav_state_voice_pages", "state pages holding cached voices' "
+                                  "prompt state", name)
+        self.voices_cached = Metric("cosyserve_token2wav_voices_cached", "voices whose prompt state is kept", name)
+        self._publish()
+
+    def _publish(self) -> None:
+        core, flow = self.engine.core, self.engine.core.kind.flow_engine
+        self.streams.set(core.active_streams)
+        self.requests.set(core.active_requests)
+        self.pages_in_use.set(flow.pool.pages - flow.pool.free_pages)
+        self.voice_pages.set(flow.voice_pages)
+        self.voices_cached.set(flow.cached_voices)
+
+    # ----- Triton's thread -----
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = parse_tts_inputs(request, self.limits, self.engine.prompter.max_text_chars)
+                stream = optional_scalar(request, "streaming")
+                streaming = self.decoupled and (stream is None or bool(stream))
+            except Exception as exc:
+                sender.send(error_response(exc), flags=FINAL)
+                continue
+            self.in_progress.increment()
+            self.prepare.submit(self._start, inputs, _Reply(inputs.request_id, sender, streaming))
+        return None
+
+    # ----- prepare threads -----
+
+    def _start(self, inputs, reply: _Reply) -> None:
+        try:
+            voice = self.engine.voices.resolve(inputs.reference_wav, inputs.reference_text, inputs.speaker_id)
+            request = TTSRequest(inputs.request_id, inputs.target_text, voice, inputs.limits, inputs.text_frontend,
+                                 inputs.instruction)
+            self._replies[reply.request_id] = reply
+            try:
+                self.engine.submit(request, streaming=reply.streaming, timeout_s=self.timeout_s,
+                                   emit=lambda pcm: self._outbox.put((reply, pcm)),
+                                   finish=lambda error: self._outbox.put((reply, error or _DONE)))
+            except CapacityError:
+                self.refused.increment()
+                raise
+            self.admitted.increment()
+        except Exception as exc:
+            self._replies.pop(reply.request_id, None)
+            self._outbox.put((reply, exc))
+
+    # ----- the responder thread -----
+
+    def _respond(self) -> None:
+        polled = time.monotonic()
+        while True:
+            try:
+                reply, item = self._outbox.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                reply = item = None
+            if reply is not None:
+                try:
+                    self._send(reply, item)
+                except Exception as exc:  # the client is gone: the request ends here
+                    pb_utils.Logger.log_warn(f"request {reply.request_id}: {type(exc).__name__}: {exc}")
+                    self.engine.cancel(reply.request_id)
+            if self._closing and reply is None:
+                return
+            if time.monotonic() - polled >= CANCEL_POLL_S:
+                polled = time.monotonic()
+                self._poll_cancelled()
+
+    def _send(self, reply: _Reply, item) -> None:
+        if isinstance(item, np.ndarray):
+            if not reply.streaming:
+                reply.pieces.append(item)
+                return
+            reply.sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", item)]))
+            self._played(reply, item.size / OUTPUT_SAMPLE_RATE)
+            return
+        # the last item: _DONE or the error
+        self._replies.pop(reply.request_id, None)
+        self.in_progress.increment(-1)
+        if self.triton_llm is not None:
+            self.triton_llm.release(reply.sender.is_cancelled)  # before the final flag closes the sender
+        if item is _DONE:
+            if reply.streaming:
+                reply.sender.send(flags=FINAL)
+            else:
+                waveform = np.concatenate(reply.pieces) if reply.pieces else np.zeros(0, np.float32)
+                reply.sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", waveform)]),
+                                  flags=FINAL)
+        else:
+            reply.sender.send(error_response(item), flags=FINAL)
+        self._publish()
+
+    def _played(self, reply: _Reply, seconds: float) -> None:
+        playback = reply.playback
+        underruns, stall = playback.underruns, playback.stall_s
+        buffered = playback.arrive(time.monotonic(), seconds)
+        if buffered is not None:
+            self.buffer_s.observe(buffered)
+        if playback.underruns > underruns:
+            self.underruns.increment(playback.underruns - underruns)
+            self.stall_s.increment(playback.stall_s - stall)
+
+    def _poll_cancelled(self) -> None:
+        for reply in list(self._replies.values()):
+            if reply.sender.is_cancelled():
+                self.engine.cancel(reply.request_id)
+        self._publish()
+
+    def close(self) -> None:
+        self.prepare.shutdown(wait=True)
+        self.engine.close()  # every request still open ends (finish with an error): the responder answers it
+        self._closing = True
+        self._responder.join(timeout=30)
+
+
+_DONE = object()

@@ -1,0 +1,140 @@
+"""Non-streaming flow passes as jobs of a step loop: offline requests and the reference's final chunk.
+
+The reference voices an offline request, and the last chunk of a stream, with one flow pass
+over prompt + all tokens under full attention (``CosyVoice2Flow.inference(streaming=False)``):
+nothing of a stream's incremental state can be reused for it. Here such a pass is a
+:class:`FullPassJob` whose 10 guided Euler steps are taken one per :meth:`FullPass.step` call,
+packed with the other passes under way (each at its own step, rows padded to the longest), so
+that a long pass never holds up the windows of playing streams for more than one step. Its mel
+equals the reference's up to float rounding (the same fused step computes it,
+:class:`~cosyserve.models.flow.fused.FusedEstimator`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.flow import CosyVoice2Flow, fixed_noise
+from ..models.flow.fused import FusedEstimator
+from .flow_engine import GRAPH_PAIRS, EngineGraphs, StepBuffers
+
+# Rows of an eager packed pass are padded to a multiple of this many frames (masked, never returned).
+FRAME_ALIGN = 16
+# Captured shapes of a packed pass: jobs as the window steps' (GRAPH_PAIRS), frames (prompt +
+# speech) up to a 10 s prompt with 20 s of speech; bigger passes run eagerly.
+GRAPH_FRAMES = (128, 256, 384, 512, 768, 1024, 1536)
+
+
+@dataclass
+class FullPassJob:
+    """One pass: its conditions (channel-first (1, 80, frames)) and where its Euler loop stands."""
+
+    mu: torch.Tensor
+    spks: torch.Tensor  # (1, 80)
+    cond: torch.Tensor
+    prompt_frames: int
+    x: torch.Tensor  # the ODE state before step ``step`` (the fixed noise at 0)
+    steps: int
+    streaming: bool  # block-causal attention (the re-run of a non-final chunk) or full (offline, final)
+    skip_frames: int = 0  # leading target frames already voiced (a stream's chunks before)
+    step: int = 0
+
+    @property
+    def frames(self) -> int:
+        return self.x.size(2)
+
+    @property
+    def done(self) -> bool:
+        return self.step == self.steps
+
+    def target_mel(self) -> torch.Tensor:
+        """The target frames not voiced before, (1, 80, f) float32."""
+        return self.x[:, :, self.prompt_frames + self.skip_frames:].float()
+
+
+class FullPass:
+    """Packs the Euler steps of :class:`FullPassJob` s over one flow's fused estimator.
+
+    With ``graphs`` (the window steps' :class:`~.flow_engine.EngineGraphs`), a step of up to
+    ``GRAPH_PAIRS[-1]`` jobs of up to ``GRAPH_FRAMES[-1]`` frames replays a CUDA graph of its
+    padded shape (captured when first used, or all at once by :meth:`capture_all`): an eager step
+    costs ~300 kernel launches of host time. The graphs use the window graphs' key/value buffer
+    and memory pool: the loop never runs both at once."""
+
+    def __init__(self, flow: CosyVoice2Flow, fused: FusedEstimator, n_timesteps: int,
+                 graphs: EngineGraphs | None = None) -> None:
+        self.flow, self.fused = flow, fused
+        self.n_timesteps = n_timesteps
+        self.graphs = graphs
+        _, self._dt, self._time_bias = fused.schedule(n_timesteps)
+        self._captured: dict[tuple[int, int], StepBuffers] = {}
+
+    def _buffers(self, count: int, frames: int) -> StepBuffers:
+        pairs = next((p for p in GRAPH_PAIRS if count <= p), None)
+        padded = next((f for f in GRAPH_FRAMES if frames <= f), None)
+        if self.graphs is None or pairs is None or padded is None:
+            return StepBuffers(self.fused, count, -(-frames // FRAME_ALIGN) * FRAME_ALIGN, 0)
+        key = (pairs, padded)
+        if key not in self._captured:
+            buffers = StepBuffers(self.fused, pairs, padded, 0, kv=self.graphs.kv)
+            if self.graphs.replay:
+                buffers.capture(self.graphs.pool)
+            self._captured[key] = buffers
+        return self._captured[key]
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        for pairs in GRAPH_PAIRS:
+            for frames in GRAPH_FRAMES:
+                self._buffers(pairs, frames)
+
+    @torch.inference_mode()
+    def start(self, tokens: torch.Tensor, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor,
+              embedding: torch.Tensor, skip_frames: int = 0, streaming: bool = False) -> FullPassJob:
+        """A pass over prompt + ``tokens`` (1, n) (encoder run now); ``skip_frames`` target frames
+        are not returned. ``streaming``: the reference's re-run of a non-final chunk (streaming
+        masks, the last 3 tokens look-ahead only) instead of the final, full-attention pass."""
+        c = self.flow.batch_conditions([tokens], [prompt_tokens], [prompt_feat], [embedding], streaming=streaming,
+                                       finalize=not streaming)
+        frames = c.frames[0]
+        weight = self.fused.dtype
+        return FullPassJob(c.mu[:, :, :frames].to(weight), c.spks.to(weight), c.cond[:, :, :frames].to(weight),
+                           c.prompt_frames[0], fixed_noise(frames, self.fused.device, weight), self.n_timesteps,
+                           streaming, skip_frames)
+
+    @torch.inference_mode()
+    def warm_up(self, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
+                rows: tuple[int, ...] = (1, 2, 16), tokens: tuple[int, ...] = (20, 250)) -> None:
+        """One step of passes of every size class the kernels are tuned for (few and short rows,
+        many and long ones) in both attention kinds, so that their compilation happens now and not
+        under a request."""
+        for count in rows:
+            for n in tokens:
+                for streaming in (True, False):
+                    job = self.start(torch.zeros(1, n, dtype=torch.long), prompt_tokens, prompt_feat, embedding,
+                                     streaming=streaming)
+                    self.step([job] + [FullPassJob(job.mu, job.spks, job.cond, job.prompt_frames, job.x, job.steps,
+                                                   streaming) for _ in range(count - 1)])
+
+    @torch.inference_mode()
+    def step(self, jobs: list[FullPassJob]) -> None:
+        """One guided Euler step of every job (each at its own step), in one estimator call; the
+        jobs share their attention kind (:attr:`FullPassJob.streaming`)."""
+        fused, count = self.fused, len(jobs)
+        buffers = self._buffers(count, max(job.frames for job in jobs))
+        pairs, frames = buffers.pairs, buffers.frames
+        idle = [0] * (pairs - count)  # padding pairs of a captured shape: no frames
+        buffers.set_rows(fused.rows(([job.frames for job in jobs] + idle) * 2, [0] * (2 * pairs), frames,
+                                    streaming=jobs[0].streaming, slots=0))
+        buffers.inp.zero_()
+        for j, job in enumerate(jobs):
+            fused.fill_input(buffers.inp, (j, pairs + j), job.x, job.mu, job.spks, job.cond)
+        row_steps = torch.tensor(([job.step for job in jobs] + idle) * 2, device=fused.device)
+        buffers.time_bias.copy_(self._time_bias[row_steps].transpose(0, 1))
+        buffers.dt.copy_(self._dt[row_steps[:pairs]])
+        x_out = buffers.step()
+        for j, job in enumerate(jobs):
+            job.x = x_out[j, :job.frames].T[None].clone()
+            job.step += 1

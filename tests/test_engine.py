@@ -1,0 +1,213 @@
+"""The engine core (one loop: LLM, packed flow steps, batched HiFT) against the reference computation.
+
+The LLM is replaced by scripted speech tokens (the flow and the vocoder are what is compared); the
+reference is ``CosyVoice2Token2Wav`` re-running the flow over prompt + all tokens at every chunk of
+the reference BLS's schedule (``plan_chunks``), HiFT with zero harmonic noise on both sides.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cosyserve.engine.scheduler import Scheduler
+from cosyserve.engine.service import load_cosyvoice2_engine
+from cosyserve.errors import CapacityError, InvalidInputError, RequestCancelledError, RequestTimeoutError
+from cosyserve.llm.stream import Finished, TokenStream
+from cosyserve.pipeline.tts import TokenLimits, TTSRequest
+from cosyserve.schedule import plan_chunks
+from cosyserve.token2wav.cosyvoice2 import Token2WavOptions, load_token2wav
+
+torch.set_num_threads(1)
+REL_L2 = 1e-5  # fp32 rounding
+HARMONICS = 9
+
+
+def zero_noise(samples: int) -> torch.Tensor:
+    return torch.zeros(1, samples, HARMONICS)
+
+
+class ScriptedTokens:
+    """An LLM back end that streams given speech tokens (per request id) from a thread, at
+    ``token_interval_s`` each; ``fail`` ids end with an error instead."""
+
+    def __init__(self, token_interval_s: float = 0.0):
+        self.tokens: dict[str, list[int]] = {}
+        self.fail: set[str] = set()
+        self.interval = token_interval_s
+        self.cancelled: list[str] = []
+
+    def generate_stream(self, prompt_ids, params, request_id=None) -> TokenStream:
+        stream = TokenStream(request_id, lambda: self.cancelled.append(request_id))
+        tokens = self.tokens[request_id.split(".")[0]]
+
+        def produce():
+            for token in tokens[:params.max_tokens]:
+                if stream.finish_reason is not None:
+                    return
+                if self.interval:
+                    time.sleep(self.interval)
+                stream.put(token)
+            stream.put(Finished("error", RuntimeError("scripted LLM failure")) if request_id in self.fail
+                       else Finished("stop"))
+        threading.Thread(target=produce, daemon=True).start()
+        return stream
+
+    def register_prefix(self, key, ids) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_bundle):
+    return tiny_bundle / "CosyVoice2-0.5B", tiny_bundle / "cosyvoice2_llm"
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    return load_token2wav(model_dirs[0], "cpu", torch.float32)
+
+
+def make_engine(model_dirs, llm, final="reference", pool_mb=256, **scheduler):
+    return load_cosyvoice2_engine(*model_dirs, torch.device("cpu"), flow_dtype=torch.float32,
+                                  options=Token2WavOptions(incremental_stream=True, final=final,
+                                                           state_pool_bytes=pool_mb << 20),
+                                  llm_backend=llm, sine_noise=zero_noise, scheduler=Scheduler(**scheduler))
+
+
+def clip_voice(engine, seconds: float, seed: int):
+    rng = np.random.default_rng(seed)
+    return engine.voices.resolve(rng.standard_normal(int(16000 * seconds)).astype(np.float32) * 0.1, "你好。")
+
+
+def reference_stream(reference, voice, tokens: list[int]) -> list[np.ndarray]:
+    f = voice.features
+    stream = reference.open_stream(f"ref-{random.random()}", f.speech_tokens, f.speech_feat, f.embedding,
+                                   sine_noise=zero_noise)
+    return [stream.step(tokens[:c.num_tokens], c.token_offset, c.finalize).numpy() for c in plan_chunks(len(tokens))]
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def assert_idle(engine) -> None:
+    """Nothing outlives its request: no request, stream or page but the cached voices'."""
+    flow = engine.core.kind.flow_engine
+    deadline = time.monotonic() + 5
+    while engine.core.active_requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.core.active_requests == 0
+    assert flow.open_streams == 0
+    assert flow.pool.pages - flow.pool.free_pages == flow.voice_pages
+
+
+@pytest.mark.parametrize("final", ["reference", "streaming"])
+def test_concurrent_streams_equal_the_reference(model_dirs, reference, final):
+    llm = ScriptedTokens(token_interval_s=0.002)
+    engine = make_engine(model_dirs, llm, final)
+    try:
+        rng = random.Random(3)
+        voices = [engine.voices.resolve(), clip_voice(engine, 2.3, 1), clip_voice(engine, 3.1, 2)]
+        requests = []
+        for k in range(5):
+            tokens = [rng.randrange(6561) for _ in range(rng.choice([20, 37, 64, 90]))]
+            llm.tokens[f"r{k}"] = tokens
+            requests.append((f"r{k}", voices[k % 3], tokens))
+        results: dict[str, list[np.ndarray]] = {}
+
+        def run(rid, voice, tokens):
+            time.sleep(rng.random() * 0.05)  # arrivals spread over the engine's steps
+            results[rid] = list(engine.stream(TTSRequest(rid, "你好，欢迎使用语音合成服务。", voice,
+                                                         TokenLimits(len(tokens)))))
+        threads = [threading.Thread(target=run, args=r) for r in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for rid, voice, tokens in requests:
+            expected = reference_stream(reference, voice, tokens)
+            got = results[rid]
+            assert [p.size for p in got[:-1]] == [p.size for p in expected[:-1]]  # the reference BLS's chunks
+            if final == "reference":
+                assert rel(np.concatenate(got), np.concatenate(expected)) < REL_L2
+            else:  # only the last chunk's frames differ (streaming masks over the final block)
+                assert rel(np.concatenate(got[:-1]), np.concatenate(expected[:-1])) < REL_L2
+                assert sum(p.size for p in got) == 960 * len(tokens)
+        assert engine.core.counters.flow_step_jobs > engine.core.counters.flow_steps  # jobs shared steps
+        assert_idle(engine)
+    finally:
+        engine.close()
+
+
+def test_offline_equals_the_reference(model_dirs, reference):
+    llm = ScriptedTokens()
+    engine = make_engine(model_dirs, llm)
+    try:
+        voice = clip_voice(engine, 2.0, 5)
+        llm.tokens["o1"] = tokens = [random.Random(5).randrange(6561) for _ in range(57)]
+        got = engine.synthesize(TTSRequest("o1", "你好。", voice, TokenLimits(57)))
+        f = voice.features
+        expected = reference.offline(tokens, f.speech_tokens, f.speech_feat, f.embedding, sine_noise=zero_noise).numpy()
+        assert rel(got, expected) < REL_L2
+        assert_idle(engine)
+    finally:
+        engine.close()
+
+
+def test_cancel_error_and_timeout_release_everything(model_dirs):
+    llm = ScriptedTokens(token_interval_s=0.01)
+    engine = make_engine(model_dirs, llm)
+    try:
+        voice = engine.voices.resolve()
+        for rid in ("cancel", "fail", "slow", "ok"):
+            llm.tokens[rid] = list(range(100, 160))
+        llm.fail.add("fail")
+        outcomes: dict[str, BaseException | None] = {}
+        events = {rid: threading.Event() for rid in ("cancel", "fail", "slow", "ok")}
+
+        def finish(rid):
+            def done(error):
+                outcomes[rid] = error
+                events[rid].set()
+            return done
+        for rid in events:
+            engine.submit(TTSRequest(rid, "你好。", voice, TokenLimits(60)), streaming=True, emit=lambda pcm: None,
+                          finish=finish(rid), timeout_s=0.2 if rid == "slow" else 0.0)
+        time.sleep(0.1)
+        engine.cancel("cancel")
+        for event in events.values():
+            assert event.wait(60)
+        assert isinstance(outcomes["cancel"], RequestCancelledError)
+        assert isinstance(outcomes["fail"], RuntimeError) and "scripted LLM failure" in str(outcomes["fail"])
+        assert isinstance(outcomes["slow"], RequestTimeoutError)
+        assert outcomes["ok"] is None
+        assert "cancel" in llm.cancelled and "slow" in llm.cancelled
+        assert_idle(engine)
+    finally:
+        engine.close()
+
+
+def test_admission_refuses_past_max_streams_and_bad_text_fails_alone(model_dirs):
+    llm = ScriptedTokens(token_interval_s=0.01)
+    engine = make_engine(model_dirs, llm, max_streams=1)
+    try:
+        voice = engine.voices.resolve()
+        llm.tokens["a"] = llm.tokens["b"] = list(range(40))
+        first = engine.stream(TTSRequest("a", "你好。", voice, TokenLimits(40)))
+        next(first)  # "a" is streaming
+        with pytest.raises(CapacityError, match="overloaded: .*max_streams"):
+            engine.submit(TTSRequest("b", "你好。", voice, TokenLimits(40)), streaming=True, emit=print, finish=print)
+        with pytest.raises(InvalidInputError, match="target_text is empty"):
+            engine.submit(TTSRequest("c", "   ", voice), streaming=False, emit=print, finish=print)
+        assert sum(p.size for p in first) > 0
+        assert_idle(engine)
+    finally:
+        engine.close()
