@@ -215,18 +215,20 @@ t2w_servers() {
   done
 }
 
+# Stopping needs bash and the pid files only (scripts/lib.sh: stop_pid_file), not the venv; what
+# cannot be stopped is reported and the rest is stopped all the same.
 if [ "$stage" = "stop" ]; then
-  use_venv
-  "$PY" -m cosyserve.api.service stop --pid-file "$API_PID_FILE"
-  "$PY" -m cosyserve.serving.tritonserver stop --pid-file "$SERVER_PID_FILE"
+  status=0
+  stop_pid_file "$API_PID_FILE" "cosyserve API" is_api || status=1
+  stop_pid_file "$SERVER_PID_FILE" tritonserver is_tritonserver || status=1
   for pid_file in "$DISAGG_DIR"/tritonserver_*.pid; do
-    if [ -f "$pid_file" ]; then "$PY" -m cosyserve.serving.tritonserver stop --pid-file "$pid_file"; fi
+    [ ! -f "$pid_file" ] || stop_pid_file "$pid_file" tritonserver is_tritonserver || status=1
   done
   for pid_file in "$DISAGG_DIR"/llm_server.pid "$DISAGG_DIR"/llm_server_*.pid; do
-    [ ! -f "$pid_file" ] || stop_llm_server_process "$pid_file"
+    [ ! -f "$pid_file" ] || stop_llm_server_process "$pid_file" || status=1
   done
   stop_mps
-  exit 0
+  exit "$status"
 fi
 
 use_venv

@@ -73,9 +73,8 @@ MANIFEST=${MANIFEST:-}                        # or a manifest file: utt|prompt_t
 OUT_DIR=${OUT_DIR:-$repo_root/outputs}
 TARGET_TEXT=${TARGET_TEXT:-"身临其境，换新体验。塑造开源语音合成新范式，让智能语音更自然。"}
 
-if [ "$stage" = "stop" ]; then
-  use_venv
-  "$PY" -m cosyserve.serving.tritonserver stop --pid-file "$SERVER_PID_FILE"
+if [ "$stage" = "stop" ]; then  # bash and the pid file only (scripts/lib.sh), not the venv
+  stop_pid_file "$SERVER_PID_FILE" tritonserver is_tritonserver
   exit 0
 fi
 

@@ -136,13 +136,15 @@ t2w_servers() {
   done
 }
 
+# Stopping needs bash and the pid files only (scripts/lib.sh: stop_pid_file), not the venv; what
+# cannot be stopped is reported and the rest is stopped all the same.
 if [ "$stage" = "stop" ]; then
-  use_venv
+  status=0
   for pid_file in "$SERVER_PID_FILE" "$DISAGG_DIR"/tritonserver_*.pid; do
-    if [ -f "$pid_file" ]; then "$PY" -m cosyserve.serving.tritonserver stop --pid-file "$pid_file"; fi
+    [ ! -f "$pid_file" ] || stop_pid_file "$pid_file" tritonserver is_tritonserver || status=1
   done
-  stop_llm_server
-  exit 0
+  stop_llm_server || status=1
+  exit "$status"
 fi
 
 if [ "$stage" = "wait" ]; then

@@ -27,8 +27,9 @@ import traceback
 
 import torch
 
-from cosyserve.bench.token2wav import (STRATEGIES, TOKEN_RATE, add_common_args, markdown_table, parse_variants,
-                                      prompt_features, rel_l2, run_streams, utterance_tokens)
+from cosyserve.bench.token2wav import (STRATEGIES, add_common_args, markdown_table, parse_variants, prompt_features,
+                                      rel_l2, run_streams, utterance_tokens)
+from cosyserve.schedule import TOKEN_RATE
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -52,7 +52,7 @@ from cosyserve.bench.token2wav import (add_common_args, markdown_table, median, 
 from cosyserve.errors import CosyServeError
 from cosyserve.pipeline import cosyvoice3_token2wav as cv3
 from cosyserve.pipeline.offline import MODELS
-from cosyserve.schedule import STRATEGIES
+from cosyserve.schedule import OUTPUT_SAMPLE_RATE, STRATEGIES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -128,7 +128,7 @@ def main_cosyvoice3(args) -> int:
     if args.output and result.last is not None:
         import soundfile as sf
 
-        sf.write(args.output, result.last, cv3.SAMPLE_RATE)
+        sf.write(args.output, result.last, OUTPUT_SAMPLE_RATE)
         print(f"wrote {args.output}")
     return 0
 

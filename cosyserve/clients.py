@@ -30,8 +30,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .errors import InvalidInputError
+from .schedule import OUTPUT_SAMPLE_RATE
 
-OUTPUT_SAMPLE_RATE = 24000
 PERCENTILES = (50, 90, 95, 99)
 
 

@@ -17,6 +17,9 @@ always passes every token with ``finalize=True``.
 **DiT** (:class:`DitChunkScheduler`, NVIDIA's ``cosyvoice2_dit`` BLS): each chunk carries only
 the *new* tokens [offset, offset+hop+3), sent whenever hop+3 are pending; hop = 15, then 25·2^j
 (``exponential``) or stays 15 (``equal``).
+
+What a speech token is in audio is defined here, the lowest layer, for every layer above:
+:data:`TOKEN_RATE`, :data:`OUTPUT_SAMPLE_RATE` and :data:`SAMPLES_PER_TOKEN`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from .errors import InvalidInputError
 
 STRATEGIES = ("exponential", "time_based")  # CosyVoice2's
 TOKEN_RATE = 25  # speech tokens per second of audio
+OUTPUT_SAMPLE_RATE = 24000  # Hz of the audio every model returns (CosyVoice2, CosyVoice3, the DiT)
+SAMPLES_PER_TOKEN = OUTPUT_SAMPLE_RATE // TOKEN_RATE  # 960: two mel frames of 480 samples
 
 
 @dataclass

@@ -107,17 +107,69 @@ start_llm_server_process() {
   log "LLM server ready on port $port"
 }
 
-# stop_llm_server_process PID_FILE: end the LLM server started from PID_FILE (its process group),
-# only if its command line is one (ours or trtllm-serve)
+# stop_llm_server_process PID_FILE: end the LLM server started from PID_FILE (its whole process group:
+# trtllm-serve has workers of its own)
 stop_llm_server_process() {
-  local pid_file=$1 pid
+  stop_pid_file "$1" "the LLM server" is_llm_server group
+}
+
+# --- stopping from pid files: bash alone, so that `stop` works without the project's venv -------------
+
+# process_running PID: whether PID exists and is not a zombie (a server that has exited but whose
+# parent has not reaped it yet counts as stopped)
+process_running() {
+  local stat
+  stat=$(cat "/proc/$1/stat" 2> /dev/null) || return 1
+  stat=${stat##*) }  # the state follows the command name, which may hold spaces and parentheses
+  case "${stat%% *}" in Z|X) return 1 ;; *) return 0 ;; esac
+}
+
+# process_args PID: its command line, one argument a line (empty once it is gone)
+process_args() {
+  tr '\0' '\n' < "/proc/$1/cmdline" 2> /dev/null || true
+}
+
+# is_tritonserver / is_api / is_llm_server PID: whether the process of a pid file is still what the
+# file was written for, since its pid may have been reused by anything else since
+is_tritonserver() {
+  local args
+  args=$(process_args "$1")
+  [[ "${args%%$'\n'*}" =~ (^|/)tritonserver$ ]]
+}
+is_api() {
+  grep -qx 'cosyserve.api' <<< "$(process_args "$1")"
+}
+is_llm_server() {
+  grep -qE 'cosyserve\.llm\.openai_server|trtllm-serve' <<< "$(process_args "$1")"
+}
+
+# stop_pid_file PID_FILE NAME IS_EXPECTED [group]: stop the NAME process recorded in PID_FILE and remove
+# the file. Only a process that IS_EXPECTED accepts is signalled (else an error and status 1). SIGTERM
+# goes to the process (with "group": to its process group), and after STOP_TIMEOUT_S seconds (45:
+# Triton waits up to 30 s for requests in flight) SIGKILL to its process group, which also holds
+# Triton's stubs: every process this file stops was started in a session of its own.
+stop_pid_file() {
+  local pid_file=$1 name=$2 is_expected=$3 target pid deadline
   pid=$(cat "$pid_file" 2> /dev/null || true)
-  [ -n "$pid" ] || { log "no LLM server pid file $pid_file: nothing to stop"; return 0; }
-  if kill -0 "$pid" 2> /dev/null && grep -qaE "cosyserve.llm.openai_server|trtllm-serve" "/proc/$pid/cmdline"; then
-    kill -TERM -- "-$pid" 2> /dev/null || true
-    for _ in $(seq 50); do kill -0 "$pid" 2> /dev/null || break; sleep 0.2; done
-    kill -KILL -- "-$pid" 2> /dev/null || true
-    log "stopped the LLM server (pid $pid)"
+  if [ -z "$pid" ]; then log "no pid file $pid_file: nothing to stop"; return 0; fi
+  [[ "$pid" =~ ^[0-9]+$ ]] || { echo "error: pid file $pid_file does not hold a process id: '$pid'" >&2; return 1; }
+  if ! process_running "$pid"; then
+    rm -f "$pid_file"
+    log "$name (pid $pid) was not running; removed $pid_file"
+    return 0
   fi
+  "$is_expected" "$pid" || { echo "error: pid $pid from $pid_file is not a $name process; not stopping it" >&2; return 1; }
+  target=$pid
+  [ "${4:-}" != group ] || target=-$pid
+  kill -TERM -- "$target" 2> /dev/null || true
+  deadline=$((SECONDS + ${STOP_TIMEOUT_S:-45}))
+  while process_running "$pid" && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.2; done
+  if process_running "$pid"; then
+    kill -KILL -- "-$pid" 2> /dev/null || kill -KILL -- "$pid" 2> /dev/null || true
+    deadline=$((SECONDS + 10))
+    while process_running "$pid" && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.1; done
+  fi
+  if process_running "$pid"; then echo "error: $name (pid $pid) is still running after SIGKILL" >&2; return 1; fi
   rm -f "$pid_file"
+  log "stopped $name (pid $pid)"
 }

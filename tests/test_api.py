@@ -28,8 +28,8 @@ import soundfile as sf
 
 from cosyserve.pipeline.tts import MAX_TEXT_CHARS
 from cosyserve.serving.tritonserver import terminate_with_parent
-from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, build_model_repo, copy_of_bundle, fill_to_capacity,
-                             free_ports, serve_repo, server_env, wait_http, wait_until_idle)
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, fill_to_capacity, free_ports, repository_spec, server_env,
+                             wait_http, wait_until_idle)
 
 pytest.importorskip("pytriton")
 openai = pytest.importorskip("openai")
@@ -43,18 +43,19 @@ TEXT = "你好，世界。"
 
 
 @pytest.fixture(scope="module")
-def models_dir(tiny_bundle: Path, tmp_path_factory) -> Path:
-    """The tiny bundle with a model directory of its own (the voice store lives in it)."""
-    return copy_of_bundle(tiny_bundle, tmp_path_factory.mktemp("api_models"))
+def models_dir(api_models_dir: Path) -> Path:
+    return api_models_dir
+
+
+def server_spec(models_dir: Path):
+    """One BLS instance and a queue of one waiting request (the 429 test fills it; the router's
+    overload test too): tests/test_api_router.py's servers are of this spec."""
+    return repository_spec(models_dir, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_instances=1, max_queue_size=1)
 
 
 @pytest.fixture(scope="module")
-def server(models_dir: Path, tmp_path_factory):
-    work = tmp_path_factory.mktemp("api_triton")
-    # a queue of one waiting request: the 429 test fills it
-    repo = build_model_repo(models_dir, work / "repo", max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_instances=1,
-                            max_queue_size=1)
-    yield from serve_repo(repo, work)
+def server(models_dir: Path, shared_triton):
+    return shared_triton(server_spec(models_dir))
 
 
 class APIProcess:

@@ -5,7 +5,6 @@ other one."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -15,10 +14,8 @@ from pathlib import Path
 import pytest
 
 from cosyserve.api.router import _affinity, resolve
-from conftest_triton import (SAMPLES_PER_TOKEN, copy_of_bundle, fill_to_capacity, repository_spec, serve_repo,
-                             wait_until_idle)
-from cosyserve.serving.model_repository import build
-from test_api import API_KEY, APIProcess, TEXT
+from conftest_triton import SAMPLES_PER_TOKEN, fill_to_capacity, wait_until_idle
+from test_api import API_KEY, APIProcess, TEXT, server_spec
 
 pytest.importorskip("pytriton")
 httpx = pytest.importorskip("httpx2")  # what the openai SDK is built on
@@ -28,28 +25,19 @@ VOICE = "001"
 
 
 @pytest.fixture(scope="module")
-def models_dir(tiny_bundle: Path, tmp_path_factory) -> Path:
+def models_dir(api_models_dir: Path) -> Path:
     """One model directory for both servers (and their shared voice store), as a replica set would mount it."""
-    return copy_of_bundle(tiny_bundle, tmp_path_factory.mktemp("router_models"))
-
-
-def _server(models_dir: Path, work: Path):
-    # one BLS instance and a queue of one: the overload test fills it; no text front-end warm-up (its
-    # seconds of CPU at start are not what these tests are about)
-    spec = repository_spec(models_dir, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_instances=1, max_queue_size=1)
-    yield from serve_repo(build(dataclasses.replace(spec, bls_warm_up="false"), work / "repo"), work)
+    return api_models_dir
 
 
 @pytest.fixture(scope="module")
-def servers(models_dir: Path, tmp_path_factory):
-    """The two servers, the one voice 001 prefers first (rendezvous ranking on their addresses)."""
-    first = _server(models_dir, tmp_path_factory.mktemp("router_a"))
-    second = _server(models_dir, tmp_path_factory.mktemp("router_b"))
-    pair = [next(first), next(second)]
+def servers(models_dir: Path, shared_triton):
+    """The two servers (one BLS instance and a queue of one: the overload test fills it), the one
+    voice 001 prefers first (rendezvous ranking on their addresses); replica 0 is tests/test_api.py's server."""
+    spec = server_spec(models_dir)
+    pair = [shared_triton(spec), shared_triton(spec, replica=1)]
     pair.sort(key=lambda server: _affinity(VOICE, address(server)), reverse=True)
-    yield pair
-    for generator in (first, second):
-        next(generator, None)
+    return pair
 
 
 @pytest.fixture(scope="module")

@@ -342,6 +342,7 @@ PROMPTS, REQUESTS = 3, 4  # the 4th request repeats the first item
 RATE_REQUESTS = 3  # open loop at 4 req/s, in both modes
 
 
+@pytest.mark.e2e  # runs run.sh's stages and a real server
 def test_driver_end_to_end(tiny_bundle, tmp_path, monkeypatch, capsys):
     pytest.importorskip("pytriton")  # the bundled tritonserver
     pytest.importorskip("matplotlib")

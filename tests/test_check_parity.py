@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from safetensors.torch import load_file, save_file
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_parity.py"
@@ -14,6 +16,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # every suite through the CLI; the suites run in-process in their modules too
 def test_all_reference_fixtures_pass(parity_dir):
     for name in ("cosyvoice2", "dit"):
         result = run("--fixtures", str(parity_dir / name))
@@ -38,6 +41,7 @@ def test_unknown_directory_is_an_error(tmp_path):
     assert result.returncode == 2 and "matches no known fixture format" in result.stderr
 
 
+@pytest.mark.slow  # every suite through the CLI; the suites run in-process in their modules too
 def test_cosyvoice3_fixtures_pass_with_only_cosyvoice3_suites(parity_dir):
     """The CosyVoice3 set shares CosyVoice2's file names; only the cv3 suites may claim it."""
     result = run("--fixtures", str(parity_dir / "cosyvoice3"))

@@ -45,10 +45,28 @@ def server(tiny_bundle: Path, tmp_path_factory):
     yield from serve_faults_repo(tiny_bundle, tmp_path_factory.mktemp("faults_server"), bls_warm_up="true")
 
 
+@pytest.fixture(scope="module")
+def own_servers():
+    """The killed-stub tests' servers, (generator, server) each; stopped at the module's end."""
+    servers: list[tuple] = []
+    yield servers
+    for generator, _ in servers:
+        next(generator, None)
+
+
 @pytest.fixture
-def own_server(tiny_bundle: Path, tmp_path):
-    """A server of its own, for a test that may take it down."""
-    yield from serve_faults_repo(tiny_bundle, tmp_path)
+def own_server(own_servers: list, tiny_bundle: Path, tmp_path_factory, request):
+    """A server no other kind of test uses, for a test that kills a model's stubs. Such a test ends
+    with the model loaded again and the server idle and serving, so the next one may use the same
+    server; one that exited meanwhile is replaced, one whose test failed is stopped (it may have been
+    left with a model unloaded)."""
+    if not own_servers or own_servers[-1][1].process.poll() is not None:
+        generator = serve_faults_repo(tiny_bundle, tmp_path_factory.mktemp("own_server"))
+        own_servers.append((generator, next(generator)))
+    failed_before = request.session.testsfailed
+    yield own_servers[-1][1]
+    if request.session.testsfailed != failed_before:
+        next(own_servers.pop()[0], None)
 
 
 @pytest.fixture

@@ -150,6 +150,7 @@ def test_rows_validation(cfm):
         fused.rows([5, 5], [0, 0], 4, streaming=True)
 
 
+@pytest.mark.slow  # ~1 minute in Triton's interpreter on 2 cores
 def test_triton_kernels_under_interpreter():
     """The Triton kernels (the GPU fp16/bf16 path) compute the same step, run by Triton's CPU interpreter."""
     pytest.importorskip("triton")

@@ -82,6 +82,7 @@ def test_fallbacks_match_reference_in_fp32():
 
 
 @pytest.mark.skipif(fused.triton_kernels is None, reason="Triton is not installed")
+@pytest.mark.slow  # Triton's interpreter, as tests/test_flow_fused.py's
 def test_triton_kernels_under_the_interpreter():
     """The kernels themselves, run by the Triton interpreter on CPU tensors (fp32 and fp16)."""
     root = str(Path(__file__).resolve().parents[1])

@@ -335,6 +335,7 @@ def test_frame_buckets_are_few_and_bound_the_padding():
     assert frame_bucket(15000, 50) == 15000  # capped at the noise buffer
 
 
+@pytest.mark.slow  # ~2 minutes of inductor compilation on 2 cores
 def test_compiled_estimator_equals_eager(t2w):
     """torch.compile of the estimator (dynamic shapes) gives the eager mel for two lengths, both attention kinds."""
     pytest.importorskip("torch._inductor")

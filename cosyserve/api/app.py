@@ -33,14 +33,14 @@ from ..errors import InvalidInputError
 from ..frontend.voice_store import VOICES_DIR, UnknownVoiceError, VoiceStore
 from ..pipeline.tts import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS
 from ..runtime import SPK2INFO
-from .encoding import MEDIA_TYPES, SAMPLE_RATE, make_encoder
+from ..schedule import OUTPUT_SAMPLE_RATE, SAMPLES_PER_TOKEN
+from .encoding import MEDIA_TYPES, make_encoder
 from .errors import RETRY_AFTER_S, APIError, install_handlers, triton_error
 from .router import TritonRouter
 from .triton import Synthesis
 from .voices import VoiceCatalog, prompt_wav16
 
 STATIC_DIR = Path(__file__).parent / "static"
-SAMPLES_PER_SPEECH_TOKEN = SAMPLE_RATE // 25  # CosyVoice2 speaks 25 speech tokens per second
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # the form fields besides the audio file
 
@@ -365,7 +365,7 @@ async def _encoded(first, chunks: AsyncIterator, encoder, metrics: Metrics, fmt:
     metrics.bytes_out.labels(fmt).inc(len(data))
     yield data, 0
     metrics.total.labels(fmt).observe(time.monotonic() - started)
-    metrics.audio_seconds.inc(samples / SAMPLE_RATE)
+    metrics.audio_seconds.inc(samples / OUTPUT_SAMPLE_RATE)
 
 
 async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
@@ -387,7 +387,7 @@ async def _sse_events(encoded: AsyncIterator[tuple[bytes, int]], input_tokens: i
         samples += count
         if data:
             yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
-    output_tokens = samples // SAMPLES_PER_SPEECH_TOKEN
+    output_tokens = samples // SAMPLES_PER_TOKEN
     yield _event({"type": "speech.audio.done", "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
                                                           "total_tokens": input_tokens + output_tokens}})
 

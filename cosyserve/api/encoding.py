@@ -17,9 +17,8 @@ import struct
 
 import numpy as np
 
-from ..audio.io import FLOW_SAMPLE_RATE
+from ..schedule import OUTPUT_SAMPLE_RATE
 
-SAMPLE_RATE = FLOW_SAMPLE_RATE  # what the cosyvoice2 model returns
 # response_format -> (FFmpeg muxer, encoder, muxer options); pcm and wav are written here.
 PYAV_FORMATS = {
     "mp3": ("mp3", "libmp3lame", {}),
@@ -36,7 +35,7 @@ def pcm16(chunk: np.ndarray) -> bytes:
     return (np.clip(chunk, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
-def streaming_wav_header(sample_rate: int = SAMPLE_RATE) -> bytes:
+def streaming_wav_header(sample_rate: int = OUTPUT_SAMPLE_RATE) -> bytes:
     """A 44-byte PCM s16le mono header with unknown (0xFFFFFFFF) RIFF and data sizes."""
     return (b"RIFF" + struct.pack("<I", UNKNOWN_SIZE) + b"WAVE"
             + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
@@ -71,7 +70,7 @@ class _Buffer:
 
 
 class PyAVEncoder:
-    def __init__(self, response_format: str, sample_rate: int = SAMPLE_RATE):
+    def __init__(self, response_format: str, sample_rate: int = OUTPUT_SAMPLE_RATE):
         import av
 
         muxer, codec, options = PYAV_FORMATS[response_format]

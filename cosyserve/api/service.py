@@ -1,10 +1,10 @@
-"""Start the API in the background and stop it again, as run.sh stage 3 / ``run.sh stop`` do:
+"""Start the API in the background, as run.sh stage 3 does:
 
     python -m cosyserve.api.service start --pid-file F --log L -- <python -m cosyserve.api arguments>
-    python -m cosyserve.api.service stop --pid-file F
 
 ``start`` returns once ``/health`` answers 200 (Triton ready behind it), or fails with the log's
-tail; ``stop`` only signals a process whose command line is this API's.
+tail. ``bash run.sh stop`` stops it from the pid file with bash alone (scripts/lib.sh), since
+importing this module imports the whole pipeline.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from ..serving.tritonserver import (TritonServerError, is_running, read_pid_file, stop_from_pid_file, stop_process,
-                                    write_pid_file)
+from ..serving.tritonserver import TritonServerError, is_running, read_pid_file, stop_process, write_pid_file
 from .server import parser as api_parser
 
 
@@ -63,10 +62,6 @@ def start(api_args: Sequence[str], pid_file: Path, log: Path, timeout: float) ->
         time.sleep(0.3)
 
 
-def stop(pid_file: Path) -> str:
-    return stop_from_pid_file(pid_file, name="cosyserve API", is_expected=_is_api)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cosyserve.api.service", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,16 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     start_parser.add_argument("--log", required=True, type=Path)
     start_parser.add_argument("--timeout", type=float, default=120.0)
     start_parser.add_argument("api_args", nargs=argparse.REMAINDER, help="after --: python -m cosyserve.api arguments")
-    stop_parser = commands.add_parser("stop")
-    stop_parser.add_argument("--pid-file", required=True, type=Path)
     args = parser.parse_args(argv)
     try:
-        if args.command == "start":
-            api_args = args.api_args[1:] if args.api_args[:1] == ["--"] else args.api_args
-            pid = start(api_args, args.pid_file, args.log, args.timeout)
-            print(f"API ready (pid {pid}); log {args.log}")
-        else:
-            print(stop(args.pid_file))
+        api_args = args.api_args[1:] if args.api_args[:1] == ["--"] else args.api_args
+        pid = start(api_args, args.pid_file, args.log, args.timeout)
+        print(f"API ready (pid {pid}); log {args.log}")
     except (APIServiceError, TritonServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -21,6 +21,11 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from ..schedule import OUTPUT_SAMPLE_RATE
+
+# The rate of the prompt audio the speech tokenizer (Whisper log-mel) and CAM++ (Kaldi fbank) take.
+TOKENIZER_SAMPLE_RATE = 16000
+
 # --- resampling ------------------------------------------------------------------------
 
 
@@ -165,9 +170,9 @@ def _window(kind: str, length: int, device: torch.device) -> torch.Tensor:
 # --- Matcha 24 kHz mel (flow prompt features) --------------------------------------------
 
 
-def matcha_mel_spectrogram(wav: torch.Tensor, *, n_fft: int = 1920, num_mels: int = 80, sample_rate: int = 24000,
-                           hop_size: int = 480, win_size: int = 1920, fmin: float = 0.0,
-                           fmax: float | None = 8000.0) -> torch.Tensor:
+def matcha_mel_spectrogram(wav: torch.Tensor, *, n_fft: int = 1920, num_mels: int = 80,
+                           sample_rate: int = OUTPUT_SAMPLE_RATE, hop_size: int = 480, win_size: int = 1920,
+                           fmin: float = 0.0, fmax: float | None = 8000.0) -> torch.Tensor:
     """Matcha-TTS ``mel_spectrogram(..., center=False)``: ``(..., N)`` -> ``(..., num_mels, N // hop)``.
 
     Reflect-pad (n_fft - hop)/2 on both sides, uncentred STFT with a periodic Hann window,
@@ -192,7 +197,7 @@ def matcha_mel_spectrogram(wav: torch.Tensor, *, n_fft: int = 1920, num_mels: in
 # --- Kaldi fbank (CAM++ input) ----------------------------------------------------------
 
 
-def kaldi_frame_count(n_samples: torch.Tensor | int, sample_frequency: float = 16000.0,
+def kaldi_frame_count(n_samples: torch.Tensor | int, sample_frequency: float = float(TOKENIZER_SAMPLE_RATE),
                       frame_length_ms: float = 25.0, frame_shift_ms: float = 10.0):
     """Whole Kaldi frames in ``n_samples`` samples: 1 + (N - win) // shift, 0 when N < win."""
     win = int(sample_frequency * frame_length_ms * 0.001)
@@ -202,7 +207,7 @@ def kaldi_frame_count(n_samples: torch.Tensor | int, sample_frequency: float = 1
     return 0 if n_samples < win else 1 + (n_samples - win) // shift
 
 
-def kaldi_fbank(wav: torch.Tensor, *, num_mel_bins: int = 80, sample_frequency: float = 16000.0,
+def kaldi_fbank(wav: torch.Tensor, *, num_mel_bins: int = 80, sample_frequency: float = float(TOKENIZER_SAMPLE_RATE),
                 frame_length_ms: float = 25.0, frame_shift_ms: float = 10.0,
                 preemphasis: float = 0.97, low_freq: float = 20.0, high_freq: float = 0.0,
                 batched: bool = False) -> torch.Tensor:
@@ -241,9 +246,9 @@ def campplus_features(wav16: torch.Tensor, lengths: torch.Tensor | None = None) 
     ``(B, frames, 80)``, each clip normalised by the mean over its own frames, padding frames 0.
     """
     if lengths is None:
-        fbank = kaldi_fbank(wav16, num_mel_bins=80, sample_frequency=16000.0)
+        fbank = kaldi_fbank(wav16, num_mel_bins=80, sample_frequency=float(TOKENIZER_SAMPLE_RATE))
         return (fbank - fbank.mean(dim=0, keepdim=True)).unsqueeze(0)
-    fbank = kaldi_fbank(wav16, num_mel_bins=80, sample_frequency=16000.0, batched=True)
+    fbank = kaldi_fbank(wav16, num_mel_bins=80, sample_frequency=float(TOKENIZER_SAMPLE_RATE), batched=True)
     counts = kaldi_frame_count(lengths.to(fbank.device))
     inside = (torch.arange(fbank.shape[1], device=fbank.device)[None, :] < counts[:, None])[..., None]
     mean = torch.where(inside, fbank, 0.0).sum(dim=1, keepdim=True) / counts.clamp(min=1)[:, None, None]
@@ -254,7 +259,6 @@ def campplus_features(wav16: torch.Tensor, lengths: torch.Tensor | None = None) 
 
 WHISPER_N_FFT = 400
 WHISPER_HOP = 160
-WHISPER_SAMPLE_RATE = 16000
 
 
 def _reflect_pad_each(wav: torch.Tensor, lengths: torch.Tensor, pad: int) -> torch.Tensor:
@@ -287,7 +291,7 @@ def whisper_log_mel(wav16: torch.Tensor, n_mels: int = 128, lengths: torch.Tenso
     spec = torch.stft(_reflect_pad_each(flat, flat_lengths, WHISPER_N_FFT // 2), WHISPER_N_FFT, WHISPER_HOP,
                       window=_window("hann", WHISPER_N_FFT, wav16.device), center=False, return_complex=True)
     power = spec[..., :-1].abs() ** 2
-    filters = slaney_mel_filters(WHISPER_SAMPLE_RATE, WHISPER_N_FFT, n_mels, device=wav16.device)
+    filters = slaney_mel_filters(TOKENIZER_SAMPLE_RATE, WHISPER_N_FFT, n_mels, device=wav16.device)
     log_spec = torch.clamp(filters @ power, min=1e-10).log10()
     if lengths is None:
         floor = log_spec.max()

@@ -20,11 +20,10 @@ import soundfile as sf
 import torch
 
 from ..errors import InvalidInputError
-from .features import resample
+from ..schedule import OUTPUT_SAMPLE_RATE
+from .features import TOKENIZER_SAMPLE_RATE, resample
 
-TOKENIZER_SAMPLE_RATE = 16000  # speech tokenizer + CAM++
-FLOW_SAMPLE_RATE = 24000  # prompt mel of the flow
-MIN_SOURCE_SAMPLE_RATE = 16000
+MIN_SOURCE_SAMPLE_RATE = TOKENIZER_SAMPLE_RATE  # a lower rate would reach the tokenizer up-sampled
 MIN_PROMPT_SECONDS = 0.5
 MAX_PROMPT_SECONDS = 30.0  # the speech tokenizer's limit
 # Peak below -80 dBFS counts as silence: such a prompt carries no voice to clone.
@@ -111,7 +110,7 @@ def prompt_audio_from_array(wav: np.ndarray | torch.Tensor, sample_rate: int) ->
     wav = validate_waveform(wav, sample_rate)
     sample_rate = int(sample_rate)
     return PromptAudio(wav16=resample(wav, sample_rate, TOKENIZER_SAMPLE_RATE),
-                       wav24=resample(wav, sample_rate, FLOW_SAMPLE_RATE))
+                       wav24=resample(wav, sample_rate, OUTPUT_SAMPLE_RATE))
 
 
 def load_prompt_audio(source: AudioSource) -> PromptAudio:

@@ -10,6 +10,7 @@ It may import serving, pipeline and everything below; only scripts and tests imp
 * :mod:`.breakdown` – where a level's time went: Triton statistics and the server's counters;
 * :mod:`.targets` – the performance targets and their checks;
 * :mod:`.report` – tables, ``bench.md`` and ``bench.png``;
+* :mod:`.performance` – docs/performance.md from the committed reports in docs/perf/;
 * :mod:`.token2wav` – the in-process token2wav benchmarks (``token2wav.py``, ``streaming_inference.py``).
 """
 

@@ -19,7 +19,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..clients import OUTPUT_SAMPLE_RATE, RequestResult, latency_stats, summarize
+from ..clients import RequestResult, latency_stats, summarize
+from ..schedule import OUTPUT_SAMPLE_RATE
 from .openloop import poisson_arrivals, run_open_loop
 
 BYTES_PER_SAMPLE = 2  # response_format pcm: s16le mono

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..audio.features import TOKENIZER_SAMPLE_RATE
 from ..clients import Playback
 from ..engine.scheduler import DEFAULT_MAX_STEP_FRAMES, DEFAULT_MAX_STEP_JOBS, Scheduler
 from ..engine.service import TTSEngine, load_cosyvoice2_engine
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
         rng = np.random.default_rng(args.seed)
 
         def new_clip():  # a clip of 3-8 s the server has never seen, with the registered voice's transcript
-            wav = rng.standard_normal(int(16000 * rng.uniform(3, 8))).astype(np.float32) * 0.1
+            wav = rng.standard_normal(int(TOKENIZER_SAMPLE_RATE * rng.uniform(3, 8))).astype(np.float32) * 0.1
             return lambda: engine.voices.resolve(wav, engine.voices.registry.get(args.voice).prompt_text)
         for count in args.new_clips:
             before = dataclasses.replace(engine.core.counters)

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..audio.features import TOKENIZER_SAMPLE_RATE
 from ..audio.io import PromptAudio, prompt_audio_from_array
 from ..bundle import synthetic_prompt_wave
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
@@ -62,7 +63,8 @@ class NewClips:
         for _ in range(count):
             self.next_seed += 1
             seconds = float(self.rng.uniform(self.min_s, self.max_s))
-            clips.append(prompt_audio_from_array(synthetic_prompt_wave(seconds, seed=self.next_seed), 16000))
+            clips.append(prompt_audio_from_array(synthetic_prompt_wave(seconds, seed=self.next_seed),
+                                                  TOKENIZER_SAMPLE_RATE))
         return clips
 
 

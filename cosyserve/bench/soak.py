@@ -51,14 +51,14 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from ..audio.features import TOKENIZER_SAMPLE_RATE
 from ..errors import is_overload
+from ..schedule import SAMPLES_PER_TOKEN
 from ..serving.processes import python_stubs
 from ..serving.tritonserver import is_ready
 from .prometheus import read_metrics
 
 IDLE_GAUGES = ("cosyserve_llm_active_requests", "cosyserve_token2wav_open_streams", "cosyserve_bls_requests_in_progress")
-REFERENCE_RATE = 16000
-SAMPLES_PER_TOKEN = 960  # 24 kHz audio per speech token
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
@@ -82,7 +82,7 @@ def _reference(wav: np.ndarray, datatype: str = "FP32", text: str = "希望你�
 
 
 def _noise(seconds: float, seed: int = 0) -> np.ndarray:
-    return (np.random.default_rng(seed).standard_normal(int(seconds * REFERENCE_RATE)) * 0.1).astype(np.float32)
+    return (np.random.default_rng(seed).standard_normal(int(seconds * TOKENIZER_SAMPLE_RATE)) * 0.1).astype(np.float32)
 
 
 def _with_sample(wav: np.ndarray, value: float) -> np.ndarray:
@@ -112,7 +112,7 @@ BAD_INPUTS = (
     BadInput("NaN audio", lambda: _reference(_with_sample(_noise(3), np.nan)), "NaN or infinite"),
     BadInput("Inf audio", lambda: _reference(_with_sample(_noise(3), np.inf)), "NaN or infinite"),
     BadInput("empty audio", lambda: _reference(np.zeros(0, np.float32)), "reference_wav"),
-    BadInput("silent audio", lambda: _reference(np.zeros(3 * REFERENCE_RATE, np.float32)), "silent"),
+    BadInput("silent audio", lambda: _reference(np.zeros(3 * TOKENIZER_SAMPLE_RATE, np.float32)), "silent"),
     BadInput("60 s audio", lambda: _reference(_noise(60)), "s long"),
     BadInput("wrong dtype", lambda: _reference(_noise(3), "FP64"), "data-type is 'FP64'"),
     BadInput("unknown speaker", lambda: [_text("speaker_id", "no_such_speaker")], "unknown speaker"),

@@ -28,14 +28,13 @@ import torch
 from ..clients import latency_stats, playback_underruns
 from ..errors import InvalidInputError
 from ..frontend.prompt import PromptFeatures
-from ..schedule import Chunk, plan_chunks
+from ..schedule import TOKEN_RATE, Chunk, plan_chunks
 from ..token2wav.batching import Token2WavBatcher
 from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, CosyVoice2Token2Wav, OfflineRequest, Token2WavOptions,
                                     load_token2wav)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 STRATEGIES = ("exponential", "equal")
-TOKEN_RATE = 25  # speech tokens per second of audio
 LOOKAHEAD = 3
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..audio.features import TOKENIZER_SAMPLE_RATE
 from ..runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO
 from .model_yaml import write_model_yaml
 
@@ -36,7 +37,7 @@ DEFAULT_SPEAKER_ID = "001"
 PROMPT_TEXT = "希望你以后能够做的比我还好呦。"
 
 
-def synthetic_prompt_wave(seconds: float = 3.0, sample_rate: int = 16000, seed: int = 0) -> np.ndarray:
+def synthetic_prompt_wave(seconds: float = 3.0, sample_rate: int = TOKENIZER_SAMPLE_RATE, seed: int = 0) -> np.ndarray:
     """A voiced, speech-like test signal: a gliding harmonic tone with syllable-rate envelope.
 
     It passes the prompt-audio validation (not silent, within length limits) and exercises
@@ -82,7 +83,7 @@ def make_cosyvoice2_dir(out_dir: Path, size: str, seed: int) -> Path:
 
     # spk2info.pt: the default speaker "001", computed through our own front-end from the
     # synthetic prompt, so the cached-speaker path has consistent features.
-    prompt = prompt_audio_from_array(synthetic_prompt_wave(seed=seed), 16000)
+    prompt = prompt_audio_from_array(synthetic_prompt_wave(seed=seed), TOKENIZER_SAMPLE_RATE)
     features = build_prompt_features(
         prompt, SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx"), SpeakerEncoder(model_dir / "campplus.onnx")
     )
@@ -97,7 +98,7 @@ def write_assets(out_dir: Path, seed: int) -> Path:
 
     assets = out_dir / ASSETS_DIR
     assets.mkdir(parents=True, exist_ok=True)
-    sf.write(assets / "prompt_audio.wav", synthetic_prompt_wave(seed=seed), 16000, subtype="FLOAT")
+    sf.write(assets / "prompt_audio.wav", synthetic_prompt_wave(seed=seed), TOKENIZER_SAMPLE_RATE, subtype="FLOAT")
     (assets / "prompt_text.txt").write_text(PROMPT_TEXT + "\n", encoding="utf-8")
     return assets
 

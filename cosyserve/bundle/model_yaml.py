@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import Tagged, dump_hyperpyyaml
+from ..schedule import OUTPUT_SAMPLE_RATE
 
 
 def write_model_yaml(path: Path, flow_cfg, hift_cfg, llm_class: str = "cosyvoice.llm.llm.Qwen2LM") -> None:
     """A cosyvoice2.yaml / cosyvoice3.yaml with the given flow and HiFT (and the LLM's class name)."""
     tree = {
-        "sample_rate": 24000,
+        "sample_rate": OUTPUT_SAMPLE_RATE,
         "llm_input_size": 896,
         "llm_output_size": 896,
         "spk_embed_dim": 192,

@@ -24,14 +24,15 @@ from ..audio.features import (
     slaney_mel_filters,
     whisper_log_mel,
 )
-from ..audio.io import FLOW_SAMPLE_RATE, prompt_audio_from_array, read_audio
+from ..audio.features import TOKENIZER_SAMPLE_RATE
+from ..audio.io import prompt_audio_from_array, read_audio
+from ..schedule import OUTPUT_SAMPLE_RATE
 from . import CaseResult, check, compare, is_cosyvoice3_fixture
 
 SUITE = "cv2_frontend"
 FEATURES_FILE = "frontend.safetensors"
 # Recipe constants (not fixture values): the Matcha prompt mel's band and rate, Whisper's rate.
-MATCHA_SAMPLE_RATE, MATCHA_FMAX = 24000, 8000.0
-WHISPER_SAMPLE_RATE = 16000
+MATCHA_FMAX = 8000.0
 # README §2 tolerances.
 RESAMPLE_REL = 1e-6
 LOG_MEL_MAX_ABS = 1e-3
@@ -59,8 +60,8 @@ def _waveform_info(fixture_dir: Path, names: list[str]) -> dict[str, dict]:
 
 
 def _filter_cases(tensors: dict[str, torch.Tensor]) -> list[CaseResult]:
-    recipes = {"filters/matcha_mel_basis": (MATCHA_SAMPLE_RATE, MATCHA_FMAX),
-               "filters/whisper_mel_128": (WHISPER_SAMPLE_RATE, None)}
+    recipes = {"filters/matcha_mel_basis": (OUTPUT_SAMPLE_RATE, MATCHA_FMAX),
+               "filters/whisper_mel_128": (TOKENIZER_SAMPLE_RATE, None)}
     results = []
     for key, (sample_rate, fmax) in recipes.items():
         if key in tensors:
@@ -79,7 +80,7 @@ def _waveform_cases(name: str, wave: torch.Tensor, sample_rate: int | None,
     if sample_rate is None:
         return [check(SUITE, f"{name}/sample_rate", False, "no sample rate in fixture_meta.json nor a WAV file")]
     if (stored_24k := ref("resampled_24k")) is not None:
-        ours_24k = resample(wave, sample_rate, FLOW_SAMPLE_RATE)
+        ours_24k = resample(wave, sample_rate, OUTPUT_SAMPLE_RATE)
         results.append(compare(SUITE, f"{name}/resampled_24k", ours_24k, stored_24k, rel_l2=RESAMPLE_REL))
         if (mel := ref("mel24_from_resampled")) is not None:
             n_mels = mel.shape[-2]

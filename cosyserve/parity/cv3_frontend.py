@@ -11,14 +11,14 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from ..audio.features import matcha_mel_spectrogram, resample, slaney_mel_filters
+from ..audio.features import TOKENIZER_SAMPLE_RATE, matcha_mel_spectrogram, resample, slaney_mel_filters
 from ..models.cosyvoice3.config import PROMPT_MEL_FMAX
+from ..schedule import OUTPUT_SAMPLE_RATE
 from . import CaseResult, compare, is_cosyvoice3_fixture
 from .cv2_frontend import FILTER_MAX_ABS, RESAMPLE_REL
 
 SUITE = "cv3_frontend"
 FEATURES_FILE = "frontend.safetensors"
-PROMPT_RATE, FLOW_RATE = 16000, 24000
 MEL_REL_L2 = 1e-5
 # The mel from the stored wave, point by point. With fmax at Nyquist (12 kHz), the top bins of quiet
 # frames sit near the 1e-5 clamp, where float32 rounding of the STFT shows in the log: on this input,
@@ -37,10 +37,10 @@ def run(fixture_dir: Path) -> list[CaseResult]:
     stored_24k, mel = tensors["wave24k_resampled"], tensors["mel24"]
     filters = tensors["filters/mel_basis_fmax_none"]
     n_mels, n_bins = filters.shape
-    ours_24k = resample(tensors["wave16k"], PROMPT_RATE, FLOW_RATE)
+    ours_24k = resample(tensors["wave16k"], TOKENIZER_SAMPLE_RATE, OUTPUT_SAMPLE_RATE)
     return [
         compare(SUITE, "filters/mel_basis_fmax_none",
-                slaney_mel_filters(FLOW_RATE, 2 * (n_bins - 1), n_mels, 0.0, PROMPT_MEL_FMAX), filters,
+                slaney_mel_filters(OUTPUT_SAMPLE_RATE, 2 * (n_bins - 1), n_mels, 0.0, PROMPT_MEL_FMAX), filters,
                 max_abs=FILTER_MAX_ABS),
         compare(SUITE, "wave24k_resampled", ours_24k, stored_24k, rel_l2=RESAMPLE_REL),
         compare(SUITE, "mel24 (from the stored 24 kHz wave)",

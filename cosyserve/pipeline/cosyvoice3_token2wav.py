@@ -48,13 +48,12 @@ from ..frontend.prompt import COSYVOICE3_MEL_FMAX, Voice, build_prompt_features
 from ..frontend.speakers import SpeakerRegistry
 from ..models.cosyvoice3.config import CONFIG_FILE, Cv3FlowConfig, config_from_model_dir
 from ..runtime import COSYVOICE3_DIR, resolve_device
-from ..schedule import STRATEGIES, Chunk, ChunkScheduler
+from ..schedule import OUTPUT_SAMPLE_RATE, STRATEGIES, Chunk, ChunkScheduler
 from ..token2wav.cosyvoice3 import FLOW_SECTION, VOCODER_SECTION, CosyVoice3Token2Wav, load_cosyvoice3_token2wav
 from .tts import VoiceResolver
 
 log = logging.getLogger(__name__)
 
-SAMPLE_RATE = 24000
 MODES = ("offline", "streaming")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # token2wav.py's variant names
 HEADER = ["variant", "mode", "utterances", "audio s", "wall ms", "RTF", "first call ms (median)", "calls",
@@ -237,7 +236,7 @@ def run_variant(name: str, model_dir: Path, tokens: Sequence[torch.Tensor], voic
             torch.cuda.empty_cache()
     check = np.concatenate([s.wave for s in timed[-1][1]])
     walls = [wall for wall, _ in timed]
-    audio_s = sum(s.wave.size for s in timed[0][1]) / SAMPLE_RATE
+    audio_s = sum(s.wave.size for s in timed[0][1]) / OUTPUT_SAMPLE_RATE
     wall = statistics.median(walls)
     first_calls = [s.call_s[0] for _, done in timed for s in done]
     calls = sum(len(s.call_s) for s in timed[0][1])

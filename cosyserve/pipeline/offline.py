@@ -49,7 +49,7 @@ from ..llm.base import BackendUnavailableError
 from ..llm.prompt import COSYVOICE2, COSYVOICE3, MAX_SPEECH_TOKENS, register_voice_prefixes
 from ..llm.sampling import COSYVOICE3_SAMPLING, REFERENCE_SAMPLING
 from ..runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, SPK2INFO, resolve_device
-from ..schedule import TOKEN_RATE
+from ..schedule import OUTPUT_SAMPLE_RATE, TOKEN_RATE
 from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, default_flow_dtype, load_token2wav
 from ..token2wav.cosyvoice3 import load_cosyvoice3_token2wav
 from ..token2wav.sessions import LocalToken2Wav
@@ -59,7 +59,6 @@ from .tts import DEFAULT_SPEAKER, SegmentPrompt, TokenLimits, TTSPipeline, TTSRe
 
 BACKENDS = ("torch", "hf", "trtllm", "vllm", "openai")
 MODELS = ("cosyvoice2", "cosyvoice3")
-OUTPUT_SAMPLE_RATE = 24000  # both models' (cosyserve.clients, a layer above, has the same constant)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 VLLM_UNSUPPORTED = (
     "the vllm backend is not supported yet: vLLM's Qwen2 loader drops the CosyVoice2 LLM's lm_head bias "

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from ..clients import OUTPUT_SAMPLE_RATE, Playback
+from ..clients import Playback
 from ..errors import CapacityError
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.backends import create_backend
@@ -35,6 +35,7 @@ from ..llm.sampling import REFERENCE_SAMPLING, SamplingParams
 from ..pipeline.local import LocalSpeechTokens
 from ..pipeline.tts import TokenLimits, VoiceResolver, validate_text, with_timeout
 from ..runtime import SPK2INFO
+from ..schedule import OUTPUT_SAMPLE_RATE
 from .playback_board import Admission, PlaybackBoard
 from .settings import BlsSettings
 from .triton_utils import (FINAL, Metric, error_response, limit_torch_threads, model_settings, optional_input,

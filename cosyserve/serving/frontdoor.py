@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..clients import OUTPUT_SAMPLE_RATE, Playback
+from ..clients import Playback
 from ..engine.scheduler import Scheduler
 from ..engine.service import TTSEngine, load_cosyvoice2_engine
 from ..errors import CapacityError
@@ -43,6 +43,7 @@ from ..llm.sampling import REFERENCE_SAMPLING
 from ..llm.stream import Finished, TokenStream
 from ..llm.trtllm.request import TritonLLMInputs, resolve_protocol
 from ..pipeline.tts import TokenLimits, TTSRequest
+from ..schedule import OUTPUT_SAMPLE_RATE
 from .bls_base import BUFFER_BUCKETS, bls_request, parse_tts_inputs
 from .offline_proxy import tagged_error
 from .settings import EngineSettings

@@ -58,7 +58,7 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from .processes import is_running, python_stubs
 
@@ -459,23 +459,23 @@ def _is_tritonserver(pid: int) -> bool:
     return Path(argv0.decode(errors="replace")).name == "tritonserver"
 
 
-def stop_from_pid_file(pid_file: str | Path, timeout: float = DEFAULT_STOP_TIMEOUT_S, *, name: str = "tritonserver",
-                       is_expected: Callable[[int], bool] = _is_tritonserver) -> str:
-    """Stop the ``name`` process recorded in ``pid_file`` and remove the file; returns what happened.
+def stop_from_pid_file(pid_file: str | Path, timeout: float = DEFAULT_STOP_TIMEOUT_S) -> str:
+    """Stop the tritonserver recorded in ``pid_file`` and remove the file; returns what happened.
 
-    ``is_expected(pid)`` guards against a reused pid: anything else is left alone (an error).
+    A reused pid (not a tritonserver any more) is left alone (an error). The recipes' ``stop`` does
+    the same in bash (scripts/lib.sh: stop_pid_file), which needs no Python environment.
     """
     pid = read_pid_file(pid_file)
     if pid is None:
         return f"no pid file {pid_file}: nothing to stop"
     if not is_running(pid):
         Path(pid_file).unlink()
-        return f"{name} (pid {pid}) was not running; removed {pid_file}"
-    if not is_expected(pid):
-        raise TritonServerError(f"pid {pid} from {pid_file} is not a {name} process; not stopping it")
+        return f"tritonserver (pid {pid}) was not running; removed {pid_file}"
+    if not _is_tritonserver(pid):
+        raise TritonServerError(f"pid {pid} from {pid_file} is not a tritonserver process; not stopping it")
     stop_process(pid, timeout)
     Path(pid_file).unlink()
-    return f"stopped {name} (pid {pid})"
+    return f"stopped tritonserver (pid {pid})"
 
 
 # --- command line --------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from ...errors import InvalidInputError, ModelLoadError
+from ...schedule import OUTPUT_SAMPLE_RATE
 from ..hift.generator import MAX_MAGNITUDE, POST_LRELU_SLOPE, ResBlock
 from ..hift.loading import _read_state_dict, normalise_hift_keys
 from ..flow.cfm import NOISE_CHANNELS, NOISE_FRAMES, NOISE_SEED
@@ -46,7 +47,7 @@ STREAM_CONTEXT_FRAMES = 36
 # Upstream's construction order before the source noise is drawn (fixture README §5.2): the CFM
 # reseeds torch with 0 and draws its noise, the flow builds its token embedding and speaker
 # projection, the HiFT its F0 predictor; then SineGen2 draws rand_ini and the noise buffer.
-NOISE_SAMPLES = 300 * 24000  # upstream's buffer: 300 s at 24 kHz
+NOISE_SAMPLES = 300 * OUTPUT_SAMPLE_RATE  # upstream's buffer: 300 s at 24 kHz
 
 
 class CausalResBlock(ResBlock):
