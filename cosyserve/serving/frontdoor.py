@@ -48,7 +48,7 @@ from .bls_base import BUFFER_BUCKETS, bls_request, parse_tts_inputs
 from .offline_proxy import tagged_error
 from .settings import EngineSettings
 from .triton_utils import (FINAL, FinishedResponseIterators, Metric, WorkMetrics, error_response,
-                           limit_torch_threads, model_settings, optional_scalar, raise_response_error, tensor)
+                           limit_torch_threads, model_settings, raise_response_error, tensor)
 
 # How often open streams are asked whether their client has gone (seconds).
 CANCEL_POLL_S = 0.05
@@ -222,9 +222,10 @@ class CosyVoice2FrontDoor:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            streaming = self.decoupled
+            # read as sent (any shape): a bad request's error must reach cosyvoice2_offline with its code too
+            stream = pb_utils.get_input_tensor_by_name(request, "streaming")
+            streaming = self.decoupled and (stream is None or bool(stream.as_numpy().all()))
             try:
-                streaming = self.decoupled and optional_scalar(request, "streaming") in (None, True)
                 inputs = parse_tts_inputs(request, self.limits, self.engine.prompter.max_text_chars)
             except Exception as exc:
                 sender.send(self._error_response(exc, streaming), flags=FINAL)

@@ -49,7 +49,9 @@ class OfflineProxy:
         try:
             inputs = [tensor for name in self.inputs
                       if (tensor := pb_utils.get_input_tensor_by_name(request, name)) is not None]
-            inputs.append(pb_utils.Tensor("streaming", np.array([[False]], np.bool_)))
+            # as many rows as the text: a request of several is refused by cosyvoice2's own check
+            rows = next((t.as_numpy().shape[0] for t in inputs if t.name() == "target_text"), 1)
+            inputs.append(pb_utils.Tensor("streaming", np.zeros((rows, 1), np.bool_)))
             responses = pb_utils.InferenceRequest(model_name=ENGINE_MODEL, inputs=inputs,
                                                   requested_output_names=["waveform"],
                                                   request_id=request.request_id()).exec(decoupled=True)
