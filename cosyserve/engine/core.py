@@ -9,8 +9,9 @@ Each iteration (:meth:`EngineCore.step`), read top to bottom:
    within the step's frame budget): the kind runs their encoder and takes their state pages;
 4. one packed Euler step of every flow job under way, whatever its step (the kind's
    :meth:`step`: chunks of different streams and at different steps in one estimator call);
-5. one LLM step: prefill of newly admitted prompts, then one decode step for every request
-   still generating (:mod:`.runners.llm`), beside the flow step on the GPU;
+5. LLM steps (prefill of newly admitted prompts, then one decode step for every request still
+   generating, :mod:`.runners.llm`) beside the flow step on the GPU: at least one, and more while
+   the flow step is still running there;
 6. jobs that took their last step are vocoded together and their PCM handed to the requests'
    ``emit``; finished segments hand over to the next, finished requests call ``finish``.
 
@@ -182,11 +183,14 @@ class EngineCore:
         self._start_jobs(picked)
         self._sync()
         flow_begin = time.perf_counter()
-        if self._jobs:
-            self._flow_step()
+        flow_running = self._flow_step() if self._jobs else None
         llm_begin = time.perf_counter()
-        if self.llm.has_work:
+        # LLM steps while the flow step runs on the GPU: a stream's tokens then come at the LLM's
+        # own pace, not one per (longer) flow step
+        while self.llm.has_work:
             self.llm.step()
+            if flow_running is None or flow_running.query():
+                break
         vocoder_begin = time.perf_counter()
         self._finish_jobs()
         end = time.perf_counter()
@@ -293,7 +297,9 @@ class EngineCore:
             seg.job = job
             self._jobs.append((seg, state))
 
-    def _flow_step(self) -> None:
+    def _flow_step(self):
+        """One packed Euler step of every job under way, launched; returns what tells when the
+        device has finished it (a CUDA event; None on the CPU, where it has)."""
         jobs = [seg.job for seg, _ in self._jobs]
         try:
             self.kind.step(jobs)
@@ -305,6 +311,7 @@ class EngineCore:
         self._sync()
         self.counters.flow_steps += 1
         self.counters.flow_step_jobs += len(jobs)
+        return self.kind.step_finished()
 
     def _finish_jobs(self) -> None:
         done = [(seg, state) for seg, state in self._jobs if seg.job.done]

@@ -159,6 +159,14 @@ class CosyVoice2Kind:
         """Release what unfinished jobs hold (a failed step)."""
         self.flow_engine.abort([job.window for job in jobs if job.window is not None])
 
+    def step_finished(self):
+        """A CUDA event that completes when the work launched so far has run (None on the CPU)."""
+        if self.model.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
     def synchronize(self) -> None:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
