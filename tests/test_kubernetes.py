@@ -68,7 +68,7 @@ def test_the_tiers_fit_together(overlay):
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["START_STAGE"] == "1" and env["API_PORT"] == "" and env["MODELS_DIR"] == "/models"
     assert "START_STAGE" in (REPO / "Dockerfile.server").read_text()
-    for variable in ("LLM_BACKEND", "BLS_INSTANCE_NUM", "LLM_URL", "MODELS_DIR", "API_PORT"):
+    for variable in ("LLM_BACKEND", "LLM_URL", "MODELS_DIR", "API_PORT"):
         assert f"{variable}=${{{variable}" in (REPO / "run.sh").read_text(), variable
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     for probe in ("startupProbe", "readinessProbe"):
