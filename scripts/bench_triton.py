@@ -3,14 +3,14 @@
 arrival rates (open loop), offline_inference runs, one table, the targets checked.
 
     python3 scripts/bench_triton.py --models-dir models --out-dir outputs/bench --rates 5 10 20 \\
-        --variant ours:BLS_INSTANCE_NUM=64,OFFLINE_BLS_INSTANCE_NUM=16 \\
-        --variant mps:BLS_INSTANCE_NUM=64,OFFLINE_BLS_INSTANCE_NUM=16,MPS=1 \\
+        --variant ours:OFFLINE_BLS_INSTANCE_NUM=16 \\
+        --variant final:OFFLINE_BLS_INSTANCE_NUM=16,TOKEN2WAV_FINAL=streaming \\
         --offline-inference "torch:--backend torch --batch-size 16 --token2wav-batch-size 16 --cuda-graphs"
 
 For each ``--variant NAME:KEY=VAL,...`` (default: ``ours``, no overrides):
 
 1. ``bash run.sh 2 2`` builds its model repository under ``<out-dir>/<NAME>/`` with the overrides
-   in the environment (any run.sh setting: BLS_INSTANCE_NUM, TOKEN2WAV_CUDA_GRAPHS, DEVICE...). The
+   in the environment (any run.sh setting: TOKEN2WAV_FINAL, TOKEN2WAV_CUDA_GRAPHS, DEVICE...). The
    server gets the same environment, so settings that models read at run time apply too. ``MPS=1``
    runs the server under a CUDA MPS control daemon started for it (pipes and logs in
    ``<out-dir>/<NAME>/mps``) and quit afterwards.

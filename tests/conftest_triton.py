@@ -40,15 +40,15 @@ TEST_BLS_WARM_UP = "false"
 
 def repository_spec(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
                     max_batch_size: int = 16, max_queue_size: int | None = 0,
-                    bls_warm_up: str = TEST_BLS_WARM_UP) -> CosyVoice2Repository:
+                    bls_warm_up: str = TEST_BLS_WARM_UP, max_streams: int = 0) -> CosyVoice2Repository:
     """The streaming CosyVoice2 repository on the CPU: the engine (``cosyvoice2``), ``bls_instances``
     instances of ``cosyvoice2_offline`` with a queue of ``max_queue_size`` waiting requests (0: no
-    limit, run.sh's default; None: as many as instances), and the reference layout's models, which
-    tests call directly."""
+    limit, run.sh's default; None: as many as instances), the engine's stream cap ``max_streams``
+    (0: none), and the reference layout's models, which tests call directly."""
     return CosyVoice2Repository(models_dir, device="cpu", offline_bls_instances=bls_instances,
                                 offline_bls_max_queue_size=max_queue_size, max_tokens=max_tokens,
                                 min_tokens=min_tokens, max_batch_size=max_batch_size, bls_warm_up=bls_warm_up,
-                                reference_models=True)
+                                max_streams=max_streams, reference_models=True)
 
 
 def template_values(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,

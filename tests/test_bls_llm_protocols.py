@@ -1,7 +1,7 @@
-"""The cosyvoice2 BLS's two ways to its speech tokens, end to end through a real tritonserver (CPU,
+"""The cosyvoice2 engine's external speech-token sources, end to end through a real tritonserver (CPU,
 tiny random-weight bundle), and the LLM requests it builds (no server).
 
-* ``llm_protocol: tensorrt_llm``: the BLS sends what TensorRT-LLM needs (``embedding_bias``,
+* ``llm_protocol: tensorrt_llm``: the engine sends what TensorRT-LLM needs (``embedding_bias``,
   ``stop_words_list``, ``seed``). The server runs our ``llm`` model under the name ``tensorrt_llm``;
   it checks those inputs (shape [1, vocab], the head bias, the end-of-speech stop words) and
   counts the requests that carried all three, accepted
@@ -186,9 +186,9 @@ def openai_server(llm_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle, openai_server, tmp_path_factory):
-    """``cosyvoice2`` (streaming) and ``cosyvoice2_offline`` on ``tensorrt_llm`` (our llm model), the
-    first with llm_protocol set, the second by the model name; ``cosyvoice2_openai`` (streaming) on
-    the OpenAI server."""
+    """``cosyvoice2``, the engine, taking its tokens from ``tensorrt_llm`` (our llm model under that
+    name) in TensorRT-LLM's full form (llm_protocol set), ``cosyvoice2_offline`` forwarding to it;
+    ``cosyvoice2_openai``, a second engine, on the OpenAI server."""
     work = tmp_path_factory.mktemp("protocols_server")
     repo = build_model_repo(tiny_bundle, work / "repo", max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS,
                             bls_instances=1)
@@ -199,8 +199,7 @@ def server(tiny_bundle, openai_server, tmp_path_factory):
     openai_config = repo / "cosyvoice2_openai" / "config.pbtxt"
     openai_config.write_text(openai_config.read_text().replace('name: "cosyvoice2"', 'name: "cosyvoice2_openai"'))
     set_parameter(openai_config, "llm_url", openai_server[0])  # llm_model_name stays "llm": there is none
-    for name in ("cosyvoice2", "cosyvoice2_offline"):
-        set_parameter(repo / name / "config.pbtxt", "llm_model_name", "tensorrt_llm")
+    set_parameter(repo / "cosyvoice2" / "config.pbtxt", "llm_model_name", "tensorrt_llm")  # cosyvoice2_offline forwards there
     set_parameter(repo / "cosyvoice2" / "config.pbtxt", "llm_protocol", "tensorrt_llm")
     yield from serve_repo(repo, work)
 

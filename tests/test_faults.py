@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from conftest_triton import (TEST_BLS_WARM_UP, Stream, assert_server_idle, fill_to_capacity, grpc_input, metrics,
-                             serve_repo, set_parameter, stream_tts, token_limits, wait_until_idle)
+                             serve_repo, set_parameter, stream_tts, token_limits, triton_gauge, wait_until_idle)
 from cosyserve.bench.soak import BAD_INPUTS, SoakConfig, format_report, run_soak, write_report
 from cosyserve.serving.model_repository import CosyVoice2Repository, build
 from cosyserve.serving.tritonserver import is_ready
@@ -29,7 +29,7 @@ from cosyserve.serving.tritonserver import is_ready
 pytest.importorskip("pytriton")  # the bundled tritonserver
 
 NUM_TOKENS = 40  # max_tokens = min_tokens: every request makes 40 speech tokens
-BLS_INSTANCES, QUEUE = 2, 2
+STREAMS = 5  # more than any instance count: the engine takes them all at once
 OFFLINE_INSTANCES, OFFLINE_QUEUE = 1, 1
 LONG_TOKENS = 1500  # a request that is still generating when the test acts on it
 REFUSED = "Exceeds maximum queue size"
@@ -77,9 +77,8 @@ def watched_server(tiny_bundle: Path, tmp_path):
 
 def serve_faults_repo(tiny_bundle: Path, work: Path, watch_stubs: bool = False, bls_warm_up: str = TEST_BLS_WARM_UP):
     repo = build(CosyVoice2Repository(
-        tiny_bundle, device="cpu", bls_instances=BLS_INSTANCES, bls_max_queue_size=QUEUE,
-        offline_bls_instances=OFFLINE_INSTANCES, offline_bls_max_queue_size=OFFLINE_QUEUE,
-        max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_warm_up=bls_warm_up), work / "repo")
+        tiny_bundle, device="cpu", offline_bls_instances=OFFLINE_INSTANCES, offline_bls_max_queue_size=OFFLINE_QUEUE,
+        max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_warm_up=bls_warm_up, reference_models=True), work / "repo")
     token2wav_config = repo / "token2wav" / "config.pbtxt"
     token2wav_config.write_text(token2wav_config.read_text().replace(
         "parameters [", f'parameters [\n  {{ key: "stream_idle_timeout_s", value: {{ string_value: "{STREAM_IDLE_TIMEOUT_S}" }} }},', 1))
@@ -124,7 +123,7 @@ def first_chunk(stream: Stream, timeout_s: float = 60):
 # ----- ready means warm (first in this module: the server's first requests) ---------------------
 
 def test_the_first_requests_after_ready_are_as_fast_as_later_ones(idle_server):
-    """The BLS loads its text front-end at start (parameter warm_up): without it, a process's first
+    """The engine loads its text front-end at start (parameter warm_up): without it, a process's first
     English request waited 3.7 s for the normaliser, against ~0.75 s for a whole request here.
     Generous bound (a loaded 2-core machine): the first within 2x + 0.5 s of the fastest later one."""
     client = grpcclient.InferenceServerClient(idle_server.grpc_url)
@@ -139,7 +138,7 @@ def test_the_first_requests_after_ready_are_as_fast_as_later_ones(idle_server):
         return time.monotonic() - started
 
     for model in ("cosyvoice2", "cosyvoice2_offline"):
-        first, later = timed(model), min(timed(model) for _ in range(2 * BLS_INSTANCES))
+        first, later = timed(model), min(timed(model) for _ in range(4))
         print(f"{model}: first request {first * 1000:.0f} ms, fastest later one {later * 1000:.0f} ms")
         assert first < 2 * later + 0.5
     client.close()
@@ -166,15 +165,16 @@ def streams_with_a_chunk(streams: list[Stream], count: int, timeout_s: float = 6
 
 # ----- admission control ------------------------------------------------------------------------
 
-def test_streams_past_instances_and_queue_are_refused_at_once(idle_server):
-    streams = fill_to_capacity(idle_server, "cosyvoice2", BLS_INSTANCES, QUEUE, LONG_TOKENS)
+def test_the_engine_takes_every_stream_at_once(idle_server):
+    """No instance count bounds the streams: more than any instance count of the old BLS all send
+    audio at once (the engine's admission is MAX_STREAMS, off here), and nothing queues in Triton."""
+    streams = [Stream(idle_server.grpc_url) for _ in range(STREAMS)]
     try:
-        assert_refused_at_once(idle_server, "cosyvoice2")
-        # the admitted streams go on: the running ones stream, the queued ones start when those end
-        running = streams_with_a_chunk(streams, BLS_INSTANCES)
-        for stream in running:
-            stream.close(cancel=True)
-        streams_with_a_chunk([s for s in streams if s not in running], QUEUE)
+        for stream in streams:
+            stream.send("cosyvoice2", long_request())
+        assert triton_gauge(idle_server, "nv_inference_pending_request_count", "cosyvoice2") == 0
+        streams_with_a_chunk(streams, STREAMS)
+        assert metrics(idle_server.metrics_port)["cosyserve_engine_streams"] == STREAMS
     finally:
         for stream in streams:
             stream.close(cancel=True)
@@ -249,9 +249,8 @@ def kill_stubs(server, model: str) -> tuple[list[int], float]:
     return pids, killed_at
 
 
-# Not the llm model: without the stub watch, a BLS reading a decoupled LLM stream whose stub died
-# waits for ever (docs/operations.md); the next test covers it.
-@pytest.mark.parametrize("model", ["cosyvoice2", "token2wav"])
+# The engine's stub: every stage of a request runs there (the reference layout's models are not used).
+@pytest.mark.parametrize("model", ["cosyvoice2"])
 def test_a_killed_stub_fails_its_requests_until_the_model_is_loaded_again(own_server, model):
     """SIGKILL of a model's stub processes mid-stream: the stream ends with an error within
     seconds (no hang). Then one of two things, both of which a supervisor can act on: usually
@@ -290,10 +289,10 @@ STUB_WATCH_LINE = "cosyserve stub watch: the Python stub of model instance '{mod
 
 @pytest.mark.parametrize("model", ["llm", "token2wav", "cosyvoice2"])
 def test_a_killed_stub_ends_the_watched_server_and_its_requests_within_seconds(watched_server, model):
-    """With the stub watch (run.sh's default), SIGKILL of a model's stubs while a stream and an
-    offline request are in flight: both fail within seconds, the llm case included (which hangs
-    without the watch), tritonserver is killed (non-zero exit status) with one log line naming the
-    dead instance, and its health endpoint stops answering ready."""
+    """With the stub watch (run.sh's default), SIGKILL of any model's stubs (the engine's, or a
+    reference model's it does not use) while a stream and an offline request are in flight: both fail
+    within seconds, tritonserver is killed (non-zero exit status) with one log line naming the dead
+    instance, and its health endpoint stops answering ready."""
     server = watched_server
     stream = streaming_long_request(server)
     offline = grpcclient.InferenceServerClient(server.grpc_url)
@@ -328,34 +327,28 @@ QUEUE_TIMEOUT = "Request timeout expired"
 
 @pytest.fixture(scope="module")
 def timeout_server(tiny_bundle: Path, tmp_path_factory):
-    """One instance of each BLS, with a request timeout (run.sh's REQUEST_TIMEOUT_S), a bound on the
-    time a request waits for an instance (BLS_MAX_QUEUE_MS) and the stub watch."""
+    """The engine with a request timeout (run.sh's REQUEST_TIMEOUT_S), one cosyvoice2_offline instance
+    with a bound on the time a request waits for it (OFFLINE_BLS_MAX_QUEUE_MS) and the stub watch."""
     work = tmp_path_factory.mktemp("timeout_server")
     repo = build(CosyVoice2Repository(
-        tiny_bundle, device="cpu", bls_instances=1, offline_bls_instances=1, max_tokens=NUM_TOKENS,
-        min_tokens=NUM_TOKENS, request_timeout_s=REQUEST_TIMEOUT_S, bls_max_queue_ms=QUEUE_WAIT_MS,
-        offline_bls_max_queue_ms=QUEUE_WAIT_MS), work / "repo")
+        tiny_bundle, device="cpu", offline_bls_instances=1, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS,
+        request_timeout_s=REQUEST_TIMEOUT_S, offline_bls_max_queue_ms=QUEUE_WAIT_MS, reference_models=True),
+        work / "repo")
     # its last test stops it and checks the exit status: the unload gets Triton's default 30 s
     yield from serve_repo(repo, work, watch_stubs=True, exit_timeout_s=30)
 
 
 def test_a_request_that_waits_past_the_queue_bound_is_refused_and_the_running_one_goes_on(timeout_server):
-    """With every instance busy, a stream and an offline request wait QUEUE_WAIT_MS in Triton's queue,
-    then are refused with UNAVAILABLE "Request timeout expired" (the HTTP API: 429, its router: the
-    next server); the requests running meanwhile are not disturbed."""
+    """With cosyvoice2_offline's one instance busy, an offline request waits QUEUE_WAIT_MS in Triton's
+    queue, then is refused with UNAVAILABLE "Request timeout expired" (the HTTP API: 429, its router:
+    the next server); a stream meanwhile is the engine's and is served; the running requests are not
+    disturbed."""
     server = timeout_server
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    running = streaming_long_request(server)  # holds the one streaming instance
+    running = streaming_long_request(server)
     offline_running = fill_to_capacity(server, "cosyvoice2_offline", 1, 0, LONG_TOKENS)
     try:
-        waiting = Stream(server.grpc_url)
-        started = time.monotonic()
-        waiting.send("cosyvoice2", long_request())
-        result, error = waiting.next(timeout_s=30)
-        waited = time.monotonic() - started
-        waiting.close()
-        assert result is None and QUEUE_TIMEOUT in str(error), (result, error)
-        assert QUEUE_WAIT_MS / 1000 <= waited < QUEUE_WAIT_MS / 1000 + 1.5, waited
+        assert short_stream(server) == NUM_TOKENS * 960  # no instance holds streams back
 
         started = time.monotonic()
         with pytest.raises(InferenceServerException, match=QUEUE_TIMEOUT) as refusal:
@@ -430,10 +423,10 @@ def one_stream_refused(server):
 
 
 def serve_admitting(tiny_bundle: Path, tmp_path_factory, name: str, **admission):
-    """A server of two streaming BLS instances and one offline under the ``admission`` settings."""
+    """The engine under the ``admission`` settings, one cosyvoice2_offline instance."""
     work = tmp_path_factory.mktemp(name)
     repo = build(CosyVoice2Repository(
-        tiny_bundle, device="cpu", bls_instances=2, offline_bls_instances=1, max_tokens=NUM_TOKENS,
+        tiny_bundle, device="cpu", offline_bls_instances=1, max_tokens=NUM_TOKENS,
         min_tokens=NUM_TOKENS, bls_warm_up=TEST_BLS_WARM_UP, **admission), work / "repo")
     yield from serve_repo(repo, work)
 
@@ -448,9 +441,9 @@ def admission_server(tiny_bundle: Path, tmp_path_factory):
 
 def test_while_a_stream_runs_short_of_audio_new_requests_are_refused_at_once(admission_server):
     """A stream is sending (its listener has less than ADMISSION_MIN_BUFFER_S buffered): a new stream
-    and an offline request, though instances are free, are refused at once with UNAVAILABLE
-    "overloaded: ..." (the HTTP API: 429; its router: the next server); the running stream goes on,
-    and once it has ended requests are served again. The BLS counts admitted and refused requests."""
+    and an offline request are refused at once with UNAVAILABLE "overloaded: ..." (the HTTP API: 429;
+    its router: the next server); the running stream goes on, and once it has ended requests are
+    served again. The front door counts admitted and refused requests."""
     server = admission_server
     client = grpcclient.InferenceServerClient(server.grpc_url)
     before = metrics(server.metrics_port)
@@ -488,10 +481,10 @@ def stream_cap_server(tiny_bundle: Path, tmp_path_factory):
 
 def test_past_max_streams_new_requests_are_refused_at_once(stream_cap_server):
     """An offline request in flight is not a stream: a stream is served meanwhile. Then, while one
-    stream runs, a second stream and an offline request, though instances are free, are refused at
-    once with UNAVAILABLE "overloaded: ... (max_streams); retry after N ms" (the HTTP API: 429; its
-    router: the next server); the running stream goes on, and once it has ended both are served.
-    The BLS counts admitted and refused requests."""
+    stream runs, a second stream and an offline request are refused at once with UNAVAILABLE
+    "overloaded: ... (max_streams); retry after N ms" (the HTTP API: 429; its router: the next
+    server); the running stream goes on, and once it has ended both are served. The front door
+    counts admitted and refused requests."""
     server = stream_cap_server
     client = grpcclient.InferenceServerClient(server.grpc_url)
     before = metrics(server.metrics_port)
@@ -535,8 +528,8 @@ CANCELLING_CLIENTS = int(os.environ.get("COSYSERVE_CANCELLING_CLIENTS", "120"))
 
 @pytest.mark.soak
 def test_hundreds_of_clients_cancelling_mid_stream_leave_nothing_behind(idle_server):
-    """Each client retries while refused (instances + queue are full), then cancels its stream:
-    every other one after its first chunk, the rest at once (generating, or still queued).
+    """Each client (8 at a time) retries while refused, then cancels its stream: every other one
+    after its first chunk, the rest at once (still generating).
     Afterwards no LLM request or token2wav stream is left, and the next request is served."""
     before = metrics(idle_server.metrics_port)
     refusals = []
@@ -585,12 +578,12 @@ SOAK_SLOPE_MB_PER_1000 = 100
 def test_soak_with_cancels_bad_inputs_and_bursts_keeps_memory_flat(idle_server, tmp_path):
     """scripts/soak.py's run, short: SOAK_REQUESTS requests after a warm-up, 2 at a time, streaming
     and offline in turn, 10 % cancelled mid-stream, 5 % bad inputs of every kind, a burst of 8
-    streams every 50 requests (above 2 instances + a queue of 2). No unexpected failure; every bad
+    streams every 50 requests (the engine takes them: no cap is set). No unexpected failure; every bad
     input answered with its own clear error; memory flat; nothing left over. The report is written
     to the test's tmp_path (soak.json)."""
     config = SoakConfig(
         url=idle_server.grpc_url, http_port=idle_server.http_port, metrics_port=idle_server.metrics_port,
-        server_pid=idle_server.pid, requests=SOAK_WARMUP + SOAK_REQUESTS, concurrency=BLS_INSTANCES,
+        server_pid=idle_server.pid, requests=SOAK_WARMUP + SOAK_REQUESTS, concurrency=2,
         burst_every=50, burst_size=8, tokens=SOAK_TOKENS, cancel_tokens=LONG_TOKENS, warmup=SOAK_WARMUP,
         sample_interval_s=1.0, request_timeout_s=120)
     report = run_soak(config)
@@ -602,7 +595,7 @@ def test_soak_with_cancels_bad_inputs_and_bursts_keeps_memory_flat(idle_server, 
     for kind, results in report.outcomes.items():
         assert not kind.startswith("bad:") or set(results) == {"rejected"}, (kind, results)
     assert report.outcomes["cancel"] == {"cancelled": round(config.requests * config.cancel_fraction)}
-    assert report.burst_refused > 0, "no burst went past capacity"
+    assert report.burst_refused == 0, "the engine takes a burst whole (no MAX_STREAMS here)"
     stubs = [name for name in report.memory_growth_mb if re.fullmatch(r".+_\d+_\d+", name)]
     assert {name.rsplit("_", 2)[0] for name in stubs} >= {"cosyvoice2", "cosyvoice2_offline", "llm", "token2wav"}
     assert report.memory_growth_mb["stubs"] < SOAK_RSS_GROWTH_MB

@@ -133,12 +133,12 @@ def interpreter_venv(out_dir: Path) -> Path:
 def build_repository(args: argparse.Namespace, variant: Variant, variant_dir: Path) -> Repository:
     """``bash run.sh 2 2`` with the variant's overrides; output in ``variant_dir/run_sh.log``.
 
-    The BLS queues are unbounded unless the variant bounds them: a closed-loop level measures how
-    requests past the BLS instances wait, and refusals (docs/operations.md) would count as failures."""
+    cosyvoice2_offline's queue is unbounded unless the variant bounds it: a closed-loop level measures
+    how requests past its instances wait, and refusals (docs/operations.md) would count as failures."""
     repo = variant_dir / "model_repo"
     env = {**os.environ, "MODELS_DIR": str(args.models_dir), "MODEL_REPO": str(repo), "OUT_DIR": str(variant_dir),
            "VENV": str(interpreter_venv(args.out_dir)), "PYTHON_BIN": sys.executable,
-           "BLS_MAX_QUEUE_SIZE": "0", "OFFLINE_BLS_MAX_QUEUE_SIZE": "0", **variant.env}
+           "OFFLINE_BLS_MAX_QUEUE_SIZE": "0", **variant.env}
     log = variant_dir / "run_sh.log"
     with open(log, "w") as out:
         done = subprocess.run(["bash", str(REPO_ROOT / "run.sh"), "2", "2"], env=env, stdout=out,
@@ -255,7 +255,8 @@ def run_variant(args: argparse.Namespace, variant: Variant, manifest: Path,
         raise BenchError(f"variant {variant.name} serves no model for mode(s) {', '.join(missing)} "
                          "(streaming needs a decoupled cosyvoice2: DECOUPLED_MODE=True)")
     for mode in args.modes:
-        instances = repo.bls_instances.get(repo.models[mode], 0)
+        # cosyvoice2 (the engine) takes every request at once; cosyvoice2_offline forwards one per instance
+        instances = repo.bls_instances.get(repo.models[mode], 0) if repo.models[mode] == "cosyvoice2_offline" else 0
         if instances and max(args.concurrency) > instances:
             print(f"[{variant.name}] note: {repo.models[mode]} has {instances} BLS instances (each serves one request "
                   f"at a time): levels above {instances} queue at the BLS", flush=True)

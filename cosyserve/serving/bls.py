@@ -1,4 +1,6 @@
-"""The ``cosyvoice2`` Triton model (Python BLS): text (+ voice) -> 24 kHz waveform.
+"""A CosyVoice text-to-speech Python BLS over the reference layout's models: text (+ voice) -> 24 kHz
+waveform. The ``cosyvoice3`` model runs on it (:mod:`.cosyvoice3_bls`) until CosyVoice3 becomes a kind
+of the engine; CosyVoice2's ``cosyvoice2`` model is the engine core (:mod:`.frontdoor`).
 
 Inputs, outputs and responses: :mod:`cosyserve.serving.bls_base`. Streaming chunks follow
 ChunkScheduler (template parameter ``streaming_strategy``). The text is normalised and split into
