@@ -407,8 +407,9 @@ def fill_to_capacity(server, model: str, instances: int, queued: int, num_tokens
         for stream in group:
             stream.send(model, [grpc_input("target_text", "你好"), *token_limits(num_tokens)])
 
-    def in_progress() -> float:
-        return metrics(server.metrics_port).get("cosyserve_bls_requests_in_progress", 0)
+    def in_progress() -> float:  # taken by the engine (admitted), or by a BLS instance
+        values = metrics(server.metrics_port)
+        return values.get("cosyserve_engine_requests", values.get("cosyserve_bls_requests_in_progress", 0))
 
     before = in_progress()  # the model's twin (offline / streaming) may be busy too
     send(streams[:instances])

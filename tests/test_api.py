@@ -298,7 +298,7 @@ def test_health_and_metrics(api, client):
     ("Request for unknown model: 'cosyvoice2' is not found", None, 503),
     ("failed to connect to all addresses", "StatusCode.UNAVAILABLE", 503),
     ("Exceeds maximum queue size", None, 429),
-    ("Request timeout expired", "StatusCode.UNAVAILABLE", 429),  # waited BLS_MAX_QUEUE_MS in the queue
+    ("Request timeout expired", "StatusCode.UNAVAILABLE", 429),  # waited OFFLINE_BLS_MAX_QUEUE_MS in the queue
     ("overloaded: a stream on this server has 0.12 s of audio buffered, under the 0.3 s it keeps for every stream "
      "(admission_min_buffer_s); retry after 180 ms", "StatusCode.UNAVAILABLE", 429),
     ("model 'token2wav': the token2wav state pool is full (9 pages, 0 freed from unused voices); retry later",

@@ -252,29 +252,26 @@ def kill_stubs(server, model: str) -> tuple[list[int], float]:
 # The engine's stub: every stage of a request runs there (the reference layout's models are not used).
 @pytest.mark.parametrize("model", ["cosyvoice2"])
 def test_a_killed_stub_fails_its_requests_until_the_model_is_loaded_again(own_server, model):
-    """SIGKILL of a model's stub processes mid-stream: the stream ends with an error within
-    seconds (no hang). Then one of two things, both of which a supervisor can act on: usually
-    Triton 24.10's Python backend starts no new stub, every request that reaches the dead instance
-    fails with "Stub process '<instance>' is not healthy." until the model is loaded again
-    (explicit model control), and then it serves as before with nothing left of the failed request;
-    rarely (seen once in about seven kills) tritonserver itself exits, which must be non-zero so
-    that a supervisor restarts it."""
+    """SIGKILL of the engine's stub process mid-stream, without the stub watch: usually Triton
+    24.10's Python backend starts no new stub, and every request that reaches the dead instance fails
+    with "Stub process '<instance>' is not healthy." until the model is loaded again (explicit model
+    control); then it serves as before with nothing left of the failed request. Rarely tritonserver
+    itself exits, which must be non-zero so that a supervisor restarts it. The stream in flight gets
+    no answer: its responses were the dead process's to send, and Triton notices the death only
+    when the next request reaches it, so a client needs its own deadline, or the server the stub
+    watch (run.sh's default, the next test), which ends every request within seconds."""
     server = own_server
     stream = streaming_long_request(server)
     pids, killed_at = kill_stubs(server, model)
-    error = stream_error(stream, timeout_s=30)
-    failed_after = time.monotonic() - killed_at
-    stream.close()
-    print(f"{model}: the stream's error after {failed_after:.2f} s: {error}")
-    assert error is not None, "the stream ended normally though its model was killed"
-    assert failed_after < 30
     time.sleep(1)
+    stream.close(cancel=True)  # nothing more will come (see above)
     if server.process.poll() is not None:
         assert server.process.returncode != 0, "tritonserver exited with status 0 after a stub died"
         return
     client = grpcclient.InferenceServerClient(server.grpc_url)
     with pytest.raises(InferenceServerException, match="is not healthy"):
         short_stream(server)
+    print(f"{model}: a new request failed {time.monotonic() - killed_at:.2f} s after the kill")
     started = time.monotonic()
     client.load_model(model)
     print(f"{model}: loaded again in {time.monotonic() - started:.1f} s")

@@ -180,12 +180,16 @@ class CosyVoice2FrontDoor:
         self.refused = Metric("cosyserve_bls_requests_refused", "requests refused because the engine was past "
                               "max_streams or a stream had less than admission_min_buffer_s of audio buffered",
                               name, kind="counter")
-        # the reference layout's names for the LLM's and the flow's live requests (operators and tests read them)
-        self.llm_requests = Metric("cosyserve_llm_active_requests", "LLM requests generating in the engine", name)
+        # the reference layout's names for the LLM's and the flow's live requests (operators and tests
+        # read them); the LLM's only when it runs in the loop: an LLM model or server counts its own
+        core = self.engine.core
+        self.llm_requests = Metric("cosyserve_llm_active_requests", "LLM requests generating in the engine",
+                                   name) if not core.llm.external else None
         self.flow_streams = Metric("cosyserve_token2wav_open_streams", "streams holding flow state in the engine", name)
+        llm_tokens = {} if core.llm.external else {
+            "cosyserve_llm_generated_tokens_total": ("speech tokens the engine's LLM produced", core.counters, "tokens")}
         self.work = WorkMetrics(name, {
-            "cosyserve_llm_generated_tokens_total": ("speech tokens the engine's LLM produced", self.engine.core.counters,
-                                                     "tokens"),
+            **llm_tokens,
             **{f"cosyserve_engine_{stage}_seconds_total": (f"the loop's time: {text}", self.engine.core.counters,
                                                           f"{stage}_s")
                for stage, text in (("llm", "LLM steps"), ("start", "chunks starting (encoder)"),
@@ -208,7 +212,8 @@ class CosyVoice2FrontDoor:
 
     def _publish(self) -> None:
         core, flow = self.engine.core, self.engine.core.kind.flow_engine
-        self.llm_requests.set(core.generating)
+        if self.llm_requests is not None:
+            self.llm_requests.set(core.generating)
         self.flow_streams.set(flow.open_streams)
         self.work.publish()
         self.streams.set(core.active_streams)
