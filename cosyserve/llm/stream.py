@@ -58,16 +58,7 @@ class TokenStream(Iterator[int]):
         burst instead of one per token when it falls behind the engine. Ends (and raises) like
         iteration: [] is never returned; StopIteration after the last token.
         """
-        tokens = [next(self)]
-        while self._end is None:
-            try:
-                event = self._events.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(event, Finished):
-                self._end = event  # reported by the next call
-            else:
-                tokens.append(event)
+        tokens = [next(self)] + self._ready()
         self.num_tokens += len(tokens) - 1
         return tokens
 
@@ -75,6 +66,15 @@ class TokenStream(Iterator[int]):
         """Without blocking: the tokens produced since the last call, and the last event once it
         came (then the stream is over: a failed or cancelled request's event carries its error).
         For a reader polling many streams from one loop (the engine core)."""
+        tokens = self._ready()
+        self.num_tokens += len(tokens)
+        if self._end is not None:
+            self.finish_reason = self._end.reason
+        return tokens, self._end
+
+    def _ready(self) -> list[int]:
+        """The tokens already produced, without blocking; the last event, if it came, is kept in
+        ``_end`` (reported by the next read)."""
         tokens: list[int] = []
         while self._end is None:
             try:
@@ -85,10 +85,7 @@ class TokenStream(Iterator[int]):
                 self._end = event
             else:
                 tokens.append(event)
-        self.num_tokens += len(tokens)
-        if self._end is not None:
-            self.finish_reason = self._end.reason
-        return tokens, self._end
+        return tokens
 
     def close(self) -> None:
         if self.finish_reason is None:

@@ -86,6 +86,30 @@ def openai_speech_tokens(settings: BlsSettings, tokenizer, registry: SpeakerRegi
     return LocalSpeechTokens(backend, sampling)
 
 
+class ListenerMetrics:
+    """The listener's side of every stream, as the server sees it: playback starts with the first
+    chunk sent and plays the chunks back to back (:class:`~cosyserve.clients.Playback`)."""
+
+    def __init__(self, model_name: str):
+        self.buffer_s = Metric("cosyserve_bls_stream_buffer_seconds", "audio a stream's listener still had "
+                               "buffered when its next chunk was sent (negative: playback had stalled)",
+                               model_name, kind="histogram", buckets=BUFFER_BUCKETS)
+        self.underruns = Metric("cosyserve_bls_stream_underruns", "chunks sent after the audio before them had "
+                                "finished playing", model_name, kind="counter")
+        self.stall_s = Metric("cosyserve_bls_stream_stall_seconds", "playback stalls of those underruns, in seconds",
+                              model_name, kind="counter")
+
+    def played(self, playback: Playback, seconds: float) -> None:
+        """A chunk of ``seconds`` was sent now on the stream whose listener is ``playback``."""
+        underruns, stall = playback.underruns, playback.stall_s
+        buffered = playback.arrive(time.monotonic(), seconds)
+        if buffered is not None:
+            self.buffer_s.observe(buffered)
+        if playback.underruns > underruns:
+            self.underruns.increment(playback.underruns - underruns)
+            self.stall_s.increment(playback.stall_s - stall)
+
+
 @dataclass
 class TTSInputs:
     """The inputs common to the cosyvoice2 and cosyvoice2_dit models, checked."""
@@ -140,15 +164,7 @@ class TTSBLS(ABC):
         # out, including clean-up after a cancellation: the LLM and token2wav gauges miss that part
         self.in_progress = Metric("cosyserve_bls_requests_in_progress", "requests inside a BLS instance",
                                   config["name"])
-        # The listener's side of every stream, as the server sees it: playback starts with the first
-        # chunk sent and plays the chunks back to back (cosyserve.clients.Playback).
-        self.buffer_s = Metric("cosyserve_bls_stream_buffer_seconds", "audio a stream's listener still had "
-                               "buffered when its next chunk was sent (negative: playback had stalled)",
-                               config["name"], kind="histogram", buckets=BUFFER_BUCKETS)
-        self.underruns = Metric("cosyserve_bls_stream_underruns", "chunks sent after the audio before them had "
-                                "finished playing", config["name"], kind="counter")
-        self.stall_s = Metric("cosyserve_bls_stream_stall_seconds", "playback stalls of those underruns, in seconds",
-                              config["name"], kind="counter")
+        self.listeners = ListenerMetrics(config["name"])
         # Admission: every instance publishes its stream's playback end on the server's board; a new
         # request is refused while the server already sends max_streams streams, or while some stream
         # has less than admission_min_buffer_s of audio left.
@@ -236,13 +252,7 @@ class TTSBLS(ABC):
         sender.send(last, flags=FINAL)
 
     def _played(self, playback: Playback, seconds: float) -> None:
-        underruns, stall = playback.underruns, playback.stall_s
-        buffered = playback.arrive(time.monotonic(), seconds)
-        if buffered is not None:
-            self.buffer_s.observe(buffered)
-        if playback.underruns > underruns:
-            self.underruns.increment(playback.underruns - underruns)
-            self.stall_s.increment(playback.stall_s - stall)
+        self.listeners.played(playback, seconds)
         self.board.publish(playback.playback_end)
 
     def _offline(self, request):

@@ -44,7 +44,7 @@ from ..llm.stream import Finished, TokenStream
 from ..llm.trtllm.request import TritonLLMInputs, resolve_protocol
 from ..pipeline.tts import TokenLimits, TTSRequest
 from ..schedule import OUTPUT_SAMPLE_RATE
-from .bls_base import BUFFER_BUCKETS, bls_request, parse_tts_inputs
+from .bls_base import ListenerMetrics, bls_request, parse_tts_inputs
 from .offline_proxy import tagged_error
 from .settings import EngineSettings
 from .triton_utils import (FINAL, FinishedResponseIterators, Metric, WorkMetrics, error_response,
@@ -169,13 +169,7 @@ class CosyVoice2FrontDoor:
 
     def _metrics(self, name: str) -> None:
         self.in_progress = Metric("cosyserve_bls_requests_in_progress", "requests taken and not yet answered", name)
-        self.buffer_s = Metric("cosyserve_bls_stream_buffer_seconds", "audio a stream's listener still had "
-                               "buffered when its next chunk was sent (negative: playback had stalled)",
-                               name, kind="histogram", buckets=BUFFER_BUCKETS)
-        self.underruns = Metric("cosyserve_bls_stream_underruns", "chunks sent after the audio before them had "
-                                "finished playing", name, kind="counter")
-        self.stall_s = Metric("cosyserve_bls_stream_stall_seconds", "playback stalls of those underruns, in seconds",
-                              name, kind="counter")
+        self.listeners = ListenerMetrics(name)
         self.admitted = Metric("cosyserve_bls_requests_admitted", "requests the engine took", name, kind="counter")
         self.refused = Metric("cosyserve_bls_requests_refused", "requests refused because the engine was past "
                               "max_streams or a stream had less than admission_min_buffer_s of audio buffered",
@@ -286,7 +280,7 @@ class CosyVoice2FrontDoor:
                 reply.pieces.append(item)
                 return
             reply.sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", item)]))
-            self._played(reply, item.size / OUTPUT_SAMPLE_RATE)
+            self.listeners.played(reply.playback, item.size / OUTPUT_SAMPLE_RATE)
             return
         # the last item: _DONE or the error
         self._replies.pop(reply.request_id, None)
@@ -309,16 +303,6 @@ class CosyVoice2FrontDoor:
         if self.decoupled and not streaming:  # asked by cosyvoice2_offline: keep the code (offline_proxy)
             response = pb_utils.InferenceResponse(error=tagged_error(response.error()))
         return response
-
-    def _played(self, reply: _Reply, seconds: float) -> None:
-        playback = reply.playback
-        underruns, stall = playback.underruns, playback.stall_s
-        buffered = playback.arrive(time.monotonic(), seconds)
-        if buffered is not None:
-            self.buffer_s.observe(buffered)
-        if playback.underruns > underruns:
-            self.underruns.increment(playback.underruns - underruns)
-            self.stall_s.increment(playback.stall_s - stall)
 
     def _poll_cancelled(self) -> None:
         for reply in list(self._replies.values()):
