@@ -211,3 +211,34 @@ def test_admission_refuses_past_max_streams_and_bad_text_fails_alone(model_dirs)
         assert_idle(engine)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("captured_shapes", [False, True])
+def test_full_passes_packed_at_different_steps_equal_the_reference(captured_shapes):
+    """Offline / final passes (full attention) and a stream's re-run (streaming masks) started as one
+    encoder batch, stepped packed with each job at its own step, in eager shapes or in the padded
+    shapes of the CUDA graphs (run eagerly here): each equals CosyVoice2Flow.inference."""
+    from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
+    from cosyserve.token2wav.flow_engine import EngineGraphs, FlowEngine
+    from cosyserve.token2wav.full_pass import FullPass, PassInput
+
+    cfg = FlowConfig.tiny()
+    flow = CosyVoice2Flow(cfg)
+    flow.load_state_dict(random_flow_state_dict(cfg, seed=5))
+    flow.eval()
+    g = torch.Generator().manual_seed(1)
+    voices = [(torch.randint(0, 6561, (1, p), generator=g), torch.randn(1, 2 * p, 80, generator=g),
+               torch.randn(1, 192, generator=g)) for p in (30, 57, 20)]
+    tokens = [torch.randint(0, 6561, (1, n), generator=g) for n in (40, 23, 31)]
+    fused = FlowEngine(flow, pool_pages=4).fused
+    full = FullPass(flow, fused, 10, EngineGraphs(fused, replay=False) if captured_shapes else None)
+    finals = full.start([PassInput(t, *v) for t, v in zip(tokens[:2], voices[:2])])
+    (rerun,) = full.start([PassInput(tokens[2], *voices[2], skip_frames=4)], streaming=True)
+    full.step(finals[:1])  # the first final one step ahead of the second
+    while not rerun.done:
+        full.step([job for job in finals if not job.done])
+        full.step([rerun])
+    for job, t, v in zip(finals, tokens, voices):
+        assert rel(job.target_mel().numpy(), flow.inference(t, *v, streaming=False, finalize=True).numpy()) < REL_L2
+    expected = flow.inference(tokens[2], *voices[2], streaming=True, finalize=False)[:, :, 4:]
+    assert rel(rerun.target_mel().numpy(), expected.numpy()) < REL_L2

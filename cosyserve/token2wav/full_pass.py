@@ -27,6 +27,18 @@ FRAME_ALIGN = 16
 GRAPH_FRAMES = (128, 256, 384, 512, 768, 1024, 1536)
 
 
+@dataclass(frozen=True)
+class PassInput:
+    """What a pass voices: target ``tokens`` (1, n) after the prompt; ``skip_frames`` target frames
+    were voiced before (by a stream's earlier chunks) and are not returned."""
+
+    tokens: torch.Tensor
+    prompt_tokens: torch.Tensor
+    prompt_feat: torch.Tensor
+    embedding: torch.Tensor
+    skip_frames: int = 0
+
+
 @dataclass
 class FullPassJob:
     """One pass: its conditions (channel-first (1, 80, frames)) and where its Euler loop stands."""
@@ -91,18 +103,19 @@ class FullPass:
                 self._buffers(pairs, frames)
 
     @torch.inference_mode()
-    def start(self, tokens: torch.Tensor, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor,
-              embedding: torch.Tensor, skip_frames: int = 0, streaming: bool = False) -> FullPassJob:
-        """A pass over prompt + ``tokens`` (1, n) (encoder run now); ``skip_frames`` target frames
-        are not returned. ``streaming``: the reference's re-run of a non-final chunk (streaming
-        masks, the last 3 tokens look-ahead only) instead of the final, full-attention pass."""
-        c = self.flow.batch_conditions([tokens], [prompt_tokens], [prompt_feat], [embedding], streaming=streaming,
-                                       finalize=not streaming)
-        frames = c.frames[0]
+    def start(self, passes: list[PassInput], streaming: bool = False) -> list[FullPassJob]:
+        """Passes over prompt + tokens, their encoder run now as one batch. ``streaming``: the
+        reference's re-run of non-final chunks (streaming masks, the last 3 tokens look-ahead only)
+        instead of the final, full-attention pass."""
+        c = self.flow.batch_conditions([p.tokens for p in passes], [p.prompt_tokens for p in passes],
+                                       [p.prompt_feat for p in passes], [p.embedding for p in passes],
+                                       streaming=streaming, finalize=not streaming)
         weight = self.fused.dtype
-        return FullPassJob(c.mu[:, :, :frames].to(weight), c.spks.to(weight), c.cond[:, :, :frames].to(weight),
-                           c.prompt_frames[0], fixed_noise(frames, self.fused.device, weight), self.n_timesteps,
-                           streaming, skip_frames)
+        return [FullPassJob(c.mu[b:b + 1, :, :frames].to(weight), c.spks[b:b + 1].to(weight),
+                            c.cond[b:b + 1, :, :frames].to(weight), c.prompt_frames[b],
+                            fixed_noise(frames, self.fused.device, weight), self.n_timesteps, streaming,
+                            passes[b].skip_frames)
+                for b, frames in enumerate(c.frames)]
 
     @torch.inference_mode()
     def warm_up(self, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
@@ -113,10 +126,9 @@ class FullPass:
         for count in rows:
             for n in tokens:
                 for streaming in (True, False):
-                    job = self.start(torch.zeros(1, n, dtype=torch.long), prompt_tokens, prompt_feat, embedding,
-                                     streaming=streaming)
-                    self.step([job] + [FullPassJob(job.mu, job.spks, job.cond, job.prompt_frames, job.x, job.steps,
-                                                   streaming) for _ in range(count - 1)])
+                    tokens = torch.zeros(1, n, dtype=torch.long)
+                    self.step(self.start([PassInput(tokens, prompt_tokens, prompt_feat, embedding)] * count,
+                                         streaming))
 
     @torch.inference_mode()
     def step(self, jobs: list[FullPassJob]) -> None:

@@ -28,7 +28,7 @@ from ...frontend.prompt import PromptFeatures
 from ...schedule import ChunkScheduler
 from ...token2wav.cosyvoice2 import CosyVoice2Token2Wav
 from ...token2wav.flow_engine import EngineStream
-from ...token2wav.full_pass import FullPass, FullPassJob
+from ...token2wav.full_pass import FullPass, FullPassJob, PassInput
 from ...token2wav.vocoder_batch import source_noise, vocode_batch
 from ...token2wav.vocoder_stream import HiftStream, SineNoiseProvider, VocoderCall
 
@@ -119,7 +119,7 @@ class CosyVoice2Kind:
     def start_chunks(self, chunks: list[tuple[Voicing, list[int], int, bool]]) -> list[FlowJob]:
         """Flow jobs of streams' chunks: (voicing, tokens so far, tokens already voiced, finalize)."""
         jobs: list[FlowJob | None] = [None] * len(chunks)
-        windows = []
+        windows, passes = [], {True: [], False: []}  # full passes by attention kind (streaming or not)
         for i, (voicing, tokens, offset, finalize) in enumerate(chunks):
             if voicing.flow is not None and (not finalize or self.final == "streaming"):
                 windows.append(i)
@@ -127,9 +127,13 @@ class CosyVoice2Kind:
             if voicing.flow is not None:  # the reference's final pass: the stream's pages are not needed
                 voicing.flow.close()
                 voicing.flow = None
-            p = voicing.prompt
-            jobs[i] = FlowJob(finalize, full=self.full.start(_tensor(tokens), p.tokens, p.feat, p.embedding,
-                                                             skip_frames=2 * offset, streaming=not finalize))
+            passes[not finalize].append(i)
+        for streaming, members in passes.items():
+            if members:
+                started = self.full.start([self._pass_input(chunks[i][0].prompt, chunks[i][1], 2 * chunks[i][2])
+                                           for i in members], streaming)
+                for i, full in zip(members, started):
+                    jobs[i] = FlowJob(chunks[i][3], full=full)
         if windows:
             started = self.flow_engine.start([(chunks[i][0].flow, _tensor(chunks[i][1]), chunks[i][3])
                                               for i in windows])
@@ -138,8 +142,13 @@ class CosyVoice2Kind:
         return jobs
 
     def start_offline(self, features: PromptFeatures, tokens: list[int]) -> FlowJob:
-        p = self.model._prompt(features.speech_tokens, features.speech_feat, features.embedding)
-        return FlowJob(True, full=self.full.start(_tensor(tokens), p.tokens, p.feat, p.embedding))
+        prompt = self.model._prompt(features.speech_tokens, features.speech_feat, features.embedding)
+        (full,) = self.full.start([self._pass_input(prompt, tokens)])
+        return FlowJob(True, full=full)
+
+    @staticmethod
+    def _pass_input(prompt, tokens: list[int], skip_frames: int = 0) -> PassInput:
+        return PassInput(_tensor(tokens), prompt.tokens, prompt.feat, prompt.embedding, skip_frames)
 
     def step(self, jobs: list[FlowJob]) -> None:
         """One Euler step of every job: windows packed in one call, full passes in one per attention kind."""
