@@ -242,3 +242,17 @@ def test_full_passes_packed_at_different_steps_equal_the_reference(captured_shap
         assert rel(job.target_mel().numpy(), flow.inference(t, *v, streaming=False, finalize=True).numpy()) < REL_L2
     expected = flow.inference(tokens[2], *voices[2], streaming=True, finalize=False)[:, :, 4:]
     assert rel(rerun.target_mel().numpy(), expected.numpy()) < REL_L2
+
+
+def test_warm_up_at_load_runs_every_stage_and_leaves_nothing_behind(model_dirs):
+    """What a GPU server does before it reports ready (ENGINE_WARM_UP), here on the CPU: full passes of
+    every size class, then requests through the whole loop (the LLM included); the engine is then idle."""
+    engine = load_cosyvoice2_engine(*model_dirs, torch.device("cpu"), flow_dtype=torch.float32,
+                                    options=Token2WavOptions(incremental_stream=True, state_pool_bytes=256 << 20),
+                                    llm_options={"max_slots": 8, "max_model_len": 1024}, warm_up=True)
+    try:
+        assert engine.core.counters.requests_finished == 1 + 4 + 1  # one stream, four together, one offline
+        assert engine.core.counters.requests_failed == 0
+        assert_idle(engine)
+    finally:
+        engine.close()

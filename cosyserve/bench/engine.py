@@ -92,7 +92,7 @@ def _profile(before, after) -> dict:
             "jobs_per_flow_step": delta["flow_step_jobs"] / max(delta["flow_steps"], 1)}
 
 
-def level(engine: TTSEngine, voice, outcomes: list[Outcome], label: str, wall_s: float, before) -> dict:
+def level(engine: TTSEngine, outcomes: list[Outcome], label: str, wall_s: float, before) -> dict:
     firsts = [o.first_chunk_ms for o in outcomes if o.first_chunk_ms is not None]
     return {"level": label, "requests": len(outcomes), "failed": sum(o.error is not None for o in outcomes),
             "first_p50_ms": _percentile(firsts, 0.5), "first_p95_ms": _percentile(firsts, 0.95),
@@ -124,53 +124,50 @@ def run(args: argparse.Namespace) -> dict:
         first = one_request(engine, voice, args.tokens, f"first-{next(counter)}")
         report["first_request_ms"] = first.first_chunk_ms
         for concurrency in args.concurrency:
-            before = dataclasses.replace(engine.core.counters)
-            start = time.perf_counter()
-            outcomes: list[Outcome] = []
-            lock = threading.Lock()
-
-            def sender() -> None:
-                for _ in range(args.requests_per_sender):
-                    outcome = one_request(engine, voice, args.tokens, f"c-{next(counter)}")
-                    with lock:
-                        outcomes.append(outcome)
-            threads = [threading.Thread(target=sender) for _ in range(concurrency)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            report["levels"].append(level(engine, voice, outcomes, f"{concurrency} concurrent",
-                                          time.perf_counter() - start, before))
-            print(table(report, report["levels"][-1:]), flush=True)
+            def closed_loop(sender: int) -> list[Outcome]:
+                return [one_request(engine, voice, args.tokens, f"c-{next(counter)}")
+                        for _ in range(args.requests_per_sender)]
+            _measure(report, engine, f"{concurrency} concurrent",
+                     lambda: ([o for outcomes in _in_threads(concurrency, closed_loop) for o in outcomes], {}))
         rng = np.random.default_rng(args.seed)
 
         def new_clip():  # a clip of 3-8 s the server has never seen, with the registered voice's transcript
             wav = rng.standard_normal(int(TOKENIZER_SAMPLE_RATE * rng.uniform(3, 8))).astype(np.float32) * 0.1
             return lambda: engine.voices.resolve(wav, engine.voices.registry.get(args.voice).prompt_text)
         for count in args.new_clips:
-            before = dataclasses.replace(engine.core.counters)
-            start = time.perf_counter()
             clips = [new_clip() for _ in range(count)]
-            results: list[Outcome] = [None] * count
-            threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-                i, one_request(engine, clips[i], args.tokens, f"n-{next(counter)}"))) for i in range(count)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            report["levels"].append(level(engine, voice, results, f"{count} new clips together",
-                                          time.perf_counter() - start, before))
-            print(table(report, report["levels"][-1:]), flush=True)
+            _measure(report, engine, f"{count} new clips together", lambda: (_in_threads(
+                count, lambda i: one_request(engine, clips[i], args.tokens, f"n-{next(counter)}")), {}))
         for rate in args.rates:
-            arrivals = poisson_arrivals(rate, args.seed, duration_s=args.seconds_per_rate)
-            before = dataclasses.replace(engine.core.counters)
-            run_ = run_open_loop(arrivals, lambda i: one_request(engine, voice, args.tokens, f"o-{next(counter)}"))
-            report["levels"].append({**level(engine, voice, run_.results, f"{rate:g} req/s", run_.wall_s, before),
-                                     "peak_in_flight": run_.peak_in_flight})
-            print(table(report, report["levels"][-1:]), flush=True)
+            def open_loop():
+                arrivals = poisson_arrivals(rate, args.seed, duration_s=args.seconds_per_rate)
+                run_ = run_open_loop(arrivals, lambda i: one_request(engine, voice, args.tokens, f"o-{next(counter)}"))
+                return run_.results, {"peak_in_flight": run_.peak_in_flight}
+            _measure(report, engine, f"{rate:g} req/s", open_loop)
     finally:
         engine.close()
     return report
+
+
+def _in_threads(count: int, work) -> list:
+    """``work(i)`` for i < ``count``, each on a thread of its own, all at once; their results."""
+    results: list = [None] * count
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, work(i))) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def _measure(report: dict, engine: TTSEngine, label: str, run) -> None:
+    """One level: ``run()`` -> (outcomes, extra fields), with the loop's counters around it; the
+    level is added to ``report`` and printed as it is measured."""
+    before = dataclasses.replace(engine.core.counters)
+    start = time.perf_counter()
+    outcomes, extra = run()
+    report["levels"].append({**level(engine, outcomes, label, time.perf_counter() - start, before), **extra})
+    print(table(report, report["levels"][-1:]), flush=True)
 
 
 COLUMNS = ("level", "requests", "failed", "first_p50_ms", "first_p95_ms", "underrun_requests", "stall_s",

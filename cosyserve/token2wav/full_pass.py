@@ -126,8 +126,8 @@ class FullPass:
         for count in rows:
             for n in tokens:
                 for streaming in (True, False):
-                    tokens = torch.zeros(1, n, dtype=torch.long)
-                    self.step(self.start([PassInput(tokens, prompt_tokens, prompt_feat, embedding)] * count,
+                    target = torch.zeros(1, n, dtype=torch.long)
+                    self.step(self.start([PassInput(target, prompt_tokens, prompt_feat, embedding)] * count,
                                          streaming))
 
     @torch.inference_mode()

@@ -1,0 +1,24 @@
+"""scripts/bench_engine.py on the tiny bundle (CPU): every level is measured and reported with the
+loop's per-stage profile."""
+
+from __future__ import annotations
+
+import json
+
+from cosyserve.bench.engine import main
+
+
+def test_levels_report_latency_underruns_and_the_loops_profile(tiny_bundle, tmp_path, capsys):
+    report_path = tmp_path / "report.json"
+    main(["--models-dir", str(tiny_bundle), "--device", "cpu", "--cold", "--tokens", "20", "--concurrency", "2",
+          "--requests-per-sender", "1", "--new-clips", "1", "--rates", "4", "--seconds-per-rate", "1",
+          "--json", str(report_path)])
+    report = json.loads(report_path.read_text())
+    assert [level["level"] for level in report["levels"]] == ["2 concurrent", "1 new clips together", "4 req/s"]
+    assert report["first_request_ms"] > 0 and report["device"] == "cpu"
+    for level in report["levels"]:
+        assert level["failed"] == 0 and level["requests"] >= 1 and level["first_p50_ms"] > 0, level
+        assert level["iterations"] > 0 and level["busy_ms_per_iteration"] > 0
+        assert level["flow_ms_per_iteration"] > 0 and level["llm_ms_per_iteration"] > 0
+    assert report["levels"][-1]["peak_in_flight"] >= 1
+    assert "| 4 req/s |" in capsys.readouterr().out
