@@ -12,7 +12,7 @@
 #   5  gRPC benchmark (client_grpc.py)
 #   6  offline benchmark (offline_inference.py)
 #   7  disaggregated serving: our LLM servers, one per GPU of LLM_GPUS (or LLM_URL's), Triton servers
-#      (BLS + token2wav) on T2W_GPUS taking speech tokens from the least loaded LLM server, the API in
+#      (the engine core) on T2W_GPUS taking speech tokens from the least loaded LLM server, the API in
 #      front spreading streams over them (bash run.sh stop ends them all)
 #
 # Every setting below can be overridden from the environment, e.g.
