@@ -21,7 +21,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from conftest_triton import (TEST_BLS_WARM_UP, Stream, assert_server_idle, fill_to_capacity, grpc_input, metrics,
-                             serve_repo, set_parameter, stream_tts, token_limits, triton_gauge, wait_until_idle)
+                             serve_repo, set_parameter, stream_tts, token_limits, triton_gauge, wait_for,
+                             wait_until_idle)
 from cosyserve.bench.soak import BAD_INPUTS, SoakConfig, format_report, run_soak, write_report
 from cosyserve.serving.model_repository import CosyVoice2Repository, build
 from cosyserve.serving.tritonserver import is_ready
@@ -172,7 +173,9 @@ def test_the_engine_takes_every_stream_at_once(idle_server):
     try:
         for stream in streams:
             stream.send("cosyvoice2", long_request())
-        assert triton_gauge(idle_server, "nv_inference_pending_request_count", "cosyvoice2") == 0
+        # the one instance takes each request and returns at once: nothing stays queued
+        wait_for(lambda: triton_gauge(idle_server, "nv_inference_pending_request_count", "cosyvoice2") == 0,
+                 "no request queued", timeout_s=5)
         streams_with_a_chunk(streams, STREAMS)
         assert metrics(idle_server.metrics_port)["cosyserve_engine_streams"] == STREAMS
     finally:
@@ -311,7 +314,11 @@ def test_a_killed_stub_ends_the_watched_server_and_its_requests_within_seconds(w
     assert stream_failed_after < 10 and offline_failed_after < 10 and exited_after < 10
     assert server.process.returncode != 0
     log = server.log_file.read_text(errors="replace")
-    assert STUB_WATCH_LINE.format(model=model) in log, log[-3000:]
+    # The watcher's line, or tritonserver aborting by itself first: a stub killed while it holds the
+    # shared-memory lock it talks to the server through ("boost::interprocess::lock_exception",
+    # signal 6), seen with the engine's stub, which sends responses and polls cancellations all the
+    # time. Either way the server is down within seconds, non-zero, for its supervisor to restart.
+    assert STUB_WATCH_LINE.format(model=model) in log or "Signal (6) received" in log, log[-3000:]
     assert not is_ready(server.http_port)
 
 
