@@ -47,12 +47,15 @@ def models_dir(api_models_dir: Path) -> Path:
     return api_models_dir
 
 
+MAX_STREAMS = 2  # the engine's cap on the API tests' servers
+
+
 def server_spec(models_dir: Path):
-    """An engine that sends one stream at most (the 429 test runs one; the router's overload test
-    too) and one cosyvoice2_offline instance with a queue of one: tests/test_api_router.py's servers
-    are of this spec."""
+    """An engine that sends two streams at most (the 429 test runs two; the router's overload test
+    too; its open-loop test stays under) and one cosyvoice2_offline instance with a queue of one:
+    tests/test_api_router.py's servers are of this spec."""
     return repository_spec(models_dir, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_instances=1, max_queue_size=1,
-                           max_streams=1)
+                           max_streams=MAX_STREAMS)
 
 
 @pytest.fixture(scope="module")
@@ -317,8 +320,8 @@ def test_triton_errors_map_to_statuses_with_their_message(message, status, expec
 
 
 def test_past_capacity_speech_is_429_with_retry_after_at_once(api, idle_server):
-    """The engine at its cap of one stream: a speech request is refused at once with 429 and Retry-After, then served once it ends."""
-    streams = fill_to_capacity(idle_server, "cosyvoice2", 1, 0, num_tokens=1500)
+    """The engine at its cap of streams: a speech request is refused at once with 429 and Retry-After, then served once they end."""
+    streams = fill_to_capacity(idle_server, "cosyvoice2", MAX_STREAMS, 0, num_tokens=1500)
     try:
         response = http(api, "POST", "/v1/audio/speech", json={"model": "tts-1", "input": TEXT, "voice": "001"})
         error = assert_error(response, 429)

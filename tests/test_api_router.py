@@ -15,7 +15,7 @@ import pytest
 
 from cosyserve.api.router import _affinity, resolve
 from conftest_triton import SAMPLES_PER_TOKEN, fill_to_capacity, wait_until_idle
-from test_api import API_KEY, APIProcess, TEXT, server_spec
+from test_api import API_KEY, MAX_STREAMS, APIProcess, TEXT, server_spec
 
 pytest.importorskip("pytriton")
 httpx = pytest.importorskip("httpx2")  # what the openai SDK is built on
@@ -107,7 +107,7 @@ def test_a_request_the_preferred_server_refuses_as_overloaded_is_served_by_the_o
                 api_metric(api, "cosyserve_api_triton_streams_served_total", server=address(other)))
     time.sleep(1.1)  # any earlier refusal's backoff on the preferred server is over: it is tried first
     failovers, served = counts()
-    streams = fill_to_capacity(preferred, "cosyvoice2", 1, 0, num_tokens=1500)  # its engine's cap: one stream
+    streams = fill_to_capacity(preferred, "cosyvoice2", MAX_STREAMS, 0, num_tokens=1500)  # its engine's cap
     try:
         started = time.monotonic()
         response = speech(api)
