@@ -16,9 +16,15 @@
     # CosyVoice3 (Fun-CosyVoice3-0.5B-2512/ and cosyvoice3_llm/ in --model-dir)
     python offline_inference.py --model cosyvoice3 --model-dir models --manifest-path data.txt --output-dir out
 
+    # Step-Audio2: CosyVoice2's LLM (here at an OpenAI-compatible server) + Step-Audio-2-mini's DiT token2wav
+    python offline_inference.py --model step_audio2 --model-dir models --backend openai \\
+        --openai-base-url http://127.0.0.1:8100/v1 --manifest-path data.txt --output-dir out
+
 ``--model-dir`` is the bundle root holding CosyVoice2-0.5B/ and cosyvoice2_llm/ (``--model cosyvoice3``:
 Fun-CosyVoice3-0.5B-2512/ and cosyvoice3_llm/; torch or hf LLM, no registered voices, the DiT flow in
-float32 unless ``--dtype`` says otherwise, one utterance at a time). LLM back ends:
+float32 unless ``--dtype`` says otherwise, one utterance at a time; ``--model step_audio2``: also
+Step-Audio-2-mini/token2wav/, whose DiT flow and HiFT voice CosyVoice2's speech tokens one utterance at
+a time, the flow in float16 on CUDA). LLM back ends:
 torch (this package's engine), hf (transformers reference), trtllm (needs tensorrt_llm and
 ``--trtllm-engine-dir``), openai (an OpenAI-compatible server at ``--openai-base-url``); vllm is
 not supported yet (the message says why). Report: front-end / LLM / token2wav / total time,
@@ -47,7 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=MODELS, default="cosyvoice2", help="the model kind")
     p.add_argument("--model-dir", type=Path, required=True,
-                   help="bundle root: CosyVoice2-0.5B/ and cosyvoice2_llm/ (or CosyVoice3's two directories)")
+                   help="bundle root: CosyVoice2-0.5B/ and cosyvoice2_llm/ (or CosyVoice3's two directories; "
+                        "step_audio2: also Step-Audio-2-mini/token2wav/)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--manifest-path", type=Path, help="lines utt|prompt_text|prompt_wav|target_text")
     source.add_argument("--huggingface-dataset", help="e.g. yuekai/seed_tts_cosy2 (needs the `datasets` package)")

@@ -7,8 +7,9 @@
 #      with the released file names and formats (MODEL_SOURCE=tiny|real, no network needed)
 #   1  prepare the LLM: nothing for our PyTorch engine (it reads the HF checkpoint); a TensorRT-LLM
 #      engine is not built for CosyVoice3 yet (see README)
-#   2  create the Triton model repository (cosyvoice3, llm, token2wav, audio_tokenizer,
-#      speaker_embedding; no llm with LLM_URL) from model_repo/ templates
+#   2  create the Triton model repository: cosyvoice3, the engine core (LLM, DiT flow, causal HiFT,
+#      speech tokenizer and speaker encoder in one loop; speech tokens from LLM_URL when set) behind
+#      the front door that cosyvoice2 also runs on (template model_repo/cosyvoice2)
 #   3  launch Triton (returns when the server is ready; stop it with: bash run_cosyvoice3.sh stop)
 #   4  gRPC benchmark (client_grpc.py --model-name cosyvoice3, NVIDIA's client flags)
 #   5  offline benchmark (offline_inference.py --model cosyvoice3; no server needed)
@@ -26,7 +27,7 @@ VENV=${VENV:-$repo_root/.venv}
 MODEL_SOURCE=${MODEL_SOURCE:-huggingface}     # huggingface | modelscope | tiny | real
 MODELS_DIR=${MODELS_DIR:-$repo_root/models}   # Fun-CosyVoice3-0.5B-2512/ and cosyvoice3_llm/ in it
 BUNDLE_SEED=${BUNDLE_SEED:-0}
-LLM_ENGINE=${LLM_ENGINE:-torch}               # our llm model's engine: torch | hf
+LLM_ENGINE=${LLM_ENGINE:-torch}               # stage 5 (offline_inference.py): our engine (torch) | hf
 # http://HOST:PORT/v1 of OpenAI-compatible completions servers of the CosyVoice3 LLM (comma-separated; e.g.
 # python -m cosyserve.llm.openai_server --model-dir $MODELS_DIR/cosyvoice3_llm, or trtllm-serve as the
 # reference runs it): speech tokens come from there and the repository gets no Triton llm model
@@ -35,12 +36,11 @@ MODEL_REPO=${MODEL_REPO:-$repo_root/outputs/model_repo_cosyvoice3}
 DECOUPLED_MODE=${DECOUPLED_MODE:-True}        # True = streaming, False = offline
 STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | time_based (as CosyVoice2's BLS)
 DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
-BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-10}      # the reference's
-BLS_MAX_QUEUE_SIZE=${BLS_MAX_QUEUE_SIZE:-0}   # 0: no limit
-BLS_MAX_QUEUE_MS=${BLS_MAX_QUEUE_MS:-0}       # ms a request may wait for an instance; 0: no limit
 MAX_STREAMS=${MAX_STREAMS:-0}                 # streams at most, past that refused at once; 0: no cap (run.sh)
 ADMISSION_MIN_BUFFER_S=${ADMISSION_MIN_BUFFER_S:-0}  # refuse while a stream has less audio buffered; 0: off (run.sh)
-BLS_WARM_UP=${BLS_WARM_UP:-true}              # load the BLS's text front-end at start
+REQUEST_TIMEOUT_S=${REQUEST_TIMEOUT_S:-0}     # seconds a request may run; 0: no limit (run.sh)
+BLS_WARM_UP=${BLS_WARM_UP:-true}              # load the text front-end at start
+ENGINE_WARM_UP=${ENGINE_WARM_UP:-auto}        # capture every graph and voice a few requests before ready (auto: on with CUDA)
 # Voices uploaded through the HTTP API (empty: <model dir>/voices). Give a CosyVoice2 deployment's
 # (its CosyVoice2-0.5B/voices) so that one API serves a voice with both models (docs/api.md).
 VOICES_DIR=${VOICES_DIR:-}
@@ -49,15 +49,14 @@ VOICES_DIR=${VOICES_DIR:-}
 MAX_TOKENS=${MAX_TOKENS:-$([ "$MODEL_SOURCE" = tiny ] && echo 200 || echo 750)}
 MIN_TOKENS=${MIN_TOKENS:-0}
 TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-1}    # the reference's
-MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
 FRONTEND_BACKEND=${FRONTEND_BACKEND:-auto}   # speech tokenizer + CAM++: auto (torch on CUDA, onnxruntime on CPU) | torch | onnxruntime
 TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # the DiT flow: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
 # Streaming flow: true = incremental (block-masked DiT, only the new frames); false = the reference's
 # full-attention re-run over the whole prefix every chunk (docs/benchmarks.md compares them)
 TOKEN2WAV_INCREMENTAL_STREAM=${TOKEN2WAV_INCREMENTAL_STREAM:-true}
-# Voices whose prompt-only flow states incremental streams share (~720 MB each in float32 for a 5 s prompt)
-TOKEN2WAV_VOICE_PREFIXES=${TOKEN2WAV_VOICE_PREFIXES:-8}
-# Incremental streams' flow windows replayed from CUDA graphs: auto (on with CUDA) | true | false
+# Voices whose prompt-only flow states incremental streams share (~360 MB each in bfloat16 for a 5 s prompt)
+TOKEN2WAV_MAX_VOICES=${TOKEN2WAV_MAX_VOICES:-8}
+# The packed flow steps replayed from CUDA graphs: auto (on with CUDA) | true | false
 TOKEN2WAV_CUDA_GRAPHS=${TOKEN2WAV_CUDA_GRAPHS:-auto}
 HTTP_PORT=${HTTP_PORT:-18000}                 # the reference's Triton ports
 GRPC_PORT=${GRPC_PORT:-18001}
@@ -109,13 +108,14 @@ fi
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   log "Stage 2: creating the model repository $MODEL_REPO (decoupled=$DECOUPLED_MODE)"
   "$PY" -m cosyserve.serving.model_repository cosyvoice3 "$MODEL_REPO" --templates "$repo_root/model_repo" \
-    --models-dir "$MODELS_DIR" --llm-engine "$LLM_ENGINE" --llm-url "$LLM_URL" --decoupled "$DECOUPLED_MODE" \
-    --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --bls-instances "$BLS_INSTANCE_NUM" \
-    --bls-max-queue-size "$BLS_MAX_QUEUE_SIZE" --bls-max-queue-ms "$BLS_MAX_QUEUE_MS" --max-streams "$MAX_STREAMS" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --bls-warm-up "$BLS_WARM_UP" --max-tokens "$MAX_TOKENS" \
-    --min-tokens "$MIN_TOKENS" --max-batch-size "$TRITON_MAX_BATCH_SIZE" \
-    --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" --frontend-backend "$FRONTEND_BACKEND" --token2wav-dtype "$TOKEN2WAV_DTYPE" \
-    --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" \
-    --token2wav-voice-prefixes "$TOKEN2WAV_VOICE_PREFIXES" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" --voices-dir "$VOICES_DIR" > /dev/null \
+    --models-dir "$MODELS_DIR" --llm-url "$LLM_URL" --decoupled "$DECOUPLED_MODE" \
+    --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --max-streams "$MAX_STREAMS" \
+    --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --request-timeout-s "$REQUEST_TIMEOUT_S" \
+    --bls-warm-up "$BLS_WARM_UP" --engine-warm-up "$ENGINE_WARM_UP" --max-tokens "$MAX_TOKENS" \
+    --min-tokens "$MIN_TOKENS" --max-batch-size "$TRITON_MAX_BATCH_SIZE" --frontend-backend "$FRONTEND_BACKEND" \
+    --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" \
+    --token2wav-max-voices "$TOKEN2WAV_MAX_VOICES" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \
+    --voices-dir "$VOICES_DIR" > /dev/null \
     || die "Stage 2: could not build the model repository"
 fi
 

@@ -7,13 +7,17 @@
 #   0  models: download (MODEL_SOURCE=huggingface: cosyvoice2_llm, CosyVoice2-0.5B, the token2wav/
 #      folder of Step-Audio-2-mini) or generate random-weight bundles (MODEL_SOURCE=tiny|real)
 #   1  prepare the LLM (nothing for our PyTorch engine; TensorRT-LLM engine when LLM_BACKEND=trtllm)
-#   2  create the Triton model repository (cosyvoice2_dit, token2wav_dit, audio_tokenizer)
-#   3  start the LLM's OpenAI-compatible server, then Triton; returns when both are ready
-#      (stop everything this script started with: bash run_stepaudio2_dit_token2wav.sh stop;
+#   2  create the Triton model repository: cosyvoice2_dit, the engine core with Step-Audio2's kind
+#      (CosyVoice2's LLM prompts and voices, Step-Audio-2-mini's DiT flow + HiFT, the speech
+#      tokenizer and speaker encoder in one loop; speech tokens from LLM_URL, or with LLM_URL empty
+#      from the LLM in that loop) behind the front door cosyvoice2 also runs on (template model_repo/cosyvoice2)
+#   3  start the LLM's OpenAI-compatible server (none with LLM_URL empty), then Triton; returns when
+#      both are ready (stop everything this script started with: bash run_stepaudio2_dit_token2wav.sh stop;
 #      `... wait` follows both logs until one server dies, stopping both on SIGTERM: containers)
 #   4  gRPC benchmark (client_grpc.py, streaming, against cosyvoice2_dit)
-#   5  offline synthesis in one process (scripts/dit_offline.py: LLM + DiT token2wav offline)
-#   6  token2wav alone, streaming (STRATEGY equal|exponential) and offline (scripts/dit_token2wav.py)
+#   5  offline synthesis in one process (offline_inference.py --model step_audio2 on the bundle layout
+#      of MODELS_DIR: LLM_ENGINE's LLM, then the DiT token2wav offline)
+#   6  token2wav alone, streaming (STRATEGY equal|exponential) and offline (token2wav.py --model step_audio2)
 #   7  disaggregated serving: the LLM server on GPU 0 and NUM_T2W_SERVERS Triton servers on the
 #      other GPUs (T2W_SERVERS_PER_GPU each, distinct ports); on a machine without GPUs they run on
 #      the CPU (set NUM_T2W_SERVERS); returns when all are ready
@@ -21,7 +25,7 @@
 #      (scripts/bench_disaggregated.py)
 #
 # The LLM server is `python -m cosyserve.llm.openai_server` (LLM_BACKEND=torch) or trtllm-serve
-# (LLM_BACKEND=trtllm); the BLS reaches it at LLM_URL. Every setting below can be overridden from
+# (LLM_BACKEND=trtllm); the engine reaches it at LLM_URL. Every setting below can be overridden from
 # the environment, e.g.
 #   MODEL_SOURCE=tiny DEVICE=cpu bash run_stepaudio2_dit_token2wav.sh -1 3 && bash run_stepaudio2_dit_token2wav.sh 4 4
 set -euo pipefail
@@ -36,7 +40,7 @@ MODEL_SOURCE=${MODEL_SOURCE:-huggingface}     # huggingface | tiny | real
 MODELS_DIR=${MODELS_DIR:-$repo_root/models}
 BUNDLE_SEED=${BUNDLE_SEED:-0}
 DIT_MODEL_DIR=${DIT_MODEL_DIR:-$MODELS_DIR/Step-Audio-2-mini/token2wav}
-COSYVOICE2_DIR=${COSYVOICE2_DIR:-$MODELS_DIR/CosyVoice2-0.5B}   # audio_tokenizer + spk2info.pt
+COSYVOICE2_DIR=${COSYVOICE2_DIR:-$MODELS_DIR/CosyVoice2-0.5B}   # its spk2info.pt: the registered voices
 LLM_DIR=${LLM_DIR:-$MODELS_DIR/cosyvoice2_llm}
 LLM_BACKEND=${LLM_BACKEND:-torch}             # torch (ours) | trtllm (trtllm-serve)
 TRT_DTYPE=${TRT_DTYPE:-bfloat16}
@@ -45,21 +49,36 @@ TRT_ENGINES_DIR=${TRT_ENGINES_DIR:-$MODELS_DIR/trt_engines_$TRT_DTYPE}
 OUT_DIR=${OUT_DIR:-$repo_root/outputs}
 MODEL_REPO=${MODEL_REPO:-$OUT_DIR/model_repo_cosyvoice2_dit}
 DECOUPLED_MODE=${DECOUPLED_MODE:-True}        # True = streaming, False = offline
-STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | equal (the BLS's chunk schedule)
+STREAMING_STRATEGY=${STREAMING_STRATEGY:-exponential}   # exponential | equal (the engine's chunk schedule)
 DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
-BLS_INSTANCE_NUM=${BLS_INSTANCE_NUM:-4}
 MAX_STREAMS=${MAX_STREAMS:-0}                 # streams at most, past that refused at once; 0: no cap (run.sh)
 ADMISSION_MIN_BUFFER_S=${ADMISSION_MIN_BUFFER_S:-0}  # refuse while a stream has less audio buffered; 0: off (run.sh)
+REQUEST_TIMEOUT_S=${REQUEST_TIMEOUT_S:-0}     # seconds a request may run; 0: no limit (run.sh)
+BLS_WARM_UP=${BLS_WARM_UP:-true}              # load the text front-end at start
+ENGINE_WARM_UP=${ENGINE_WARM_UP:-auto}        # voice a few requests before ready (auto: on with CUDA)
 TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-1}
-MAX_QUEUE_DELAY_MICROSECONDS=${MAX_QUEUE_DELAY_MICROSECONDS:-0}
-MAX_TOKENS=${MAX_TOKENS:-750}                 # speech tokens per request (the BLS's LLM limits)
+MAX_TOKENS=${MAX_TOKENS:-750}                 # speech tokens per request (the engine's LLM limits)
 MIN_TOKENS=${MIN_TOKENS:-0}
+FRONTEND_BACKEND=${FRONTEND_BACKEND:-auto}   # speech tokenizer + CAM++: auto (torch on CUDA, onnxruntime on CPU) | torch | onnxruntime
+TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # the DiT flow: auto (float16 on CUDA, float32 on CPU) | float16 | bfloat16 | float32
+# Voices whose prompt state (the prompt run once through the flow) streams share: ~0.6 MiB per prompt
+# frame in float16, ~150 MB for a 5 s prompt
+TOKEN2WAV_MAX_VOICES=${TOKEN2WAV_MAX_VOICES:-8}
+# Voices uploaded through the HTTP API (empty: <DIT_MODEL_DIR>/voices; give CosyVoice2-0.5B/voices to
+# share them with a CosyVoice2 deployment: the features are the same)
+VOICES_DIR=${VOICES_DIR:-}
+LLM_ENGINE=${LLM_ENGINE:-torch}               # stage 5 (offline_inference.py): torch (in process) | hf | openai (LLM_URL)
+# stage 5: every utterance this many seconds long (one value, or LO HI: offline_inference.py
+# --fixed-output-seconds; random weights rarely end by themselves); empty: the LLM decides
+FIXED_OUTPUT_SECONDS=${FIXED_OUTPUT_SECONDS:-}
 HTTP_PORT=${HTTP_PORT:-8000}
 GRPC_PORT=${GRPC_PORT:-8001}
 METRICS_PORT=${METRICS_PORT:-8002}
 LLM_HOST=${LLM_HOST:-127.0.0.1}
 LLM_PORT=${LLM_PORT:-8100}
-LLM_URL=${LLM_URL:-http://127.0.0.1:$LLM_PORT/v1}
+# The LLM server's URL for the engine (stage 3 starts it); empty: no LLM server, the LLM runs in the
+# engine's loop (stage 7 needs the server)
+LLM_URL=${LLM_URL-http://127.0.0.1:$LLM_PORT/v1}
 LLM_MODEL=${LLM_MODEL:-}                      # model id at LLM_URL; empty = the first it lists
 LLM_MAX_SLOTS=${LLM_MAX_SLOTS:-64}            # torch engine: concurrent requests
 SERVER_LOG=${SERVER_LOG:-$OUT_DIR/tritonserver.log}
@@ -96,6 +115,16 @@ torch_device() {
   elif [ "$(gpu_count)" -gt 0 ]; then echo cuda; else echo cpu; fi
 }
 
+# TOKEN2WAV_DTYPE as a token2wav.py variant (stage 6)
+t2w_variant() {
+  case "$TOKEN2WAV_DTYPE" in
+    auto) if [ "$(torch_device)" = cpu ]; then echo fp32; else echo fp16; fi ;;
+    float16|fp16) echo fp16 ;;
+    bfloat16|bf16) echo bf16 ;;
+    *) echo fp32 ;;
+  esac
+}
+
 start_llm_server() {
   local cmd
   case "$LLM_BACKEND" in
@@ -103,7 +132,7 @@ start_llm_server() {
                 --host "$LLM_HOST" --port "$LLM_PORT" --max-slots "$LLM_MAX_SLOTS") ;;
     trtllm)
       # trtllm-serve loads the engine without the CosyVoice2 head bias (docs/deployment.md): the
-      # BLS then fails requests whose completion holds text tokens, with that explanation.
+      # engine then fails requests whose completion holds text tokens, with that explanation.
       cmd=(trtllm-serve serve --tokenizer "$LLM_DIR" "$TRT_ENGINES_DIR" --max_batch_size 64
            --kv_cache_free_gpu_memory_fraction 0.4 --host "$LLM_HOST" --port "$LLM_PORT")
       if command -v mpirun > /dev/null; then cmd=(mpirun -np 1 --allow-run-as-root --oversubscribe "${cmd[@]}"); fi ;;
@@ -153,7 +182,7 @@ if [ "$stage" = "wait" ]; then
   tail_pid=$!
   trap 'kill "$tail_pid"; bash "$repo_root/run_stepaudio2_dit_token2wav.sh" stop; exit 0' TERM INT
   while kill -0 "$(cat "$SERVER_PID_FILE" 2> /dev/null)" 2> /dev/null \
-      && kill -0 "$(cat "$LLM_PID_FILE" 2> /dev/null)" 2> /dev/null; do
+      && { [ -z "$LLM_URL" ] || kill -0 "$(cat "$LLM_PID_FILE" 2> /dev/null)" 2> /dev/null; }; do
     sleep 5 & wait $!
   done
   kill "$tail_pid"
@@ -194,7 +223,7 @@ missing = [f for f in ("flow.yaml", "flow.pt", "hift.pt", "campplus.onnx", "spee
            if not (models / "Step-Audio-2-mini" / "token2wav" / f).exists()]
 if missing:
     sys.exit(f"Step-Audio-2-mini/token2wav is missing {missing}: the download is incomplete")
-# The BLS's default speaker "001" (the spk2info.pt NVIDIA's runtime downloads).
+# The default speaker "001" (the spk2info.pt NVIDIA's runtime downloads).
 spk2info = models / "CosyVoice2-0.5B" / "spk2info.pt"
 if not spk2info.exists():
     urllib.request.urlretrieve(
@@ -220,18 +249,20 @@ if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
 fi
 
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
-  log "Stage 2: creating the model repository $MODEL_REPO (decoupled=$DECOUPLED_MODE, strategy=$STREAMING_STRATEGY, LLM at $LLM_URL)"
+  log "Stage 2: creating the model repository $MODEL_REPO (decoupled=$DECOUPLED_MODE, strategy=$STREAMING_STRATEGY, LLM: ${LLM_URL:-in the engine loop})"
   "$PY" -m cosyserve.serving.model_repository dit "$MODEL_REPO" --templates "$repo_root/model_repo" \
-    --dit-model-dir "$DIT_MODEL_DIR" --cosyvoice2-dir "$COSYVOICE2_DIR" --llm-dir "$LLM_DIR" --llm-url "$LLM_URL" --llm-model "$LLM_MODEL" \
-    --decoupled "$DECOUPLED_MODE" --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" \
-    --bls-instances "$BLS_INSTANCE_NUM" --max-streams "$MAX_STREAMS" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
-    --max-batch-size "$TRITON_MAX_BATCH_SIZE" --max-queue-delay-microseconds "$MAX_QUEUE_DELAY_MICROSECONDS" > /dev/null \
+    --dit-model-dir "$DIT_MODEL_DIR" --cosyvoice2-dir "$COSYVOICE2_DIR" --llm-dir "$LLM_DIR" --llm-url "$LLM_URL" \
+    --llm-model "$LLM_MODEL" --decoupled "$DECOUPLED_MODE" --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" \
+    --max-streams "$MAX_STREAMS" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --request-timeout-s "$REQUEST_TIMEOUT_S" \
+    --bls-warm-up "$BLS_WARM_UP" --engine-warm-up "$ENGINE_WARM_UP" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
+    --max-batch-size "$TRITON_MAX_BATCH_SIZE" --frontend-backend "$FRONTEND_BACKEND" --token2wav-dtype "$TOKEN2WAV_DTYPE" \
+    --token2wav-max-voices "$TOKEN2WAV_MAX_VOICES" --voices-dir "$VOICES_DIR" > /dev/null \
     || die "Stage 2: could not build the model repository"
 fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
-  log "Stage 3: LLM server, then Triton on ports http=$HTTP_PORT grpc=$GRPC_PORT metrics=$METRICS_PORT (log: $SERVER_LOG)"
-  start_llm_server
+  log "Stage 3: LLM server (unless LLM_URL is empty), then Triton on ports http=$HTTP_PORT grpc=$GRPC_PORT metrics=$METRICS_PORT (log: $SERVER_LOG)"
+  [ -z "$LLM_URL" ] || start_llm_server
   start_triton "$HTTP_PORT" "$GRPC_PORT" "$METRICS_PORT" "$SERVER_LOG" "$SERVER_PID_FILE"
   log "Triton is ready. Stop everything with: bash run_stepaudio2_dit_token2wav.sh stop"
 fi
@@ -249,12 +280,15 @@ if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
 fi
 
 if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
-  log "Stage 5: offline synthesis in one process (LLM + DiT token2wav)"
+  log "Stage 5: offline synthesis in one process (offline_inference.py --model step_audio2, LLM: $LLM_ENGINE)"
   [ -n "$MANIFEST$DATASET" ] || write_prompt_manifest "$manifest"
+  llm_args=(--backend "$LLM_ENGINE")
+  [ "$LLM_ENGINE" != openai ] || llm_args+=(--openai-base-url "$LLM_URL")
+  # shellcheck disable=SC2206
+  [ -z "$FIXED_OUTPUT_SECONDS" ] || llm_args+=(--fixed-output-seconds $FIXED_OUTPUT_SECONDS)
   # shellcheck disable=SC2046
-  "$PY" "$repo_root/scripts/dit_offline.py" --models-dir "$MODELS_DIR" --dit-model-dir "$DIT_MODEL_DIR" \
-    --device "$(torch_device)" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" $(data_args "$manifest") \
-    --output-dir "$OUT_DIR/dit_offline"
+  "$PY" "$repo_root/offline_inference.py" --model step_audio2 --model-dir "$MODELS_DIR" "${llm_args[@]}" \
+    --device "$(torch_device)" $(data_args "$manifest") --output-dir "$OUT_DIR/dit_offline" --no-progress
 fi
 
 if [ "$stage" -le 6 ] && [ "$stop_stage" -ge 6 ]; then
@@ -264,13 +298,14 @@ if [ "$stage" -le 6 ] && [ "$stop_stage" -ge 6 ]; then
   [ ! -f "$REFERENCE_AUDIO" ] || speaker=(--reference-audio "$REFERENCE_AUDIO")
   for mode in streaming offline; do
     # shellcheck disable=SC2086
-    "$PY" "$repo_root/scripts/dit_token2wav.py" --model-dir "$DIT_MODEL_DIR" --device "$(torch_device)" \
-      --mode "$mode" --strategy "$STRATEGY" --num-tokens $T2W_NUM_TOKENS "${speaker[@]}" --runs 3
+    "$PY" "$repo_root/token2wav.py" --model step_audio2 --model-dir "$DIT_MODEL_DIR" --device "$(torch_device)" \
+      --variants "$(t2w_variant)" --mode "$mode" --strategy "$STRATEGY" --num-tokens $T2W_NUM_TOKENS "${speaker[@]}" --runs 3
   done
 fi
 
 if [ "$stage" -le 7 ] && [ "$stop_stage" -ge 7 ]; then
   log "Stage 7: disaggregated serving: LLM server on GPU 0, token2wav Triton servers on the others"
+  [ -n "$LLM_URL" ] || die "Stage 7 serves the LLM apart: set LLM_URL (and build the repository with it: stage 2)"
   mkdir -p "$DISAGG_DIR"
   servers=$(t2w_servers)
   if [ "$(gpu_count)" -gt 0 ]; then CUDA_VISIBLE_DEVICES=0 start_llm_server; else start_llm_server; fi

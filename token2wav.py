@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Standalone token2wav: speech tokens -> 24 kHz wav, with timing per variant. CosyVoice2 (the default),
-offline; CosyVoice3 (``--model cosyvoice3``, below) offline or streaming.
+offline; CosyVoice3 (``--model cosyvoice3``) and Step-Audio2 (``--model step_audio2``), below, offline or
+streaming.
 
     # synthesise given tokens (raw ids 0..6560, whitespace separated) with the default speaker
     python token2wav.py --model-dir models/CosyVoice2-0.5B --tokens-file tokens.txt --output out.wav
@@ -34,6 +35,19 @@ streaming`` times both and gives their rel-L2. ``--mode streaming`` sends the ch
 960 samples per token. ``--profile`` runs each variant's last utterance once more under torch.profiler: the host
 time of the steps' flow and vocoder, the GPU's activities and busy time (where a step's time goes). A bad token id
 or directory is an error (exit status 2) before any variant runs.
+
+Step-Audio2 (``--model step_audio2``: Step-Audio-2-mini's DiT flow + HiFT, the engine's kind that
+``cosyvoice2_dit`` serves; cosyserve/bench/step_audio2.py):
+
+    # --model-dir is Step-Audio-2-mini/token2wav/; the voice is a clip, or a voice of CosyVoice2's spk2info.pt
+    python token2wav.py --model step_audio2 --model-dir models/Step-Audio-2-mini/token2wav \\
+        --reference-audio prompt.wav --num-tokens 100 250 --mode streaming --strategy equal --runs 3
+    python token2wav.py --model step_audio2 --model-dir models/Step-Audio-2-mini/token2wav \\
+        --spk2info models/CosyVoice2-0.5B/spk2info.pt --speaker-id 001 --tokens-file tokens.txt --output out.wav
+
+``--mode streaming`` voices the chunks cosyvoice2_dit sends (``--strategy`` exponential: 15, 25, 50, ...
+new tokens; equal: 15 each; +3 look-ahead), one stream at a time; both modes give 960 samples per
+token. Variants are flow dtypes (fp32, fp16, bf16); the first run of each is an untimed warm-up.
 """
 
 from __future__ import annotations
@@ -52,32 +66,41 @@ from cosyserve.bench.token2wav import (add_common_args, markdown_table, median, 
 from cosyserve.errors import CosyServeError
 from cosyserve.pipeline import cosyvoice3_token2wav as cv3
 from cosyserve.pipeline.offline import MODELS
-from cosyserve.schedule import OUTPUT_SAMPLE_RATE, STRATEGIES
+from cosyserve.schedule import DIT_STRATEGIES, OUTPUT_SAMPLE_RATE, STRATEGIES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=MODELS, default="cosyvoice2",
-                   help="the model kind (cosyvoice3: --model-dir is Fun-CosyVoice3-0.5B-2512/, --reference-audio)")
+                   help="the model kind (cosyvoice3: --model-dir is Fun-CosyVoice3-0.5B-2512/, --reference-audio; "
+                        "step_audio2: --model-dir is Step-Audio-2-mini/token2wav/)")
     add_common_args(p)
     p.add_argument("--output", type=Path, help="write the last utterance of the last run here")
     p.add_argument("--reference-text", help="cosyvoice3: the transcript of --reference-audio (optional)")
+    p.add_argument("--spk2info", type=Path,
+                   help="step_audio2: CosyVoice2's spk2info.pt, whose --speaker-id is the voice "
+                        "(without --reference-audio)")
     p.add_argument("--mode", choices=cv3.MODES, default="offline",
-                   help="cosyvoice3: offline, or streaming in the cosyvoice3 BLS's chunks "
+                   help="cosyvoice3, step_audio2: offline, or streaming in the model's chunks "
                         "(CosyVoice2 streams in streaming_inference.py)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="exponential",
-                   help="cosyvoice3 --mode streaming: the BLS's streaming_strategy")
+    p.add_argument("--strategy", choices=sorted({*STRATEGIES, *DIT_STRATEGIES}), default="exponential",
+                   help="--mode streaming: the model's streaming_strategy (cosyvoice3: exponential, time_based; "
+                        "step_audio2: exponential, equal)")
     p.add_argument("--profile", action="store_true",
                    help="cosyvoice3: after each variant's timed runs, its last utterance once more under torch.profiler "
                         "(host time of the flow and vocoder, GPU activities and busy time)")
     args = p.parse_args(argv)
-    if args.model != "cosyvoice3":
-        if args.mode != "offline" or args.strategy != "exponential":
-            p.error("--mode/--strategy are for --model cosyvoice3; CosyVoice2 streams in streaming_inference.py")
-        if args.reference_text is not None or args.profile:
-            p.error("--reference-text and --profile are for --model cosyvoice3")
-    elif args.reference_audio is None:
+    if args.model == "cosyvoice2" and (args.mode != "offline" or args.strategy != "exponential"):
+        p.error("--mode/--strategy are for --model cosyvoice3 and step_audio2; CosyVoice2 streams in "
+                "streaming_inference.py")
+    if args.model != "cosyvoice3" and (args.reference_text is not None or args.profile):
+        p.error("--reference-text and --profile are for --model cosyvoice3")
+    if args.model != "step_audio2" and args.spk2info is not None:
+        p.error("--spk2info is for --model step_audio2 (CosyVoice2's voices are its --model-dir's)")
+    if args.model == "cosyvoice3" and args.reference_audio is None:
         p.error("--model cosyvoice3 needs --reference-audio (CosyVoice3 has no registered speakers)")
+    if args.model == "step_audio2" and args.reference_audio is None and args.spk2info is None:
+        p.error("--model step_audio2 needs --reference-audio, or --spk2info (and --speaker-id)")
     return args
 
 
@@ -133,11 +156,43 @@ def main_cosyvoice3(args) -> int:
     return 0
 
 
+def main_step_audio2(args) -> int:
+    from cosyserve.bench import step_audio2 as sa2
+
+    try:
+        tokens = utterance_tokens(args)
+        voice = sa2.step_audio2_voice(args.model_dir, args.device, args.reference_audio, args.spk2info,
+                                      args.speaker_id)
+        print(f"device={args.device} model=step_audio2 mode={args.mode} prompt={voice.speech_tokens.numel()} tokens, "
+              f"utterances={[t.numel() for t in tokens]} tokens")
+        print("| " + " | ".join(sa2.HEADER) + " |")
+        rows, last = sa2.run_step_audio2(
+            args.model_dir, tokens, voice, device=args.device, variants=args.variants.split(","), mode=args.mode,
+            strategy=args.strategy, runs=args.runs,
+            on_row=lambda row: print(markdown_table(sa2.HEADER, [row]).splitlines()[-1], flush=True))
+    except (CosyServeError, ValueError) as exc:  # bad directory, tokens, variants, voice or clip
+        print(f"token2wav.py: error: {exc}", file=sys.stderr)
+        return 2
+    print()
+    print(markdown_table(sa2.HEADER, rows))
+    if args.output_json:
+        args.output_json.write_text(json.dumps({"device": args.device, "mode": args.mode, "strategy": args.strategy,
+                                                "header": sa2.HEADER, "rows": rows}, indent=2))
+    if args.output and last is not None:
+        import soundfile as sf
+
+        sf.write(args.output, last, OUTPUT_SAMPLE_RATE)
+        print(f"wrote {args.output}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.model == "cosyvoice3":
         return main_cosyvoice3(args)
+    if args.model == "step_audio2":
+        return main_step_audio2(args)
     prompt = prompt_features(args.model_dir, args.speaker_id, args.reference_audio)
     tokens = utterance_tokens(args)
     rows, report, reference, last = [], {}, None, None

@@ -13,6 +13,7 @@ COSYVOICE2_DIR = "CosyVoice2-0.5B"
 LLM_DIR = "cosyvoice2_llm"
 COSYVOICE3_DIR = "Fun-CosyVoice3-0.5B-2512"
 COSYVOICE3_LLM_DIR = "cosyvoice3_llm"
+STEP_AUDIO2_DIR = "Step-Audio-2-mini/token2wav"  # the token2wav/ folder of stepfun-ai/Step-Audio-2-mini
 SPK2INFO = "spk2info.pt"
 STREAM_IDLE_TIMEOUT_S = 600.0
 

@@ -14,9 +14,9 @@ tokens the flow needs to see), then
 Each chunk passes every token so far (the flow recomputes from ``token_offset``); the final call
 always passes every token with ``finalize=True``.
 
-**DiT** (:class:`DitChunkScheduler`, NVIDIA's ``cosyvoice2_dit`` BLS): each chunk carries only
-the *new* tokens [offset, offset+hop+3), sent whenever hop+3 are pending; hop = 15, then 25·2^j
-(``exponential``) or stays 15 (``equal``).
+**DiT** (:class:`DitChunkScheduler`, NVIDIA's ``cosyvoice2_dit`` BLS; the engine's Step-Audio2
+kind): each chunk carries only the *new* tokens [offset, offset+hop+3), sent whenever hop+3 are
+pending; hop = 15, then 25·2^j (``exponential``) or stays 15 (``equal``).
 
 What a speech token is in audio is defined here, the lowest layer, for every layer above:
 :data:`TOKEN_RATE`, :data:`OUTPUT_SAMPLE_RATE` and :data:`SAMPLES_PER_TOKEN`.
@@ -140,10 +140,10 @@ def dit_chunk_hop(strategy: str, chunks_sent: int, first_hop: int = DIT_FIRST_HO
 
 
 class DitChunkScheduler:
-    """Incremental chunking of a growing token stream (the DiT BLS sends only new tokens).
+    """Incremental chunking of a growing token stream (a DiT chunk voices only its new tokens).
 
     :meth:`next_chunk` / :meth:`final_chunk` are :class:`ChunkScheduler`'s interface, which the
-    pipeline drives: chunk ``k`` is tokens ``[:num_tokens]`` of which the first ``token_offset``
+    engine drives: chunk ``k`` is tokens ``[:num_tokens]`` of which the first ``token_offset``
     were voiced before, so its new tokens are ``[token_offset, num_tokens)``.
     """
 

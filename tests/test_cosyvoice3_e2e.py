@@ -1,9 +1,9 @@
 """CosyVoice3 through the real Triton server (CPU, tiny random-weight bundle).
 
-The repository is what ``run_cosyvoice3.sh`` stage 2 builds (:class:`CosyVoice3Repository`): the
-``cosyvoice3`` BLS with the reference's wire protocol, ``llm`` (our engine on the CosyVoice3 HF
-checkpoint), ``token2wav`` (DiT flow + causal HiFT, incremental), ``audio_tokenizer`` (v3) and
-``speaker_embedding``. A streamed request gives 960 samples per speech token, in zero-shot,
+The repository is what ``run_cosyvoice3.sh`` stage 2 builds (:class:`CosyVoice3Repository`):
+``cosyvoice3``, the engine core with CosyVoice3's kind (its LLM, the DiT flow and causal HiFT, the
+v3 tokenizer and CAM++ in one loop) behind the front door, with the reference's wire protocol. A
+streamed request gives 960 samples per speech token, in zero-shot,
 instruct (``instruction`` input) and cross-lingual (a stored voice without transcript) mode alike;
 bad input gets a clear error and leaves no session open. (Which LLM prompt each mode makes:
 tests/test_cosyvoice3_prompt.py.)
@@ -45,7 +45,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, models):
     work = tmp_path_factory.mktemp("cv3_e2e")
-    repo = build(CosyVoice3Repository(models, device="cpu", bls_instances=2, bls_warm_up="false"), work / "repo")
+    repo = build(CosyVoice3Repository(models, device="cpu", bls_warm_up="false"), work / "repo")
     yield from serve_repo(repo, work)
 
 
@@ -73,7 +73,7 @@ def test_streamed_request_gives_960_samples_per_token(server):
 
 def test_streams_of_one_clip_share_its_voice_prefix(server):
     """The second stream of a clip starts after its voice's prompt-only flow states, kept by the
-    first (token2wav's voice_prefixes); its audio is as long as ever."""
+    first (the kind's max_voices); its audio is as long as ever."""
     wav = synthetic_prompt_wave(seconds=3.0)[None]
     clip = [grpc_input("reference_wav", wav), grpc_input("reference_wav_len", np.array([[wav.shape[1]]], np.int32)),
             grpc_input("reference_text", "另一段参考音频的文本。")]
@@ -82,7 +82,7 @@ def test_streams_of_one_clip_share_its_voice_prefix(server):
         chunks = stream_tts(server, clip + [grpc_input("target_text", "你好。")] + token_limits(30), MODEL)
         assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * 30
     after = metrics(server.metrics_port)
-    hits, misses = ("cosyserve_token2wav_voice_prefix_%s_total" % k for k in ("hits", "misses"))
+    hits, misses = ("cosyserve_token2wav_voice_prefix_%s" % k for k in ("hits", "misses"))
     assert after[misses] - before.get(misses, 0) == 1 and after[hits] - before.get(hits, 0) == 1
     assert after["cosyserve_token2wav_voices_cached"] >= 1
 
@@ -130,7 +130,7 @@ def test_instruct_and_cross_lingual_requests_give_960_samples_per_token(server, 
         assert len(chunks) == len(plan_chunks(num_tokens)), mode
         audio = np.concatenate(chunks)
         assert np.isfinite(audio).all() and np.abs(audio).max() > 0, mode
-    assert (store.root / bare.id / "features.cosyvoice3.pt").exists()  # CosyVoice3 features, computed by the BLS and saved
+    assert (store.root / bare.id / "features.cosyvoice3.pt").exists()  # CosyVoice3 features, computed by the server and saved
     assert_server_idle(server, start)
 
 
@@ -156,16 +156,15 @@ def test_grpc_client_streams_from_cosyvoice3(server, models, tmp_path):
 
 def test_run_cosyvoice3_sh_tiny_recipe(tmp_path):
     """run_cosyvoice3.sh 0..4 with MODEL_SOURCE=tiny on the CPU (free ports), then ``stop``; the
-    token2wav with TOKEN2WAV_INCREMENTAL_STREAM=false (the reference's full-attention re-run; the
-    other tests here stream with the incremental flow), and the speech tokens from an OpenAI-compatible
+    flow with TOKEN2WAV_INCREMENTAL_STREAM=false (the reference's full-attention re-run; the other
+    tests here stream with the incremental flow), and the speech tokens from an OpenAI-compatible
     server of the CosyVoice3 LLM (LLM_URL, as the reference's trtllm-serve; the other tests use the
-    Triton llm model): its streams give 960 samples per token too."""
+    LLM in the engine's loop): its streams give 960 samples per token too."""
     from conftest_triton import free_ports, serve_openai_llm, server_env
 
     http, grpc, metrics_port = free_ports(3)
     env = dict(server_env(), VENV=sys.prefix, MODEL_SOURCE="tiny", MODELS_DIR=str(tmp_path / "models"),
-               MODEL_REPO=str(tmp_path / "repo"), OUT_DIR=str(tmp_path / "out"), DEVICE="cpu", BLS_INSTANCE_NUM="2",
-               BLS_WARM_UP="false", TOKEN2WAV_INCREMENTAL_STREAM="false", MAX_TOKENS="20", MIN_TOKENS="20",
+               MODEL_REPO=str(tmp_path / "repo"), OUT_DIR=str(tmp_path / "out"), DEVICE="cpu", BLS_WARM_UP="false", TOKEN2WAV_INCREMENTAL_STREAM="false", MAX_TOKENS="20", MIN_TOKENS="20",
                NUM_TASKS="2", HTTP_PORT=str(http),
                GRPC_PORT=str(grpc), METRICS_PORT=str(metrics_port), SERVER_LOG=str(tmp_path / "server.log"),
                SERVER_PID_FILE=str(tmp_path / "server.pid"))
@@ -179,11 +178,10 @@ def test_run_cosyvoice3_sh_tiny_recipe(tmp_path):
         proc = subprocess.run(["bash", script, "1", "4"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                               timeout=480)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == [
-            "audio_tokenizer", "cosyvoice3", "speaker_embedding", "token2wav"]  # no llm: LLM_URL serves it
+        assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["cosyvoice3"]
         completions = json.loads(urllib.request.urlopen(env["LLM_URL"].removesuffix("/v1") + "/health").read())
         assert completions["completions"] >= 2, completions
-        config = (tmp_path / "repo" / "token2wav" / "config.pbtxt").read_text()
+        config = (tmp_path / "repo" / "cosyvoice3" / "config.pbtxt").read_text()
         assert re.search(r'key: "incremental_stream", value: \{ string_value: "false" \}', config)
         wavs = sorted((tmp_path / "out" / "log_cosyvoice3_concurrent_tasks_2_streaming").glob("*.wav"))
         assert len(wavs) == 2 and all(sf.info(str(w)).frames == 20 * SAMPLES_PER_TOKEN for w in wavs)

@@ -126,10 +126,10 @@ class SilentToken2Wav:
         return np.zeros(960 * len(tokens), np.float32)
 
 
-def test_cosyvoice3_bls_pipeline_sends_each_modes_prompt(cv3_tokenizer):
-    """What the cosyvoice3 BLS's pipeline (``TTSPipeline`` with the CosyVoice3 layout, as
-    ``CosyVoice3BLS.build_pipeline`` makes it) sends the LLM for a request of each mode: the ids of the
-    table above. Instruct drops the voice's transcript and prompt speech tokens from the LLM prompt (as
+def test_cosyvoice3_pipeline_sends_each_modes_prompt(cv3_tokenizer):
+    """What a pipeline with the CosyVoice3 layout (its :class:`SegmentPrompter`, which the engine's
+    ``cosyvoice3`` model builds prompts with too) sends the LLM for a request of each mode: the ids of
+    the table above. Instruct drops the voice's transcript and prompt speech tokens from the LLM prompt (as
     CosyVoice2's instruct mode and upstream's ``inference_instruct2``); token2wav keeps the voice in
     every mode."""
     from types import SimpleNamespace

@@ -1,16 +1,14 @@
-"""The CosyVoice2 + DiT token2wav pipeline end to end (CPU, tiny random-weight bundle).
+"""Step-Audio2 (NVIDIA's ``cosyvoice2_dit``) through the real Triton server (CPU, tiny random-weight bundle).
 
-Processes as deployed: our OpenAI-compatible LLM server (``cosyserve.llm.openai_server``) and a
-real tritonserver with ``cosyvoice2_dit`` (BLS), ``token2wav_dit`` and ``audio_tokenizer``, on free
-127.0.0.1 ports. The repository is made by ``run_stepaudio2_dit_token2wav.sh`` stage 2 with
-``MAX_TOKENS = MIN_TOKENS = 40`` (passed on to the LLM server as max_tokens/min_tokens), so every
-request makes exactly 40 speech tokens, i.e. 960 samples each and a known chunk plan. Two
-variants are added: ``cosyvoice2_dit_equal`` (equal chunks) and ``cosyvoice2_dit_offline``
-(not decoupled). Open token2wav_dit streams are read from Triton's metrics
-(``cosyserve_token2wav_dit_open_streams``); stopped LLM requests from the LLM server's log.
-
-The in-process pipeline (scripted LLM, real DiT service) and the scripts of stages 5-8 are tested
-here too; stage 7 starts its own LLM server and two CPU token2wav servers.
+The repository is what ``run_stepaudio2_dit_token2wav.sh`` stage 2 builds (:class:`DitRepository`):
+``cosyvoice2_dit``, the engine core with Step-Audio2's kind (CosyVoice2's LLM, prompt layout and
+voices; Step-Audio-2-mini's DiT flow and HiFT, tokenizer and CAM++ in one loop) behind the front door
+``cosyvoice2`` runs on, with NVIDIA's wire protocol. With ``MAX_TOKENS = MIN_TOKENS = 40`` every
+request makes exactly 40 speech tokens: 960 samples each and a known chunk plan. The module's server
+runs the LLM in the engine's loop (``LLM_URL`` empty); two variants are added to its repository:
+``cosyvoice2_dit_equal`` (equal chunks) and ``cosyvoice2_dit_offline`` (not decoupled). The recipe's
+tiny run (stages 0-6: its speech tokens from our OpenAI-compatible LLM server, as NVIDIA's from
+trtllm-serve) and its disaggregated stages 7-8 start servers of their own.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -29,19 +27,18 @@ import soundfile as sf
 from tritonclient.utils import InferenceServerException
 
 import tritonclient.grpc as grpcclient
-from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, free_ports, grpc_input, metrics, serve_openai_llm,
-                             serve_repo, server_env, stream_tts, token_limits)
+from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, consecutive_free_ports, free_ports, grpc_input,
+                             metrics, serve_repo, server_env, stream_tts, token_limits, wait_until_idle)
 
 pytest.importorskip("pytriton")
 
-from cosyserve.errors import InvalidInputError, RequestCancelledError  # noqa: E402
-from cosyserve.llm.prompt import SPEECH_TOKEN_OFFSET  # noqa: E402
 from cosyserve.schedule import plan_stream_chunks  # noqa: E402
 
 NUM_TOKENS = 40  # MAX_TOKENS = MIN_TOKENS in stage 2
 HELD_BACK = 3840  # HiFT overlap withheld by a non-final chunk (8 mel frames x 480)
 SCRIPT = REPO_ROOT / "run_stepaudio2_dit_token2wav.sh"
-OPEN_STREAMS = "cosyserve_token2wav_dit_open_streams"
+MODEL = "cosyvoice2_dit"
+OPEN_STREAMS = "cosyserve_token2wav_open_streams"
 TEXTS = ["你好，世界。", "今天天气不错。", "Hello there.", "身临其境，换新体验。", "一二三四五。", "Good morning!"]
 
 
@@ -57,7 +54,8 @@ def expected_chunk_samples(num_tokens: int, strategy: str = "exponential") -> li
 
 def script_env(models: Path, out: Path, **extra: str) -> dict[str, str]:
     return dict(server_env(), VENV=str(Path(sys.prefix)), MODELS_DIR=str(models), OUT_DIR=str(out), DEVICE="cpu",
-                MAX_TOKENS=str(NUM_TOKENS), MIN_TOKENS=str(NUM_TOKENS), LLM_MAX_SLOTS="8", **extra)
+                MAX_TOKENS=str(NUM_TOKENS), MIN_TOKENS=str(NUM_TOKENS), LLM_MAX_SLOTS="8", BLS_WARM_UP="false",
+                **extra)
 
 
 def run_script(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -66,18 +64,7 @@ def run_script(*args: str, env: dict[str, str], timeout: float = 240) -> subproc
     return proc
 
 
-def open_streams(server) -> float:
-    return metrics(server.metrics_port)[OPEN_STREAMS]
-
-
-def wait_no_open_streams(server, timeout_s: float = 20) -> float:
-    deadline = time.monotonic() + timeout_s
-    while (count := open_streams(server)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return count
-
-
-# ----- servers ---------------------------------------------------------------------------------
+# ----- the server ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
@@ -86,41 +73,24 @@ def models(tmp_path_factory) -> Path:
     return make_bundle(tmp_path_factory.mktemp("dit_models"), "tiny", seed=0, parts=("cosyvoice2", "llm", "dit"))
 
 
-@pytest.fixture(scope="module")
-def llm_server(models, tmp_path_factory):
-    """Our OpenAI-compatible server on the tiny LLM: (base url, log file)."""
-    yield from serve_openai_llm(models / "cosyvoice2_llm", tmp_path_factory.mktemp("dit_llm") / "llm.log", max_slots=8)
-
-
-def _variant(repo: Path, name: str, **replacements: str) -> None:
-    """A copy of the filled cosyvoice2_dit with some values replaced."""
-    shutil.copytree(repo / "cosyvoice2_dit", repo / name)
+def _variant(repo: Path, name: str, old: str, new: str) -> None:
+    """A copy of the filled cosyvoice2_dit with one value replaced."""
+    shutil.copytree(repo / MODEL, repo / name)
     config = repo / name / "config.pbtxt"
-    text = config.read_text().replace('name: "cosyvoice2_dit"', f'name: "{name}"')
-    for old, new in replacements.items():
-        assert old in text, old
-        text = text.replace(old, new)
-    config.write_text(text)
+    text = config.read_text().replace(f'name: "{MODEL}"', f'name: "{name}"')
+    assert text.count(old) == 1, old
+    config.write_text(text.replace(old, new))
 
 
 @pytest.fixture(scope="module")
-def server(models, llm_server, tmp_path_factory):
+def server(models, tmp_path_factory):
     work = tmp_path_factory.mktemp("dit_server")
     repo = work / "repo"
-    run_script("bash", str(SCRIPT), "2", "2", env=script_env(models, work, MODEL_REPO=str(repo), LLM_URL=llm_server[0],
-                                                              BLS_INSTANCE_NUM="3"))
-    assert sorted(p.name for p in repo.iterdir()) == ["audio_tokenizer", "cosyvoice2_dit", "token2wav_dit"]
-    _variant(repo, "cosyvoice2_dit_equal", **{'"exponential"': '"equal"', "count: 3": "count: 1"})
-    _variant(repo, "cosyvoice2_dit_offline", **{"decoupled: True": "decoupled: False", "count: 3": "count: 1"})
+    run_script("bash", str(SCRIPT), "2", "2", env=script_env(models, work, MODEL_REPO=str(repo), LLM_URL=""))
+    assert sorted(p.name for p in repo.iterdir()) == [MODEL]
+    _variant(repo, "cosyvoice2_dit_equal", '"exponential"', '"equal"')
+    _variant(repo, "cosyvoice2_dit_offline", "decoupled: True", "decoupled: False")
     yield from serve_repo(repo, work)
-
-
-@pytest.fixture
-def idle_server(server):
-    """The server, checked to hold no token2wav_dit stream after the test and to be alive."""
-    yield server
-    assert wait_no_open_streams(server) == 0
-    assert server.process.poll() is None, "tritonserver died"
 
 
 def reference(wav: np.ndarray, text: str | None = "参考文本") -> list:
@@ -139,14 +109,16 @@ def prompt(models) -> np.ndarray:
 # ----- cosyvoice2_dit --------------------------------------------------------------------------
 
 def test_grpc_client_streams_concurrent_requests_in_planned_chunks(idle_server, models, tmp_path):
+    """NVIDIA's client flags (client_grpc.py --model-name cosyvoice2_dit): every request streams
+    cosyvoice2_dit's chunk plan, 960 samples per token."""
     wav, text = models / "assets" / "prompt_audio.wav", (models / "assets" / "prompt_text.txt").read_text().strip()
     manifest = tmp_path / "manifest.txt"
     manifest.write_text("".join(f"utt{i}|{text}|{wav}|{TEXTS[i]}\n" for i in range(6)))
     report = tmp_path / "report.json"
-    run_script(sys.executable, "client_grpc.py", "--server-port", str(idle_server.grpc_port), "--model-name",
-               "cosyvoice2_dit", "--mode", "streaming", "--num-tasks", "3", "--manifest-path", str(manifest),
+    run_script(sys.executable, "client_grpc.py", "--server-port", str(idle_server.grpc_port), "--model-name", MODEL,
+               "--mode", "streaming", "--num-tasks", "3", "--manifest-path", str(manifest),
                "--log-dir", str(tmp_path / "log"), "--json-report", str(report), "--log-interval", "0",
-               env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+               env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=300)
     summary = json.loads(report.read_text())
     assert summary["requests"] == 6 and summary["failed"] == 0 and summary["first_chunk_latency"]["count"] == 6
     expected = expected_chunk_samples(NUM_TOKENS)
@@ -154,17 +126,14 @@ def test_grpc_client_streams_concurrent_requests_in_planned_chunks(idle_server, 
         assert [round(d * 24000) for d in result["chunk_durations_s"]] == expected
         assert round(result["audio_s"] * 24000) == SAMPLES_PER_TOKEN * NUM_TOKENS
     stats = {m["name"]: m for m in summary["triton_stats"]["model_stats"]}
-    assert stats["cosyvoice2_dit"]["inference_count"] == 6
-    assert stats["token2wav_dit"]["inference_count"] == 6 * len(expected)  # one request per chunk
-    # the LLM prompt tokens: one clip, so at most once per BLS instance (each caches its prompt features)
-    assert 1 <= stats["audio_tokenizer"]["inference_count"] <= 3
+    assert stats[MODEL]["inference_count"] == 6
     audio, rate = sf.read(tmp_path / "log" / "utt0.wav")
     assert rate == 24000 and audio.shape == (SAMPLES_PER_TOKEN * NUM_TOKENS,) and np.abs(audio).max() > 0
 
 
 @pytest.mark.parametrize("model,strategy,num_tokens", [("cosyvoice2_dit_equal", "equal", 50),
-                                                       ("cosyvoice2_dit", "exponential", 100),
-                                                       ("cosyvoice2_dit", "exponential", 10)])
+                                                       (MODEL, "exponential", 100),
+                                                       (MODEL, "exponential", 10)])
 def test_strategies_and_per_request_token_limits(idle_server, prompt, model, strategy, num_tokens):
     inputs = [grpc_input("target_text", "你好"), *reference(prompt), *token_limits(num_tokens)]
     chunks = stream_tts(idle_server, inputs, model)
@@ -185,7 +154,7 @@ def bad_requests(prompt: np.ndarray) -> dict[str, tuple[list, str]]:
     text = grpc_input("target_text", "你好")
     return {
         "empty text": ([grpc_input("target_text", "   ")], "target_text is empty"),
-        "over-long text": ([grpc_input("target_text", "长" * 1001)], "at most 1000"),
+        "over-long text": ([grpc_input("target_text", "长" * 100001)], "at most 100000"),
         "reference without text": ([text, *reference(prompt, text=None)], "needs reference_text"),
         "text without reference": ([text, grpc_input("reference_text", "abc")], "without reference_wav"),
         "NaN audio": ([text, *reference(np.full(16000, np.nan, np.float32))], "NaN"),
@@ -196,7 +165,7 @@ def bad_requests(prompt: np.ndarray) -> dict[str, tuple[list, str]]:
     }
 
 
-def test_bad_requests_get_clear_errors_and_the_server_stays_up(idle_server, prompt):
+def test_bad_requests_get_clear_errors_and_the_server_stays_idle(idle_server, prompt):
     client = grpcclient.InferenceServerClient(idle_server.grpc_url)
     for name, (inputs, message) in bad_requests(prompt).items():
         with pytest.raises(InferenceServerException) as offline_error:
@@ -204,213 +173,74 @@ def test_bad_requests_get_clear_errors_and_the_server_stays_up(idle_server, prom
         assert message in offline_error.value.message(), name
         assert offline_error.value.status() == "StatusCode.INVALID_ARGUMENT", name
         with pytest.raises(InferenceServerException) as stream_error:
-            stream_tts(idle_server, inputs, "cosyvoice2_dit")
+            stream_tts(idle_server, inputs, MODEL)
         assert message in stream_error.value.message(), name
-    assert client.is_server_live() and client.is_model_ready("cosyvoice2_dit")
-    good = stream_tts(idle_server, [grpc_input("target_text", "好"), *reference(prompt)], "cosyvoice2_dit")
+    assert client.is_server_live() and client.is_model_ready(MODEL)
+    good = stream_tts(idle_server, [grpc_input("target_text", "好"), *reference(prompt)], MODEL)
     assert sum(c.size for c in good) == SAMPLES_PER_TOKEN * NUM_TOKENS
+    # idle_server: nothing left in the engine (requests, LLM requests, streams), no stub crashed
 
 
-# ----- token2wav_dit on its own ----------------------------------------------------------------
-
-def test_token2wav_dit_streams_by_request_id_and_cancels(idle_server, prompt):
-    client = grpcclient.InferenceServerClient(idle_server.grpc_url)
-    ids = (np.arange(30, dtype=np.int32) * 97 % 6561 + SPEECH_TOKEN_OFFSET)[None]
-
-    def call(tokens: np.ndarray, request_id: str = "", finalize: bool | None = None, speaker: list = (),
-             cancel: bool = False) -> np.ndarray:
-        inputs = [grpc_input("target_speech_tokens", tokens), *speaker]
-        if finalize is not None:
-            inputs.append(grpc_input("finalize", np.array([[finalize]])))
-        if cancel:
-            inputs.append(grpc_input("cancel", np.array([[True]])))
-        return client.infer("token2wav_dit", inputs, request_id=request_id).as_numpy("waveform").reshape(-1)
-
-    clip = reference(prompt, text=None)
-    assert call(ids, speaker=clip).size == 30 * SAMPLES_PER_TOKEN  # offline
-    assert call(ids[:, :10], speaker=[grpc_input("speaker_id", "001")]).size == 10 * SAMPLES_PER_TOKEN
-    # A stream: 15 new tokens + 3 look-ahead, then the rest; NVIDIA's BLS repeats the speaker (ignored).
-    assert call(ids[:, :18], "s1", False, clip).size == 15 * SAMPLES_PER_TOKEN - HELD_BACK
-    assert open_streams(idle_server) == 1
-    assert call(ids[:, 15:], "s1", True, clip).size == 15 * SAMPLES_PER_TOKEN + HELD_BACK
-    assert open_streams(idle_server) == 0
-    # cancel closes a stream; it cannot go on afterwards
-    call(ids[:, :18], "s2", False, clip)
-    assert call(np.zeros((1, 0), np.int32), "s2", cancel=True).size == 0
-    assert open_streams(idle_server) == 0
-    errors = {
-        "no open stream for request id 's2'": lambda: call(ids[:, 15:], "s2", True),
-        "must name the speaker": lambda: call(ids[:, :18], "s3", False),
-        "needs a request id": lambda: call(ids[:, :18], "", False, clip),
-        "LLM ids": lambda: call(np.array([[5, 6, 7]], np.int32), speaker=clip),
-        "not both": lambda: call(ids, speaker=[*clip, grpc_input("speaker_id", "001")]),
-        "unknown speaker id": lambda: call(ids, speaker=[grpc_input("speaker_id", "nobody")]),
-        "a chunk that is not the last needs tokens": lambda: call(np.zeros((1, 0), np.int32), "s4", False, clip),
-    }
-    for message, request in errors.items():
-        with pytest.raises(InferenceServerException, match=message):
-            request()
-    assert open_streams(idle_server) == 0  # failed requests keep no stream
-
-
-# ----- cancellation ----------------------------------------------------------------------------
-
-def test_cancelled_streams_stop_their_llm_requests_and_close_token2wav_streams(idle_server, llm_server):
-    log = llm_server[1]
-    stopped_before = log.read_text().count("went away")
-    streams = [Stream(idle_server.grpc_url) for _ in range(3)]  # 3 BLS instances: all run at once
+def test_cancelled_streams_release_their_llm_requests_and_flow_state(idle_server):
+    streams = [Stream(idle_server.grpc_url) for _ in range(3)]
     for stream in streams:
-        stream.send("cosyvoice2_dit", [grpc_input("target_text", "你好"), *token_limits(600)])
+        stream.send(MODEL, [grpc_input("target_text", "你好"), *token_limits(600)])
     for stream in streams:
         result, error = stream.next()
         assert error is None and result.as_numpy("waveform").size > 0
-    assert open_streams(idle_server) == 3
+    during = metrics(idle_server.metrics_port)
+    assert during[OPEN_STREAMS] == 3 and during["cosyserve_llm_active_requests"] >= 1
     for stream in streams:
         stream.close(cancel=True)
-    assert wait_no_open_streams(idle_server, timeout_s=10) == 0
-    deadline = time.monotonic() + 10
-    while log.read_text().count("went away") - stopped_before < 3 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert log.read_text().count("went away") - stopped_before == 3, "the LLM requests were not stopped"
-    after = stream_tts(idle_server, [grpc_input("target_text", "好")], "cosyvoice2_dit")
-    assert sum(c.size for c in after) == SAMPLES_PER_TOKEN * NUM_TOKENS
+    after = wait_until_idle(idle_server.metrics_port)
+    assert after[OPEN_STREAMS] == 0 and after["cosyserve_llm_active_requests"] == 0
+    again = stream_tts(idle_server, [grpc_input("target_text", "好")], MODEL)
+    assert sum(c.size for c in again) == SAMPLES_PER_TOKEN * NUM_TOKENS
 
 
-# ----- in-process pipeline -----------------------------------------------------------------------
+# ----- the recipe ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def service(models):
-    from cosyserve.token2wav.dit_service import load_dit_service
-
-    return load_dit_service(models / "Step-Audio-2-mini" / "token2wav", "cpu",
-                            spk2info=models / "CosyVoice2-0.5B" / "spk2info.pt")
-
-
-class ScriptedLLM:
-    """A SpeechTokenSource: ``count`` tokens in pieces of 7, optionally failing after ``fail_after``."""
-
-    def __init__(self, count: int, fail_after: int | None = None):
-        self.count, self.fail_after, self.cancelled = count, fail_after, []
-
-    def generate(self, prompt_ids, request_id, limits):
-        for start in range(0, self.count, 7):
-            if self.fail_after is not None and start >= self.fail_after:
-                raise RuntimeError("LLM server went down")
-            yield [(start + i) * 131 % 6561 for i in range(min(7, self.count - start))]
-
-    def cancel(self, request_id):
-        self.cancelled.append(request_id)
-
-
-def _pipeline(models, service, llm, strategy="exponential"):
-    from transformers import AutoTokenizer
-
-    from cosyserve.pipeline.dit import dit_pipeline
-
-    return dit_pipeline(AutoTokenizer.from_pretrained(models / "cosyvoice2_llm"), llm, service, strategy=strategy)
-
-
-def _request(service, rid: str = "r"):
-    from cosyserve.pipeline.tts import VoiceResolver
-    from cosyserve.pipeline.dit import SkipSpeakerEmbedding, dit_request
-
-    voices = VoiceResolver(service.registry, service.tokenizer, SkipSpeakerEmbedding())
-    return dit_request(voices, rid, "你好")  # the default speaker "001"
-
-
-@pytest.mark.parametrize("strategy,count", [("exponential", 100), ("equal", 50), ("equal", 0)])
-def test_pipeline_streams_the_planned_chunks(models, service, strategy, count):
-    pipeline = _pipeline(models, service, ScriptedLLM(count), strategy)
-    chunks = list(pipeline.stream(_request(service)))
-    assert [c.size for c in chunks] == (expected_chunk_samples(count, strategy) if count else [])
-    assert service.open_stream_ids == []
-    assert pipeline.synthesize(_request(service)).size == SAMPLES_PER_TOKEN * count
-
-
-def test_pipeline_cancel_and_llm_errors_close_the_token2wav_stream(models, service):
-    llm, seen = ScriptedLLM(100), []
-    chunks = _pipeline(models, service, llm).stream(_request(service, "c1"), is_cancelled=lambda: bool(seen))
-    seen.append(next(chunks))  # the client cancels once it has the first chunk
-    assert service.open_stream_ids == ["c1"]
-    with pytest.raises(RequestCancelledError):
-        next(chunks)
-    assert service.open_stream_ids == [] and llm.cancelled == ["c1"]
-
-    with pytest.raises(RuntimeError, match="went down"):
-        list(_pipeline(models, service, ScriptedLLM(100, fail_after=30)).stream(_request(service, "c2")))
-    assert service.open_stream_ids == []
-
-    stream = _pipeline(models, service, ScriptedLLM(100)).stream(_request(service, "c3"))
-    next(stream)
-    stream.close()  # the client went away
-    assert service.open_stream_ids == []
-
-
-def test_service_closes_idle_streams(service):
-    from cosyserve.token2wav.dit_service import SpeakerRef
-
-    service.step("idle", list(range(18)), SpeakerRef(speaker_id="001"), False)
-    service.idle_timeout_s = 0.0
+def test_run_stepaudio2_dit_token2wav_sh_tiny_recipe(tmp_path):
+    """Stages 0-6 with MODEL_SOURCE=tiny on the CPU (free ports), then ``stop``: the bundle, the
+    repository (cosyvoice2_dit only), our LLM server and Triton (the engine's speech tokens from the
+    server, as NVIDIA's from trtllm-serve), NVIDIA's client against cosyvoice2_dit (40 tokens each:
+    960 samples per token), offline_inference.py and token2wav.py with --model step_audio2."""
+    http, grpc, metrics_port, llm_port = free_ports(4)
+    out = tmp_path / "out"
+    env = script_env(tmp_path / "models", out, MODEL_SOURCE="tiny", MODEL_REPO=str(tmp_path / "repo"), NUM_TASKS="2",
+                     HTTP_PORT=str(http), GRPC_PORT=str(grpc), METRICS_PORT=str(metrics_port), LLM_PORT=str(llm_port),
+                     T2W_NUM_TOKENS="30", STRATEGY="equal", FIXED_OUTPUT_SECONDS="1.2")
     try:
-        assert service.close_idle() == ["idle"] and service.open_stream_ids == []
+        proc = run_script("bash", str(SCRIPT), "0", "6", env=env, timeout=900)
+        assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == [MODEL]
+        health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{llm_port}/health", timeout=10).read())
+        assert health["completions"] >= 2, health  # stage 4's requests: the engine's tokens came from there
+        wavs = sorted((out / "log_dit_concurrent_tasks_2_streaming").glob("*.wav"))
+        assert len(wavs) == 2 and all(sf.info(str(w)).frames == NUM_TOKENS * SAMPLES_PER_TOKEN for w in wavs)
+        report = json.loads((out / "dit_offline" / "report.json").read_text())  # stage 5
+        assert report["model"] == "step_audio2" and report["items"] == 2
+        assert all(item["speech_tokens"] == 30 and item["audio_s"] * 24000 == pytest.approx(30 * SAMPLES_PER_TOKEN)
+                   for item in report["per_item"])
+        for mode in ("streaming", "offline"):  # stage 6
+            assert f"| fp32 | {mode} | 1 |" in proc.stdout, proc.stdout[-3000:]
     finally:
-        service.idle_timeout_s = 600.0
-    with pytest.raises(InvalidInputError, match="either a reference clip"):
-        SpeakerRef()
-
-
-# ----- scripts: stages 5, 6, 7 + 8 --------------------------------------------------------------
-
-def test_offline_and_token2wav_scripts(models, llm_server, tmp_path):
-    env = dict(server_env(), PYTHONPATH=str(REPO_ROOT))
-    wav, text = models / "assets" / "prompt_audio.wav", (models / "assets" / "prompt_text.txt").read_text().strip()
-    manifest = tmp_path / "manifest.txt"
-    manifest.write_text(f"a|{text}|{wav}|{TEXTS[0]}\nb|{text}|{wav}|{TEXTS[1]}\n")
-    run_script(sys.executable, "scripts/dit_offline.py", "--models-dir", str(models), "--manifest-path", str(manifest),
-               "--output-dir", str(tmp_path / "offline"), "--device", "cpu", "--llm-backend", "openai", "--llm-url",
-               llm_server[0], "--max-tokens", "30", "--min-tokens", "30", env=env)
-    for name in "ab":
-        audio, rate = sf.read(tmp_path / "offline" / f"{name}.wav")
-        assert rate == 24000 and audio.shape == (30 * SAMPLES_PER_TOKEN,)
-    dit_dir = models / "Step-Audio-2-mini" / "token2wav"
-    out = run_script(sys.executable, "scripts/dit_token2wav.py", "--model-dir", str(dit_dir),
-                     "--reference-audio", str(wav), "--num-tokens", "50", "--mode", "streaming", "--strategy", "equal",
-                     "--device", "cpu", "--output", str(tmp_path / "t2w.wav"), env=env)
-    row = next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["50"])
-    assert row[1] == str(len(plan_stream_chunks(50, "equal")))
-    assert sf.read(tmp_path / "t2w.wav")[0].shape == (50 * SAMPLES_PER_TOKEN,)
-
-
-def _free_port_block(count: int) -> int:
-    """A port ``base`` such that base+1..base+count are free."""
-    for _ in range(50):
-        base = free_ports(1)[0]
-        if base + count < 65536 and all(_port_free(base + i) for i in range(1, count + 1)):
-            return base
-    raise RuntimeError("no free port range")
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+        stop = subprocess.run(["bash", str(SCRIPT), "stop"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert not (out / "tritonserver.pid").exists() and not (out / "llm_server.pid").exists()
 
 
 def test_disaggregated_stages_7_and_8_on_cpu(models, tmp_path):
     from cosyserve.serving.tritonserver import is_running
 
-    base = _free_port_block(7)  # servers i = 1, 2 listen on base + {i, 2 + i, 4 + i}; the LLM on base + 7
-    env = script_env(models, tmp_path, NUM_GPUS="0", NUM_T2W_SERVERS="2", LLM_PORT=str(base + 7), BLS_INSTANCE_NUM="1",
+    # servers i = 1, 2 listen on base + {i, 2 + i, 4 + i}; the LLM on base + 7
+    base = consecutive_free_ports(8)
+    env = script_env(models, tmp_path, NUM_GPUS="0", NUM_T2W_SERVERS="2", LLM_PORT=str(base + 7),
                      DISAGG_HTTP_BASE=str(base), DISAGG_GRPC_BASE=str(base + 2), DISAGG_METRICS_BASE=str(base + 4),
                      NUM_TASKS="2", BENCH_CONCURRENCY="2")
     run_script("bash", str(SCRIPT), "2", "2", env=env)
     try:
-        proc = run_script("bash", str(SCRIPT), "7", "8", env=env, timeout=300)
+        proc = run_script("bash", str(SCRIPT), "7", "8", env=env, timeout=400)
         pid_files = sorted((tmp_path / "disaggregated").glob("tritonserver_*.pid")) + [tmp_path / "llm_server.pid"]
         pids = [int(p.read_text()) for p in pid_files]
         assert len(pids) == 3 and all(is_running(pid) for pid in pids)
@@ -436,4 +266,3 @@ def test_compose_file_runs_this_pipeline():
     assert service["environment"]["RUN_SCRIPT"] == SCRIPT.name
     command = " ".join(service["command"])
     assert f"{SCRIPT.name} 0 3" in command and f"{SCRIPT.name} wait" in command
-

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from cosyserve.engine.scheduler import Scheduler
-from cosyserve.engine.service import load_cosyvoice2_engine
+from cosyserve.engine.service import load_engine
 from cosyserve.errors import CapacityError, InvalidInputError, RequestCancelledError, RequestTimeoutError
 from cosyserve.llm.stream import Finished, TokenStream
 from cosyserve.pipeline.tts import TokenLimits, TTSRequest
 from cosyserve.schedule import plan_chunks
-from cosyserve.token2wav.cosyvoice2 import Token2WavOptions, load_token2wav
+from cosyserve.token2wav.cosyvoice2 import load_token2wav
 
 torch.set_num_threads(1)
 REL_L2 = 1e-5  # fp32 rounding
@@ -76,10 +76,9 @@ def reference(model_dirs):
 
 
 def make_engine(model_dirs, llm, final="reference", pool_mb=256, **scheduler):
-    return load_cosyvoice2_engine(*model_dirs, torch.device("cpu"), flow_dtype=torch.float32,
-                                  options=Token2WavOptions(incremental_stream=True, final=final,
-                                                           state_pool_bytes=pool_mb << 20),
-                                  llm_backend=llm, sine_noise=zero_noise, scheduler=Scheduler(**scheduler))
+    return load_engine("cosyvoice2", *model_dirs, torch.device("cpu"),
+                       kind_options={"flow_dtype": torch.float32, "final": final, "state_pool_bytes": pool_mb << 20},
+                       llm_backend=llm, sine_noise=zero_noise, scheduler=Scheduler(**scheduler))
 
 
 def clip_voice(engine, seconds: float, seed: int):
@@ -247,9 +246,9 @@ def test_full_passes_packed_at_different_steps_equal_the_reference(captured_shap
 def test_warm_up_at_load_runs_every_stage_and_leaves_nothing_behind(model_dirs):
     """What a GPU server does before it reports ready (ENGINE_WARM_UP), here on the CPU: full passes of
     every size class, then requests through the whole loop (the LLM included); the engine is then idle."""
-    engine = load_cosyvoice2_engine(*model_dirs, torch.device("cpu"), flow_dtype=torch.float32,
-                                    options=Token2WavOptions(incremental_stream=True, state_pool_bytes=256 << 20),
-                                    llm_options={"max_slots": 8, "max_model_len": 1024}, warm_up=True)
+    engine = load_engine("cosyvoice2", *model_dirs, torch.device("cpu"),
+                         kind_options={"flow_dtype": torch.float32, "state_pool_bytes": 256 << 20},
+                         llm_options={"max_slots": 8, "max_model_len": 1024}, warm_up=True)
     try:
         assert engine.core.counters.requests_finished == 1 + 4 + 1  # one stream, four together, one offline
         assert engine.core.counters.requests_failed == 0

@@ -80,7 +80,7 @@ def test_the_tiers_fit_together(overlay):
     hpa = resources[("HorizontalPodAutoscaler", "cosyserve-triton")]["spec"]
     assert hpa["scaleTargetRef"]["name"] == "cosyserve-triton"
     metric = hpa["metrics"][0]["pods"]["metric"]["name"]
-    assert metric in (REPO / "cosyserve/serving/bls_base.py").read_text()  # a series the BLS exports
+    assert metric in (REPO / "cosyserve/serving/frontdoor.py").read_text()  # a series the front door exports
 
     claim = resources[("PersistentVolumeClaim", "cosyserve-models")]["spec"]
     assert claim["accessModes"] == ["ReadWriteMany"]

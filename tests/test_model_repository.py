@@ -44,23 +44,43 @@ def test_llm_choices(tmp_path):
     assert parameter(remote, "cosyvoice2", "llm_url") == "http://h:1/v1,x"
 
 
-def test_dit_repository(tmp_path):
-    repo = build(DitRepository(Path("/d"), Path("/c"), Path("/l"), "http://h:1/v1", device="cpu"), tmp_path / "dit")
-    assert sorted(p.name for p in repo.iterdir()) == ["audio_tokenizer", "cosyvoice2_dit", "token2wav_dit"]
-    assert parameter(repo, "token2wav_dit", "spk2info") == "/c/spk2info.pt"
-    assert parameter(repo, "audio_tokenizer", "model_dir") == "/c"
+def test_dit_repository_is_the_engine_with_step_audio2s_kind(tmp_path):
+    """run_stepaudio2_dit_token2wav.sh's repository is one model, cosyvoice2_dit, from the engine's
+    template with model_kind step_audio2: the DiT directory as model_dir, CosyVoice2's spk2info.pt,
+    the LLM at llm_url (empty: in the loop); its settings give the kind's options."""
+    import torch
+
+    from cosyserve.serving.settings import EngineSettings, parse_settings
+
+    repo = build(DitRepository(Path("/d"), Path("/c"), Path("/l"), "http://h:1/v1", device="cpu",
+                               token2wav_dtype="bfloat16"), tmp_path / "dit")
+    assert sorted(p.name for p in repo.iterdir()) == ["cosyvoice2_dit"]
+    config = (repo / "cosyvoice2_dit" / "config.pbtxt").read_text()
+    assert 'name: "cosyvoice2_dit"' in config and "decoupled: True" in config and "count: 1," in config
+    front_door = (TEMPLATES / "cosyvoice2" / "1" / "model.py").read_text()
+    assert (repo / "cosyvoice2_dit" / "1" / "model.py").read_text() == front_door
+    expected = {"model_kind": "step_audio2", "model_dir": "/d", "spk2info": "/c/spk2info.pt", "llm_tokenizer_dir": "/l",
+                "llm_url": "http://h:1/v1", "llm_model": "", "llm_model_name": "", "max_voices": "8"}
+    assert {key: parameter(repo, "cosyvoice2_dit", key) for key in expected} == expected
+    settings = parse_settings(EngineSettings, dict(re.findall(r'key: "([a-z0-9_]+)", value: \{ string_value: "([^"]*)"',
+                                                              config)))
+    assert settings.spk2info == Path("/c/spk2info.pt") and settings.model_kind == "step_audio2"
+    assert settings.kind_options(torch.device("cpu")) == {"dtype": torch.bfloat16, "max_voices": 8}
+    in_loop = build(DitRepository(Path("/d"), Path("/c"), Path("/l"), decoupled=False), tmp_path / "in_loop")
+    assert parameter(in_loop, "cosyvoice2_dit", "llm_url") == ""  # the LLM in the engine's loop
+    assert "decoupled: False" in (in_loop / "cosyvoice2_dit" / "config.pbtxt").read_text()
 
 
 def test_a_template_that_does_not_fit_leaves_the_repository_alone(tmp_path):
     templates = tmp_path / "templates"
-    for model in ("cosyvoice2_dit", "token2wav_dit", "audio_tokenizer"):
+    for model in ("cosyvoice2", "cosyvoice2_offline"):
         (templates / model).mkdir(parents=True)
         (templates / model / "config.pbtxt").write_text((TEMPLATES / model / "config.pbtxt").read_text())
-    (templates / "token2wav_dit" / "config.pbtxt").write_text('name: "token2wav_dit"\nmax_batch_size: 1\n')
+    (templates / "cosyvoice2_offline" / "config.pbtxt").write_text('name: "cosyvoice2_offline"\nmax_batch_size: 1\n')
     out = tmp_path / "out"
     (out / "old").mkdir(parents=True)
     with pytest.raises(TemplateError, match="do not appear"):
-        build(DitRepository(Path("/d"), Path("/c"), Path("/l"), "u"), out, templates)
+        build(CosyVoice2Repository(Path("/m")), out, templates)
     assert [p.name for p in out.iterdir()] == ["old"]
 
 
@@ -93,15 +113,23 @@ def test_the_stream_cap_reaches_every_streaming_bls(tmp_path):
     assert parameter(cv3, "cosyvoice3", "admission_min_buffer_s") == "0.5"
 
 
-def test_cosyvoice3_token2wav_takes_the_streaming_flow_mode(tmp_path):
-    """TOKEN2WAV_INCREMENTAL_STREAM reaches CosyVoice3's token2wav (true by default: the block-masked
-    incremental flow; false: the reference's full-attention re-run) and reads back as its setting."""
+def test_cosyvoice3_is_the_engine_with_cosyvoice3s_kind(tmp_path):
+    """run_cosyvoice3.sh's repository is one model, cosyvoice3, from the engine's template (the
+    front door cosyvoice2 runs on) with model_kind cosyvoice3; TOKEN2WAV_INCREMENTAL_STREAM reaches
+    it (true by default: the block-masked incremental flow; false: the reference's full-attention
+    re-run) and reads back as its setting."""
+    import torch
+
     from cosyserve.serving.model_repository import CosyVoice3Repository
-    from cosyserve.serving.settings import Cv3Token2WavSettings, parse_settings
+    from cosyserve.serving.settings import EngineSettings, parse_settings
 
     default = build(CosyVoice3Repository(Path("/m")), tmp_path / "on")
     rerun = build(CosyVoice3Repository(Path("/m"), token2wav_incremental_stream="false"), tmp_path / "off")
-    assert parameter(default, "token2wav", "incremental_stream") == "true"
-    assert parameter(rerun, "token2wav", "incremental_stream") == "false"
-    settings = parse_settings(Cv3Token2WavSettings, {"model_dir": "/m", "incremental_stream": "false"})
-    assert settings.incremental_stream is False
+    assert sorted(p.name for p in default.iterdir()) == ["cosyvoice3"]
+    assert parameter(default, "cosyvoice3", "model_kind") == "cosyvoice3"
+    assert parameter(default, "cosyvoice3", "incremental_stream") == "true"
+    assert parameter(rerun, "cosyvoice3", "incremental_stream") == "false"
+    assert 'name: "cosyvoice3"' in (default / "cosyvoice3" / "config.pbtxt").read_text()
+    settings = parse_settings(EngineSettings, {"model_dir": "/m", "llm_tokenizer_dir": "/l", "model_kind": "cosyvoice3",
+                                               "incremental_stream": "false"})
+    assert settings.kind_options(torch.device("cpu"))["incremental"] is False

@@ -166,3 +166,27 @@ def test_cosyvoice3_model_kind(tmp_path_factory, manifest, tmp_path):
     # CosyVoice2's bundle does not hold CosyVoice3's directories, and CosyVoice3 has no registered voices
     assert offline_inference.main(["--model", "cosyvoice3", "--model-dir", str(manifest.parent), "--manifest-path",
                                    str(manifest), "--output-dir", str(out), "--device", "cpu"]) == 2
+
+
+def test_step_audio2_model_kind(tmp_path_factory, manifest, tmp_path, capsys):
+    """--model step_audio2: CosyVoice2's LLM and voices, Step-Audio-2-mini's DiT token2wav (the
+    bundle's Step-Audio-2-mini/token2wav/): 960 samples per generated token, for a clip and for a
+    registered voice; a bundle without the DiT directory is a clear error."""
+    from cosyserve.bundle import make_bundle
+
+    models = make_bundle(tmp_path_factory.mktemp("sa2_offline"), "tiny", parts=("cosyvoice2", "llm", "dit"))
+    for name, extra in (("clip", ()), ("registered", ("--speaker-id", "001"))):
+        out = tmp_path / name
+        assert offline_inference.main(["--model", "step_audio2", "--model-dir", str(models), "--manifest-path",
+                                       str(manifest), "--output-dir", str(out), "--device", "cpu", "--no-progress",
+                                       "--fixed-output-seconds", "0.4", "--max-items", "2", *extra]) == 0
+        report = json.loads((out / "report.json").read_text())
+        assert report["model"] == "step_audio2" and report["items"] == 2
+        for item in report["per_item"]:
+            assert item["speech_tokens"] == 10
+            audio = _read_wav(out / item["wav"])
+            assert audio.size == 10 * 960 and np.abs(audio).max() > 0
+    capsys.readouterr()
+    assert offline_inference.main(["--model", "step_audio2", "--model-dir", str(manifest.parent), "--manifest-path",
+                                   str(manifest), "--output-dir", str(tmp_path / "none"), "--device", "cpu"]) == 2
+    assert "Step-Audio-2-mini/token2wav" in capsys.readouterr().err

@@ -370,60 +370,6 @@ def test_unspeakable_or_too_long_text_fails_before_any_work(text_tokenizer):
     assert llm.prompts == [] and token2wav.steps == [] and token2wav.offline_calls == []
 
 
-# ----- the DiT token2wav kind --------------------------------------------------------------------
-
-class FakeDitCalls:
-    """Records the DiT token2wav's calls: (request id, new tokens, speaker, finalize) per step."""
-
-    def __init__(self):
-        self.steps, self.offline_calls, self.cancelled = [], [], []
-
-    def offline(self, tokens, speaker):
-        self.offline_calls.append((list(tokens), speaker))
-        return np.zeros(SAMPLES_PER_TOKEN * len(tokens), np.float32)
-
-    def step(self, request_id, tokens, speaker, finalize):
-        self.steps.append((request_id, list(tokens), speaker, finalize))
-        return np.zeros(SAMPLES_PER_TOKEN * len(tokens), np.float32)
-
-    def cancel(self, request_id):
-        self.cancelled.append(request_id)
-        return True
-
-
-@pytest.mark.parametrize("strategy", ["exponential", "equal"])
-def test_the_dit_kind_sends_new_tokens_and_the_speaker_once(text_tokenizer, strategy):
-    from cosyserve.pipeline.dit import dit_pipeline
-    from cosyserve.schedule import plan_stream_chunks
-
-    llm, calls = FakeLLM(), FakeDitCalls()
-    clip = np.linspace(-0.5, 0.5, 16000, dtype=np.float32)
-    voice = Voice("我有3个。", VOICE.features, reference_wav16=clip)
-    pipeline = dit_pipeline(text_tokenizer, llm, calls, strategy=strategy)
-    chunks = list(pipeline.stream(TTSRequest("d1", "我有3个苹果。", voice, TokenLimits(100, 100), text_frontend=False)))
-    plan = plan_stream_chunks(100, strategy)
-    assert [(rid, tokens, finalize) for rid, tokens, _, finalize in calls.steps] == [
-        ("d1", list(range(c.start, c.end)), c.last) for c in plan]
-    speakers = [speaker for _, _, speaker, _ in calls.steps]
-    assert speakers[0].wav16 is clip and speakers[1:] == [None] * (len(plan) - 1)
-    assert [c.size for c in chunks] == [SAMPLES_PER_TOKEN * (c.end - c.start) for c in plan]
-    assert text_tokenizer.decode(llm.prompts[0][1:-4]) == "我有3个。我有3个苹果。"  # sent as it is
-
-    registered = Voice("提示文本。", VOICE.features, "001")
-    pipeline.synthesize(TTSRequest("d2", "好。", registered, TokenLimits(5, 5), text_frontend=False))
-    assert calls.offline_calls[0][0] == list(range(5)) and calls.offline_calls[0][1].speaker_id == "001"
-    assert calls.cancelled == []
-
-
-def test_the_dit_kind_voices_an_empty_utterance_as_silence(text_tokenizer):
-    from cosyserve.pipeline.dit import dit_pipeline
-
-    calls = FakeDitCalls()
-    pipeline = dit_pipeline(text_tokenizer, SilentLLM(), calls)
-    assert list(pipeline.stream(request(5))) == [] and pipeline.synthesize(request(5)).size == 0
-    assert calls.steps == [] and calls.offline_calls == [] and calls.cancelled == []
-
-
 # ----- in-process back ends on the tiny bundle -------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """token2wav.py's model kinds on tiny random-weight bundles: CosyVoice3 offline and streaming in the
-cosyvoice3 BLS's chunks (960 samples per token), clear errors; CosyVoice2's path as it was."""
+cosyvoice3 BLS's chunks, Step-Audio2 offline and streaming in cosyvoice2_dit's chunks (960 samples
+per token), clear errors; CosyVoice2's path as it was."""
 
 from __future__ import annotations
 
@@ -140,6 +141,8 @@ def test_cosyvoice3_input_errors(cv3_bundle, prompt, tmp_path, capsys, extra, me
     (["--mode", "streaming"], "streaming_inference.py"),
     (["--reference-text", "hello"], "--reference-text and --profile are for --model cosyvoice3"),
     (["--profile"], "--reference-text and --profile are for --model cosyvoice3"),
+    (["--model", "step_audio2"], "needs --reference-audio, or --spk2info"),
+    (["--spk2info", "spk2info.pt"], "--spk2info is for --model step_audio2"),
 ])
 def test_argument_errors(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
@@ -163,3 +166,33 @@ def test_cosyvoice2_stays_the_default(tmp_path_factory, tmp_path, capsys):
     assert "| fp32 | 2 | 1.2 |" in capsys.readouterr().out
     assert set(json.loads(report.read_text())) == {"device", "results"}
     assert sf.read(out)[0].size == 960 * 20
+
+
+@pytest.fixture(scope="module")
+def sa2_bundle(tmp_path_factory) -> Path:
+    return make_bundle(tmp_path_factory.mktemp("sa2_t2w"), "tiny", parts=("cosyvoice2", "dit"))
+
+
+@pytest.mark.parametrize("mode, strategy", [("offline", "exponential"), ("streaming", "equal"),
+                                            ("streaming", "exponential")])
+def test_step_audio2_gives_960_samples_per_token(sa2_bundle, tmp_path, capsys, mode, strategy):
+    """--model step_audio2 (the engine's kind cosyvoice2_dit serves): a clip or a voice of CosyVoice2's
+    spk2info.pt; streaming voices cosyvoice2_dit's chunks (equal: 15 new tokens each)."""
+    from cosyserve.runtime import STEP_AUDIO2_DIR
+    from cosyserve.schedule import plan_stream_chunks
+
+    out, report = tmp_path / "last.wav", tmp_path / "report.json"
+    base = ["--model", "step_audio2", "--model-dir", str(sa2_bundle / STEP_AUDIO2_DIR), "--num-tokens", "20", "47",
+            "--mode", mode, "--strategy", strategy, "--runs", "1", "--output", str(out), "--output-json", str(report)]
+    voices = [["--reference-audio", str(sa2_bundle / "assets" / "prompt_audio.wav")],
+              ["--spk2info", str(sa2_bundle / COSYVOICE2_DIR / "spk2info.pt"), "--speaker-id", "001"]]
+    for voice in voices:
+        assert token2wav.main(base + voice) == 0
+        assert "model=step_audio2" in capsys.readouterr().out
+        (row,) = json.loads(report.read_text())["rows"]
+        chunks = 2 if mode == "offline" else sum(len(plan_stream_chunks(n, strategy)) for n in (20, 47))
+        assert row[:5] == ["fp32", mode, 2, chunks, 67 * 960 / 24000]
+        audio = sf.read(out)[0]
+        assert audio.size == 960 * 47 and np.isfinite(audio).all() and np.abs(audio).max() > 0
+    assert token2wav.main(base[:-4] + voices[0] + ["--strategy", "time_based"]) == 2  # CosyVoice3's, not the DiT's
+    assert "unknown chunk strategy 'time_based'" in capsys.readouterr().err

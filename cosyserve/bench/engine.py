@@ -26,12 +26,14 @@ import torch
 from ..audio.features import TOKENIZER_SAMPLE_RATE
 from ..clients import Playback
 from ..engine.scheduler import DEFAULT_MAX_STEP_FRAMES, DEFAULT_MAX_STEP_JOBS, Scheduler
-from ..engine.service import TTSEngine, load_cosyvoice2_engine
+from ..data import load_reference_audio
+from ..engine.service import TTSEngine, load_engine, warm_up_clip
 from ..pipeline.tts import TokenLimits, TTSRequest
-from ..runtime import COSYVOICE2_DIR, LLM_DIR, resolve_device
-from ..token2wav.cosyvoice2 import Token2WavOptions, default_flow_dtype, streaming_vocoder_frames
+from ..runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, resolve_device
+from ..token2wav.cosyvoice2 import streaming_vocoder_frames
 from .openloop import poisson_arrivals, run_open_loop
 
+MODEL_DIRS = {"cosyvoice2": (COSYVOICE2_DIR, LLM_DIR), "cosyvoice3": (COSYVOICE3_DIR, COSYVOICE3_LLM_DIR)}
 TEXT = "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。"
 
 
@@ -102,23 +104,27 @@ def level(engine: TTSEngine, outcomes: list[Outcome], label: str, wall_s: float,
             **_profile(before, engine.core.counters)}
 
 
+def kind_options(args: argparse.Namespace, device: torch.device) -> dict:
+    graphs = device.type == "cuda"
+    if args.model == "cosyvoice3":
+        return {"cuda_graphs": graphs, "incremental": not args.rerun}
+    return {"final": args.final, "cuda_graphs": graphs, "hift_graphs": graphs,
+            "hift_precapture_frames": streaming_vocoder_frames(args.tokens) if graphs else (),
+            "state_pool_bytes": int(args.state_pool_gb * (1 << 30))}
+
+
 def run(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     models = Path(args.models_dir)
-    options = Token2WavOptions(
-        incremental_stream=True, final=args.final, cuda_graphs=device.type == "cuda",
-        hift_graphs=device.type == "cuda",
-        hift_precapture_frames=streaming_vocoder_frames(args.tokens) if device.type == "cuda" else (),
-        state_pool_bytes=int(args.state_pool_gb * (1 << 30)))
+    model_dir, llm_dir = MODEL_DIRS[args.model]
     loading = time.perf_counter()
-    engine = load_cosyvoice2_engine(models / COSYVOICE2_DIR, models / LLM_DIR, device,
-                                    flow_dtype=default_flow_dtype(device), options=options,
-                                    llm_options={"max_slots": args.max_slots},
-                                    scheduler=Scheduler(max_step_frames=args.max_step_frames, max_step_jobs=args.max_step_jobs),
-                                    sync_stages=args.sync_stages, warm_up=not args.cold)
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    engine = load_engine(args.model, models / model_dir, models / llm_dir, device,
+                         kind_options=kind_options(args, device), llm_options={"max_slots": args.max_slots},
+                         scheduler=Scheduler(max_step_frames=args.max_step_frames, max_step_jobs=args.max_step_jobs),
+                         sync_stages=args.sync_stages, warm_up=not args.cold)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
               "load_s": time.perf_counter() - loading, "tokens": args.tokens, "final": args.final, "levels": []}
-    voice = engine.voices.resolve(speaker_id=args.voice)
+    voice, prompt_text = registered_voice(engine, args)
     counter = iter(range(1 << 30))
     try:
         first = one_request(engine, voice, args.tokens, f"first-{next(counter)}")
@@ -133,7 +139,7 @@ def run(args: argparse.Namespace) -> dict:
 
         def new_clip():  # a clip of 3-8 s the server has never seen, with the registered voice's transcript
             wav = rng.standard_normal(int(TOKENIZER_SAMPLE_RATE * rng.uniform(3, 8))).astype(np.float32) * 0.1
-            return lambda: engine.voices.resolve(wav, engine.voices.registry.get(args.voice).prompt_text)
+            return lambda: engine.voices.resolve(wav, prompt_text)
         for count in args.new_clips:
             clips = [new_clip() for _ in range(count)]
             _measure(report, engine, f"{count} new clips together", lambda: (_in_threads(
@@ -147,6 +153,19 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         engine.close()
     return report
+
+
+def registered_voice(engine: TTSEngine, args: argparse.Namespace):
+    """The voice every request of the closed and open loops uses, and its transcript: ``--voice`` of
+    spk2info.pt, or, for a model without registered voices, the clip ``--reference-audio`` (default:
+    a synthetic 3 s clip) as a voice uploaded through the API would be, its prompt state kept."""
+    if engine.voices.registry.ids():
+        voice = engine.voices.resolve(speaker_id=args.voice)
+        return voice, voice.prompt_text
+    wav = load_reference_audio(args.reference_audio) if args.reference_audio else warm_up_clip()
+    voice = engine.voices.resolve(wav, args.reference_text)
+    engine.core.kind.warm_voice(voice.features)
+    return voice, args.reference_text
 
 
 def _in_threads(count: int, work) -> list:
@@ -179,7 +198,7 @@ def table(report: dict, levels: list[dict] | None = None) -> str:
     """The report as a markdown table (only ``levels``, when given: one level as it is measured)."""
     def cell(value) -> str:
         return f"{value:.1f}" if isinstance(value, float) else str(value)
-    lines = [f"device {report['device']}, load {report['load_s']:.1f} s, {report['tokens']} tokens a reply, "
+    lines = [f"{report.get('model', 'cosyvoice2')} on device {report['device']}, load {report['load_s']:.1f} s, {report['tokens']} tokens a reply, "
              f"final {report['final']}, first request after load: first chunk "
              f"{cell(report.get('first_request_ms'))} ms",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -190,11 +209,17 @@ def table(report: dict, levels: list[dict] | None = None) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models-dir", default="models", help="bundle layout: CosyVoice2-0.5B/ and cosyvoice2_llm/")
+    p.add_argument("--models-dir", default="models",
+                   help="bundle layout: CosyVoice2-0.5B/ and cosyvoice2_llm/, Fun-CosyVoice3-0.5B-2512/ and cosyvoice3_llm/")
+    p.add_argument("--model", default="cosyvoice2", choices=sorted(MODEL_DIRS))
     p.add_argument("--device", default="auto")
     p.add_argument("--voice", default="001", help="registered voice of spk2info.pt")
+    p.add_argument("--reference-audio", help="a model without registered voices (CosyVoice3): the voice's clip "
+                                             "(default: a synthetic 3 s clip)")
+    p.add_argument("--reference-text", default="希望你以后能够做的比我还好呦。", help="its transcript")
     p.add_argument("--tokens", type=int, default=150, help="speech tokens per reply (6 s)")
-    p.add_argument("--final", default="reference", choices=("reference", "streaming"))
+    p.add_argument("--final", default="reference", choices=("reference", "streaming"), help="CosyVoice2's last chunk")
+    p.add_argument("--rerun", action="store_true", help="CosyVoice3: the reference's full-attention re-run streaming")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 16], help="closed-loop levels")
     p.add_argument("--requests-per-sender", type=int, default=4)
     p.add_argument("--new-clips", type=int, nargs="*", default=[],

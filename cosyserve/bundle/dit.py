@@ -11,8 +11,10 @@ from ..config import dump_hyperpyyaml
 from ..models.dit import DitFlow, DitFlowConfig
 from ..models.dit.config import DitEncoderConfig, DitEstimatorConfig
 from ..models.hift import HiFTGenerator, HiftConfig
+from ..runtime import STEP_AUDIO2_DIR
+from ..token2wav.dit import DIT_SPEAKER_ONNX, DIT_TOKENIZER_ONNX
 
-DIT_DIR = "Step-Audio-2-mini/token2wav"
+DIT_DIR = STEP_AUDIO2_DIR
 
 
 def tiny_dit_config() -> DitFlowConfig:
@@ -38,6 +40,6 @@ def make_dit_dir(out_dir: Path, size: str, seed: int, cosyvoice2_dir: Path) -> P
     torch.manual_seed(seed + 1)
     hift_cfg = HiftConfig.tiny() if size == "tiny" else HiftConfig.real()
     torch.save(HiFTGenerator(hift_cfg).state_dict(), model_dir / "hift.pt")
-    shutil.copyfile(cosyvoice2_dir / "campplus.onnx", model_dir / "campplus.onnx")
-    shutil.copyfile(cosyvoice2_dir / "speech_tokenizer_v2.onnx", model_dir / "speech_tokenizer_v2_25hz.onnx")
+    shutil.copyfile(cosyvoice2_dir / "campplus.onnx", model_dir / DIT_SPEAKER_ONNX)
+    shutil.copyfile(cosyvoice2_dir / "speech_tokenizer_v2.onnx", model_dir / DIT_TOKENIZER_ONNX)
     return model_dir

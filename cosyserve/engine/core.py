@@ -288,12 +288,16 @@ class EngineCore:
         if not chunks:
             return
         try:
-            jobs = self.kind.start_chunks(chunks)
-        except Exception as exc:
-            for seg, state in owners:
-                self._end(state, exc)
-            return
-        for (seg, state), job in zip(owners, jobs):
+            started = list(zip(owners, self.kind.start_chunks(chunks)))
+        except Exception:
+            # one bad chunk (its tokens, say) fails its own request only: start them one by one
+            started = []
+            for owner, chunk in zip(owners, chunks):
+                try:
+                    started.append((owner, self.kind.start_chunks([chunk])[0]))
+                except Exception as exc:
+                    self._end(owner[1], exc)
+        for (seg, state), job in started:
             seg.job = job
             self._jobs.append((seg, state))
 

@@ -5,31 +5,40 @@ limits) into an :class:`~.request.EngineRequest`: the text front-end and the pro
 caller's thread (a front door's worker, never the loop), then the core takes it. The Triton
 front door (:mod:`cosyserve.serving.frontdoor`) hands PCM to Triton's response senders;
 :meth:`TTSEngine.stream` and :meth:`TTSEngine.synthesize` are blocking conveniences for in-process
-callers (``offline_inference.py``, benchmarks, tests). :func:`load_cosyvoice2_engine` builds the
-whole stack on one device: the LLM engine first, so that the flow's state pool is sized from
-the memory it leaves, then the token2wav kind, the registered voices' prompt state and CUDA graphs,
-so that the first request is as fast as the hundredth.
+callers (``offline_inference.py``, benchmarks, tests). :func:`load_engine` builds the whole
+stack of one model kind (:data:`MODEL_KINDS`: CosyVoice2, CosyVoice3, Step-Audio2) on one device: the LLM
+engine first, so that the flow's state is sized from the memory it leaves, then the token2wav
+kind, the kept voices' prompt state and CUDA graphs, so that the first request is as fast as the
+hundredth. The kinds differ in their modules, prompt layouts and front-end files only; requests,
+scheduling, admission and the loop are one.
 """
 
 from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..audio.features import TOKENIZER_SAMPLE_RATE
+from ..frontend.prompt import COSYVOICE2_MEL_FMAX, COSYVOICE3_MEL_FMAX
 from ..frontend.speakers import SpeakerRegistry
 from ..frontend.torch_models import load_frontend_models
-from ..frontend.voice_store import VoiceStore
-from ..llm.sampling import REFERENCE_SAMPLING, SamplingParams
-from ..pipeline.tts import DEFAULT_SPEAKER, SegmentPrompter, TokenLimits, TTSRequest, VoiceResolver
+from ..frontend.voice_store import COSYVOICE3_FEATURES_FILE, FEATURES_FILE, VoiceStore
+from ..llm.prompt import COSYVOICE2, COSYVOICE3, PromptLayout
+from ..llm.sampling import COSYVOICE3_SAMPLING, REFERENCE_SAMPLING, SamplingParams
+from ..pipeline.tts import DEFAULT_SPEAKER, SegmentPrompter, TokenLimits, TTSRequest, Voice, VoiceResolver
 from ..runtime import SPK2INFO
-from ..token2wav.cosyvoice2 import Token2WavOptions, load_token2wav
+from ..token2wav.dit import DIT_TOKENIZER_ONNX
+from ..token2wav.cosyvoice2 import Token2WavOptions, default_flow_dtype, load_token2wav
 from ..token2wav.vocoder_stream import SineNoiseProvider
 from .core import EngineCore
 from .kinds.cosyvoice2 import CosyVoice2Kind
+from .kinds.cosyvoice3 import load_cosyvoice3_kind
+from .kinds.step_audio2 import load_step_audio2_kind
 from .request import EngineRequest
 from .runners.llm import BackendLLM, LoopLLM
 from .scheduler import Scheduler
@@ -38,10 +47,11 @@ WARM_UP_TEXT = "你好，欢迎使用语音合成服务。"
 
 
 class TTSEngine:
-    def __init__(self, core: EngineCore, prompter: SegmentPrompter, voices: VoiceResolver) -> None:
+    def __init__(self, core: EngineCore, prompter: SegmentPrompter, voices: VoiceResolver, warm_voice: Voice) -> None:
         self.core = core
         self.prompter = prompter
         self.voices = voices
+        self.warm_voice = warm_voice  # voices the warm-up (the default speaker, or a synthetic clip)
 
     @property
     def sample_rate(self) -> int:
@@ -92,7 +102,7 @@ class TTSEngine:
         a short text), one round after the other, and an offline one: every stage of the loop
         (LLM prefill and decode, encoder, window and final steps, HiFT) runs its kernels once."""
         self.prompter.text.warm_up()
-        voice = self.voices.resolve()
+        voice = self.warm_voice
         limits = TokenLimits(tokens, tokens)
         for count in streams:
             ends: queue.SimpleQueue = queue.SimpleQueue()
@@ -108,47 +118,119 @@ class TTSEngine:
         self.core.close()
 
 
-def load_cosyvoice2_engine(model_dir: str | Path, llm_dir: str | Path, device: torch.device, *,
-                           flow_dtype: torch.dtype, options: Token2WavOptions, llm_backend=None,
-                           llm_options: dict | None = None, sampling: SamplingParams = REFERENCE_SAMPLING,
-                           strategy: str = "exponential", scheduler: Scheduler | None = None,
-                           voices_dir: Path | None = None, features_file: str | None = None,
-                           max_text_chars: int | None = None, sine_noise: SineNoiseProvider | None = None,
-                           sync_stages: bool = False, warm_up: bool = False,
-                           frontend_backend: str | None = None) -> TTSEngine:
-    """The CosyVoice2 stack on ``device``, its loop running. ``llm_backend``: None for our LLM engine
-    in the loop (``llm_options``: :class:`~cosyserve.llm.engine.llm_engine.LLMEngine`'s), or a
-    :mod:`cosyserve.llm` back end that generates on its own threads (an OpenAI-compatible server).
-    ``options`` must have ``incremental_stream``. ``frontend_backend``: the speech tokenizer's and
-    speaker encoder's (:func:`~cosyserve.frontend.torch_models.load_frontend_models`; None: PyTorch
-    on a GPU, onnxruntime on the CPU). ``warm_up``: capture and compile every shape
-    class of the flow, then voice a few requests through the whole loop, before returning (a GPU
-    server's ready state: its first request is then as fast as the hundredth)."""
+@dataclass(frozen=True)
+class ModelKind:
+    """What a model kind brings besides its token2wav kind: its LLM prompt layout and sampling, its
+    front-end files and prompt-mel band, its registered voices (spk2info.pt) and the file a stored
+    voice's features are kept in (a voice uploaded through the API serves every model)."""
+
+    layout: PromptLayout
+    sampling: SamplingParams
+    speech_tokenizer: str
+    mel_fmax: float | None
+    registered_voices: bool
+    features_file: str
+    load_kind: Callable[..., object]  # (model_dir, device, options: dict, sine_noise) -> the kind
+
+
+def _cosyvoice2_kind(model_dir: Path, device: torch.device, options: dict, sine_noise):
+    options = dict(options)
+    flow_dtype = options.pop("flow_dtype", None) or default_flow_dtype(device)
+    token2wav_options = Token2WavOptions(**{"incremental_stream": True, **options})
+    return CosyVoice2Kind(load_token2wav(model_dir, device, flow_dtype, token2wav_options), sine_noise)
+
+
+def _cosyvoice3_kind(model_dir: Path, device: torch.device, options: dict, sine_noise):
+    return load_cosyvoice3_kind(model_dir, device, **options)
+
+
+def _step_audio2_kind(model_dir: Path, device: torch.device, options: dict, sine_noise):
+    return load_step_audio2_kind(model_dir, device, sine_noise=sine_noise, **options)
+
+
+# Step-Audio2 (NVIDIA's cosyvoice2_dit): CosyVoice2's LLM, prompt layout, sampling and voices (its
+# spk2info.pt: load_engine's ``spk2info``) with Step-Audio-2-mini's token2wav directory, whose
+# front-end files are CosyVoice2's (the tokenizer under another name): one set of prompt features
+# serves the LLM prompt and the flow, and a stored voice's features are CosyVoice2's.
+MODEL_KINDS: dict[str, ModelKind] = {
+    "cosyvoice2": ModelKind(COSYVOICE2, REFERENCE_SAMPLING, "speech_tokenizer_v2.onnx", COSYVOICE2_MEL_FMAX, True,
+                            FEATURES_FILE, _cosyvoice2_kind),
+    "cosyvoice3": ModelKind(COSYVOICE3, COSYVOICE3_SAMPLING, "speech_tokenizer_v3.onnx", COSYVOICE3_MEL_FMAX, False,
+                            COSYVOICE3_FEATURES_FILE, _cosyvoice3_kind),
+    "step_audio2": ModelKind(COSYVOICE2, REFERENCE_SAMPLING, DIT_TOKENIZER_ONNX, COSYVOICE2_MEL_FMAX, True,
+                             FEATURES_FILE, _step_audio2_kind),
+}
+
+
+def load_engine(model: str, model_dir: str | Path, llm_dir: str | Path, device: torch.device, *,
+                kind_options: dict | None = None, llm_backend=None, llm_options: dict | None = None,
+                strategy: str = "exponential", scheduler: Scheduler | None = None,
+                voices_dir: Path | None = None, max_text_chars: int | None = None,
+                sine_noise: SineNoiseProvider | None = None, sync_stages: bool = False, warm_up: bool = False,
+                frontend_backend: str | None = None, spk2info: str | Path | None = None) -> TTSEngine:
+    """The stack of ``model`` (a key of :data:`MODEL_KINDS`) on ``device``, its loop running.
+    ``kind_options``: the token2wav kind's keyword options (CosyVoice2: ``flow_dtype`` and
+    :class:`~cosyserve.token2wav.cosyvoice2.Token2WavOptions`' fields; CosyVoice3:
+    :func:`~.kinds.cosyvoice3.load_cosyvoice3_kind`'s; Step-Audio2:
+    :func:`~.kinds.step_audio2.load_step_audio2_kind`'s). ``spk2info``: the registered voices of a
+    kind that has them (None: ``model_dir``'s spk2info.pt; Step-Audio2's are CosyVoice2's).
+    ``llm_backend``: None for our LLM engine in the loop (``llm_options``:
+    :class:`~cosyserve.llm.engine.llm_engine.LLMEngine`'s), or a :mod:`cosyserve.llm` back end that
+    generates on its own threads (an OpenAI-compatible server).
+    ``frontend_backend``: the speech tokenizer's and speaker encoder's
+    (:func:`~cosyserve.frontend.torch_models.load_frontend_models`; None: PyTorch on a GPU,
+    onnxruntime on the CPU). ``warm_up``: capture and compile every shape class of the flow, then
+    voice a few requests through the whole loop, before returning (a GPU server's ready state: its
+    first request is then as fast as the hundredth)."""
     from transformers import AutoTokenizer
 
     from ..llm.engine.llm_engine import LLMEngine
 
+    if model not in MODEL_KINDS:
+        raise ValueError(f"unknown model kind {model!r}; choose one of {sorted(MODEL_KINDS)}")
+    spec = MODEL_KINDS[model]
     model_dir, llm_dir = Path(model_dir), Path(llm_dir)
     text_tokenizer = AutoTokenizer.from_pretrained(llm_dir)
-    registry = SpeakerRegistry.load(model_dir / SPK2INFO)
+    registry = (SpeakerRegistry.load(spk2info or model_dir / SPK2INFO) if spec.registered_voices
+                else SpeakerRegistry())
+    # the LLM first: the flow's state is sized from the memory it leaves
     if llm_backend is None:
-        llm = LoopLLM(LLMEngine(llm_dir, device, **(llm_options or {})), sampling)
+        llm = LoopLLM(LLMEngine(llm_dir, device, **(llm_options or {})), spec.sampling)
     else:
-        llm = BackendLLM(llm_backend, sampling)
+        llm = BackendLLM(llm_backend, spec.sampling)
     llm.register_voices(text_tokenizer, registry)
-    model = load_token2wav(model_dir, device, flow_dtype, options)
-    kind = CosyVoice2Kind(model, sine_noise)
-    for speaker_id in registry.ids()[:kind.flow_engine.max_voices]:
-        kind.warm_voice(registry.get(speaker_id).features)
-    if warm_up:
-        kind.warm_up(registry.get(DEFAULT_SPEAKER).features)
-    store = VoiceStore(voices_dir, features_file=features_file) if voices_dir is not None else None
-    tokenizer, speaker_encoder = load_frontend_models(model_dir / "speech_tokenizer_v2.onnx", model_dir / "campplus.onnx",
+    kind = spec.load_kind(model_dir, device, kind_options or {}, sine_noise)
+    store = VoiceStore(voices_dir, features_file=spec.features_file) if voices_dir is not None else None
+    tokenizer, speaker_encoder = load_frontend_models(model_dir / spec.speech_tokenizer, model_dir / "campplus.onnx",
                                                       device, frontend_backend)
-    voices = VoiceResolver(registry, tokenizer, speaker_encoder, default_speaker=DEFAULT_SPEAKER, store=store)
-    prompter = SegmentPrompter(text_tokenizer, **({} if max_text_chars is None else {"max_text_chars": max_text_chars}))
+    voices = VoiceResolver(registry, tokenizer, speaker_encoder, store=store, mel_fmax=spec.mel_fmax,
+                           default_speaker=DEFAULT_SPEAKER if spec.registered_voices else None)
+    for voice in _kept_voices(voices, kind.max_voices):
+        kind.warm_voice(voice.features)
+    prompter = SegmentPrompter(text_tokenizer, layout=spec.layout,
+                               **({} if max_text_chars is None else {"max_text_chars": max_text_chars}))
+    warm_voice = voices.resolve() if spec.registered_voices else voices.resolve(warm_up_clip(), WARM_UP_TEXT)
+    if warm_up:
+        kind.warm_up(warm_voice.features)
     core = EngineCore(kind, llm, strategy=strategy, scheduler=scheduler, sync_stages=sync_stages).start()
-    engine = TTSEngine(core, prompter, voices)
+    engine = TTSEngine(core, prompter, voices, warm_voice)
     if warm_up:
         engine.warm_up()
     return engine
+
+
+def _kept_voices(voices: VoiceResolver, limit: int) -> list[Voice]:
+    """The voices whose token2wav prompt state is computed at load: registered ones, then voices
+    uploaded through the API, up to ``limit``."""
+    kept = [voices.resolve(speaker_id=speaker_id) for speaker_id in voices.registry.ids()[:limit]]
+    if voices.store is not None:
+        for stored in voices.store.list()[:max(0, limit - len(kept))]:
+            kept.append(voices.resolve(speaker_id=stored.id))
+    return kept
+
+
+def warm_up_clip(seconds: float = 3.0) -> np.ndarray:
+    """A 16 kHz clip (a gliding tone) that voices the warm-up of a model without registered voices:
+    its values do not matter, its shapes are a typical prompt's."""
+    t = np.arange(int(seconds * TOKENIZER_SAMPLE_RATE), dtype=np.float64) / TOKENIZER_SAMPLE_RATE
+    return (0.3 * np.sin(2 * np.pi * (150.0 + 40.0 * t) * t)).astype(np.float32)

@@ -38,7 +38,8 @@ from ..errors import InvalidInputError
 from .prompt import PromptFeatures
 
 VOICES_DIR = "voices"  # the store's default place, in the CosyVoice2 model directory next to spk2info.pt
-FEATURES_FILE = "features.pt"  # CosyVoice2's; CosyVoice3's BLS passes its own name
+FEATURES_FILE = "features.pt"  # CosyVoice2's
+COSYVOICE3_FEATURES_FILE = "features.cosyvoice3.pt"  # CosyVoice3's, next to CosyVoice2's of the same voice
 VOICE_ID = re.compile(r"voice_[0-9a-f]{32}")
 MAX_NAME_CHARS = 200
 

@@ -1,1 +1,1 @@
-"""The TTS pipeline glue shared by the Triton BLS, offline_inference.py and the tests."""
+"""The in-process TTS pipeline (one request on the calling thread): offline_inference.py and the tests."""

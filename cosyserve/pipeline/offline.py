@@ -1,8 +1,10 @@
 """Offline batch TTS (``offline_inference.py``): a dataset in, wavs and a timing report out.
 
-Two model kinds (``OfflineConfig.model``): CosyVoice2 (``CosyVoice2-0.5B/`` + ``cosyvoice2_llm/``) and
+Three model kinds (``OfflineConfig.model``): CosyVoice2 (``CosyVoice2-0.5B/`` + ``cosyvoice2_llm/``),
 CosyVoice3 (``Fun-CosyVoice3-0.5B-2512/`` + ``cosyvoice3_llm/``: its prompt layout, v3 speech
-tokenizer, no registered voices, and the DiT token2wav one utterance at a time).
+tokenizer, no registered voices, and the DiT token2wav one utterance at a time) and Step-Audio2
+(CosyVoice2's LLM and voices with ``Step-Audio-2-mini/token2wav/``: its DiT flow + HiFT one
+utterance at a time, the prompt cut to two mel frames per token: 960 samples per speech token).
 
 Per batch of ``batch_size`` utterances: the voices are resolved (speech tokenizer + speaker
 encoder on each prompt, or one registered speaker for all), the LLM generates every utterance's
@@ -42,23 +44,27 @@ import torch
 
 from ..data import FixedLength, Utterance, load_reference_audio
 from ..errors import InvalidInputError
+from ..frontend.prompt import trim_to_token_rate
 from ..frontend.torch_models import load_frontend_models
 from ..frontend.speakers import SpeakerRegistry
 from ..llm.backends import create_backend
 from ..llm.base import BackendUnavailableError
 from ..llm.prompt import COSYVOICE2, COSYVOICE3, MAX_SPEECH_TOKENS, register_voice_prefixes
 from ..llm.sampling import COSYVOICE3_SAMPLING, REFERENCE_SAMPLING
-from ..runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, SPK2INFO, resolve_device
+from ..runtime import (COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, SPK2INFO, STEP_AUDIO2_DIR,
+                       resolve_device)
 from ..schedule import OUTPUT_SAMPLE_RATE, TOKEN_RATE
 from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, default_flow_dtype, load_token2wav
 from ..token2wav.cosyvoice3 import load_cosyvoice3_token2wav
+from ..token2wav.dit import DIT_SPEAKER_ONNX, DIT_TOKENIZER_ONNX, SpeakerPrompt, load_dit_token2wav
+from ..token2wav.dit import OfflineRequest as DitOfflineRequest
 from ..token2wav.sessions import LocalToken2Wav
 from .cosyvoice3_token2wav import cosyvoice3_voices
 from .local import LocalSpeechTokens
 from .tts import DEFAULT_SPEAKER, SegmentPrompt, TokenLimits, TTSPipeline, TTSRequest, Voice, VoiceResolver
 
 BACKENDS = ("torch", "hf", "trtllm", "vllm", "openai")
-MODELS = ("cosyvoice2", "cosyvoice3")
+MODELS = ("cosyvoice2", "cosyvoice3", "step_audio2")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 VLLM_UNSUPPORTED = (
     "the vllm backend is not supported yet: vLLM's Qwen2 loader drops the CosyVoice2 LLM's lm_head bias "
@@ -91,7 +97,7 @@ def estimate_seconds(voice: Voice, target_text: str) -> float:
 
 @dataclass
 class OfflineConfig:
-    model: str = "cosyvoice2"  # or cosyvoice3 (MODELS)
+    model: str = "cosyvoice2"  # or cosyvoice3, step_audio2 (MODELS)
     backend: str = "torch"
     device: str = "auto"
     dtype: str | None = None  # flow dtype; default float16 on CUDA (as deployed), float32 on CPU
@@ -155,13 +161,16 @@ class OfflineTTS:
 
         self.config = config
         self.cosyvoice3 = config.model == "cosyvoice3"
+        self.step_audio2 = config.model == "step_audio2"
         models_dir = Path(models_dir)
         model_dir, llm_dir = ((models_dir / COSYVOICE3_DIR, models_dir / COSYVOICE3_LLM_DIR) if self.cosyvoice3
                               else (models_dir / COSYVOICE2_DIR, models_dir / LLM_DIR))
-        for path in (model_dir, llm_dir):
+        dit_dir = models_dir / STEP_AUDIO2_DIR  # step_audio2's token2wav; model_dir holds its voices
+        for path in (model_dir, llm_dir, *((dit_dir,) if self.step_audio2 else ())):
             if not path.is_dir():
                 raise InvalidInputError(f"{path} does not exist: --model-dir must hold {model_dir.name}/ and "
-                                        f"{llm_dir.name}/ for --model {config.model}")
+                                        f"{llm_dir.name}/ (step_audio2: and {STEP_AUDIO2_DIR}/) for --model "
+                                        f"{config.model}")
         self.device = resolve_device(config.device)
         flow_dtype = DTYPES[config.dtype] if config.dtype else default_flow_dtype(self.device)
         self.text_tokenizer = AutoTokenizer.from_pretrained(llm_dir)
@@ -171,23 +180,29 @@ class OfflineTTS:
             self.token2wav = load_cosyvoice3_token2wav(model_dir, self.device,
                                                        DTYPES[config.dtype] if config.dtype else torch.float32)
             sampling, layout = COSYVOICE3_SAMPLING, COSYVOICE3
-        else:
+        else:  # CosyVoice2's LLM and voices; Step-Audio2's front-end files are CosyVoice2's under its own names
             registry = SpeakerRegistry.load(model_dir / SPK2INFO)
-            tokenizer, speaker_encoder = load_frontend_models(model_dir / "speech_tokenizer_v2.onnx",
-                                                              model_dir / "campplus.onnx", self.device,
+            tokenizer_file, speaker_file = ((dit_dir / DIT_TOKENIZER_ONNX, dit_dir / DIT_SPEAKER_ONNX) if
+                                            self.step_audio2 else
+                                            (model_dir / "speech_tokenizer_v2.onnx", model_dir / "campplus.onnx"))
+            tokenizer, speaker_encoder = load_frontend_models(tokenizer_file, speaker_file, self.device,
                                                               config.frontend_backend)
             self.voices = VoiceResolver(registry, tokenizer, speaker_encoder, default_speaker=DEFAULT_SPEAKER)
-            self.token2wav = load_token2wav(model_dir, self.device, flow_dtype, config.token2wav_options)
+            self.token2wav = (load_dit_token2wav(dit_dir, self.device, flow_dtype) if self.step_audio2 else
+                              load_token2wav(model_dir, self.device, flow_dtype, config.token2wav_options))
             sampling, layout = REFERENCE_SAMPLING, COSYVOICE2
         self.llm_backend = create_llm(config.backend, llm_dir, self.device, config.llm_dtype, **config.llm_options)
         register_voice_prefixes(self.llm_backend, self.text_tokenizer, registry)
         self.llm = LocalSpeechTokens(self.llm_backend, sampling)
-        # CosyVoice3's token2wav is the pipeline's Token2Wav itself; CosyVoice2's is wrapped in sessions
-        self.pipeline = TTSPipeline(self.text_tokenizer, self.llm, self.token2wav if self.cosyvoice3 else
-                                    LocalToken2Wav(self.token2wav), layout=layout)
+        # CosyVoice3's token2wav is the pipeline's Token2Wav itself; CosyVoice2's is wrapped in sessions;
+        # Step-Audio2's only voices whole utterances (waveforms), so the pipeline only makes prompts
+        self.pipeline = TTSPipeline(self.text_tokenizer, self.llm, self.token2wav if self.cosyvoice3 or
+                                    self.step_audio2 else LocalToken2Wav(self.token2wav), layout=layout)
 
     def close(self) -> None:
-        if not self.cosyvoice3:
+        if self.step_audio2:
+            self.token2wav.close()
+        elif not self.cosyvoice3:
             self.token2wav.close_all()
         self.llm_backend.close()
 
@@ -222,7 +237,7 @@ class OfflineTTS:
         """token2wav of every utterance, shortest first, ``token2wav_batch_size`` per batch.
 
         HiFT noise comes from a generator per utterance seeded from its id and ``config.seed``, so
-        the audio does not depend on batch sizes or order. CosyVoice3: one utterance at a time."""
+        the audio does not depend on batch sizes or order. CosyVoice3 and Step-Audio2: one utterance at a time."""
         if self.cosyvoice3:
             return [self.token2wav.offline(i, t, v) for i, t, v in zip(ids, tokens, voices)]
         order = sorted(range(len(tokens)), key=lambda i: len(tokens[i]))
@@ -230,12 +245,24 @@ class OfflineTTS:
         size = self.config.token2wav_batch_size
         for start in range(0, len(order), size):
             members = order[start:start + size]
-            requests = [OfflineRequest(tokens[i], voices[i].features.speech_tokens, voices[i].features.speech_feat,
-                                       voices[i].features.embedding, generator=self._generator(ids[i]))
-                        for i in members]
-            for i, wave_ in zip(members, self.token2wav.offline_batch(requests)):
+            if self.step_audio2:
+                batch = [self._dit_offline(tokens[i], voices[i], ids[i]) for i in members]
+            else:
+                requests = [OfflineRequest(tokens[i], voices[i].features.speech_tokens,
+                                           voices[i].features.speech_feat, voices[i].features.embedding,
+                                           generator=self._generator(ids[i])) for i in members]
+                batch = self.token2wav.offline_batch(requests)
+            for i, wave_ in zip(members, batch):
                 waves[i] = wave_.numpy()
         return waves
+
+    def _dit_offline(self, tokens: list[int], voice: Voice, item_id: str) -> torch.Tensor:
+        """One Step-Audio2 utterance (HiFT's noise seeded per item: a batch would share one generator)."""
+        prompt_tokens, prompt_mel = trim_to_token_rate(voice.features.speech_tokens.reshape(-1),
+                                                       voice.features.speech_feat)
+        request = DitOfflineRequest(torch.as_tensor(tokens), SpeakerPrompt(prompt_tokens, prompt_mel,
+                                                                           voice.features.embedding))
+        return self.token2wav.offline([request], generator=self._generator(item_id))[0]
 
 
     def _generator(self, item_id: str) -> torch.Generator:

@@ -1,15 +1,11 @@
 """One text-to-speech request end to end: prompt ids -> LLM speech tokens -> token2wav audio.
 
 The orchestration here is backend-agnostic. It talks to two small interfaces,
-:class:`SpeechTokenSource` (the LLM) and :class:`Token2Wav` (flow + vocoder), so the same code
-runs inside the Triton BLS model (both reached through BLS requests, see
-``cosyserve.serving.bls``) and in-process (``cosyserve.pipeline.local``: the package objects
-called directly, for ``offline_inference.py`` and the tests).
-
-Two token2wav kinds run behind :class:`Token2Wav`: CosyVoice2's flow (the default
-:data:`COSYVOICE2_FLOW`; CosyVoice3's flow is the same kind) and Step-Audio-2-mini's DiT (``cosyserve.pipeline.dit``, the ``cosyvoice2_dit``
-model). Both keep a session per request id; what differs for the orchestration is a
-:class:`Token2WavKind`: the chunk schedule and what an utterance without speech tokens is.
+:class:`SpeechTokenSource` (the LLM) and :class:`Token2Wav` (flow + vocoder), over the package
+objects called in-process (``cosyserve.pipeline.local``, ``offline_inference.py`` and the tests).
+The Triton models serve every request of a GPU in one loop instead (:mod:`cosyserve.engine`), with
+this module's voices, prompts and limits. The token2wav (CosyVoice2's or CosyVoice3's flow) keeps a
+session per request id.
 
 Streaming: everything happens on the calling thread, which reads the LLM's pieces as they come
 and synthesises a chunk as soon as :class:`~cosyserve.schedule.ChunkScheduler` allows
@@ -38,17 +34,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-import time
-
 import numpy as np
 
 from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..clip_cache import ClipCache
-from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutError
+from ..errors import InvalidInputError, RequestCancelledError
 from ..frontend.prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, Voice, build_prompt_features
 from ..frontend.voice_store import VoiceStore, is_voice_id
 from ..llm.prompt import COSYVOICE2, MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, PromptLayout, build_prompt_ids
-from ..schedule import Chunk, ChunkScheduler
+from ..schedule import ChunkScheduler
 from ..text import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS, TextFrontend
 
 DEFAULT_MAX_TOKENS = 750  # the reference BLS's request_output_len
@@ -123,32 +117,8 @@ class Token2Wav(Protocol):
     def cancel(self, request_id: str) -> None: ...
 
 
-class ChunkSchedule(Protocol):
-    """When to voice the tokens so far (:class:`~cosyserve.schedule.ChunkScheduler`'s interface)."""
-
-    def next_chunk(self, available: int) -> Chunk | None: ...
-
-    def final_chunk(self, available: int) -> Chunk: ...
-
-
-@dataclass(frozen=True)
-class Token2WavKind:
-    """What the pipeline must know of a token2wav kind besides its :class:`Token2Wav` calls.
-
-    ``scheduler``: a strategy name -> a fresh chunk schedule (an unknown name raises
-    :class:`InvalidInputError`). ``silent_when_empty``: an LLM that ends the utterance before any
-    speech token gets no audio (NVIDIA's DiT BLS) instead of an error (CosyVoice2's flow needs a token).
-    """
-
-    scheduler: Callable[[str], ChunkSchedule] = ChunkScheduler
-    silent_when_empty: bool = False
-
-
-COSYVOICE2_FLOW = Token2WavKind()
-
-
 def validate_text(text: str, what: str = "target_text", max_chars: int = MAX_SEGMENT_CHARS) -> str:
-    """A text that goes into one LLM prompt as it is (a reference transcript, a DiT request's text)."""
+    """A text checked before it is normalised or split (a request's text, a reference transcript)."""
     if not isinstance(text, str) or not text.strip():
         raise InvalidInputError(f"{what} is empty; send the text to synthesise (1 to {max_chars} characters)")
     if len(text) > max_chars:
@@ -236,24 +206,6 @@ def never_cancelled() -> bool:
     return False
 
 
-def with_timeout(is_cancelled: Callable[[], bool], timeout_s: float) -> Callable[[], bool]:
-    """``is_cancelled`` for a request that may run ``timeout_s`` seconds from now (0: no limit).
-
-    Past that the check raises :class:`~cosyserve.errors.RequestTimeoutError`, which ends the
-    request as a cancellation does (its LLM request stopped, its token2wav session closed), with
-    its own message. The pipelines check between LLM pieces and token2wav calls."""
-    if not timeout_s:
-        return is_cancelled
-    deadline = time.monotonic() + timeout_s
-
-    def cancelled_or_timed_out() -> bool:
-        if time.monotonic() > deadline:
-            raise RequestTimeoutError(f"request timed out after {timeout_s:g} s")
-        return is_cancelled()
-
-    return cancelled_or_timed_out
-
-
 class SegmentPrompter:
     """A request's text -> its segments' LLM prompts: the text front-end (normalisation and
     splitting, :class:`~cosyserve.text.TextFrontend`) and the prompt layout.
@@ -314,12 +266,11 @@ class TTSPipeline:
 
     def __init__(self, text_tokenizer: Any, llm: SpeechTokenSource, token2wav: Token2Wav, *,
                  strategy: str = "exponential", max_text_chars: int = MAX_TEXT_CHARS,
-                 kind: Token2WavKind = COSYVOICE2_FLOW, layout: PromptLayout = COSYVOICE2):
-        kind.scheduler(strategy)  # fail at start-up, not per request, on an unknown strategy
+                 layout: PromptLayout = COSYVOICE2):
+        ChunkScheduler(strategy)  # fail at start-up, not per request, on an unknown strategy
         self.llm = llm
         self.token2wav = token2wav
         self.strategy = strategy
-        self.kind = kind
         self.prompter = SegmentPrompter(text_tokenizer, max_text_chars=max_text_chars, layout=layout)
         self.text = self.prompter.text
         self.segment_prompts = self.prompter.segment_prompts
@@ -354,16 +305,15 @@ class TTSPipeline:
                 del generating[rid]
                 next_rid = start_next()
                 _raise_if_cancelled(is_cancelled, request.request_id)
-                if tokens or not self.kind.silent_when_empty:
-                    _check_tokens(tokens, final=True)
-                    waves.append(self.token2wav.offline(rid, tokens, request.voice))
+                _check_tokens(tokens, final=True)
+                waves.append(self.token2wav.offline(rid, tokens, request.voice))
                 rid = next_rid
             finished = True
         finally:
             if not finished:
                 for rid in generating:
                     self.llm.cancel(rid)
-        if not waves:  # every segment silent
+        if not waves:  # no segment
             return np.zeros(0, np.float32)
         return waves[0] if len(waves) == 1 else np.concatenate(waves)
 
@@ -392,7 +342,7 @@ class TTSPipeline:
             start_next()
             while waiting:
                 rid = waiting[0]
-                scheduler = self.kind.scheduler(self.strategy)
+                scheduler = ChunkScheduler(self.strategy)
                 tokens: list[int] = []
                 for piece in generating[rid]:
                     tokens.extend(int(t) for t in piece)
@@ -406,10 +356,9 @@ class TTSPipeline:
                         start_next()
                 del generating[rid]
                 start_next()
-                if tokens or not self.kind.silent_when_empty:
-                    _check_tokens(tokens, final=True)
-                    final = scheduler.final_chunk(len(tokens))
-                    yield self.token2wav.step(rid, tokens, voice, final.token_offset, True)
+                _check_tokens(tokens, final=True)
+                final = scheduler.final_chunk(len(tokens))
+                yield self.token2wav.step(rid, tokens, voice, final.token_offset, True)
                 open_session = None
                 waiting.popleft()
             finished = True

@@ -1,8 +1,9 @@
-"""The ``cosyvoice2`` Triton model: a thin front door over the engine core of this GPU.
+"""The ``cosyvoice2``, ``cosyvoice3`` and ``cosyvoice2_dit`` Triton models: a thin front door over
+the engine core of this GPU (parameter ``model_kind``: which model's stack the engine runs).
 
 One model instance holds the :class:`~cosyserve.engine.service.TTSEngine` (LLM, flow and HiFT
 stepped by one loop in this process; no other process on the GPU). ``execute`` reads each
-request's inputs (:func:`~cosyserve.serving.bls_base.parse_tts_inputs`, the reference's wire
+request's inputs (:func:`~cosyserve.serving.protocol.parse_tts_inputs`, the reference's wire
 protocol unchanged) and returns at once; a pool of ``prepare_threads`` resolves the voice (a new
 clip's speech tokenizer and speaker encoder run there) and builds the prompts, then hands the
 request to the engine, which refuses it at once when it is past capacity (gRPC ``UNAVAILABLE``
@@ -34,17 +35,16 @@ import triton_python_backend_utils as pb_utils
 
 from ..clients import Playback
 from ..engine.scheduler import Scheduler
-from ..engine.service import TTSEngine, load_cosyvoice2_engine
+from ..engine.service import MODEL_KINDS, TTSEngine, load_engine
 from ..errors import CapacityError
-from ..frontend.voice_store import FEATURES_FILE, VOICES_DIR
+from ..frontend.voice_store import VOICES_DIR
 from ..llm.backends import create_backend
-from ..llm.prompt import NUM_SPEECH_TOKENS, SPEECH_TOKEN_OFFSET
-from ..llm.sampling import REFERENCE_SAMPLING
+from ..llm.prompt import PromptLayout
 from ..llm.stream import Finished, TokenStream
 from ..llm.trtllm.request import TritonLLMInputs, resolve_protocol
 from ..pipeline.tts import TokenLimits, TTSRequest
 from ..schedule import OUTPUT_SAMPLE_RATE
-from .bls_base import ListenerMetrics, bls_request, parse_tts_inputs
+from .protocol import ListenerMetrics, bls_request, parse_tts_inputs
 from .offline_proxy import tagged_error
 from .settings import EngineSettings
 from .triton_utils import (FINAL, FinishedResponseIterators, Metric, WorkMetrics, error_response,
@@ -61,9 +61,10 @@ class TritonModelTokens:
     response iterators are kept until the stub lets go of them (``finished``, released by the
     front door while some request is open)."""
 
-    def __init__(self, model_name: str, inputs: TritonLLMInputs):
+    def __init__(self, model_name: str, inputs: TritonLLMInputs, layout: PromptLayout):
         self.model_name = model_name
         self.inputs = inputs
+        self.layout = layout  # output id of speech token 0 and how many there are
         self.finished = FinishedResponseIterators()
         self._lock = threading.Lock()
 
@@ -86,8 +87,9 @@ class TritonModelTokens:
                 if output_ids is None or ended:
                     continue
                 length = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
-                for token in (output_ids.as_numpy()[0][0][:length].astype(np.int64) - SPEECH_TOKEN_OFFSET).tolist():
-                    if not 0 <= token < NUM_SPEECH_TOKENS:
+                ids = output_ids.as_numpy()[0][0][:length].astype(np.int64) - self.layout.speech_token_offset
+                for token in ids.tolist():
+                    if not 0 <= token < self.layout.num_speech_tokens:
                         ended = True
                         break
                     stream.put(token)
@@ -130,7 +132,7 @@ class _Reply:
     playback: Playback = field(default_factory=Playback)
 
 
-class CosyVoice2FrontDoor:
+class EngineFrontDoor:
     def __init__(self, config: dict):
         settings = model_settings(config, EngineSettings)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
@@ -140,23 +142,24 @@ class CosyVoice2FrontDoor:
         self.timeout_s = settings.request_timeout_s
         self.triton_llm = None
         llm_backend = None
+        model = MODEL_KINDS[settings.model_kind]
         if settings.llm_url:
             llm_backend = create_backend("openai", settings.llm_tokenizer_dir, base_url=settings.llm_url,
-                                         model=settings.llm_model or None)
+                                         model=settings.llm_model or None, layout=model.layout.name)
         elif settings.llm_model_name:
             protocol = resolve_protocol(settings.llm_protocol, settings.llm_model_name)
-            llm_backend = self.triton_llm = TritonModelTokens(
-                settings.llm_model_name, TritonLLMInputs(protocol, REFERENCE_SAMPLING, True, settings.llm_tokenizer_dir))
-        self.engine: TTSEngine = load_cosyvoice2_engine(
-            settings.model_dir, settings.llm_tokenizer_dir, device, flow_dtype=settings.flow_dtype(device),
-            options=settings.options(device), llm_backend=llm_backend,
+            inputs = TritonLLMInputs(protocol, model.sampling, True, settings.llm_tokenizer_dir, end_id=model.layout.eos_id)
+            llm_backend = self.triton_llm = TritonModelTokens(settings.llm_model_name, inputs, model.layout)
+        self.engine: TTSEngine = load_engine(
+            settings.model_kind, settings.model_dir, settings.llm_tokenizer_dir, device,
+            kind_options=settings.kind_options(device), llm_backend=llm_backend,
             llm_options={"max_slots": settings.llm_max_slots, "max_model_len": settings.llm_max_model_len},
             strategy=settings.streaming_strategy,
             scheduler=Scheduler(settings.max_streams, settings.admission_min_buffer_s, settings.max_step_frames,
                                 settings.max_step_jobs),
-            voices_dir=settings.voices_dir or settings.model_dir / VOICES_DIR, features_file=FEATURES_FILE,
+            voices_dir=settings.voices_dir or settings.model_dir / VOICES_DIR,
             max_text_chars=settings.max_text_chars, warm_up=settings.warm_up_engine(device),
-            frontend_backend=settings.frontend_backend)
+            frontend_backend=settings.frontend_backend, spk2info=settings.spk2info)
         if settings.warm_up is not False:  # the text front-end: before the server reports ready
             self.engine.prompter.text.warm_up()
         self.prepare = ThreadPoolExecutor(settings.prepare_threads, thread_name_prefix="prepare")
@@ -179,7 +182,6 @@ class CosyVoice2FrontDoor:
         core = self.engine.core
         self.llm_requests = Metric("cosyserve_llm_active_requests", "LLM requests generating in the engine",
                                    name) if not core.llm.external else None
-        self.flow_streams = Metric("cosyserve_token2wav_open_streams", "streams holding flow state in the engine", name)
         llm_tokens = {} if core.llm.external else {
             "cosyserve_llm_generated_tokens_total": ("speech tokens the engine's LLM produced", core.counters, "tokens")}
         self.work = WorkMetrics(name, {
@@ -195,26 +197,20 @@ class CosyVoice2FrontDoor:
                                                       "flow_step_jobs")})
         self.streams = Metric("cosyserve_engine_streams", "streaming requests in the engine", name)
         self.requests = Metric("cosyserve_engine_requests", "requests in the engine", name)
-        flow = self.engine.core.kind.flow_engine
-        Metric("cosyserve_token2wav_state_pages", "pages of the flow engine's state pool", name).set(flow.pool.pages)
-        self.pages_in_use = Metric("cosyserve_token2wav_state_pages_in_use", "state pages held by streams and "
-                                   "cached voices", name)
-        self.voice_pages = Metric("cosyserve_token2wav_state_voice_pages", "state pages holding cached voices' "
-                                  "prompt state", name)
-        self.voices_cached = Metric("cosyserve_token2wav_voices_cached", "voices whose prompt state is kept", name)
+        # the token2wav kind's state: open streams, cached voices, and its state pages where it has them
+        self.kind_gauges = {gauge: Metric(f"cosyserve_token2wav_{gauge}", text, name)
+                            for gauge, (text, _) in self.engine.core.kind.gauges().items()}
         self._publish()
 
     def _publish(self) -> None:
-        core, flow = self.engine.core, self.engine.core.kind.flow_engine
+        core = self.engine.core
         if self.llm_requests is not None:
             self.llm_requests.set(core.generating)
-        self.flow_streams.set(flow.open_streams)
+        for gauge, (_, value) in core.kind.gauges().items():
+            self.kind_gauges[gauge].set(value)
         self.work.publish()
         self.streams.set(core.active_streams)
         self.requests.set(core.active_requests)
-        self.pages_in_use.set(flow.pool.pages - flow.pool.free_pages)
-        self.voice_pages.set(flow.voice_pages)
-        self.voices_cached.set(flow.cached_voices)
 
     # ----- Triton's thread -----
 

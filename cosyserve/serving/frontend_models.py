@@ -1,9 +1,7 @@
 """The ``audio_tokenizer`` and ``speaker_embedding`` Triton models over the front-end models.
 
 * ``audio_tokenizer``: ``reference_wav`` FP32 [-1] (16 kHz) + optional ``reference_wav_len``
-  INT32 [1] -> ``prompt_speech_tokens`` INT32 [-1], LLM ids (speech token + 151663). CosyVoice3's
-  (template ``audio_tokenizer_cosyvoice3``, :class:`AudioTokenizerV3Model`) reads
-  ``speech_tokenizer_v3.onnx`` and answers raw codes 0..6560, as the reference's does.
+  INT32 [1] -> ``prompt_speech_tokens`` INT32 [-1], LLM ids (speech token + 151663).
 * ``speaker_embedding``: ``reference_wav`` FP32 [-1] (+ optional length) ->
   ``prompt_spk_embedding`` FP16 [-1] (192 values, the raw CAM++ x-vector).
 
@@ -74,11 +72,6 @@ class AudioTokenizerModel(_FrontendModel):
 
     def _compute(self, wavs: list) -> list[np.ndarray]:
         return [tokens.numpy().astype(np.int32) + self.TOKEN_OFFSET for tokens in self.model.tokenize_batch(wavs)]
-
-
-class AudioTokenizerV3Model(AudioTokenizerModel):
-    ONNX_FILE = "speech_tokenizer_v3.onnx"
-    TOKEN_OFFSET = 0
 
 
 class SpeakerEmbeddingModel(_FrontendModel):

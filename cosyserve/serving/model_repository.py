@@ -1,13 +1,14 @@
 """The Triton model repository, built from the ``model_repo/`` templates: one builder for every pipeline.
 
 ``run.sh`` stage 2 (CosyVoice2: ``cosyvoice2``, the engine core, with ``cosyvoice2_offline`` and
-``tensorrt_llm`` when its LLM is TensorRT-LLM; the reference layout's models on request), ``run_stepaudio2_dit_token2wav.sh`` stage 2 (DiT:
-``cosyvoice2_dit``, ``token2wav_dit``, ``audio_tokenizer``), ``run_cosyvoice3.sh`` stage 2 (CosyVoice3:
-``cosyvoice3``, ``llm``, ``token2wav``, ``audio_tokenizer``, ``speaker_embedding``) and the tests all
-call :func:`build`::
+``tensorrt_llm`` when its LLM is TensorRT-LLM; the reference layout's models on request),
+``run_cosyvoice3.sh`` stage 2 (CosyVoice3: ``cosyvoice3``, the engine core from the same template),
+``run_stepaudio2_dit_token2wav.sh`` stage 2 (Step-Audio2: ``cosyvoice2_dit``, the engine core from
+the same template) and the tests all call :func:`build`::
 
     python -m cosyserve.serving.model_repository cosyvoice2 OUT_DIR --models-dir models --device cpu
-    python -m cosyserve.serving.model_repository dit OUT_DIR --models-dir models --llm-url http://h:8100/v1
+    python -m cosyserve.serving.model_repository dit OUT_DIR --dit-model-dir models/Step-Audio-2-mini/token2wav \\
+        --cosyvoice2-dir models/CosyVoice2-0.5B --llm-dir models/cosyvoice2_llm --llm-url http://h:8100/v1
     python -m cosyserve.serving.model_repository cosyvoice3 OUT_DIR --models-dir models --device cpu
 
 Every field of :class:`CosyVoice2Repository` / :class:`DitRepository` / :class:`CosyVoice3Repository` is a ``--flag`` of the same
@@ -27,21 +28,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..runtime import COSYVOICE3_DIR, COSYVOICE3_LLM_DIR
-from .settings import (BlsSettings, Cv3Token2WavSettings, EngineSettings, FrontendSettings, LLMSettings, Token2WavSettings,
-                       parameter_value)
+from ..runtime import COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, SPK2INFO
+from ..token2wav.dit import DEFAULT_MAX_SPEAKERS
+from .settings import EngineSettings, FrontendSettings, LLMSettings, Token2WavSettings, parameter_value
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
 # Parameters that repositories filled with the keys of NVIDIA's runtime (which has none of them)
-# leave empty: llm_protocol / llm_url of cosyvoice2 (by llm_model_name / a Triton LLM model),
-# bls_warm_up (on), request_timeout_s (no limit), admission_min_buffer_s and max_streams (off) and
+# leave empty: llm_protocol / llm_url / llm_model of cosyvoice2 (by llm_model_name / a Triton LLM
+# model; the first model the server lists), spk2info (<model_dir>/spk2info.pt),
+# bls_warm_up (on), model_kind (cosyvoice2), voices_dir (<model_dir>/voices), request_timeout_s (no
+# limit), admission_min_buffer_s and max_streams (off) and
 # mps_thread_percentage / mps_priority (no cap, normal priority), frontend_backend (auto: torch on
 # CUDA, onnxruntime on the CPU); max_queue_size and
 # queue_timeout_microseconds 0 are no limit.
 DEFAULTS = {"max_queue_size": "0", "queue_timeout_microseconds": "0", "max_queue_delay_microseconds": "0",
             "llm_protocol": "", "llm_url": "", "engine_warm_up": "",
             "bls_warm_up": "", "request_timeout_s": "", "admission_min_buffer_s": "", "max_streams": "",
-            "mps_thread_percentage": "", "mps_priority": "", "frontend_backend": ""}
+            "mps_thread_percentage": "", "mps_priority": "", "frontend_backend": "",
+            "model_kind": "", "voices_dir": "", "token2wav_incremental_stream": "", "spk2info": "", "llm_model": ""}
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 
 
@@ -192,20 +196,25 @@ class CosyVoice2Repository:
                 "max_queue_delay_microseconds": str(self.max_queue_delay_microseconds),
                 "encoder_input_features_data_type": "TYPE_FP16", "logits_datatype": "TYPE_FP32"})
         models["cosyvoice2"] = ModelEntry("cosyvoice2", {
-            "model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size), "device": self.device,
-            **token2wav, "llm_tokenizer_dir": llm_dir, "streaming_strategy": self.streaming_strategy,
-            "llm_model_name": llm_model, "llm_protocol": self.llm_protocol, "llm_url": self.llm_url,
-            "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens), "bls_warm_up": self.bls_warm_up,
-            "engine_warm_up": self.engine_warm_up, "request_timeout_s": parameter_value(self.request_timeout_s),
-            "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s),
-            "max_streams": _max_streams(self.max_streams), "decoupled_mode": str(self.decoupled),
-            "frontend_backend": self.frontend_backend})
+            **_engine_values(self, model_dir, llm_dir), **token2wav, "llm_model_name": llm_model,
+            "llm_protocol": self.llm_protocol})
         if self.decoupled:
             models["cosyvoice2_offline"] = ModelEntry("cosyvoice2_offline", {
                 "triton_max_batch_size": str(self.max_batch_size), "bls_instance_num": str(self.offline_bls_instances),
                 **_queue_policy(self.offline_bls_max_queue_size, self.offline_bls_instances,
                                 self.offline_bls_max_queue_ms)})
         return models
+
+
+def _engine_values(spec, model_dir: str, llm_dir: str) -> dict[str, str]:
+    """The engine template's values that every model kind's repository sets alike."""
+    return {"model_dir": model_dir, "triton_max_batch_size": str(spec.max_batch_size), "device": spec.device,
+            "llm_tokenizer_dir": llm_dir, "streaming_strategy": spec.streaming_strategy, "llm_url": spec.llm_url,
+            "max_tokens": str(spec.max_tokens), "min_tokens": str(spec.min_tokens), "bls_warm_up": spec.bls_warm_up,
+            "engine_warm_up": spec.engine_warm_up, "request_timeout_s": parameter_value(spec.request_timeout_s),
+            "admission_min_buffer_s": parameter_value(spec.admission_min_buffer_s),
+            "max_streams": _max_streams(spec.max_streams), "decoupled_mode": str(spec.decoupled),
+            "frontend_backend": spec.frontend_backend}
 
 
 def _queue_policy(size: int | None, instances: int, max_wait_ms: float) -> dict[str, str]:
@@ -228,101 +237,81 @@ def _max_streams(cap: int) -> str:
 
 @dataclass(frozen=True)
 class DitRepository:
-    """What ``run_stepaudio2_dit_token2wav.sh`` stage 2 builds (its variables in the comments)."""
+    """What ``run_stepaudio2_dit_token2wav.sh`` stage 2 builds (its variables in the comments):
+    ``cosyvoice2_dit``, the engine core with Step-Audio2's kind (CosyVoice2's LLM, prompt layout and
+    voices; Step-Audio-2-mini's DiT flow and HiFT) behind the front door ``cosyvoice2`` runs on, with
+    NVIDIA's wire protocol (its ``cosyvoice2_dit`` BLS, ``token2wav_dit`` and ``audio_tokenizer`` are
+    one process here). Speech tokens from the OpenAI-compatible server(s) at ``llm_url``, else from
+    the LLM in the engine's loop."""
 
     dit_model_dir: Path                                        # DIT_MODEL_DIR (Step-Audio-2-mini/token2wav)
-    cosyvoice2_dir: Path                                       # COSYVOICE2_DIR (audio_tokenizer, spk2info.pt)
-    llm_dir: Path                                              # LLM_DIR (the tokenizer)
-    llm_url: str                                               # LLM_URL
-    llm_model: str = BlsSettings.llm_model                     # LLM_MODEL
+    cosyvoice2_dir: Path                                       # COSYVOICE2_DIR (its spk2info.pt: the voices)
+    llm_dir: Path                                              # LLM_DIR (the tokenizer; the LLM without llm_url)
+    llm_url: str = EngineSettings.llm_url                      # LLM_URL (empty: the LLM in the loop)
+    llm_model: str = EngineSettings.llm_model                  # LLM_MODEL (empty: the first llm_url lists)
     decoupled: bool = True                                     # DECOUPLED_MODE
-    streaming_strategy: str = BlsSettings.streaming_strategy   # STREAMING_STRATEGY
-    device: str = FrontendSettings.device                      # DEVICE
-    bls_instances: int = 4                                     # BLS_INSTANCE_NUM
-    max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
-    min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
-    max_streams: int = BlsSettings.max_streams                 # MAX_STREAMS (0: no cap)
-    admission_min_buffer_s: float = BlsSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S (0: off)
+    streaming_strategy: str = EngineSettings.streaming_strategy  # STREAMING_STRATEGY (exponential | equal)
+    device: str = EngineSettings.device                        # DEVICE
+    max_tokens: int = EngineSettings.max_tokens                # MAX_TOKENS
+    min_tokens: int = EngineSettings.min_tokens                # MIN_TOKENS
+    max_streams: int = EngineSettings.max_streams              # MAX_STREAMS (0: no cap)
+    admission_min_buffer_s: float = EngineSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S (0: off)
+    request_timeout_s: float = EngineSettings.request_timeout_s  # REQUEST_TIMEOUT_S
+    bls_warm_up: str = parameter_value(EngineSettings.warm_up)  # BLS_WARM_UP (the text front-end)
+    engine_warm_up: str = parameter_value(EngineSettings.engine_warm_up)  # ENGINE_WARM_UP
     max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
-    max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
+    token2wav_dtype: str = EngineSettings.token2wav_dtype      # TOKEN2WAV_DTYPE
+    token2wav_max_voices: int = DEFAULT_MAX_SPEAKERS           # TOKEN2WAV_MAX_VOICES
+    voices_dir: str = ""                                       # VOICES_DIR (empty: <dit model dir>/voices)
+    frontend_backend: str = EngineSettings.frontend_backend    # FRONTEND_BACKEND (auto: torch on CUDA)
 
     def models(self) -> dict[str, ModelEntry]:
-        common = {"triton_max_batch_size": str(self.max_batch_size),
-                  "max_queue_delay_microseconds": str(self.max_queue_delay_microseconds)}
-        return {
-            "cosyvoice2_dit": ModelEntry("cosyvoice2_dit", {
-                **common, "model_dir": str(self.cosyvoice2_dir), "llm_tokenizer_dir": str(self.llm_dir),
-                "llm_url": self.llm_url, "llm_model": self.llm_model, "streaming_strategy": self.streaming_strategy,
-                "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
-                "max_streams": _max_streams(self.max_streams),
-                "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s),
-                "bls_instance_num": str(self.bls_instances), "decoupled_mode": str(self.decoupled)}),
-            "token2wav_dit": ModelEntry("token2wav_dit", {
-                **common, "model_dir": str(self.dit_model_dir), "spk2info": f"{self.cosyvoice2_dir}/spk2info.pt",
-                "device": self.device}),
-            "audio_tokenizer": ModelEntry("audio_tokenizer", {
-                **common, "model_dir": str(self.cosyvoice2_dir), "device": self.device}),
-        }
+        return {"cosyvoice2_dit": ModelEntry("cosyvoice2", {
+            **_engine_values(self, str(self.dit_model_dir), str(self.llm_dir)), "model_kind": "step_audio2",
+            "spk2info": f"{self.cosyvoice2_dir}/{SPK2INFO}", "llm_model": self.llm_model,
+            "voices_dir": self.voices_dir, "llm_model_name": "", "llm_protocol": "",
+            "token2wav_dtype": self.token2wav_dtype, "token2wav_max_voices": str(self.token2wav_max_voices),
+            # CosyVoice2's and CosyVoice3's own settings: not read by Step-Audio2's kind
+            "token2wav_cuda_graphs": "", "token2wav_final": "", "token2wav_state_pool_gb": "",
+            "token2wav_hift_dtype": ""})}
 
 
 @dataclass(frozen=True)
 class CosyVoice3Repository:
-    """What ``run_cosyvoice3.sh`` stage 2 builds (its variables in the comments): the ``cosyvoice3``
-    BLS, ``llm`` (our engine on the CosyVoice3 HF checkpoint), ``token2wav`` (DiT flow + causal HiFT),
-    ``audio_tokenizer`` (v3, raw codes) and ``speaker_embedding``, as the reference's five models
-    (whose ``token2wav`` + ``vocoder`` pair is one model here, and whose LLM is trtllm-serve)."""
+    """What ``run_cosyvoice3.sh`` stage 2 builds (its variables in the comments): ``cosyvoice3``, the
+    engine core with CosyVoice3's kind (DiT flow + causal HiFT, the LLM in its loop or at
+    ``llm_url``) behind the same front door as ``cosyvoice2`` (the reference's five models are one
+    process here: its LLM, token2wav, vocoder, tokenizer and speaker encoder run in the loop)."""
 
     models_dir: Path                                           # MODELS_DIR (Fun-CosyVoice3-0.5B-2512, cosyvoice3_llm)
-    llm_engine: str = LLMSettings.llm_backend                  # LLM_ENGINE
     decoupled: bool = True                                     # DECOUPLED_MODE
-    streaming_strategy: str = BlsSettings.streaming_strategy   # STREAMING_STRATEGY
-    device: str = Token2WavSettings.device                     # DEVICE
-    bls_instances: int = 10                                    # BLS_INSTANCE_NUM
-    bls_max_queue_size: int | None = 0                         # BLS_MAX_QUEUE_SIZE
-    bls_max_queue_ms: float = 0                                # BLS_MAX_QUEUE_MS
-    max_tokens: int = BlsSettings.max_tokens                   # MAX_TOKENS
-    min_tokens: int = BlsSettings.min_tokens                   # MIN_TOKENS
-    max_streams: int = BlsSettings.max_streams                 # MAX_STREAMS (0: no cap)
-    admission_min_buffer_s: float = BlsSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S (0: off)
-    bls_warm_up: str = parameter_value(BlsSettings.warm_up)    # BLS_WARM_UP
+    streaming_strategy: str = EngineSettings.streaming_strategy  # STREAMING_STRATEGY
+    device: str = EngineSettings.device                        # DEVICE
+    max_tokens: int = EngineSettings.max_tokens                # MAX_TOKENS
+    min_tokens: int = EngineSettings.min_tokens                # MIN_TOKENS
+    max_streams: int = EngineSettings.max_streams              # MAX_STREAMS (0: no cap)
+    admission_min_buffer_s: float = EngineSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S (0: off)
+    request_timeout_s: float = EngineSettings.request_timeout_s  # REQUEST_TIMEOUT_S
+    bls_warm_up: str = parameter_value(EngineSettings.warm_up)  # BLS_WARM_UP (the text front-end)
+    engine_warm_up: str = parameter_value(EngineSettings.engine_warm_up)  # ENGINE_WARM_UP
     max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
-    max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
-    token2wav_dtype: str = Cv3Token2WavSettings.dtype          # TOKEN2WAV_DTYPE
-    token2wav_incremental_stream: str = parameter_value(Cv3Token2WavSettings.incremental_stream)  # TOKEN2WAV_INCREMENTAL_STREAM
-    token2wav_voice_prefixes: int = Cv3Token2WavSettings.voice_prefixes  # TOKEN2WAV_VOICE_PREFIXES
-    token2wav_cuda_graphs: str = parameter_value(Cv3Token2WavSettings.cuda_graphs)  # TOKEN2WAV_CUDA_GRAPHS
-    llm_url: str = BlsSettings.llm_url                         # LLM_URL: no Triton LLM model then
+    token2wav_dtype: str = EngineSettings.token2wav_dtype      # TOKEN2WAV_DTYPE
+    token2wav_incremental_stream: str = parameter_value(EngineSettings.incremental_stream)  # TOKEN2WAV_INCREMENTAL_STREAM
+    token2wav_max_voices: int = 8                              # TOKEN2WAV_MAX_VOICES
+    token2wav_cuda_graphs: str = parameter_value(EngineSettings.cuda_graphs)  # TOKEN2WAV_CUDA_GRAPHS
+    llm_url: str = EngineSettings.llm_url                      # LLM_URL: no LLM in the loop then
     voices_dir: str = ""                                       # VOICES_DIR (empty: <model dir>/voices)
-    frontend_backend: str = FrontendSettings.frontend_backend  # FRONTEND_BACKEND (auto: torch on CUDA)
+    frontend_backend: str = EngineSettings.frontend_backend    # FRONTEND_BACKEND (auto: torch on CUDA)
 
     def models(self) -> dict[str, ModelEntry]:
         model_dir, llm_dir = f"{self.models_dir}/{COSYVOICE3_DIR}", f"{self.models_dir}/{COSYVOICE3_LLM_DIR}"
-        common = {"model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
-                  "max_queue_delay_microseconds": str(self.max_queue_delay_microseconds), "device": self.device}
-        frontend = {**common, "frontend_backend": self.frontend_backend}
-        return {
-            "cosyvoice3": ModelEntry("cosyvoice3", {
-                "model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size),
-                "llm_tokenizer_dir": llm_dir, "llm_model_name": "llm", "llm_url": self.llm_url,
-                "streaming_strategy": self.streaming_strategy,
-                "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
-                "max_streams": _max_streams(self.max_streams),
-                "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s),
-                "bls_warm_up": self.bls_warm_up, "bls_instance_num": str(self.bls_instances),
-                "decoupled_mode": str(self.decoupled), "voices_dir": self.voices_dir,
-                **_queue_policy(self.bls_max_queue_size, self.bls_instances, self.bls_max_queue_ms)}),
-            # no model_dir: CosyVoice3 has no registered voices whose prefixes the engine could cache;
-            # with llm_url, speech tokens come from completions servers: no Triton LLM model
-            **({} if self.llm_url else {"llm": ModelEntry("llm", {
-                **common, "model_dir": "", "llm_dir": llm_dir, "llm_engine": self.llm_engine})}),
-            "token2wav": ModelEntry("token2wav_cosyvoice3", {
-                **common, "token2wav_dtype": self.token2wav_dtype,
-                "token2wav_incremental_stream": self.token2wav_incremental_stream,
-                "token2wav_voice_prefixes": str(self.token2wav_voice_prefixes),
-                "token2wav_cuda_graphs": self.token2wav_cuda_graphs}),
-            "audio_tokenizer": ModelEntry("audio_tokenizer_cosyvoice3", frontend),
-            "speaker_embedding": ModelEntry("speaker_embedding", frontend),
-        }
+        return {"cosyvoice3": ModelEntry("cosyvoice2", {
+            **_engine_values(self, model_dir, llm_dir), "model_kind": "cosyvoice3", "voices_dir": self.voices_dir,
+            "llm_model_name": "", "llm_protocol": "", "token2wav_dtype": self.token2wav_dtype,
+            "token2wav_incremental_stream": self.token2wav_incremental_stream,
+            "token2wav_max_voices": str(self.token2wav_max_voices), "token2wav_cuda_graphs": self.token2wav_cuda_graphs,
+            # CosyVoice2's own settings: not read by CosyVoice3's kind
+            "token2wav_final": "", "token2wav_state_pool_gb": "", "token2wav_hift_dtype": ""})}
 
 
 PIPELINES = {"cosyvoice2": CosyVoice2Repository, "dit": DitRepository, "cosyvoice3": CosyVoice3Repository}

@@ -23,8 +23,6 @@ from ..runtime import STREAM_IDLE_TIMEOUT_S, resolve_device, resolve_device_dtyp
 from ..pipeline.tts import DEFAULT_FEATURE_CACHE_SIZE, DEFAULT_MAX_TOKENS, MAX_TEXT_CHARS
 from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, default_flow_dtype,
                                     streaming_vocoder_frames)
-from ..token2wav.cosyvoice3 import DEFAULT_VOICE_PREFIXES
-from ..token2wav.dit import DEFAULT_MAX_SPEAKERS
 
 AUTO = "auto"
 FLAGS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -168,7 +166,7 @@ class LLMSettings(GpuSharingSettings):
 
 @dataclass(frozen=True)
 class BlsSettings:
-    """The ``cosyvoice2`` and ``cosyvoice2_dit`` BLS models. Speech tokens come from ``llm_url``
+    """What the text-to-speech models share (:class:`EngineSettings`' base). Speech tokens come from ``llm_url``
     (an OpenAI-compatible completions server, model ``llm_model``; empty: the first it lists) when
     set, else from the Triton model ``llm_model_name`` speaking ``llm_protocol`` (empty: by the name)."""
 
@@ -189,25 +187,33 @@ class BlsSettings:
     # "request timed out after N s" and releases its LLM request and token2wav session
     request_timeout_s: float = 0.0
     # refuse a new request while a stream of this server has less audio buffered ahead of its
-    # listener than this many seconds (0: admit every request); PlaybackBoard
+    # listener than this many seconds (0: admit every request); the engine's Scheduler
     admission_min_buffer_s: float = 0.0
-    # refuse a new request while this server already sends this many streams (0: no cap); PlaybackBoard
+    # refuse a new request while this server already sends this many streams (0: no cap); the engine's Scheduler
     max_streams: int = 0
 
 
 @dataclass(frozen=True)
 class EngineSettings(BlsSettings):
-    """The ``cosyvoice2`` model: the engine core (:mod:`cosyserve.engine`) behind a thin front door.
+    """The ``cosyvoice2``, ``cosyvoice3`` and ``cosyvoice2_dit`` models: the engine core
+    (:mod:`cosyserve.engine`) of ``model_kind`` (cosyvoice2 | cosyvoice3 | step_audio2,
+    :data:`~cosyserve.engine.service.MODEL_KINDS`) behind a thin front door. ``spk2info``: the
+    registered voices (empty: ``model_dir``'s spk2info.pt; Step-Audio2's token2wav directory has
+    none: CosyVoice2's).
 
     Speech tokens: ``llm_url`` (OpenAI-compatible servers) when set, else the Triton model
     ``llm_model_name`` when set (``tensorrt_llm``: TensorRT-LLM; the reference layout), else our
     LLM engine in the loop (``llm_max_slots`` requests decoded at once, ``llm_max_model_len``
     positions each). ``device`` (auto: CUDA when available); the flow in ``token2wav_dtype``
-    (auto: fp16 on CUDA), HiFT's network in ``hift_dtype``; ``cuda_graphs`` (auto: on with CUDA:
-    the flow's steps and HiFT's streaming shapes from CUDA graphs); ``final`` (reference |
-    streaming: how a stream's last chunk is voiced); ``state_pool_gb`` (the flow's state pages;
-    0: a third of the GPU memory free after the LLM loads); ``max_voices`` (voice prompt states
-    kept); ``frontend_backend`` (the speech tokenizer's and speaker encoder's: torch, onnxruntime,
+    (auto: fp16 on CUDA for CosyVoice2 and Step-Audio2, bfloat16 for CosyVoice3's DiT: a plain fp16 DiT
+    gives NaNs upstream), HiFT's network in ``hift_dtype`` (CosyVoice2's; the others' HiFT is fp32);
+    ``cuda_graphs`` (auto: on with CUDA: the flow's steps and HiFT's streaming shapes from CUDA
+    graphs; Step-Audio2's kind runs eagerly); ``final`` (CosyVoice2: reference | streaming: how a
+    stream's last chunk is voiced);
+    ``incremental_stream`` (CosyVoice3: true: a stream's flow samples only its new frames under the
+    DiT's block mask; false: the reference's full-attention re-run over all tokens every chunk);
+    ``state_pool_gb`` (CosyVoice2's flow state pages; 0: a third of the GPU memory free after the
+    LLM loads); ``max_voices`` (voice prompt states kept); ``frontend_backend`` (the speech tokenizer's and speaker encoder's: torch, onnxruntime,
     auto); ``max_step_frames`` / ``max_step_jobs`` (a packed Euler step's budget);
     ``prepare_threads`` (threads that resolve voices and build prompts: a new clip's front-end
     runs there, never in the loop); ``engine_warm_up`` (auto: on with CUDA: the server reports
@@ -215,6 +221,8 @@ class EngineSettings(BlsSettings):
     """
 
     llm_model_name: str = ""  # empty: the LLM engine in the loop
+    model_kind: str = "cosyvoice2"
+    spk2info: Path | None = None
     device: str = AUTO
     llm_max_slots: int = 64
     llm_max_model_len: int = 2048
@@ -223,6 +231,7 @@ class EngineSettings(BlsSettings):
     hift_dtype: str = AUTO
     hift_max_tokens: int = 750
     final: str = "reference"
+    incremental_stream: bool | None = True
     state_pool_gb: float = 0.0
     max_voices: int = 64
     frontend_backend: str = AUTO
@@ -234,18 +243,19 @@ class EngineSettings(BlsSettings):
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
 
-    def flow_dtype(self, device: torch.device) -> torch.dtype:
-        if self.token2wav_dtype == AUTO:
-            return default_flow_dtype(device)
-        return resolve_device_dtype(device, self.token2wav_dtype)[1]
-
-    def options(self, device: torch.device) -> Token2WavOptions:
+    def kind_options(self, device: torch.device) -> dict:
+        """The token2wav kind's options (:func:`~cosyserve.engine.service.load_engine`'s ``kind_options``)."""
         graphs = device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
-        return Token2WavOptions(
-            cuda_graphs=graphs, hift_graphs=graphs,
-            hift_precapture_frames=streaming_vocoder_frames(self.hift_max_tokens) if graphs else (),
-            incremental_stream=True, final=self.final, state_pool_bytes=int(self.state_pool_gb * (1 << 30)),
-            max_voices=self.max_voices, hift_dtype=self.hift_dtype)
+        dtype = None if self.token2wav_dtype == AUTO else resolve_device_dtype(device, self.token2wav_dtype)[1]
+        if self.model_kind == "step_audio2":  # the flow's dtype (auto: fp16 on CUDA); HiFT is fp32
+            return {"dtype": dtype, "max_voices": self.max_voices}
+        if self.model_kind == "cosyvoice3":
+            return {"flow_dtype": dtype, "incremental": self.incremental_stream is not False, "cuda_graphs": graphs,
+                    "max_voices": self.max_voices}
+        return {"flow_dtype": dtype, "cuda_graphs": graphs, "hift_graphs": graphs,
+                "hift_precapture_frames": streaming_vocoder_frames(self.hift_max_tokens) if graphs else (),
+                "final": self.final, "state_pool_bytes": int(self.state_pool_gb * (1 << 30)),
+                "max_voices": self.max_voices, "hift_dtype": self.hift_dtype}
 
     def warm_up_engine(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.engine_warm_up is None else self.engine_warm_up
@@ -261,44 +271,6 @@ class FrontendSettings(ProcessSettings):
     frontend_backend: str = AUTO
 
 
-@dataclass(frozen=True)
-class DitToken2WavSettings(ProcessSettings):
-    """The ``token2wav_dit`` model: ``spk2info`` (the default speakers), ``max_speakers`` cached."""
-
-    model_dir: Path
-    spk2info: Path | None = None
-    max_speakers: int = DEFAULT_MAX_SPEAKERS
-    stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
-
-
-@dataclass(frozen=True)
-class Cv3Token2WavSettings(ProcessSettings):
-    """The CosyVoice3 ``token2wav`` model (template ``token2wav_cosyvoice3``): the flow's ``dtype``
-    (auto: bfloat16 on CUDA, float32 on the CPU: a plain fp16 DiT gives NaNs upstream, bfloat16 has
-    float32's range; layer norms and the attention softmax accumulate in float32 either way; the
-    causal HiFT stays fp32); ``incremental_stream`` (true: a stream's
-    flow samples only its new frames under the DiT's block mask, with cached per-step keys/values;
-    false: the reference's full-attention re-run over the whole prefix every chunk; auto: true);
-    ``voice_prefixes`` (voices whose prompt-only flow states incremental streams share; 0: none);
-    ``cuda_graphs`` (auto: on with CUDA: incremental streams' flow windows replayed from CUDA graphs,
-    :class:`~cosyserve.token2wav.cosyvoice3.Cv3WindowGraphs`)."""
-
-    model_dir: Path
-    dtype: str = AUTO
-    incremental_stream: bool | None = True
-    voice_prefixes: int = DEFAULT_VOICE_PREFIXES
-    cuda_graphs: bool | None = None
-    stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
-
-    def window_graphs(self, device: torch.device) -> bool:
-        return device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
-
-    def flow_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == AUTO:
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return resolve_device_dtype(device, self.dtype)[1]
-
-
 # The settings of each model of ``model_repo/`` that takes parameters (tensorrt_llm is NVIDIA's).
 @dataclass(frozen=True)
 class OfflineProxySettings:
@@ -307,7 +279,6 @@ class OfflineProxySettings:
 
 MODEL_SETTINGS: dict[str, type] = {
     "cosyvoice2_offline": OfflineProxySettings,
-    "token2wav": Token2WavSettings, "llm": LLMSettings, "cosyvoice2": EngineSettings, "cosyvoice2_dit": BlsSettings,
-    "audio_tokenizer": FrontendSettings, "speaker_embedding": FrontendSettings, "token2wav_dit": DitToken2WavSettings,
-    "cosyvoice3": BlsSettings, "token2wav_cosyvoice3": Cv3Token2WavSettings, "audio_tokenizer_cosyvoice3": FrontendSettings,
+    "token2wav": Token2WavSettings, "llm": LLMSettings, "cosyvoice2": EngineSettings, "cosyvoice2_dit": EngineSettings,
+    "audio_tokenizer": FrontendSettings, "speaker_embedding": FrontendSettings,
 }

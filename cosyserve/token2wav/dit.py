@@ -1,6 +1,7 @@
 """DiT token2wav (Step-Audio-2-mini flow + HiFT): speech tokens -> 24 kHz waveform.
 
-Reproduces NVIDIA's ``token2wav_dit`` runtime:
+Reproduces NVIDIA's ``token2wav_dit`` runtime (served here as the engine's Step-Audio2 kind,
+:mod:`cosyserve.engine.kinds.step_audio2`):
 
 * **offline** (:meth:`DitToken2Wav.offline`): per item, flow over prompt‖target tokens with the
   prompt mel as condition, then one HiFT call on the frames after the prompt mel. Items may be
@@ -15,7 +16,7 @@ Reproduces NVIDIA's ``token2wav_dit`` runtime:
   last 100 entries, and HiFT runs through :class:`HiftStream` (8-frame overlap, cross-fade).
   Per-request state is released on the last chunk, on any error and on :meth:`DitStream.close`.
 
-The BLS-side chunk schedule is :class:`~cosyserve.schedule.DitChunkScheduler`.
+A stream's chunk schedule is :class:`~cosyserve.schedule.DitChunkScheduler`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ from .vocoder_stream import HiftStream, SineNoiseProvider, VocoderChunk
 
 ESTIMATOR_CACHE_KEEP = 100  # oldest estimator-cache entries kept besides the first P
 DEFAULT_MAX_SPEAKERS = 8  # each real-size speaker cache holds ~0.6 MiB (fp16) per prompt frame
+# The front-end files of a Step-Audio-2-mini ``token2wav/`` directory (the same models as CosyVoice2's
+# speech_tokenizer_v2.onnx and campplus.onnx)
+DIT_TOKENIZER_ONNX = "speech_tokenizer_v2_25hz.onnx"
+DIT_SPEAKER_ONNX = "campplus.onnx"
 
 # ---------------------------------------------------------------------------------- inputs
 @dataclass(frozen=True)

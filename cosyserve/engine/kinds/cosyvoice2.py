@@ -1,7 +1,8 @@
 """CosyVoice2's token2wav as a kind of the engine: the UNet flow (incremental windows and
 full passes, packed per Euler step) and HiFT with overlapping streaming chunks.
 
-What the engine asks of a kind: a chunk schedule, flow jobs for a stream's chunks and for
+What the engine asks of a kind (CosyVoice3's, :mod:`.cosyvoice3`, answers the same): a chunk
+schedule, the voices it keeps and gauges of its state, flow jobs for a stream's chunks and for
 offline requests, one packed Euler step over any set of its jobs (:meth:`CosyVoice2Kind.step`),
 the mel of a done job, and batched vocoding. Everything else (requests, LLM, scheduling,
 admission) is the engine's and the same for every kind.
@@ -87,6 +88,21 @@ class CosyVoice2Kind:
 
     def chunk_schedule(self, strategy: str) -> ChunkScheduler:
         return ChunkScheduler(strategy)
+
+    @property
+    def max_voices(self) -> int:
+        """Voices whose prompt state is kept."""
+        return self.flow_engine.max_voices
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        """The kind's state as gauges (``cosyserve_token2wav_<name>``): name -> (help, value)."""
+        flow = self.flow_engine
+        return {"open_streams": ("streams holding flow state in the engine", flow.open_streams),
+                "state_pages": ("pages of the flow engine's state pool", flow.pool.pages),
+                "state_pages_in_use": ("state pages held by streams and cached voices",
+                                       flow.pool.pages - flow.pool.free_pages),
+                "state_voice_pages": ("state pages holding cached voices' prompt state", flow.voice_pages),
+                "voices_cached": ("voices whose prompt state is kept", flow.cached_voices)}
 
     # ----- streams -----
 

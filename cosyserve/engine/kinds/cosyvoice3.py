@@ -1,0 +1,417 @@
+"""CosyVoice3's token2wav as a kind of the engine: the DiT flow's windows packed per Euler step
+(:class:`~cosyserve.token2wav.cosyvoice3_packed.PackedWindowSampler`) and the causal HiFT.
+
+A stream's chunk is, by ``incremental``:
+
+* ``True`` (default): a window job, the frames after the stream's committed 50-frame blocks
+  (:meth:`~cosyserve.models.cosyvoice3.flow.Cv3FlowStream.push`'s computation, its state committed
+  after the job's last step). Streams of one voice start after the voice's prefix (its prompt-only
+  blocks), kept for the last ``max_voices`` voices: computed at :meth:`CosyVoice3Kind.warm_voice`,
+  or taken from the first window of a voice's first stream (those frames do not depend on the
+  target tokens), so a new voice costs no extra pass and never holds up the loop;
+* ``False``: the reference's re-run, a full-attention pass over prompt + every token so far whose
+  frames already sent are dropped (``CosyVoice3Token2Wav._rerun``).
+
+An offline request is one full-attention pass over prompt + all tokens. Every job takes one Euler
+step per :meth:`CosyVoice3Kind.step`, packed with every other job (windows and passes at any step).
+Each stream vocodes its new frames with its :class:`~cosyserve.models.cosyvoice3.hift.CausalHiftStream`
+(960 samples per token that left the look-ahead).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...errors import InvalidInputError
+from ...frontend.prompt import PromptFeatures
+from ...models.cosyvoice3.dit import WindowState
+from ...models.cosyvoice3.flow import CosyVoice3Flow, Cv3VoicePrefix, load_cosyvoice3_flow
+from ...models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, load_causal_hift
+from ...models.flow.cfm import NOISE_FRAMES, fixed_noise
+from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
+from ...token2wav.cosyvoice3 import DEFAULT_VOICE_PREFIXES
+from ...token2wav.cosyvoice3_packed import EMPTY_STATE, PackedWindowSampler, WindowJob, token_conditions
+
+
+@dataclass(eq=False)
+class Cv3Prompt:
+    """A voice's prompt on the device: tokens (1, P) (and on the host, to prefix a chunk's tokens),
+    mel (1, 2P, 80), speaker vector (1, 80), the frames of its shareable prefix and its key."""
+
+    host_tokens: torch.Tensor
+    tokens: torch.Tensor
+    feat: torch.Tensor
+    spks: torch.Tensor
+    prefix_frames: int
+    key: bytes
+
+    @property
+    def frames(self) -> int:
+        return self.feat.shape[1]
+
+
+@dataclass(eq=False)
+class Cv3Job:
+    """One chunk's (or offline request's) flow work; ``window`` None: it adds no frame (done at once)."""
+
+    finalize: bool
+    window: WindowJob | None
+    skip: int = 0  # leading window frames not returned (sent before, or the prompt's)
+    voicing: "Cv3Voicing | None" = None
+    commit: int = 0  # window frames the stream commits after the last step
+    offer: int = 0  # window frames offered as the voice's prefix after the last step
+
+    @property
+    def done(self) -> bool:
+        return self.window is None or self.window.done
+
+    @property
+    def frames(self) -> int:
+        """Estimator frames it adds to a packed step."""
+        return 0 if self.window is None else self.window.width
+
+
+@dataclass(eq=False)
+class Cv3Voicing:
+    """A stream's token2wav state: its committed flow state, what it has received and sent, its vocoder."""
+
+    kind: "CosyVoice3Kind" = field(repr=False)
+    prompt: Cv3Prompt
+    vocoder: CausalHiftStream
+    state: WindowState = EMPTY_STATE  # incremental: committed frames, prompt included
+    emitted: int = 0  # incremental: frames returned so far, prompt included
+    sent: int = 0  # re-run: target frames returned so far
+    received: int = 0  # target tokens received (checked) so far
+    finished: bool = False
+    job: Cv3Job | None = None
+    closed: bool = False
+
+    def close(self) -> None:
+        self.kind._close(self)
+
+
+class CosyVoice3Kind:
+    """Over a CosyVoice3 flow (in ``dtype`` on ``device``) and causal HiFT (float32, F0 in float64).
+    ``cuda_graphs`` / ``padded``: the sampler's (:class:`PackedWindowSampler`, ``sampler_options``:
+    its buckets and budgets). ``max_voices``: voices whose prefix is kept (real size, a 5 s prompt's
+    holds ~360 MB in bfloat16)."""
+
+    name = "cosyvoice3"
+    sample_rate = OUTPUT_SAMPLE_RATE
+
+    def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFTGenerator, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, *, incremental: bool = True,
+                 max_voices: int = DEFAULT_VOICE_PREFIXES, cuda_graphs: bool = False, padded: bool = False,
+                 **sampler_options) -> None:
+        self.device, self.dtype = torch.device(device), dtype
+        self.flow = flow.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+        self.hift = hift.to(device=self.device).eval().requires_grad_(False)
+        self.cfg = self.flow.cfg
+        self.sampler = PackedWindowSampler(self.flow.decoder, padded=padded, cuda_graphs=cuda_graphs,
+                                           **sampler_options)
+        self.incremental = incremental
+        self.max_voices = max_voices if incremental else 0
+        self._prefixes: OrderedDict[bytes, Cv3VoicePrefix] = OrderedDict()
+        self.prefix_hits = self.prefix_misses = 0
+        self._open = 0
+
+    @property
+    def open_streams(self) -> int:
+        """Voicings opened and not closed."""
+        return self._open
+
+    @property
+    def cached_voices(self) -> int:
+        return len(self._prefixes)
+
+    def chunk_schedule(self, strategy: str) -> ChunkScheduler:
+        return ChunkScheduler(strategy)
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        """The kind's state as gauges (``cosyserve_token2wav_<name>``): name -> (help, value)."""
+        return {"open_streams": ("streams holding flow state in the engine", self.open_streams),
+                "voices_cached": ("voices whose prompt-only flow states are kept", self.cached_voices),
+                "voice_prefix_hits": ("streams that started after their voice's kept prefix", self.prefix_hits),
+                "voice_prefix_misses": ("streams whose voice had no kept prefix", self.prefix_misses)}
+
+    def check_tokens(self, tokens) -> None:
+        """InvalidInputError unless every id is a speech token 0..vocab-1 (host only, no device work)."""
+        if len(tokens) and (min(tokens) < 0 or max(tokens) >= self.cfg.vocab_size):
+            raise InvalidInputError(f"speech tokens must be in 0..{self.cfg.vocab_size - 1}; got "
+                                    f"{min(tokens)}..{max(tokens)}")
+
+    # ----- voices and streams -----
+
+    def _prompt(self, features: PromptFeatures) -> Cv3Prompt:
+        tokens = features.speech_tokens.reshape(1, -1).long()
+        feat = features.speech_feat.reshape(1, -1, features.speech_feat.shape[-1])
+        if feat.shape[2] != self.cfg.output_size or feat.shape[1] != self.cfg.token_mel_ratio * tokens.shape[1]:
+            raise InvalidInputError(f"prompt_feat must be ({self.cfg.token_mel_ratio}·prompt tokens, "
+                                    f"{self.cfg.output_size}); got {tuple(feat.shape[1:])} for "
+                                    f"{tokens.shape[1]} tokens")
+        self.check_tokens(tokens[0].tolist())
+        spks = self.flow.speaker_vector(_to_device(features.embedding.reshape(1, -1), self.device).to(self.dtype))
+        key = b""
+        if self.max_voices:
+            digest = hashlib.blake2b(digest_size=16)
+            for tensor in (features.speech_tokens, features.speech_feat, features.embedding):
+                digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+            key = digest.digest()
+        return Cv3Prompt(tokens, _to_device(tokens, self.device), _to_device(feat, self.device).to(self.dtype),
+                         spks, self.flow.voice_prefix_frames(tokens.shape[1]), key)
+
+    @torch.inference_mode()
+    def open(self, features: PromptFeatures) -> Cv3Voicing:
+        """A stream's state, after its voice's kept prefix when there is one."""
+        prompt = self._prompt(features)
+        voicing = Cv3Voicing(self, prompt, CausalHiftStream(self.hift), emitted=prompt.frames)
+        prefix = self.voice_prefix(features, prompt)
+        if prefix is not None:
+            voicing.state = prefix.state
+        self._open += 1
+        return voicing
+
+    def voice_prefix(self, features: PromptFeatures, prompt: Cv3Prompt | None = None) -> Cv3VoicePrefix | None:
+        """The kept prefix of a voice (counted as a hit or a miss), None if none is kept."""
+        if not self.max_voices:
+            return None
+        key = (prompt or self._prompt(features)).key
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            self.prefix_misses += 1
+        else:
+            self._prefixes.move_to_end(key)
+            self.prefix_hits += 1
+        return prefix
+
+    def _keep_prefix(self, key: bytes, prefix: Cv3VoicePrefix) -> None:
+        if key not in self._prefixes:
+            self._prefixes[key] = prefix
+            while len(self._prefixes) > self.max_voices:
+                self._prefixes.popitem(last=False)
+
+    def _close(self, voicing: Cv3Voicing) -> None:
+        if voicing.closed:
+            return
+        if voicing.job is not None:
+            self.abort([voicing.job])
+        voicing.closed = voicing.finished = True
+        voicing.state = EMPTY_STATE
+        self._open -= 1
+
+    @torch.inference_mode()
+    def warm_voice(self, features: PromptFeatures) -> None:
+        """Compute and keep a voice's prefix now (at load, not under a first request)."""
+        prompt = self._prompt(features)
+        frames = prompt.prefix_frames
+        if not self.max_voices or not frames or prompt.key in self._prefixes:
+            return
+        mu, cond = token_conditions(self.flow, prompt.tokens, prompt.feat, finalize=False)
+        job = self.sampler.new_job(EMPTY_STATE, self._noise(0, frames), mu[:, :, :frames], cond[:, :, :frames],
+                                   prompt.spks, keep=frames)
+        while not job.done:
+            self.sampler.step([job])
+        self._keep_prefix(prompt.key, Cv3VoicePrefix(job.state_after(frames)))
+
+    def warm_up(self, features: PromptFeatures, tokens: int = 120) -> None:
+        """Capture the sampler's graphs (CUDA graphs on) and run every stage once: a stream of
+        ``tokens`` tokens through its chunk schedule, and an offline request (at load)."""
+        if self.sampler.cuda_graphs:
+            self.sampler.capture_all()
+        ids = [0] * tokens
+        voicing, schedule = self.open(features), self.chunk_schedule("exponential")
+        try:
+            while True:
+                chunk = schedule.next_chunk(tokens) or schedule.final_chunk(tokens)
+                (job,) = self.start_chunks([(voicing, ids[:chunk.num_tokens], chunk.token_offset, chunk.finalize)])
+                self._run([job])
+                self.vocode([(voicing, self.mel(job), chunk.finalize)])
+                if chunk.finalize:
+                    break
+        finally:
+            voicing.close()
+        job = self.start_offline(features, ids)
+        self._run([job])
+        self.vocode([(None, self.mel(job), True)])
+        self.synchronize()
+
+    def _run(self, jobs: list[Cv3Job]) -> None:
+        while not all(job.done for job in jobs):
+            self.step(jobs)
+
+    # ----- flow jobs -----
+
+    def _noise(self, start: int, end: int) -> torch.Tensor:
+        return fixed_noise(end, self.device, self.dtype)[:, :, start:end]
+
+    def _conditions(self, prompt: Cv3Prompt, tokens: list[int], finalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.cat([prompt.host_tokens, torch.tensor([tokens], dtype=torch.long).reshape(1, -1)], dim=1)
+        return token_conditions(self.flow, _to_device(ids, self.device), prompt.feat, finalize)
+
+    def start_chunks(self, chunks: list[tuple[Cv3Voicing, list[int], int, bool]]) -> list[Cv3Job]:
+        """Flow jobs of streams' chunks: (voicing, tokens so far, tokens already voiced, finalize).
+        Every chunk is checked (InvalidInputError) before any starts; on any error no stream changes
+        (the core then starts the chunks one by one)."""
+        for voicing, tokens, offset, _ in chunks:
+            if voicing.closed or voicing.finished or voicing.job is not None:
+                raise InvalidInputError("this stream is finished, closed or has a chunk under way")
+            if len(tokens) < voicing.received or not 0 <= offset <= len(tokens):
+                raise InvalidInputError(f"chunk of {len(tokens)} tokens (offset {offset}) after "
+                                        f"{voicing.received} tokens; send all tokens so far, offset within them")
+            self.check_tokens(tokens[voicing.received:])
+            self._check_length(voicing.prompt, tokens)
+        before = [(v.emitted, v.sent) for v, *_ in chunks]
+        try:
+            with torch.inference_mode():
+                jobs = [self._start_window(v, list(t), f) if self.incremental else self._start_rerun(v, list(t), f)
+                        for v, t, _, f in chunks]
+        except BaseException:
+            for (voicing, *_), (emitted, sent) in zip(chunks, before):
+                voicing.emitted, voicing.sent = emitted, sent
+            raise
+        for (voicing, tokens, _, finalize), job in zip(chunks, jobs):
+            voicing.received, voicing.finished = len(tokens), finalize
+            voicing.job = None if job.done else job
+        return jobs
+
+    def _check_length(self, prompt: Cv3Prompt, tokens: list[int]) -> None:
+        frames = prompt.frames + self.cfg.token_mel_ratio * len(tokens)
+        if frames > NOISE_FRAMES:
+            raise InvalidInputError(f"{len(tokens)} speech tokens after the prompt make {frames} mel frames, over "
+                                    f"the flow's {NOISE_FRAMES} ({NOISE_FRAMES // 50} s); split the request")
+
+    def _start_window(self, v: Cv3Voicing, tokens: list[int], finalize: bool) -> Cv3Job:
+        """Cv3FlowStream.push's window as a job; the stream's state is committed after its last step."""
+        p, chunk = v.prompt, self.cfg.estimator.static_chunk_size
+        lookahead = 0 if finalize else self.cfg.pre_lookahead_len
+        total = p.tokens.shape[1] + len(tokens)
+        end = self.cfg.token_mel_ratio * (total - lookahead)
+        if total <= lookahead or end <= v.emitted:
+            return Cv3Job(finalize, None)
+        mu, cond = self._conditions(p, tokens, finalize)
+        start = v.state.frames
+        commit = 0 if finalize else end // chunk * chunk - start  # a final state is never used
+        offer = p.prefix_frames if (start == 0 and p.prefix_frames and self.max_voices
+                                    and p.key not in self._prefixes) else 0
+        window = self.sampler.new_job(v.state, self._noise(start, end), mu[:, :, start:], cond[:, :, start:], p.spks,
+                                      keep=max(commit, offer))
+        job = Cv3Job(finalize, window, v.emitted - start, v, commit, offer)
+        v.emitted = end
+        return job
+
+    def _start_rerun(self, v: Cv3Voicing, tokens: list[int], finalize: bool) -> Cv3Job:
+        """The reference's step: a full-attention pass over every token so far, less the frames sent."""
+        if len(tokens) <= (0 if finalize else self.cfg.pre_lookahead_len):
+            return Cv3Job(finalize, None)
+        job = self._full_pass(v.prompt, tokens, finalize, v.sent)
+        job.voicing = v
+        v.sent = max(v.sent, job.frames - v.prompt.frames)
+        return job
+
+    def _full_pass(self, prompt: Cv3Prompt, tokens: list[int], finalize: bool, sent: int) -> Cv3Job:
+        mu, cond = self._conditions(prompt, tokens, finalize)
+        window = self.sampler.new_job(EMPTY_STATE, self._noise(0, mu.shape[2]), mu, cond, prompt.spks, full=True)
+        return Cv3Job(finalize, window, prompt.frames + sent)
+
+    def start_offline(self, features: PromptFeatures, tokens: list[int]) -> Cv3Job:
+        """An offline request's pass: full attention over prompt + all ``tokens``."""
+        if not len(tokens):
+            raise InvalidInputError("no speech tokens to synthesise")
+        self.check_tokens(tokens)
+        with torch.inference_mode():
+            prompt = self._prompt(features)
+            self._check_length(prompt, tokens)
+            return self._full_pass(prompt, list(tokens), True, 0)
+
+    @torch.inference_mode()
+    def step(self, jobs: list[Cv3Job]) -> None:
+        """One Euler step of every job under way (the done ones are skipped), packed."""
+        live = [job for job in jobs if not job.done]
+        if not live:
+            return
+        self.sampler.step([job.window for job in live])
+        for job in live:
+            if job.done:
+                self._complete(job)
+
+    def _complete(self, job: Cv3Job) -> None:
+        """After a window's last step: commit the stream's state, keep the voice's prefix it offers."""
+        v, window = job.voicing, job.window
+        if v is not None and self.incremental:
+            if job.offer:
+                self._keep_prefix(v.prompt.key, Cv3VoicePrefix(window.state_after(job.offer)))
+            v.state = window.state_after(job.commit)
+        window.release()
+        if v is not None:
+            v.job = None
+
+    def mel(self, job: Cv3Job) -> torch.Tensor:
+        """A done job's new mel (1, 80, f) float32."""
+        if job.window is None:
+            return torch.zeros(1, self.cfg.output_size, 0, device=self.device)
+        return job.window.x[:, :, job.skip:].float()
+
+    def abort(self, jobs: list[Cv3Job]) -> None:
+        """Release what unfinished jobs hold; their streams cannot go on (their state missed a commit)."""
+        for job in jobs:
+            if job.window is not None:
+                job.window.release()
+                job.window = None
+            if job.voicing is not None and job.voicing.job is job:
+                job.voicing.job = None
+                job.voicing.finished = True
+
+    def step_finished(self):
+        """A CUDA event that completes when the work launched so far has run (None on the CPU)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ----- vocoder -----
+
+    @torch.inference_mode()
+    def vocode(self, items: list[tuple[Cv3Voicing | None, torch.Tensor, bool]]) -> list[np.ndarray]:
+        """PCM (float32) of each (stream's voicing, or None for an offline request; mel; final chunk)."""
+        pcm = []
+        for voicing, mel, final in items:
+            if voicing is not None:
+                speech = voicing.vocoder.push(mel, final)
+            elif mel.shape[2]:
+                speech = self.hift.inference(mel, finalize=True)[0]
+            else:
+                speech = mel.new_zeros(1, 0)
+            pcm.append(speech.detach().to("cpu", torch.float32).reshape(-1).numpy())
+        return pcm
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without waiting for the device's queued work (pinned, asynchronous)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def load_cosyvoice3_kind(model_dir: str | Path, device: torch.device | str = "cpu", *,
+                         flow_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
+                         **options) -> CosyVoice3Kind:
+    """``Fun-CosyVoice3-0.5B-2512/`` (cosyvoice3.yaml, flow.pt, hift.pt) -> :class:`CosyVoice3Kind`.
+    ``flow_dtype`` None: bfloat16 on CUDA (a plain fp16 DiT gives NaNs), float32 on the CPU;
+    ``cuda_graphs`` None: on CUDA; ``options``: the kind's."""
+    device = torch.device(device)
+    dtype = flow_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    flow = load_cosyvoice3_flow(model_dir, device, dtype)
+    hift = load_causal_hift(model_dir, device)
+    graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+    return CosyVoice3Kind(flow, hift, device, dtype, cuda_graphs=graphs, **options)

@@ -1,0 +1,323 @@
+"""CosyVoice3 as a kind of the engine (tiny random flow and HiFT, CPU): packed Euler steps of many
+streams' windows, each row at its own step, against each stream's own ``Cv3FlowStream.push``; the
+padded buffers against the unpadded step; the re-run and offline passes against
+``CosyVoice3Token2Wav``; streams that open, abort and finish leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from cosyserve.engine.core import EngineCore
+from cosyserve.engine.kinds.cosyvoice3 import CosyVoice3Kind
+from cosyserve.engine.request import EngineRequest
+from cosyserve.engine.runners.llm import BackendLLM
+from cosyserve.errors import InvalidInputError
+from cosyserve.frontend.prompt import PromptFeatures, Voice
+from cosyserve.llm.stream import Finished, TokenStream
+from cosyserve.models.cosyvoice3.config import CausalHiftConfig, Cv3FlowConfig
+from cosyserve.models.cosyvoice3.flow import CosyVoice3Flow, Cv3FlowStream
+from cosyserve.models.cosyvoice3.hift import CausalHiFTGenerator
+from cosyserve.pipeline.tts import SegmentPrompt, TokenLimits
+from cosyserve.schedule import ChunkScheduler
+from cosyserve.token2wav.cosyvoice3 import CosyVoice3Token2Wav
+
+torch.set_num_threads(2)
+MEL_ATOL = 1e-4  # fp32 rounding (measured ~1e-6)
+# Small buckets and budgets, so the tiny streams (prompt 80 frames, windows 30..140) use several
+# shapes, split steps into groups and leave some jobs (committed frames over 200) to the eager fallback.
+SMALL_GRID = dict(job_buckets=(1, 2, 4), past_buckets=(0, 50, 100, 200), width_buckets=(64, 128, 256),
+                  past_budget=400, width_budget=512)
+
+
+@pytest.fixture(scope="module")
+def models():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        flow = CosyVoice3Flow(Cv3FlowConfig.tiny())
+        hift = CausalHiFTGenerator(CausalHiftConfig.tiny()).f0_in_float64().fold_weight_norm()
+    return flow.eval().requires_grad_(False), hift.eval().requires_grad_(False)
+
+
+def random_features(prompt_tokens: int, seed: int) -> PromptFeatures:
+    g = torch.Generator().manual_seed(seed)
+    return PromptFeatures(torch.randint(0, 6561, (prompt_tokens,), generator=g).int(),
+                          torch.randn(2 * prompt_tokens, 80, generator=g), torch.randn(192, generator=g))
+
+
+@pytest.fixture(scope="module")
+def features():
+    return random_features(40, 1)  # 80 prompt frames: a 50-frame voice prefix
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+STREAMS = [tokens(130, 11), tokens(60, 12), tokens(95, 13)]
+STARTS = [0, 3, 7]  # iterations the streams start at: their rows are at different Euler steps
+
+
+def chunks_of(n: int):
+    schedule = ChunkScheduler("exponential")
+    while (chunk := schedule.next_chunk(n)) is not None:
+        yield chunk
+    yield schedule.final_chunk(n)
+
+
+def drive(kind: CosyVoice3Kind, features, streams=STREAMS, starts=STARTS, vocode=False) -> list[list]:
+    """The engine's use of a kind, without its LLM: every iteration starts the next chunk of each
+    stream that has none under way (all at once), steps every job, collects the done ones."""
+    plans = [list(chunks_of(len(ids))) for ids in streams]
+    voicings, jobs, out = [None] * len(streams), [None] * len(streams), [[] for _ in streams]
+    iteration = 0
+    while any(plans) or any(jobs):
+        ready = [i for i, plan in enumerate(plans) if plan and jobs[i] is None and iteration >= starts[i]]
+        for i in ready:
+            voicings[i] = voicings[i] or kind.open(features)
+        started = kind.start_chunks([(voicings[i], streams[i][:plans[i][0].num_tokens], plans[i][0].token_offset,
+                                      plans[i][0].finalize) for i in ready]) if ready else []
+        for i, job in zip(ready, started):
+            jobs[i] = job
+            plans[i].pop(0)
+        kind.step([job for job in jobs if job is not None])
+        for i, job in enumerate(jobs):
+            if job is not None and job.done:
+                mel = kind.mel(job)
+                out[i].append(kind.vocode([(voicings[i], mel, job.finalize)])[0] if vocode else mel)
+                jobs[i] = None
+                if job.finalize:
+                    voicings[i].close()
+        iteration += 1
+    return out
+
+
+def flow_stream_mels(flow, features, ids: list[int], prefix=None) -> list[torch.Tensor]:
+    f = features
+    stream = Cv3FlowStream(flow, f.speech_tokens.reshape(1, -1).long(), f.speech_feat[None], f.embedding[None],
+                           prefix=prefix)
+    mels, received = [], 0
+    for chunk in chunks_of(len(ids)):
+        mels.append(stream.push(torch.tensor(ids[received:chunk.num_tokens], dtype=torch.long)[None], chunk.finalize))
+        received = chunk.num_tokens
+    return mels
+
+
+def max_diff(got: list[list[torch.Tensor]], expected: list[list[torch.Tensor]]) -> float:
+    worst = 0.0
+    for stream_got, stream_expected in zip(got, expected, strict=True):
+        assert [m.shape for m in stream_got] == [m.shape for m in stream_expected]
+        worst = max([worst] + [(a - b).abs().max().item() for a, b in zip(stream_got, stream_expected) if a.numel()])
+    return worst
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
+def test_packed_windows_equal_each_streams_own_pushes(models, features, padded):
+    """Without voice prefixes, every stream's chunks equal its Cv3FlowStream's, the final one included."""
+    flow, hift = models
+    kind = CosyVoice3Kind(flow, hift, max_voices=0, padded=padded, **SMALL_GRID)
+    steps, sampler_step = [], kind.sampler.step
+    kind.sampler.step = lambda jobs: (steps.append({job.step for job in jobs}), sampler_step(jobs))
+    got = drive(kind, features)
+    assert any(len(s) > 1 for s in steps)  # rows at different Euler steps in one step
+    assert max_diff(got, [flow_stream_mels(flow, features, ids) for ids in STREAMS]) < MEL_ATOL
+    assert sum(m.shape[2] for m in got[0]) == 2 * len(STREAMS[0])
+    assert kind.sampler.calls > 0 and kind.open_streams == 0 and kind.cached_voices == 0
+    if padded:  # some steps split into groups, some jobs fit no shape (over 200 committed frames)
+        assert kind.sampler.calls > len(steps) and kind.sampler.eager_calls > 0
+
+
+def test_streams_start_after_the_voices_shared_prefix(models, features):
+    """A warmed voice's streams start after its prefix and equal pushes from that prefix; a voice
+    not warmed takes its prefix from its first stream's first window, which its later streams use."""
+    flow, hift = models
+    kind = CosyVoice3Kind(flow, hift, max_voices=2, padded=True, **SMALL_GRID)
+    kind.warm_voice(features)
+    prefix = kind.voice_prefix(features)
+    assert prefix is not None and prefix.frames == 50
+    got = drive(kind, features)
+    assert max_diff(got, [flow_stream_mels(flow, features, ids, prefix) for ids in STREAMS]) < MEL_ATOL
+    assert kind.prefix_hits == 1 + len(STREAMS)
+
+    other = random_features(30, 2)
+    starts = [0, 12]  # the second stream opens after the first one's first window committed
+    got = drive(kind, other, STREAMS[:2], starts)
+    offered = kind.voice_prefix(other)
+    assert offered is not None and offered.frames == 50 and kind.cached_voices == 2
+    expected = [flow_stream_mels(flow, other, STREAMS[0]), flow_stream_mels(flow, other, STREAMS[1], offered)]
+    assert max_diff(got, expected) < MEL_ATOL
+    # the offered prefix is the voice's own prefix (sampled apart by a stream that keeps it)
+    kept = Cv3FlowStream(flow, other.speech_tokens.reshape(1, -1).long(), other.speech_feat[None],
+                         other.embedding[None], keep_prefix=True)
+    kept.push(torch.tensor([STREAMS[0][:18]]))
+    torch.testing.assert_close(offered.state.kv, kept.prefix.state.kv, rtol=0, atol=MEL_ATOL)
+    assert kind.open_streams == 0
+
+
+def test_padded_buffers_equal_the_unpadded_step(models, features):
+    """Jobs, committed frames and windows padded to buckets (in shared buffers) change no frame."""
+    flow, hift = models
+    runs = [drive(CosyVoice3Kind(flow, hift, max_voices=1, padded=padded, **grid), features)
+            for padded, grid in ((False, {}), (True, {}), (True, SMALL_GRID))]
+    assert max_diff(runs[1], runs[0]) < 1e-5 and max_diff(runs[2], runs[0]) < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a capture that fails: no CUDA")
+def test_a_failed_capture_runs_that_shape_eagerly(models, features, caplog):
+    flow, hift = models
+    kind = CosyVoice3Kind(flow, hift, max_voices=0, cuda_graphs=True, **SMALL_GRID)
+    got = drive(kind, features, STREAMS[:1], [0])
+    assert max_diff(got, [flow_stream_mels(flow, features, STREAMS[0])]) < MEL_ATOL
+    assert kind.sampler.num_graphs == 0 and kind.sampler.replays == 0 and "runs eagerly" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphs_replay_the_eager_steps(models, features):
+    """Every shape of the grid captured at load; the streams' steps replay them (none captured under load)."""
+    flow, hift = (copy.deepcopy(m).to("cuda") for m in models)
+    eager = CosyVoice3Kind(flow, hift, "cuda", max_voices=1, padded=True, **SMALL_GRID)  # the same shapes
+    graphed = CosyVoice3Kind(flow, hift, "cuda", max_voices=1, cuda_graphs=True, **SMALL_GRID)
+    assert graphed.sampler.capture_all() == len(graphed.sampler.grid())
+    graphs = graphed.sampler.num_graphs
+    assert max_diff(drive(graphed, features), drive(eager, features)) < MEL_ATOL
+    assert graphed.sampler.replays > 0 and graphed.sampler.num_graphs == graphs
+
+
+def test_the_rerun_and_offline_passes_equal_cosyvoice3_token2wav(models, features):
+    flow, hift = models
+    kind = CosyVoice3Kind(flow, hift, incremental=False, padded=True, **SMALL_GRID)
+    reference = CosyVoice3Token2Wav(flow, hift, incremental=False)
+    voice = Voice("prompt text", features)
+    streams = STREAMS[:2]
+    got = drive(kind, features, streams, [0, 4], vocode=True)
+    for i, ids in enumerate(streams):
+        expected = [reference.step(f"r{i}", ids[:c.num_tokens], voice, c.token_offset, c.finalize)
+                    for c in chunks_of(len(ids))]
+        assert [p.size for p in got[i]] == [p.size for p in expected]
+        assert sum(p.size for p in got[i]) == 960 * len(ids)
+        assert np.abs(np.concatenate(got[i]) - np.concatenate(expected)).max() < 1e-4
+
+    ids = tokens(70, 21)
+    job = kind.start_offline(features, ids)
+    while not job.done:
+        kind.step([job])
+    (pcm,) = kind.vocode([(None, kind.mel(job), True)])
+    expected = reference.offline("o", ids, voice)
+    assert pcm.size == expected.size == 960 * len(ids)
+    assert np.abs(pcm - expected).max() < 1e-4
+    assert kind.open_streams == 0 and reference.open_sessions == 0
+
+
+def test_open_abort_and_finish_leave_no_stream_behind(models, features):
+    flow, hift = models
+    kind = CosyVoice3Kind(flow, hift, padded=True, **SMALL_GRID)
+    ids = tokens(60, 31)
+    finished, aborted, idle = (kind.open(features) for _ in range(3))
+    assert kind.open_streams == 3
+    jobs = kind.start_chunks([(finished, ids, 0, True), (aborted, ids[:18], 0, False)])
+    for _ in range(4):
+        kind.step(jobs)
+    kind.abort([jobs[1]])
+    assert jobs[1].window is None and aborted.job is None
+    with pytest.raises(InvalidInputError, match="finished"):
+        kind.start_chunks([(aborted, ids[:43], 15, False)])
+    aborted.close()
+    while not jobs[0].done:
+        kind.step(jobs)
+    (pcm,) = kind.vocode([(finished, kind.mel(jobs[0]), True)])
+    assert pcm.size == 960 * len(ids)
+    finished.close()
+    idle.close()
+    idle.close()  # harmless twice
+    assert kind.open_streams == 0
+    closing = kind.open(features)  # closed with a chunk under way
+    (job,) = kind.start_chunks([(closing, ids[:18], 0, False)])
+    kind.step([job])
+    closing.close()
+    assert kind.open_streams == 0 and job.window is None
+
+
+def test_bad_token_ids_raise_before_any_work(models, features):
+    flow, hift = models
+    kind = CosyVoice3Kind(flow, hift)
+    good, bad = kind.open(features), kind.open(features)
+    for ids in ([1, 2, 6561] + [0] * 20, [-1] * 20):
+        with pytest.raises(InvalidInputError, match="0..6560"):
+            kind.start_chunks([(good, tokens(20, 1), 0, False), (bad, ids, 0, False)])
+        with pytest.raises(InvalidInputError, match="0..6560"):
+            kind.start_offline(features, ids)
+    assert good.received == good.emitted - 80 == 0 and good.job is None and kind.sampler.calls == 0
+    (job,) = kind.start_chunks([(good, tokens(20, 1), 0, False)])  # the stream is untouched
+    assert job.frames == 2 * (40 + 20 - 3)
+    with pytest.raises(InvalidInputError, match="no speech tokens"):
+        kind.start_offline(features, [])
+    with pytest.raises(InvalidInputError, match="split the request"):
+        kind.start_chunks([(bad, [0] * 7500, 0, False)])
+    good.close()
+    bad.close()
+    assert kind.open_streams == 0
+
+
+class ScriptedLLM:
+    """An LLM back end that streams given speech tokens per request id from a thread."""
+
+    def __init__(self, scripts: dict[str, list[int]]):
+        self.scripts = scripts
+
+    def generate_stream(self, prompt_ids, params, request_id=None) -> TokenStream:
+        stream = TokenStream(request_id, lambda: None)
+
+        def produce():
+            for token in self.scripts[request_id]:
+                stream.put(token)
+            stream.put(Finished("stop"))
+        threading.Thread(target=produce, daemon=True).start()
+        return stream
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_engine_core_voices_streams_and_offline_requests(models, features):
+    """Through EngineCore: concurrent streams and an offline request give the reference's audio,
+    and every voicing is closed when they end."""
+    flow, hift = models
+    kind = CosyVoice3Kind(flow, hift, padded=True, **SMALL_GRID)
+    reference = CosyVoice3Token2Wav(flow, hift, voice_prefixes=0)
+    voice = Voice("prompt text", features)
+    scripts = {"s0": STREAMS[0], "s1": STREAMS[1], "off": tokens(50, 41)}
+    core = EngineCore(kind, BackendLLM(ScriptedLLM(scripts))).start()
+    pieces = {rid: [] for rid in scripts}
+    ends: dict[str, BaseException | None] = {}
+    done = threading.Event()
+
+    def finish(rid):
+        def record(error):
+            ends[rid] = error
+            if len(ends) == len(scripts):
+                done.set()
+        return record
+
+    try:
+        for rid in scripts:
+            core.submit(EngineRequest(rid, iter([SegmentPrompt(rid, "text", [1, 2, 3])]), voice, TokenLimits(200),
+                                      rid != "off", pieces[rid].append, finish(rid)))
+        assert done.wait(60)
+    finally:
+        core.close()
+    assert all(error is None for error in ends.values()), ends
+    for rid in ("s0", "s1"):
+        ids = scripts[rid]
+        expected = np.concatenate([reference.step(rid, ids[:c.num_tokens], voice, c.token_offset, c.finalize)
+                                   for c in chunks_of(len(ids))])
+        got = np.concatenate(pieces[rid])
+        assert got.size == expected.size == 960 * len(ids)
+        assert np.abs(got - expected).max() < 1e-4
+    offline = np.concatenate(pieces["off"])
+    assert np.abs(offline - reference.offline("off", scripts["off"], voice)).max() < 1e-4
+    assert kind.open_streams == 0 and core.active_requests == 0
