@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..audio.io import load_prompt_audio
+from ..engine.device import synchronize
 from ..engine.kinds.step_audio2 import StepAudio2Kind, load_step_audio2_frontend, load_step_audio2_kind
 from ..errors import InvalidInputError
 from ..frontend.prompt import PromptFeatures, build_prompt_features
@@ -59,7 +60,7 @@ def _finish(kind: StepAudio2Kind, voicing, job) -> np.ndarray:
     while not job.done:
         kind.step([job])
     (pcm,) = kind.vocode([(voicing, kind.mel(job), job.finalize)])
-    kind.synchronize()
+    synchronize(kind.device)
     return pcm
 
 

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutError
+from .device import synchronize, work_done_event
 from .request import EngineRequest, RequestState, SegmentState
 from .scheduler import Candidate, Scheduler
 
@@ -315,7 +316,7 @@ class EngineCore:
         self._sync()
         self.counters.flow_steps += 1
         self.counters.flow_step_jobs += len(jobs)
-        return self.kind.step_finished()
+        return work_done_event(self.kind.device)
 
     def _finish_jobs(self) -> None:
         done = [(seg, state) for seg, state in self._jobs if seg.job.done]
@@ -391,7 +392,7 @@ class EngineCore:
 
     def _sync(self) -> None:
         if self.sync_stages:
-            self.kind.synchronize()
+            synchronize(self.kind.device)
 
 
 class _Offline:

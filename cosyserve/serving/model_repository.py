@@ -116,8 +116,40 @@ class ModelEntry:
     values: dict[str, str]
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineRepository:
+    """What every engine repository sets (the run scripts' variables in the comments): the
+    engine template's values that do not depend on the model kind."""
+
+    llm_url: str = EngineSettings.llm_url                      # LLM_URL: no LLM in the loop then
+    decoupled: bool = True                                     # DECOUPLED_MODE
+    streaming_strategy: str = EngineSettings.streaming_strategy  # STREAMING_STRATEGY
+    device: str = EngineSettings.device                        # DEVICE
+    max_tokens: int = EngineSettings.max_tokens                # MAX_TOKENS
+    min_tokens: int = EngineSettings.min_tokens                # MIN_TOKENS
+    bls_warm_up: str = parameter_value(EngineSettings.warm_up)  # BLS_WARM_UP (the text front-end)
+    engine_warm_up: str = parameter_value(EngineSettings.engine_warm_up)  # ENGINE_WARM_UP
+    request_timeout_s: float = EngineSettings.request_timeout_s  # REQUEST_TIMEOUT_S
+    admission_min_buffer_s: float = EngineSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S (0: off)
+    # Streams the engine sends at most; a new request past that is refused at once ("overloaded:
+    # ..."); 0: no cap.
+    max_streams: int = EngineSettings.max_streams              # MAX_STREAMS
+    frontend_backend: str = EngineSettings.frontend_backend    # FRONTEND_BACKEND (auto: torch on CUDA)
+
+    def engine_values(self, model_dir: str, llm_dir: str) -> dict[str, str]:
+        """The engine template's values that every model kind's repository sets alike."""
+        return {"model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size), "device": self.device,
+                "llm_tokenizer_dir": llm_dir, "streaming_strategy": self.streaming_strategy, "llm_url": self.llm_url,
+                "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
+                "bls_warm_up": self.bls_warm_up, "engine_warm_up": self.engine_warm_up,
+                "request_timeout_s": parameter_value(self.request_timeout_s),
+                "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s),
+                "max_streams": _max_streams(self.max_streams), "decoupled_mode": str(self.decoupled),
+                "frontend_backend": self.frontend_backend}
+
+
 @dataclass(frozen=True)
-class CosyVoice2Repository:
+class CosyVoice2Repository(EngineRepository):
     """What ``run.sh`` stage 2 builds (its variables in the comments): ``cosyvoice2``, the engine
     core behind its front door, with ``cosyvoice2_offline`` beside a decoupled one (one response
     per request, from the same engine), ``tensorrt_llm`` with LLM_BACKEND=trtllm, and with
@@ -129,29 +161,15 @@ class CosyVoice2Repository:
     llm_backend: str = "torch"                                 # LLM_BACKEND
     llm_engine: str = LLMSettings.llm_backend                  # LLM_ENGINE (the reference llm model's)
     llm_protocol: str = EngineSettings.llm_protocol            # LLM_PROTOCOL
-    llm_url: str = EngineSettings.llm_url                      # LLM_URL: no LLM in the loop then
     trt_engine_dir: str = ""                                   # TRT_ENGINE_DIR
     trt_kv_cache_tokens: int = 2560                            # TRT_KV_CACHE_TOKENS
-    decoupled: bool = True                                     # DECOUPLED_MODE
-    streaming_strategy: str = EngineSettings.streaming_strategy  # STREAMING_STRATEGY
-    device: str = EngineSettings.device                        # DEVICE
     offline_bls_instances: int = 1                             # OFFLINE_BLS_INSTANCE_NUM
     # cosyvoice2_offline's waiting requests at most (past that: refused at once, UNAVAILABLE); 0: no
     # limit; None: as many as instances. And how long one may wait (ms; 0: no limit).
     offline_bls_max_queue_size: int | None = 0                 # OFFLINE_BLS_MAX_QUEUE_SIZE
     offline_bls_max_queue_ms: float = 0                        # OFFLINE_BLS_MAX_QUEUE_MS
-    max_tokens: int = EngineSettings.max_tokens                # MAX_TOKENS
-    min_tokens: int = EngineSettings.min_tokens                # MIN_TOKENS
-    bls_warm_up: str = parameter_value(EngineSettings.warm_up)  # BLS_WARM_UP (the text front-end)
-    engine_warm_up: str = parameter_value(EngineSettings.engine_warm_up)  # ENGINE_WARM_UP
-    request_timeout_s: float = EngineSettings.request_timeout_s  # REQUEST_TIMEOUT_S
-    admission_min_buffer_s: float = EngineSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S
-    # Streams the engine sends at most; a new request past that is refused at once ("overloaded:
-    # ..."); 0: no cap.
-    max_streams: int = EngineSettings.max_streams              # MAX_STREAMS
     max_batch_size: int = Token2WavSettings.max_batch          # TRITON_MAX_BATCH_SIZE
     max_queue_delay_microseconds: int = 0                      # MAX_QUEUE_DELAY_MICROSECONDS
-    frontend_backend: str = FrontendSettings.frontend_backend  # FRONTEND_BACKEND (auto: torch on CUDA)
     token2wav_dtype: str = Token2WavSettings.dtype             # TOKEN2WAV_*
     token2wav_cuda_graphs: str = parameter_value(Token2WavSettings.cuda_graphs)
     token2wav_final: str = Token2WavSettings.final
@@ -196,7 +214,7 @@ class CosyVoice2Repository:
                 "max_queue_delay_microseconds": str(self.max_queue_delay_microseconds),
                 "encoder_input_features_data_type": "TYPE_FP16", "logits_datatype": "TYPE_FP32"})
         models["cosyvoice2"] = ModelEntry("cosyvoice2", {
-            **_engine_values(self, model_dir, llm_dir), **token2wav, "llm_model_name": llm_model,
+            **self.engine_values(model_dir, llm_dir), **token2wav, "llm_model_name": llm_model,
             "llm_protocol": self.llm_protocol})
         if self.decoupled:
             models["cosyvoice2_offline"] = ModelEntry("cosyvoice2_offline", {
@@ -204,17 +222,6 @@ class CosyVoice2Repository:
                 **_queue_policy(self.offline_bls_max_queue_size, self.offline_bls_instances,
                                 self.offline_bls_max_queue_ms)})
         return models
-
-
-def _engine_values(spec, model_dir: str, llm_dir: str) -> dict[str, str]:
-    """The engine template's values that every model kind's repository sets alike."""
-    return {"model_dir": model_dir, "triton_max_batch_size": str(spec.max_batch_size), "device": spec.device,
-            "llm_tokenizer_dir": llm_dir, "streaming_strategy": spec.streaming_strategy, "llm_url": spec.llm_url,
-            "max_tokens": str(spec.max_tokens), "min_tokens": str(spec.min_tokens), "bls_warm_up": spec.bls_warm_up,
-            "engine_warm_up": spec.engine_warm_up, "request_timeout_s": parameter_value(spec.request_timeout_s),
-            "admission_min_buffer_s": parameter_value(spec.admission_min_buffer_s),
-            "max_streams": _max_streams(spec.max_streams), "decoupled_mode": str(spec.decoupled),
-            "frontend_backend": spec.frontend_backend}
 
 
 def _queue_policy(size: int | None, instances: int, max_wait_ms: float) -> dict[str, str]:
@@ -236,7 +243,7 @@ def _max_streams(cap: int) -> str:
 
 
 @dataclass(frozen=True)
-class DitRepository:
+class DitRepository(EngineRepository):
     """What ``run_stepaudio2_dit_token2wav.sh`` stage 2 builds (its variables in the comments):
     ``cosyvoice2_dit``, the engine core with Step-Audio2's kind (CosyVoice2's LLM, prompt layout and
     voices; Step-Audio-2-mini's DiT flow and HiFT) behind the front door ``cosyvoice2`` runs on, with
@@ -247,27 +254,15 @@ class DitRepository:
     dit_model_dir: Path                                        # DIT_MODEL_DIR (Step-Audio-2-mini/token2wav)
     cosyvoice2_dir: Path                                       # COSYVOICE2_DIR (its spk2info.pt: the voices)
     llm_dir: Path                                              # LLM_DIR (the tokenizer; the LLM without llm_url)
-    llm_url: str = EngineSettings.llm_url                      # LLM_URL (empty: the LLM in the loop)
     llm_model: str = EngineSettings.llm_model                  # LLM_MODEL (empty: the first llm_url lists)
-    decoupled: bool = True                                     # DECOUPLED_MODE
-    streaming_strategy: str = EngineSettings.streaming_strategy  # STREAMING_STRATEGY (exponential | equal)
-    device: str = EngineSettings.device                        # DEVICE
-    max_tokens: int = EngineSettings.max_tokens                # MAX_TOKENS
-    min_tokens: int = EngineSettings.min_tokens                # MIN_TOKENS
-    max_streams: int = EngineSettings.max_streams              # MAX_STREAMS (0: no cap)
-    admission_min_buffer_s: float = EngineSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S (0: off)
-    request_timeout_s: float = EngineSettings.request_timeout_s  # REQUEST_TIMEOUT_S
-    bls_warm_up: str = parameter_value(EngineSettings.warm_up)  # BLS_WARM_UP (the text front-end)
-    engine_warm_up: str = parameter_value(EngineSettings.engine_warm_up)  # ENGINE_WARM_UP
     max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
     token2wav_dtype: str = EngineSettings.token2wav_dtype      # TOKEN2WAV_DTYPE
     token2wav_max_voices: int = DEFAULT_MAX_SPEAKERS           # TOKEN2WAV_MAX_VOICES
     voices_dir: str = ""                                       # VOICES_DIR (empty: <dit model dir>/voices)
-    frontend_backend: str = EngineSettings.frontend_backend    # FRONTEND_BACKEND (auto: torch on CUDA)
 
     def models(self) -> dict[str, ModelEntry]:
         return {"cosyvoice2_dit": ModelEntry("cosyvoice2", {
-            **_engine_values(self, str(self.dit_model_dir), str(self.llm_dir)), "model_kind": "step_audio2",
+            **self.engine_values(str(self.dit_model_dir), str(self.llm_dir)), "model_kind": "step_audio2",
             "spk2info": f"{self.cosyvoice2_dir}/{SPK2INFO}", "llm_model": self.llm_model,
             "voices_dir": self.voices_dir, "llm_model_name": "", "llm_protocol": "",
             "token2wav_dtype": self.token2wav_dtype, "token2wav_max_voices": str(self.token2wav_max_voices),
@@ -277,36 +272,24 @@ class DitRepository:
 
 
 @dataclass(frozen=True)
-class CosyVoice3Repository:
+class CosyVoice3Repository(EngineRepository):
     """What ``run_cosyvoice3.sh`` stage 2 builds (its variables in the comments): ``cosyvoice3``, the
     engine core with CosyVoice3's kind (DiT flow + causal HiFT, the LLM in its loop or at
     ``llm_url``) behind the same front door as ``cosyvoice2`` (the reference's five models are one
     process here: its LLM, token2wav, vocoder, tokenizer and speaker encoder run in the loop)."""
 
     models_dir: Path                                           # MODELS_DIR (Fun-CosyVoice3-0.5B-2512, cosyvoice3_llm)
-    decoupled: bool = True                                     # DECOUPLED_MODE
-    streaming_strategy: str = EngineSettings.streaming_strategy  # STREAMING_STRATEGY
-    device: str = EngineSettings.device                        # DEVICE
-    max_tokens: int = EngineSettings.max_tokens                # MAX_TOKENS
-    min_tokens: int = EngineSettings.min_tokens                # MIN_TOKENS
-    max_streams: int = EngineSettings.max_streams              # MAX_STREAMS (0: no cap)
-    admission_min_buffer_s: float = EngineSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S (0: off)
-    request_timeout_s: float = EngineSettings.request_timeout_s  # REQUEST_TIMEOUT_S
-    bls_warm_up: str = parameter_value(EngineSettings.warm_up)  # BLS_WARM_UP (the text front-end)
-    engine_warm_up: str = parameter_value(EngineSettings.engine_warm_up)  # ENGINE_WARM_UP
     max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
     token2wav_dtype: str = EngineSettings.token2wav_dtype      # TOKEN2WAV_DTYPE
     token2wav_incremental_stream: str = parameter_value(EngineSettings.incremental_stream)  # TOKEN2WAV_INCREMENTAL_STREAM
     token2wav_max_voices: int = 8                              # TOKEN2WAV_MAX_VOICES
     token2wav_cuda_graphs: str = parameter_value(EngineSettings.cuda_graphs)  # TOKEN2WAV_CUDA_GRAPHS
-    llm_url: str = EngineSettings.llm_url                      # LLM_URL: no LLM in the loop then
     voices_dir: str = ""                                       # VOICES_DIR (empty: <model dir>/voices)
-    frontend_backend: str = EngineSettings.frontend_backend    # FRONTEND_BACKEND (auto: torch on CUDA)
 
     def models(self) -> dict[str, ModelEntry]:
         model_dir, llm_dir = f"{self.models_dir}/{COSYVOICE3_DIR}", f"{self.models_dir}/{COSYVOICE3_LLM_DIR}"
         return {"cosyvoice3": ModelEntry("cosyvoice2", {
-            **_engine_values(self, model_dir, llm_dir), "model_kind": "cosyvoice3", "voices_dir": self.voices_dir,
+            **self.engine_values(model_dir, llm_dir), "model_kind": "cosyvoice3", "voices_dir": self.voices_dir,
             "llm_model_name": "", "llm_protocol": "", "token2wav_dtype": self.token2wav_dtype,
             "token2wav_incremental_stream": self.token2wav_incremental_stream,
             "token2wav_max_voices": str(self.token2wav_max_voices), "token2wav_cuda_graphs": self.token2wav_cuda_graphs,

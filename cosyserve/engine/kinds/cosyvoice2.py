@@ -90,6 +90,10 @@ class CosyVoice2Kind:
         return ChunkScheduler(strategy)
 
     @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
     def max_voices(self) -> int:
         """Voices whose prompt state is kept."""
         return self.flow_engine.max_voices
@@ -183,18 +187,6 @@ class CosyVoice2Kind:
     def abort(self, jobs: list[FlowJob]) -> None:
         """Release what unfinished jobs hold (a failed step)."""
         self.flow_engine.abort([job.window for job in jobs if job.window is not None])
-
-    def step_finished(self):
-        """A CUDA event that completes when the work launched so far has run (None on the CPU)."""
-        if self.model.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
-
-    def synchronize(self) -> None:
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
 
     # ----- vocoder -----
 

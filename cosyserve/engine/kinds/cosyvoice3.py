@@ -37,6 +37,7 @@ from ...models.flow.cfm import NOISE_FRAMES, fixed_noise
 from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
 from ...token2wav.cosyvoice3 import DEFAULT_VOICE_PREFIXES
 from ...token2wav.cosyvoice3_packed import EMPTY_STATE, PackedWindowSampler, WindowJob, token_conditions
+from ..device import synchronize
 
 
 @dataclass(eq=False)
@@ -239,7 +240,7 @@ class CosyVoice3Kind:
         job = self.start_offline(features, ids)
         self._run([job])
         self.vocode([(None, self.mel(job), True)])
-        self.synchronize()
+        synchronize(self.device)
 
     def _run(self, jobs: list[Cv3Job]) -> None:
         while not all(job.done for job in jobs):
@@ -366,18 +367,6 @@ class CosyVoice3Kind:
             if job.voicing is not None and job.voicing.job is job:
                 job.voicing.job = None
                 job.voicing.finished = True
-
-    def step_finished(self):
-        """A CUDA event that completes when the work launched so far has run (None on the CPU)."""
-        if self.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     # ----- vocoder -----
 

@@ -386,18 +386,6 @@ class StepAudio2Kind:
         for job in jobs:
             job.release()
 
-    def step_finished(self):
-        """A CUDA event that completes when the work launched so far has run (None on the CPU)."""
-        if self.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     # ----- vocoder -----
 
     def vocode(self, items: list[tuple[StepAudio2Voicing | None, torch.Tensor, bool]]) -> list[np.ndarray]:
