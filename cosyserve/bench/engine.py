@@ -29,11 +29,13 @@ from ..engine.scheduler import DEFAULT_MAX_STEP_FRAMES, DEFAULT_MAX_STEP_JOBS, S
 from ..data import load_reference_audio
 from ..engine.service import TTSEngine, load_engine, warm_up_clip
 from ..pipeline.tts import TokenLimits, TTSRequest
-from ..runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, resolve_device
-from ..token2wav.cosyvoice2 import streaming_vocoder_frames
+from ..serving.settings import EngineSettings
+from ..runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, SPK2INFO, STEP_AUDIO2_DIR, resolve_device
 from .openloop import poisson_arrivals, run_open_loop
 
-MODEL_DIRS = {"cosyvoice2": (COSYVOICE2_DIR, LLM_DIR), "cosyvoice3": (COSYVOICE3_DIR, COSYVOICE3_LLM_DIR)}
+# the token2wav model's folder and the LLM's, under --models-dir (Step-Audio2: CosyVoice2's LLM and voices)
+MODEL_DIRS = {"cosyvoice2": (COSYVOICE2_DIR, LLM_DIR), "cosyvoice3": (COSYVOICE3_DIR, COSYVOICE3_LLM_DIR),
+              "step_audio2": (STEP_AUDIO2_DIR, LLM_DIR)}
 TEXT = "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。"
 
 
@@ -104,13 +106,13 @@ def level(engine: TTSEngine, outcomes: list[Outcome], label: str, wall_s: float,
             **_profile(before, engine.core.counters)}
 
 
-def kind_options(args: argparse.Namespace, device: torch.device) -> dict:
-    graphs = device.type == "cuda"
-    if args.model == "cosyvoice3":
-        return {"cuda_graphs": graphs, "incremental": not args.rerun}
-    return {"final": args.final, "cuda_graphs": graphs, "hift_graphs": graphs,
-            "hift_precapture_frames": streaming_vocoder_frames(args.tokens) if graphs else (),
-            "state_pool_bytes": int(args.state_pool_gb * (1 << 30))}
+def kind_options(args: argparse.Namespace, models: Path, device: torch.device) -> dict:
+    """The kind's options as the Triton model's parameters of the same meaning would give them."""
+    model_dir, llm_dir = MODEL_DIRS[args.model]
+    settings = EngineSettings(models / model_dir, models / llm_dir, model_kind=args.model, final=args.final,
+                              incremental_stream=not args.rerun, state_pool_gb=args.state_pool_gb,
+                              hift_max_tokens=args.tokens)
+    return settings.kind_options(device)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -119,9 +121,10 @@ def run(args: argparse.Namespace) -> dict:
     model_dir, llm_dir = MODEL_DIRS[args.model]
     loading = time.perf_counter()
     engine = load_engine(args.model, models / model_dir, models / llm_dir, device,
-                         kind_options=kind_options(args, device), llm_options={"max_slots": args.max_slots},
+                         kind_options=kind_options(args, models, device), llm_options={"max_slots": args.max_slots},
                          scheduler=Scheduler(max_step_frames=args.max_step_frames, max_step_jobs=args.max_step_jobs),
-                         sync_stages=args.sync_stages, warm_up=not args.cold)
+                         sync_stages=args.sync_stages, warm_up=not args.cold,
+                         spk2info=models / COSYVOICE2_DIR / SPK2INFO if args.model == "step_audio2" else None)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
               "load_s": time.perf_counter() - loading, "tokens": args.tokens, "final": args.final, "levels": []}
     voice, prompt_text = registered_voice(engine, args)
@@ -210,7 +213,8 @@ def table(report: dict, levels: list[dict] | None = None) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models-dir", default="models",
-                   help="bundle layout: CosyVoice2-0.5B/ and cosyvoice2_llm/, Fun-CosyVoice3-0.5B-2512/ and cosyvoice3_llm/")
+                   help="bundle layout: CosyVoice2-0.5B/ and cosyvoice2_llm/, Fun-CosyVoice3-0.5B-2512/ and "
+                        "cosyvoice3_llm/, Step-Audio-2-mini/token2wav/")
     p.add_argument("--model", default="cosyvoice2", choices=sorted(MODEL_DIRS))
     p.add_argument("--device", default="auto")
     p.add_argument("--voice", default="001", help="registered voice of spk2info.pt")
