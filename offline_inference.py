@@ -21,14 +21,16 @@
         --openai-base-url http://127.0.0.1:8100/v1 --manifest-path data.txt --output-dir out
 
 ``--model-dir`` is the bundle root holding CosyVoice2-0.5B/ and cosyvoice2_llm/ (``--model cosyvoice3``:
-Fun-CosyVoice3-0.5B-2512/ and cosyvoice3_llm/; torch or hf LLM, no registered voices, the DiT flow in
-float32 unless ``--dtype`` says otherwise, one utterance at a time; ``--model step_audio2``: also
-Step-Audio-2-mini/token2wav/, whose DiT flow and HiFT voice CosyVoice2's speech tokens one utterance at
-a time, the flow in float16 on CUDA). LLM back ends:
-torch (this package's engine), hf (transformers reference), trtllm (needs tensorrt_llm and
-``--trtllm-engine-dir``), openai (an OpenAI-compatible server at ``--openai-base-url``); vllm is
-not supported yet (the message says why). Report: front-end / LLM / token2wav / total time,
-seconds of audio, RTF = total time / audio (model loading and file writing not counted).
+Fun-CosyVoice3-0.5B-2512/ and cosyvoice3_llm/, no registered voices; ``--model step_audio2``:
+Step-Audio-2-mini/token2wav/ with CosyVoice2's LLM and voices). Every kind runs through the engine
+(``cosyserve.engine``: ``load_engine(--model)``), each text segment an offline request, a batch's
+requests submitted together so that the engine packs their flow passes. LLM back ends: torch (this
+package's engine, stepped in the engine's loop), hf (transformers reference), trtllm (needs
+tensorrt_llm and ``--trtllm-engine-dir``), openai (an OpenAI-compatible server at
+``--openai-base-url``); vllm is not supported yet (the message says why). Report: front-end time
+(voices, text), engine time (submit to the last waveform), total, seconds of audio, RTF = total
+time / audio (model loading and file writing not counted), and the engine loop's counters (LLM,
+flow, vocoder, host, idle seconds).
 """
 
 from __future__ import annotations
@@ -64,21 +66,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=BACKENDS, default="torch", help="LLM back end")
     p.add_argument("--trtllm-engine-dir", type=Path, help="trtllm: the trtllm-build output directory")
     p.add_argument("--openai-base-url", help="openai: http://HOST:PORT/v1 of the completions server")
-    p.add_argument("--batch-size", type=int, default=16, help="LLM requests in flight together")
-    p.add_argument("--token2wav-batch-size", type=int, default=8, help="utterances per flow/HiFT batch")
+    p.add_argument("--batch-size", type=int, default=16, help="utterances submitted to the engine together")
+    p.add_argument("--token2wav-batch-size", type=int, default=8,
+                   help="flow jobs (text segments) per packed Euler step of the engine")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
     p.add_argument("--frontend-backend", choices=FRONTEND_BACKENDS,
                    help="speech tokenizer + CAM++ (default: torch on CUDA, batched; onnxruntime on the CPU)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="flow dtype (default float16 on CUDA, float32 on CPU)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="flow dtype (default: the kind's; float32 on the CPU)")
     p.add_argument("--llm-dtype", choices=sorted(DTYPES), help="LLM dtype (default bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="token2wav: replay CUDA graphs of the flow's ODE loop (not of HiFT: one-off lengths)")
+                   help="token2wav: replay CUDA graphs of the flow's Euler steps (cosyvoice2, cosyvoice3)")
     p.add_argument("--precapture-frames", type=int, default=DEFAULT_PRECAPTURE_FRAMES,
-                   help="with --cuda-graphs: capture the flow graphs of inputs up to this many mel frames "
-                        "(prompt + target, 50 per second) for up to --token2wav-batch-size utterances before "
+                   help="cosyvoice2 with --cuda-graphs: capture the flow graphs of inputs up to this many mel frames "
+                        "(prompt + target, 50 per second) for up to --token2wav-batch-size passes before "
                         "synthesising; 0: capture shapes the second time they are seen")
     p.add_argument("--compile-flow", action="store_true",
-                   help="token2wav: torch.compile the flow estimator (needs a C compiler; Triton on CUDA)")
+                   help="cosyvoice2: torch.compile the flow estimator (needs a C compiler; Triton on CUDA)")
     p.add_argument("--speaker-id", help="use this registered voice (spk2info.pt) for every utterance instead of "
                                         "its prompt audio/text (no prompt audio is read)")
     p.add_argument("--fixed-tokens-per-second", type=float,

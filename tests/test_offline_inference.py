@@ -59,16 +59,21 @@ def test_manifest_run_writes_wavs_and_reports(tiny_bundle, manifest, tmp_path):
         assert audio.size == tokens * 960 and np.abs(audio).max() > 0
         assert item["audio_s"] == pytest.approx(tokens * 0.04)
     assert report["items"] == 3 and report["audio_s"] == pytest.approx(sum(expected_tokens) * 0.04)
-    assert min(report["llm_time_s"], report["token2wav_time_s"], report["frontend_time_s"]) > 0
-    assert report["total_time_s"] == pytest.approx(
-        report["frontend_time_s"] + report["llm_time_s"] + report["token2wav_time_s"])
+    # wall time: the front-end (voices, text) then the engine (LLM, flow and HiFT interleaved in its loop)
+    assert min(report["frontend_time_s"], report["engine_time_s"]) > 0
+    assert report["total_time_s"] == pytest.approx(report["frontend_time_s"] + report["engine_time_s"])
     assert report["rtf"] == pytest.approx(report["total_time_s"] / report["audio_s"])
+    engine = report["engine"]  # the loop's counters over the run: our LLM in the loop, every token voiced
+    assert min(engine["llm_s"], engine["flow_s"], engine["vocoder_s"]) > 0
+    assert engine["tokens"] == sum(expected_tokens) and engine["requests_finished"] == 3
+    assert engine["llm_s"] + engine["flow_s"] + engine["vocoder_s"] <= report["engine_time_s"] * 1.05 + 0.05
     markdown = (out / "report.md").read_text()
-    assert "llm_time" in markdown and "token2wav_time" in markdown and "RTF" in markdown and "utt2" in markdown
+    assert "engine time" in markdown and "flow_s" in markdown and "RTF" in markdown and "utt2" in markdown
 
 
 def test_batch_sizes_do_not_change_the_audio(tiny_bundle, manifest, tmp_path):
-    """Seeded sampling is per request and token2wav batches equal single runs: same wavs."""
+    """Seeded sampling is per request, the engine's packed flow passes equal single ones and HiFT's
+    noise depends on the seed and the length only: same wavs, whatever the batch sizes."""
     common = ("--speaker-id", "001", "--fixed-tokens-per-second", "25", "--backend", "hf")
     assert _run(tiny_bundle, manifest, tmp_path / "a", "--batch-size", "1", "--token2wav-batch-size", "1", *common) == 0
     assert _run(tiny_bundle, manifest, tmp_path / "b", "--batch-size", "3", "--token2wav-batch-size", "3", *common) == 0

@@ -1,6 +1,6 @@
-"""token2wav.py's model kinds on tiny random-weight bundles: CosyVoice3 offline and streaming in the
-cosyvoice3 BLS's chunks, Step-Audio2 offline and streaming in cosyvoice2_dit's chunks (960 samples
-per token), clear errors; CosyVoice2's path as it was."""
+"""token2wav.py on tiny random-weight bundles: one benchmark module over the engine's kinds
+(cosyserve/bench/token2wav.py), every model offline and streaming in its kind's chunks (960 samples
+per token), variants, profiling, clear errors."""
 
 from __future__ import annotations
 
@@ -13,12 +13,11 @@ import pytest
 import soundfile as sf
 import torch
 
+from cosyserve.bench import token2wav as bench
 from cosyserve.bundle import make_bundle
 from cosyserve.errors import InvalidInputError
-from cosyserve.pipeline import cosyvoice3_token2wav as cv3
-from cosyserve.runtime import COSYVOICE2_DIR, COSYVOICE3_DIR
-from cosyserve.schedule import plan_chunks
-from cosyserve.token2wav.cosyvoice3 import load_cosyvoice3_token2wav
+from cosyserve.runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, STEP_AUDIO2_DIR
+from cosyserve.schedule import plan_chunks, plan_stream_chunks
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -40,8 +39,11 @@ def prompt(cv3_bundle) -> tuple[Path, str]:
 
 @pytest.fixture(scope="module")
 def loaded(cv3_bundle, prompt):
+    """CosyVoice3's kind and a clip's features, as token2wav.py loads them."""
     model_dir = cv3_bundle / COSYVOICE3_DIR
-    return load_cosyvoice3_token2wav(model_dir, "cpu"), cv3.load_cosyvoice3_voice(model_dir, *prompt)
+    device = torch.device("cpu")
+    kind = bench.load_kind("cosyvoice3", model_dir, device, bench.Variant())
+    return kind, bench.load_voice("cosyvoice3", model_dir, device, prompt[0])
 
 
 def _cv3_args(bundle_dir: Path, prompt, *extra: str) -> list[str]:
@@ -57,6 +59,7 @@ def test_cosyvoice3_gives_960_samples_per_token(cv3_bundle, prompt, tmp_path, ca
     # offline: the model directory; streaming: the bundle root holding it (both are taken)
     model_dir = cv3_bundle / COSYVOICE3_DIR if mode == "offline" else cv3_bundle
     assert token2wav.main(_cv3_args(model_dir, prompt, "--num-tokens", *map(str, lengths), "--mode", mode,
+                                    "--variants", "fp32,fp32+batch3",
                                     "--output", str(out), "--output-json", str(report))) == 0
     printed = capsys.readouterr().out
     assert "model=cosyvoice3" in printed and f"| fp32 | {mode}" in printed
@@ -68,6 +71,9 @@ def test_cosyvoice3_gives_960_samples_per_token(cv3_bundle, prompt, tmp_path, ca
     expected = [[{"num_tokens": n, "token_offset": 0, "finalize": True}] if mode == "offline"
                 else [vars(c) for c in plan_chunks(n)] for n in lengths]
     assert fp32["chunks"] == expected
+    # three utterances voiced together (their jobs packed per step): the same audio
+    batched = result["results"]["fp32+batch3"]
+    assert batched["chunks"] == expected and batched["rel_l2_vs_first"] < 1e-5
     wave, rate = sf.read(out, dtype="float32")
     assert rate == 24000 and wave.size == 960 * lengths[-1]
     assert np.isfinite(wave).all() and np.abs(wave).max() > 0
@@ -77,7 +83,7 @@ def test_the_reference_re_run_is_a_variant_compared_with_the_incremental_flow(cv
     """``fp32,fp32+rerun``: the second row streams with the reference's full-attention re-run and
     reports its rel-L2 against the incremental block-masked stream; both give 960 samples per token.
     ``--profile``: each variant's last utterance once more under torch.profiler, the host time of its
-    steps' flow and vocoder ranges."""
+    flow steps and vocoder calls."""
     report = tmp_path / "report.json"
     assert token2wav.main(_cv3_args(cv3_bundle, prompt, "--num-tokens", "60", "--mode", "streaming",
                                     "--variants", "fp32,fp32+rerun", "--profile", "--output-json", str(report))) == 0
@@ -94,17 +100,17 @@ def test_the_reference_re_run_is_a_variant_compared_with_the_incremental_flow(cv
 
 
 @pytest.mark.parametrize("n", [1, 17, 18, 43, 60])
-def test_streaming_steps_are_the_bls_chunks_and_total_960_per_token(loaded, n):
-    t2w, voice = loaded
+def test_streaming_chunks_are_the_engines_and_total_960_per_token(loaded, n):
+    kind, features = loaded
     tokens = torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(n))
-    stream = cv3.synthesize(t2w, tokens, voice, "streaming", request_id=f"s{n}")
-    offline = cv3.synthesize(t2w, tokens, voice, "offline", request_id=f"o{n}")
-    assert stream.chunks == plan_chunks(n)  # the exponential schedule of the cosyvoice3 BLS's pipeline
+    (stream,) = bench.synthesize(kind, features, [tokens], "streaming")
+    (offline,) = bench.synthesize(kind, features, [tokens], "offline")
+    assert stream.chunks == plan_chunks(n)  # the exponential schedule the engine sends
     assert len(stream.pieces) == len(stream.call_s) == len(stream.chunks)
     assert sum(p.size for p in stream.pieces) == stream.wave.size == offline.wave.size == 960 * n
     for wave in (stream.wave, offline.wave):
         assert wave.dtype == np.float32 and np.isfinite(wave).all() and np.abs(wave).max() > 0
-    assert t2w.open_sessions == 0  # the final step closed the session
+    assert kind.open_streams == 0  # every stream closed
 
 
 def test_bad_token_id_is_a_clear_error(cv3_bundle, prompt, loaded, tmp_path, capsys):
@@ -116,19 +122,20 @@ def test_bad_token_id_is_a_clear_error(cv3_bundle, prompt, loaded, tmp_path, cap
     tokens.write_text("-1 2 3\n")
     assert token2wav.main(_cv3_args(cv3_bundle, prompt, "--tokens-file", str(tokens), "--mode", "streaming")) == 2
     assert "-1 is outside 0..6560" in capsys.readouterr().err
-    # the package call itself: a clear error in both modes, no session left open
-    t2w, voice = loaded
-    for mode in cv3.MODES:
+    # the kind itself: a clear error in both modes, no stream left open
+    kind, features = loaded
+    for mode in bench.MODES:
         with pytest.raises(InvalidInputError, match="0..6560"):
-            cv3.synthesize(t2w, [5] * 20 + [7000], voice, mode, request_id=f"bad-{mode}")
-    assert t2w.open_sessions == 0
+            bench.synthesize(kind, features, [[5] * 20 + [7000]], mode)
+    assert kind.open_streams == 0
 
 
 @pytest.mark.parametrize("extra, message", [
-    (("--variants", "fp16+batch4"), "takes flow dtypes"),
-    (("--variants", "fp16+rerun+graphs"), "takes flow dtypes"),
-    (("--model-dir", "{cv2}"), "holds no cosyvoice3.yaml"),
-    (("--reference-audio", "{missing}"), "does not exist"),
+    (("--variants", "fp16+batch4+batch2"), "takes flow dtypes"),
+    (("--variants", "fp16+rerun+rerun"), "takes flow dtypes"),
+    (("--variants", "fp8"), "takes flow dtypes"),
+    (("--model-dir", "{cv2}"), "holds no speech_tokenizer_v3.onnx"),
+    (("--reference-audio", "{missing}"), "nothing.wav"),
 ])
 def test_cosyvoice3_input_errors(cv3_bundle, prompt, tmp_path, capsys, extra, message):
     extra = [x.format(cv2=tmp_path, missing=tmp_path / "nothing.wav") for x in extra]
@@ -136,35 +143,30 @@ def test_cosyvoice3_input_errors(cv3_bundle, prompt, tmp_path, capsys, extra, me
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "cosyvoice3"], "needs --reference-audio"),
-    (["--mode", "streaming"], "streaming_inference.py"),
-    (["--reference-text", "hello"], "--reference-text and --profile are for --model cosyvoice3"),
-    (["--profile"], "--reference-text and --profile are for --model cosyvoice3"),
-    (["--model", "step_audio2"], "needs --reference-audio, or --spk2info"),
-    (["--spk2info", "spk2info.pt"], "--spk2info is for --model step_audio2"),
-])
-def test_argument_errors(tmp_path, capsys, argv, message):
+def test_argument_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        token2wav.parse_args(["--model-dir", str(tmp_path), "--num-tokens", "5", *argv])
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+        token2wav.parse_args(["--model-dir", str(tmp_path), "--num-tokens", "5", "--model", "cosyvoice3"])
+    assert exit_.value.code == 2 and "needs --reference-audio" in capsys.readouterr().err
 
 
-def test_a_voice_without_transcript_has_the_same_features(cv3_bundle, prompt, loaded):
-    _, voice = loaded
-    bare = cv3.load_cosyvoice3_voice(cv3_bundle / COSYVOICE3_DIR, prompt[0])
-    assert bare.cross_lingual and bare.prompt_text == "" and voice.prompt_text == prompt[1]
-    for name in ("speech_tokens", "speech_feat", "embedding"):
-        assert torch.equal(getattr(bare.features, name), getattr(voice.features, name))
+def test_variant_flags_are_the_kinds():
+    assert bench.Variant.parse("bf16+batch4+rerun", "cosyvoice3").name == "bf16+rerun+batch4"
+    assert bench.Variant.parse("fp16+graphs", "cosyvoice2") == bench.Variant("fp16", graphs=True)
+    for spec, model in (("fp32+rerun", "cosyvoice2"), ("fp32+graphs", "step_audio2")):
+        with pytest.raises(InvalidInputError, match=f"--model {model} takes"):
+            bench.Variant.parse(spec, model)
 
 
-def test_cosyvoice2_stays_the_default(tmp_path_factory, tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["offline", "streaming"])
+def test_cosyvoice2_is_the_default(tmp_path_factory, tmp_path, capsys, mode):
     bundle = make_bundle(tmp_path_factory.mktemp("cv2_t2w"), "tiny", parts=("cosyvoice2",))
     out, report = tmp_path / "last.wav", tmp_path / "report.json"
-    assert token2wav.main(["--model-dir", str(bundle / COSYVOICE2_DIR), "--num-tokens", "10", "20",
-                           "--output", str(out), "--output-json", str(report)]) == 0
-    assert "| fp32 | 2 | 1.2 |" in capsys.readouterr().out
-    assert set(json.loads(report.read_text())) == {"device", "results"}
+    assert token2wav.main(["--model-dir", str(bundle / COSYVOICE2_DIR), "--num-tokens", "10", "20", "--mode", mode,
+                           "--variants", "fp32,fp32+batch2", "--output", str(out), "--output-json", str(report)]) == 0
+    assert f"| fp32 | {mode}" in capsys.readouterr().out
+    result = json.loads(report.read_text())
+    assert result["model"] == "cosyvoice2" and result["results"]["fp32"]["samples"] == [9600, 19200]
+    assert result["results"]["fp32+batch2"]["rel_l2_vs_first"] < 1e-5  # HiFT's noise: seed and length only
     assert sf.read(out)[0].size == 960 * 20
 
 
@@ -178,9 +180,6 @@ def sa2_bundle(tmp_path_factory) -> Path:
 def test_step_audio2_gives_960_samples_per_token(sa2_bundle, tmp_path, capsys, mode, strategy):
     """--model step_audio2 (the engine's kind cosyvoice2_dit serves): a clip or a voice of CosyVoice2's
     spk2info.pt; streaming voices cosyvoice2_dit's chunks (equal: 15 new tokens each)."""
-    from cosyserve.runtime import STEP_AUDIO2_DIR
-    from cosyserve.schedule import plan_stream_chunks
-
     out, report = tmp_path / "last.wav", tmp_path / "report.json"
     base = ["--model", "step_audio2", "--model-dir", str(sa2_bundle / STEP_AUDIO2_DIR), "--num-tokens", "20", "47",
             "--mode", mode, "--strategy", strategy, "--runs", "1", "--output", str(out), "--output-json", str(report)]
@@ -189,10 +188,12 @@ def test_step_audio2_gives_960_samples_per_token(sa2_bundle, tmp_path, capsys, m
     for voice in voices:
         assert token2wav.main(base + voice) == 0
         assert "model=step_audio2" in capsys.readouterr().out
-        (row,) = json.loads(report.read_text())["rows"]
+        fp32 = json.loads(report.read_text())["results"]["fp32"]
         chunks = 2 if mode == "offline" else sum(len(plan_stream_chunks(n, strategy)) for n in (20, 47))
-        assert row[:5] == ["fp32", mode, 2, chunks, 67 * 960 / 24000]
+        assert sum(map(len, fp32["chunks"])) == chunks and fp32["samples"] == [960 * 20, 960 * 47]
         audio = sf.read(out)[0]
         assert audio.size == 960 * 47 and np.isfinite(audio).all() and np.abs(audio).max() > 0
     assert token2wav.main(base[:-4] + voices[0] + ["--strategy", "time_based"]) == 2  # CosyVoice3's, not the DiT's
     assert "unknown chunk strategy 'time_based'" in capsys.readouterr().err
+    assert token2wav.main(base[:-4]) == 2  # no voice: the DiT directory has no spk2info.pt
+    assert "needs --reference-audio, or --spk2info" in capsys.readouterr().err

@@ -11,7 +11,7 @@ It may import serving, pipeline and everything below; only scripts and tests imp
 * :mod:`.targets` – the performance targets and their checks;
 * :mod:`.report` – tables, ``bench.md`` and ``bench.png``;
 * :mod:`.performance` – docs/performance.md from the committed reports in docs/perf/;
-* :mod:`.token2wav` – the in-process token2wav benchmarks (``token2wav.py``, ``streaming_inference.py``).
+* :mod:`.token2wav` – token2wav alone over the engine's kinds (``token2wav.py``: every model, offline and streaming).
 """
 
 

@@ -27,15 +27,12 @@ from ..audio.features import TOKENIZER_SAMPLE_RATE
 from ..clients import Playback
 from ..engine.scheduler import DEFAULT_MAX_STEP_FRAMES, DEFAULT_MAX_STEP_JOBS, Scheduler
 from ..data import load_reference_audio
-from ..engine.service import TTSEngine, load_engine, warm_up_clip
+from ..engine.service import BUNDLE_DIRS, TTSEngine, load_engine, warm_up_clip
 from ..pipeline.tts import TokenLimits, TTSRequest
 from ..serving.settings import EngineSettings
-from ..runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, SPK2INFO, STEP_AUDIO2_DIR, resolve_device
+from ..runtime import resolve_device
 from .openloop import poisson_arrivals, run_open_loop
 
-# the token2wav model's folder and the LLM's, under --models-dir (Step-Audio2: CosyVoice2's LLM and voices)
-MODEL_DIRS = {"cosyvoice2": (COSYVOICE2_DIR, LLM_DIR), "cosyvoice3": (COSYVOICE3_DIR, COSYVOICE3_LLM_DIR),
-              "step_audio2": (STEP_AUDIO2_DIR, LLM_DIR)}
 TEXT = "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。"
 
 
@@ -108,7 +105,7 @@ def level(engine: TTSEngine, outcomes: list[Outcome], label: str, wall_s: float,
 
 def kind_options(args: argparse.Namespace, models: Path, device: torch.device) -> dict:
     """The kind's options as the Triton model's parameters of the same meaning would give them."""
-    model_dir, llm_dir = MODEL_DIRS[args.model]
+    model_dir, llm_dir, _ = BUNDLE_DIRS[args.model]
     settings = EngineSettings(models / model_dir, models / llm_dir, model_kind=args.model, final=args.final,
                               incremental_stream=not args.rerun, state_pool_gb=args.state_pool_gb,
                               hift_max_tokens=args.tokens)
@@ -118,13 +115,13 @@ def kind_options(args: argparse.Namespace, models: Path, device: torch.device) -
 def run(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     models = Path(args.models_dir)
-    model_dir, llm_dir = MODEL_DIRS[args.model]
+    model_dir, llm_dir, spk2info = BUNDLE_DIRS[args.model]
     loading = time.perf_counter()
     engine = load_engine(args.model, models / model_dir, models / llm_dir, device,
                          kind_options=kind_options(args, models, device), llm_options={"max_slots": args.max_slots},
                          scheduler=Scheduler(max_step_frames=args.max_step_frames, max_step_jobs=args.max_step_jobs),
                          sync_stages=args.sync_stages, warm_up=not args.cold,
-                         spk2info=models / COSYVOICE2_DIR / SPK2INFO if args.model == "step_audio2" else None)
+                         spk2info=models / spk2info if spk2info else None)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
               "load_s": time.perf_counter() - loading, "tokens": args.tokens, "final": args.final, "levels": []}
     voice, prompt_text = registered_voice(engine, args)
@@ -215,7 +212,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--models-dir", default="models",
                    help="bundle layout: CosyVoice2-0.5B/ and cosyvoice2_llm/, Fun-CosyVoice3-0.5B-2512/ and "
                         "cosyvoice3_llm/, Step-Audio-2-mini/token2wav/")
-    p.add_argument("--model", default="cosyvoice2", choices=sorted(MODEL_DIRS))
+    p.add_argument("--model", default="cosyvoice2", choices=sorted(BUNDLE_DIRS))
     p.add_argument("--device", default="auto")
     p.add_argument("--voice", default="001", help="registered voice of spk2info.pt")
     p.add_argument("--reference-audio", help="a model without registered voices (CosyVoice3): the voice's clip "

@@ -70,10 +70,10 @@ def rate_table(rates: list[dict]) -> str:
 
 def offline_table(offline_rows: list[dict]) -> str:
     rows = [[r["name"], "ERROR", "", "", "", "", "", ""] if r.get("error") else
-            [r["name"], fmt(r["rtf"], 4), fmt(r["llm_time_s"], 3), fmt(r["token2wav_time_s"], 3),
+            [r["name"], fmt(r["rtf"], 4), fmt(r["frontend_time_s"], 3), fmt(r["engine_time_s"], 3),
              fmt(r["total_time_s"], 3), fmt(r["audio_s"], 2), str(r["batch_size"]), f"{r['backend']} on {r['device']}"]
             for r in offline_rows]
-    return table(["offline_inference", "RTF", "llm_time s", "token2wav_time s", "total_time s", "audio s", "batch",
+    return table(["offline_inference", "RTF", "front-end s", "engine s", "total_time s", "audio s", "batch",
                   "backend"], rows)
 
 

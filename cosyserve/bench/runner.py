@@ -405,7 +405,7 @@ def run_offline_inference(args: argparse.Namespace, run: OfflineRun, manifest: P
         return {**row, "error": f"offline_inference.py exited with {done.returncode}:\n{tail}"}
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     keys = ("backend", "device", "gpu", "batch_size", "token2wav_batch_size", "items", "audio_s", "rtf",
-            "frontend_time_s", "llm_time_s", "token2wav_time_s", "total_time_s")
+            "frontend_time_s", "engine_time_s", "total_time_s")
     row.update({k: report.get(k) for k in keys})
     print(f"[offline_inference {run.name}] RTF {fmt(row['rtf'], 4)} ({row['items']} items, {fmt(row['audio_s'], 2)} s "
           f"of audio)", flush=True)

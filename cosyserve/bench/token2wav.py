@@ -1,300 +1,381 @@
-"""Benchmark helpers shared by ``token2wav.py`` (offline) and ``streaming_inference.py`` (streams).
+"""token2wav alone (``token2wav.py``): speech tokens -> 24 kHz audio through the engine's kind of
+any model (:data:`~cosyserve.engine.service.MODEL_KINDS`: CosyVoice2, CosyVoice3, Step-Audio2), as if
+the LLM were infinitely fast, timed per variant.
 
-A *variant* is one way of running token2wav, written
-``dtype[+graphs|+flowgraphs][+precapture][+compile][+incremental][+batchN]``: ``fp32``,
-``fp16+flowgraphs``, ``fp16+flowgraphs+precapture+batch16``... (flow dtype, :class:`Token2WavOptions`:
-CUDA graphs of flow and HiFT or of the flow only, flow graphs captured at load for up to
-:data:`DEFAULT_PRECAPTURE_FRAMES` frames, compiled estimator, incremental streaming flow; and how many
-requests share a batch). Variants with graphs captured lazily get a second untimed warm-up run,
-since a shape is captured the second time it is seen. Offline runs synthesise utterances ``batch`` at a time with
-:meth:`CosyVoice2Token2Wav.offline_batch`. Streaming runs play ``concurrency`` listeners at once,
-each stepping its stream chunk by chunk as soon as the previous piece is back (tokens are all there
-from the start, or arrive at ``token_rate`` per second), directly or through a
-:class:`Token2WavBatcher` (``batch`` > 1); per chunk they record the compute latency, the arrival
-time and the audio length, from which playback underruns follow
-(:func:`cosyserve.clients.playback_underruns`).
+The kind is driven as the engine's loop drives it (:mod:`cosyserve.engine.core`), without the LLM:
+a group of ``batch`` utterances starts together (offline: one :meth:`start_offline` job each;
+streaming: each utterance a stream, :meth:`open`, its chunks from the kind's own
+:meth:`chunk_schedule` over all its tokens, each chunk started with :meth:`start_chunks` when the
+stream's previous one has been vocoded), every job under way takes one packed Euler step per
+:meth:`step`, and the jobs that took their last step are vocoded together (:meth:`vocode`). Every
+token yields 960 samples, in both modes.
+
+A *variant* is ``dtype[+graphs][+rerun][+batchN]``: the flow dtype (``fp32``, ``fp16``, ``bf16``),
+``+graphs`` CUDA graphs of the kind (CosyVoice2: flow windows and HiFT; CosyVoice3: the packed
+windows; captured by the kind's warm-up before the runs), ``+rerun`` (CosyVoice3) the reference's
+re-run streaming flow (full attention over every token so far, each chunk) instead of the
+incremental one, ``+batchN`` N utterances voiced together. The first run of each variant is an
+untimed warm-up; HiFT's noise is a function of the seed and the call's length
+(:class:`~cosyserve.pipeline.offline.SeededSineNoise`), so the last timed run's audio is compared
+with the first variant's (rel-L2: 0 for a variant against itself).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import logging
 import statistics
-import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from ..clients import latency_stats, playback_underruns
+from ..audio.io import load_prompt_audio
+from ..engine.device import synchronize
+from ..engine.service import BUNDLE_DIRS, MODEL_KINDS
 from ..errors import InvalidInputError
-from ..frontend.prompt import PromptFeatures
-from ..schedule import TOKEN_RATE, Chunk, plan_chunks
-from ..token2wav.batching import Token2WavBatcher
-from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, CosyVoice2Token2Wav, OfflineRequest, Token2WavOptions,
-                                    load_token2wav)
+from ..frontend.prompt import PromptFeatures, build_prompt_features
+from ..frontend.speakers import SpeakerRegistry
+from ..frontend.torch_models import load_frontend_models
+from ..pipeline.offline import SeededSineNoise
+from ..runtime import SPK2INFO, resolve_device
+from ..schedule import OUTPUT_SAMPLE_RATE, Chunk
 
+log = logging.getLogger(__name__)
+
+MODES = ("offline", "streaming")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-STRATEGIES = ("exponential", "equal")
-LOOKAHEAD = 3
+FLOW_SECTION, VOCODER_SECTION = "token2wav.flow", "token2wav.vocoder"  # torch.profiler ranges
+HEADER = ["variant", "mode", "utterances", "chunks", "audio s", "wall ms", "RTF", "first chunk ms (median)",
+          "rel-L2 vs first"]
+PROFILE_HEADER = ["variant", "utterance tokens", "wall ms", "flow ms (host)", "vocoder ms (host)", "calls",
+                  "GPU activities", "GPU busy ms"]
+PROFILE_KEYS = ("tokens", "wall_ms", "flow_host_ms", "vocoder_host_ms", "calls", "gpu_activities", "gpu_busy_ms")
+
+# Per kind: the variant flags it takes and the kind's options (load_engine's kind_options) of a variant.
+VARIANT_OPTIONS: dict[str, tuple[frozenset[str], Callable[["Variant"], dict]]] = {
+    "cosyvoice2": (frozenset({"graphs"}), lambda v: {"flow_dtype": DTYPES[v.dtype], "cuda_graphs": v.graphs,
+                                                     "hift_graphs": v.graphs}),
+    "cosyvoice3": (frozenset({"graphs", "rerun"}), lambda v: {"flow_dtype": DTYPES[v.dtype], "cuda_graphs": v.graphs,
+                                                              "incremental": not v.rerun}),
+    "step_audio2": (frozenset(), lambda v: {"dtype": DTYPES[v.dtype]}),
+}
 
 
 @dataclass(frozen=True)
 class Variant:
     dtype: str = "fp32"
-    cuda_graphs: bool = False
-    hift_graphs: bool = False
-    precapture: bool = False
-    compile: bool = False
-    incremental: bool = False
+    graphs: bool = False
+    rerun: bool = False
     batch: int = 1
 
     @classmethod
-    def parse(cls, spec: str) -> "Variant":
-        """``fp16+graphs+incremental+batch16`` (any order after the dtype); ``flowgraphs``: no HiFT graphs."""
+    def parse(cls, spec: str, model: str) -> "Variant":
+        """``fp16+graphs+batch4`` (any order after the dtype), checked against what ``model`` takes."""
         dtype, *flags = spec.strip().split("+")
+        allowed = VARIANT_OPTIONS[model][0]
         if dtype not in DTYPES:
-            raise InvalidInputError(f"variant {spec!r}: dtype must be one of {sorted(DTYPES)}")
+            raise InvalidInputError(f"variant {spec!r}: --model {model} takes flow dtypes ({', '.join(DTYPES)})")
         fields: dict = {"dtype": dtype}
         for flag in flags:
-            if flag in ("graphs", "flowgraphs"):
-                fields.update(cuda_graphs=True, hift_graphs=flag == "graphs")
-            elif flag in ("incremental", "precapture", "compile"):
+            if flag in allowed and flag not in fields:
                 fields[flag] = True
-            elif flag.startswith("batch") and flag[5:].isdigit() and int(flag[5:]) >= 1:
+            elif flag.startswith("batch") and flag[5:].isdigit() and int(flag[5:]) >= 1 and "batch" not in fields:
                 fields["batch"] = int(flag[5:])
             else:
-                raise InvalidInputError(f"variant {spec!r}: unknown part {flag!r} "
-                                        "(graphs, flowgraphs, precapture, compile, incremental, batchN)")
-        if fields.get("precapture") and not fields.get("cuda_graphs"):
-            raise InvalidInputError(f"variant {spec!r}: precapture needs graphs or flowgraphs")
+                raise InvalidInputError(f"variant {spec!r}: --model {model} takes flow dtypes ({', '.join(DTYPES)}), "
+                                        f"each with {', '.join(f'+{f}' for f in sorted(allowed)) or 'no flag'} "
+                                        "and +batchN at most once")
         return cls(**fields)
 
     @property
     def name(self) -> str:
-        graphs = ("graphs" if self.hift_graphs else "flowgraphs") if self.cuda_graphs else None
-        flags = [graphs] * bool(graphs) + [f for f in ("precapture", "compile", "incremental") if getattr(self, f)]
-        return "+".join([self.dtype] + flags + ([f"batch{self.batch}"] if self.batch > 1 else []))
+        flags = [f for f in ("graphs", "rerun") if getattr(self, f)] + ([f"batch{self.batch}"] if self.batch > 1 else [])
+        return "+".join([self.dtype, *flags])
+
+
+def parse_variants(specs: str, model: str) -> list[Variant]:
+    variants = [Variant.parse(spec, model) for spec in specs.split(",") if spec.strip()]
+    if not variants:
+        raise InvalidInputError("no variants given")
+    return variants
+
+
+def load_kind(model: str, model_dir: Path, device: torch.device, variant: Variant, seed: int = 0):
+    """The engine's token2wav kind of ``model`` in ``variant``'s options."""
+    options = VARIANT_OPTIONS[model][1](variant)
+    return MODEL_KINDS[model].load_kind(model_dir, device, options, SeededSineNoise(seed, device))
+
+
+def resolve_model_dir(model: str, path: str | Path) -> Path:
+    """The kind's directory (its front-end files) itself, or a bundle root holding it."""
+    path, spec = Path(path), MODEL_KINDS[model]
+    sub = BUNDLE_DIRS[model][0]
+    for candidate in (path, path / sub):
+        if (candidate / spec.speech_tokenizer).is_file():
+            return candidate
+    raise InvalidInputError(f"{path} holds no {spec.speech_tokenizer} (nor {sub}/{spec.speech_tokenizer}): give "
+                            f"the {sub} directory of --model {model}")
+
+
+def load_voice(model: str, model_dir: Path, device: torch.device, reference_audio: Path | None = None,
+               speaker_id: str = "001", spk2info: Path | None = None) -> PromptFeatures:
+    """A reference clip through the kind's front-end files (its speech tokenizer, CAM++, prompt-mel
+    band), or a registered voice of ``spk2info`` (default: the model directory's spk2info.pt)."""
+    spec = MODEL_KINDS[model]
+    if reference_audio is None:
+        path = spk2info or model_dir / SPK2INFO
+        if not path.is_file():
+            raise InvalidInputError(f"{path} does not exist: --model {model} needs --reference-audio, or --spk2info "
+                                    "(a spk2info.pt) and --speaker-id")
+        return SpeakerRegistry.load(path).get(speaker_id).features
+    tokenizer, speaker_encoder = load_frontend_models(model_dir / spec.speech_tokenizer, model_dir / "campplus.onnx",
+                                                      device)
+    return build_prompt_features(load_prompt_audio(reference_audio), tokenizer, speaker_encoder, spec.mel_fmax)
+
+
+def check_tokens(tokens: Sequence[torch.Tensor], vocab_size: int) -> None:
+    """Every utterance non-empty, every id in 0..vocab_size-1 (says which utterance and id is wrong)."""
+    for k, ids in enumerate(tokens):
+        ids = torch.as_tensor(ids).reshape(-1)
+        if ids.numel() == 0:
+            raise InvalidInputError(f"utterance {k + 1} has no speech tokens")
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if bad.numel():
+            raise InvalidInputError(f"utterance {k + 1}: speech token id {int(bad[0])} is outside 0..{vocab_size - 1} "
+                                    "(raw speech codes)")
+
+
+# ----- driving a kind -----
+
+@dataclass
+class Synthesis:
+    """One utterance: its waveform, the chunks sent and each chunk's time (chunk started -> its PCM)."""
+
+    wave: np.ndarray = field(repr=False)
+    chunks: list[Chunk]
+    call_s: list[float]
+    pieces: list[np.ndarray] = field(default_factory=list, repr=False)
+
+
+@dataclass(eq=False)
+class _Voicing:
+    tokens: list[int]
+    voicing: object = None  # the kind's stream state (None: offline)
+    schedule: object = None
+    job: object = None
+    chunk: Chunk | None = None
+    started: float = 0.0
+    done: bool = False
+    result: Synthesis = field(default_factory=lambda: Synthesis(np.zeros(0, np.float32), [], []))
+
+
+def synthesize(kind, features: PromptFeatures, utterances: Sequence[Sequence[int]], mode: str = "offline",
+               strategy: str = "exponential") -> list[Synthesis]:
+    """``utterances`` voiced together by ``kind``, as the engine's loop voices requests whose tokens
+    are all there: their jobs packed per Euler step, the finished ones vocoded together."""
+    if mode not in MODES:
+        raise InvalidInputError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    items = [_Voicing([int(t) for t in torch.as_tensor(u).reshape(-1).tolist()]) for u in utterances]
+    try:
+        for item in items:
+            if mode == "offline":
+                item.chunk, item.started = Chunk(len(item.tokens), 0, True), time.perf_counter()
+                item.job = kind.start_offline(features, item.tokens)
+            else:
+                item.schedule, item.voicing = kind.chunk_schedule(strategy), kind.open(features)
+        if mode == "streaming":
+            _start_next(kind, items)
+        while any(item.job is not None for item in items):
+            with torch.profiler.record_function(FLOW_SECTION):
+                kind.step([item.job for item in items if item.job is not None])
+            finished = [item for item in items if item.job is not None and item.job.done]
+            if not finished:
+                continue
+            with torch.profiler.record_function(VOCODER_SECTION):
+                pieces = kind.vocode([(item.voicing, kind.mel(item.job), item.job.finalize) for item in finished])
+            synchronize(torch.device(getattr(kind, "device", "cpu")))
+            now = time.perf_counter()
+            for item, pcm in zip(finished, pieces):
+                item.result.pieces.append(pcm)
+                item.result.chunks.append(item.chunk)
+                item.result.call_s.append(now - item.started)
+                item.done, item.job = item.chunk.finalize, None
+            if mode == "streaming":
+                _start_next(kind, [item for item in finished if not item.done])
+    except BaseException:
+        kind.abort([item.job for item in items if item.job is not None])
+        raise
+    finally:
+        for item in items:
+            if item.voicing is not None:
+                item.voicing.close()
+    for item in items:
+        item.result.wave = np.concatenate(item.result.pieces) if item.result.pieces else np.zeros(0, np.float32)
+    return [item.result for item in items]
+
+
+def _start_next(kind, items: list[_Voicing]) -> None:
+    """Each stream's next chunk (all its tokens are there), started together."""
+    if not items:
+        return
+    for item in items:
+        n = len(item.tokens)
+        item.chunk = item.schedule.next_chunk(n) or item.schedule.final_chunk(n)
+        item.started = time.perf_counter()
+    jobs = kind.start_chunks([(item.voicing, item.tokens[:item.chunk.num_tokens], item.chunk.token_offset,
+                               item.chunk.finalize) for item in items])
+    for item, job in zip(items, jobs):
+        item.job = job
+
+
+def profile_utterance(kind, features: PromptFeatures, tokens, mode: str, strategy: str) -> dict:
+    """One more synthesis of ``tokens`` under ``torch.profiler``: its wall time, the host time of the
+    flow steps and vocoder calls (what the CPU spent in them, waiting on the GPU included), and the
+    GPU's activities (kernels, copies) and their summed time. The profiler slows host-bound code."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(getattr(kind, "device", "cpu"))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        (done,) = synthesize(kind, features, [tokens], mode, strategy)
+        wall = time.perf_counter() - start
+    events = prof.events()
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def host_ms(section: str) -> float:
+        return sum(e.cpu_time_total for e in events if e.name == section and e.device_type == cpu) / 1e3
+
+    gpu = [e for e in events if e.device_type == cuda and e.name not in (FLOW_SECTION, VOCODER_SECTION)]
+    return {"tokens": len(torch.as_tensor(tokens).reshape(-1)), "wall_ms": 1e3 * wall, "calls": len(done.call_s),
+            "flow_host_ms": host_ms(FLOW_SECTION), "vocoder_host_ms": host_ms(VOCODER_SECTION),
+            "gpu_activities": len(gpu), "gpu_busy_ms": sum(e.device_time for e in gpu) / 1e3}
+
+
+# ----- variants -----
+
+@dataclass
+class VariantRun:
+    row: list
+    report: dict
+    check: np.ndarray | None = field(default=None, repr=False)  # the last timed run's audio, all utterances
+    last: np.ndarray | None = field(default=None, repr=False)  # the last utterance of the last run
+
+
+def _one_run(kind, features, tokens, variant: Variant, mode: str, strategy: str) -> tuple[float, list[Synthesis]]:
+    """Every utterance once, ``variant.batch`` at a time: the wall time and each utterance's synthesis."""
+    start = time.perf_counter()
+    done = []
+    for i in range(0, len(tokens), variant.batch):
+        done += synthesize(kind, features, tokens[i:i + variant.batch], mode, strategy)
+    return time.perf_counter() - start, done
+
+
+def run_variant(model: str, variant: Variant, model_dir: Path, tokens, features: PromptFeatures, *,
+                device: torch.device, mode: str, strategy: str, runs: int, reference: np.ndarray | None,
+                profile: bool = False, seed: int = 0) -> VariantRun:
+    """Load the kind in the variant's options (``+graphs``: its warm-up captures them), one untimed
+    warm-up run, ``runs`` timed runs."""
+    kind = load_kind(model, model_dir, device, variant, seed)
+    try:
+        kind.chunk_schedule(strategy)  # an unknown strategy fails here
+        if variant.graphs:
+            kind.warm_up(features)
+        _one_run(kind, features, tokens, variant, mode, strategy)
+        timed = [_one_run(kind, features, tokens, variant, mode, strategy) for _ in range(max(1, runs))]
+        profiled = profile_utterance(kind, features, tokens[-1], mode, strategy) if profile else None
+    finally:
+        del kind
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    check = np.concatenate([s.wave for s in timed[-1][1]])
+    walls = [wall for wall, _ in timed]
+    audio_s = sum(s.wave.size for s in timed[0][1]) / OUTPUT_SAMPLE_RATE
+    wall = statistics.median(walls)
+    rel = rel_l2(check, reference if reference is not None else check)
+    row = [variant.name, mode, len(tokens),
+           sum(len(s.chunks) for s in timed[0][1]), audio_s, 1e3 * wall, wall / audio_s,
+           1e3 * statistics.median(s.call_s[0] for _, done in timed for s in done), rel]
+    report = {"walls_s": walls, "audio_s": audio_s, "samples": [int(s.wave.size) for s in timed[0][1]],
+              "call_latencies_s": [[s.call_s for s in done] for _, done in timed],
+              "chunks": [[dataclasses.asdict(c) for c in s.chunks] for s in timed[0][1]],
+              "rel_l2_vs_first": rel, **({"profile": profiled} if profiled else {})}
+    return VariantRun(row, report, check, timed[-1][1][-1].wave)
+
+
+@dataclass
+class Token2WavReport:
+    model: str
+    rows: list[list] = field(default_factory=list)
+    results: dict = field(default_factory=dict)
+    last: np.ndarray | None = field(default=None, repr=False)
+    prompt_tokens: int = 0
+    device: str = "cpu"
 
     @property
-    def warmups(self) -> int:
-        return 2 if self.cuda_graphs and not self.precapture else 1
+    def profile_rows(self) -> list[list]:
+        """The profiled variants' rows (:data:`PROFILE_HEADER`)."""
+        return [[name, *(result["profile"][key] for key in PROFILE_KEYS)]
+                for name, result in self.results.items() if "profile" in result]
 
-    def load(self, model_dir: str | Path, device: str | torch.device) -> CosyVoice2Token2Wav:
-        options = Token2WavOptions(cuda_graphs=self.cuda_graphs, hift_graphs=self.hift_graphs, compile=self.compile,
-                                   precapture_frames=DEFAULT_PRECAPTURE_FRAMES if self.precapture else 0,
-                                   precapture_batch=self.batch, incremental_stream=self.incremental)
-        return load_token2wav(model_dir, device, DTYPES[self.dtype], options)
-
-
-def parse_variants(specs: str) -> list[Variant]:
-    return [Variant.parse(spec) for spec in specs.split(",") if spec.strip()]
+    def to_json(self, mode: str, strategy: str) -> dict:
+        return {"device": self.device, "model": self.model, "mode": mode,
+                **({"strategy": strategy} if mode == "streaming" else {}), "results": self.results}
 
 
-def prompt_features(model_dir: Path, speaker_id: str = "001", reference_audio: Path | None = None) -> PromptFeatures:
-    """A cached speaker of ``spk2info.pt``, or a reference wav run through the ONNX front-end."""
-    from ..frontend import SpeakerEncoder, SpeakerRegistry, SpeechTokenizer, build_prompt_features
+def run_token2wav(model: str, model_dir: str | Path, tokens: Sequence[torch.Tensor], *, reference_audio=None,
+                  speaker_id: str = "001", spk2info: Path | None = None, device: str | torch.device = "auto",
+                  variants: str = "fp32", mode: str = "offline", strategy: str = "exponential", runs: int = 1,
+                  profile: bool = False, seed: int = 0, on_start: Callable[[int], None] | None = None,
+                  on_row: Callable[[list], None] | None = None) -> Token2WavReport:
+    """Every variant over every utterance. Bad inputs (directory, tokens, variants, mode, voice)
+    raise :class:`InvalidInputError` before any kind is loaded; a variant that fails to run is
+    logged and reported as a failed row, the others go on."""
+    if model not in MODEL_KINDS:
+        raise InvalidInputError(f"unknown model kind {model!r}; choose one of {sorted(MODEL_KINDS)}")
+    if mode not in MODES:
+        raise InvalidInputError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    model_dir = resolve_model_dir(model, model_dir)
+    names = parse_variants(variants, model)
+    check_tokens(tokens, MODEL_KINDS[model].layout.num_speech_tokens)
+    device = resolve_device(device)
+    features = load_voice(model, model_dir, device, reference_audio, speaker_id, spk2info)
+    out = Token2WavReport(model, prompt_tokens=int(features.speech_tokens.numel()), device=str(device))
+    if on_start:
+        on_start(out.prompt_tokens)
+    reference = None
+    for variant in names:
+        try:
+            run = run_variant(model, variant, model_dir, tokens, features, device=device, mode=mode, strategy=strategy,
+                              runs=runs, reference=reference, profile=profile, seed=seed)
+        except InvalidInputError:
+            raise  # the same for every variant (a strategy the kind does not take, say)
+        except Exception as exc:  # report it and go on with the other variants
+            log.exception("variant %s failed", variant.name)
+            summary = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            out.rows.append([variant.name, summary])
+            out.results[variant.name] = {"error": repr(exc)}
+        else:
+            reference = run.check if reference is None else reference
+            out.rows.append(run.row)
+            out.results[variant.name] = run.report
+            out.last = run.last
+        if on_row:
+            on_row(out.rows[-1])
+    return out
 
-    if reference_audio is None:
-        return SpeakerRegistry.load(model_dir / "spk2info.pt").get(speaker_id).features
-    from ..audio.io import load_prompt_audio
 
-    return build_prompt_features(load_prompt_audio(reference_audio),
-                                 SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx"),
-                                 SpeakerEncoder(model_dir / "campplus.onnx"))
-
-
-def chunk_plan(total_tokens: int, strategy: str = "exponential", hop: int = TOKEN_RATE) -> list[Chunk]:
-    """The token2wav calls of one stream: ``exponential`` = the Triton BLS schedule
-    (:func:`plan_chunks`), ``equal`` = ``hop`` new tokens per call (+ the look-ahead), then the rest."""
-    if strategy == "exponential":
-        return plan_chunks(total_tokens)
-    if strategy != "equal":
-        raise InvalidInputError(f"unknown chunk strategy {strategy!r}; choose one of {STRATEGIES}")
-    if hop < 1:
-        raise InvalidInputError(f"hop must be >= 1 token, got {hop}")
-    offsets = range(0, max(total_tokens - LOOKAHEAD, 0), hop)
-    chunks = [Chunk(offset + hop + LOOKAHEAD, offset, False) for offset in offsets
-              if offset + hop + LOOKAHEAD <= total_tokens]
-    return chunks + [Chunk(total_tokens, chunks[-1].token_offset + hop if chunks else 0, True)]
-
+# ----- command line helpers -----
 
 def random_tokens(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 6561, (n,), generator=generator) for n in lengths]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _prompt_kwargs(prompt: PromptFeatures) -> dict:
-    return {"prompt_tokens": prompt.speech_tokens, "prompt_feat": prompt.speech_feat, "embedding": prompt.embedding}
-
-
-# ----- offline -----
-
-@dataclass
-class OfflineResult:
-    wall_s: float
-    audio_s: float
-    batch_latencies_s: list[float]
-    waves: list[torch.Tensor] = field(repr=False)
-
-    @property
-    def rtf(self) -> float:
-        return self.wall_s / self.audio_s
-
-
-def run_offline(t2w: CosyVoice2Token2Wav, tokens: list[torch.Tensor], prompt: PromptFeatures, batch: int = 1,
-                zero_noise: bool = False) -> OfflineResult:
-    """Synthesise every utterance, ``batch`` per :meth:`offline_batch` call; wall time and audio."""
-    noise = {"sine_noise": _zero_noise(t2w)} if zero_noise else {}
-    waves, latencies = [], []
-    synchronize(t2w.device)
-    start = time.perf_counter()
-    for i in range(0, len(tokens), batch):
-        begin = time.perf_counter()
-        waves += t2w.offline_batch([OfflineRequest(t, **_prompt_kwargs(prompt), **noise) for t in tokens[i:i + batch]])
-        latencies.append(time.perf_counter() - begin)  # waves are on the CPU: the device is done
-    wall = time.perf_counter() - start
-    audio = sum(w.numel() for w in waves) / t2w.sample_rate
-    return OfflineResult(wall, audio, latencies, waves)
-
-
-def _zero_noise(t2w: CosyVoice2Token2Wav):
-    harmonics = t2w.hift.m_source.num_harmonics
-    return lambda length: torch.zeros(1, length, harmonics)
-
-
-# ----- streaming -----
-
-@dataclass
-class StreamResult:
-    chunk_latencies_s: list[float] = field(default_factory=list)  # chunk ready (tokens there) -> piece back
-    arrivals_s: list[float] = field(default_factory=list)  # piece back, since the stream started
-    durations_s: list[float] = field(default_factory=list)  # audio seconds per piece
-    pieces: list[torch.Tensor] = field(default_factory=list, repr=False)
-
-    @property
-    def audio_s(self) -> float:
-        return sum(self.durations_s)
-
-    def underruns(self) -> tuple[int, float]:
-        return playback_underruns(self.arrivals_s, self.durations_s)
-
-
-@dataclass
-class StreamingRun:
-    wall_s: float
-    streams: list[StreamResult]
-
-    @property
-    def audio_s(self) -> float:
-        return sum(s.audio_s for s in self.streams)
-
-    def summary(self) -> dict:
-        underruns = [s.underruns() for s in self.streams]
-        return {
-            "streams": len(self.streams), "wall_s": self.wall_s, "audio_s": self.audio_s,
-            "rtf": self.wall_s / self.audio_s,
-            "first_chunk": latency_stats(s.chunk_latencies_s[0] for s in self.streams),
-            "chunk": latency_stats(x for s in self.streams for x in s.chunk_latencies_s),
-            "chunk_index_median_ms": [1e3 * median([s.chunk_latencies_s[k] for s in self.streams
-                                                    if k < len(s.chunk_latencies_s)])
-                                      for k in range(max(len(s.chunk_latencies_s) for s in self.streams))],
-            "underruns": sum(c for c, _ in underruns), "streams_with_underrun": sum(1 for c, _ in underruns if c),
-            "stall_s": sum(s for _, s in underruns),
-        }
-
-
-def run_streams(t2w: CosyVoice2Token2Wav, tokens: list[torch.Tensor], prompt: PromptFeatures, *,
-                concurrency: int = 1, strategy: str = "exponential", hop: int = TOKEN_RATE, batch: int = 1,
-                token_rate: float | None = None, zero_noise: bool = False) -> StreamingRun:
-    """Play every token sequence as a stream, ``concurrency`` listeners at a time (one thread each)."""
-    noise = {"sine_noise": _zero_noise(t2w)} if zero_noise else {}
-    batcher = Token2WavBatcher(t2w, max_batch=batch).start() if batch > 1 else None
-    results: list[StreamResult | None] = [None] * len(tokens)
-    errors: list[BaseException] = []
-    next_index = iter(range(len(tokens)))
-    lock = threading.Lock()
-
-    def listener() -> None:
-        while True:
-            with lock:
-                i = next(next_index, None)
-            if i is None:
-                return
-            try:
-                results[i] = _play(t2w, batcher, f"bench-{i}", tokens[i], prompt, noise, strategy, hop, token_rate)
-            except BaseException as exc:  # reported after all threads ended
-                errors.append(exc)
-                return
-
-    synchronize(t2w.device)
-    start = time.perf_counter()
-    threads = [threading.Thread(target=listener, name=f"listener-{k}") for k in range(max(1, concurrency))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
-    if batcher is not None:
-        batcher.close()
-    if errors:
-        raise errors[0]
-    return StreamingRun(wall, results)
-
-
-def _play(t2w, batcher, request_id, tokens, prompt, noise, strategy, hop, token_rate) -> StreamResult:
-    result = StreamResult()
-    stream = t2w.open_stream(request_id, **_prompt_kwargs(prompt), **noise)
-    start = time.perf_counter()
-    try:
-        for chunk in chunk_plan(tokens.numel(), strategy, hop):
-            ready = start + (chunk.num_tokens / token_rate if token_rate else 0.0)
-            if (wait := ready - time.perf_counter()) > 0:
-                time.sleep(wait)
-            begin = max(ready, time.perf_counter())
-            args = (tokens[:chunk.num_tokens], chunk.token_offset, chunk.finalize)
-            piece = batcher.submit_step(stream, *args).result() if batcher else stream.step(*args)
-            end = time.perf_counter()  # pieces come back on the CPU: the device is done
-            result.chunk_latencies_s.append(end - begin)
-            result.arrivals_s.append(end - start)
-            result.durations_s.append(piece.numel() / t2w.sample_rate)
-            result.pieces.append(piece)
-    finally:
-        stream.close()
-    return result
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-# ----- command lines -----
-
-def add_common_args(parser) -> None:
-    """Arguments of both benchmark command lines (``token2wav.py``, ``streaming_inference.py``)."""
-    parser.add_argument("--model-dir", type=Path, required=True, help="CosyVoice2-0.5B directory")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--tokens-file", type=Path,
-                        help="raw speech token ids (0..6560), whitespace separated; one utterance per line")
-    source.add_argument("--num-tokens", type=int, nargs="+",
-                        help="random utterances of these lengths (25 tokens = 1 s of audio)")
-    parser.add_argument("--speaker-id", default="001", help="cached speaker of spk2info.pt used as the prompt")
-    parser.add_argument("--reference-audio", type=Path, help="prompt wav instead of a cached speaker")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--variants", default="fp32",
-                        help="comma-separated dtype[+graphs][+incremental][+batchN], e.g. fp32,fp16,fp16+graphs+batch16")
-    parser.add_argument("--runs", type=int, default=1, help="timed runs per variant (after one warm-up run)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--output-json", type=Path, help="write every number here")
 
 
 def utterance_tokens(args) -> list[torch.Tensor]:
@@ -304,6 +385,20 @@ def utterance_tokens(args) -> list[torch.Tensor]:
             raise InvalidInputError(f"{args.tokens_file} holds no tokens")
         return [torch.tensor([int(x) for x in line], dtype=torch.long) for line in lines]
     return random_tokens(args.num_tokens, args.seed)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def rel_l2(a, b) -> float:
+    """|a - b| / |b| of two arrays or tensors (nan when their shapes differ)."""
+    a, b = (x.detach().to("cpu", torch.float64).numpy() if torch.is_tensor(x) else np.asarray(x, np.float64)
+            for x in (a, b))
+    if a.shape != b.shape:
+        return float("nan")
+    norm = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / norm) if norm > 0 else float(np.linalg.norm(a - b))
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

@@ -31,7 +31,7 @@ from ..frontend.voice_store import COSYVOICE3_FEATURES_FILE, FEATURES_FILE, Voic
 from ..llm.prompt import COSYVOICE2, COSYVOICE3, PromptLayout
 from ..llm.sampling import COSYVOICE3_SAMPLING, REFERENCE_SAMPLING, SamplingParams
 from ..pipeline.tts import DEFAULT_SPEAKER, SegmentPrompter, TokenLimits, TTSRequest, Voice, VoiceResolver
-from ..runtime import SPK2INFO
+from ..runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, SPK2INFO, STEP_AUDIO2_DIR
 from ..token2wav.dit import DIT_TOKENIZER_ONNX
 from ..token2wav.cosyvoice2 import Token2WavOptions, default_flow_dtype, load_token2wav
 from ..token2wav.vocoder_stream import SineNoiseProvider
@@ -159,6 +159,15 @@ MODEL_KINDS: dict[str, ModelKind] = {
                             COSYVOICE3_FEATURES_FILE, _cosyvoice3_kind),
     "step_audio2": ModelKind(COSYVOICE2, REFERENCE_SAMPLING, DIT_TOKENIZER_ONNX, COSYVOICE2_MEL_FMAX, True,
                              FEATURES_FILE, _step_audio2_kind),
+}
+
+
+# Per model kind, under a bundle root (:func:`cosyserve.bundle.make_bundle`'s layout): load_engine's
+# ``model_dir`` (token2wav and front-end files), ``llm_dir`` and ``spk2info`` (None: model_dir's own).
+BUNDLE_DIRS: dict[str, tuple[str, str, str | None]] = {
+    "cosyvoice2": (COSYVOICE2_DIR, LLM_DIR, None),
+    "cosyvoice3": (COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, None),
+    "step_audio2": (STEP_AUDIO2_DIR, LLM_DIR, f"{COSYVOICE2_DIR}/{SPK2INFO}"),
 }
 
 

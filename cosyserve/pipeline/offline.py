@@ -1,20 +1,25 @@
-"""Offline batch TTS (``offline_inference.py``): a dataset in, wavs and a timing report out.
+"""Offline batch TTS (``offline_inference.py``): a dataset in, wavs and a timing report out, over the engine.
 
-Three model kinds (``OfflineConfig.model``): CosyVoice2 (``CosyVoice2-0.5B/`` + ``cosyvoice2_llm/``),
-CosyVoice3 (``Fun-CosyVoice3-0.5B-2512/`` + ``cosyvoice3_llm/``: its prompt layout, v3 speech
-tokenizer, no registered voices, and the DiT token2wav one utterance at a time) and Step-Audio2
-(CosyVoice2's LLM and voices with ``Step-Audio-2-mini/token2wav/``: its DiT flow + HiFT one
-utterance at a time, the prompt cut to two mel frames per token: 960 samples per speech token).
+The model kind (``OfflineConfig.model``, a key of :data:`~cosyserve.engine.service.MODEL_KINDS`)
+is a parameter: :func:`~cosyserve.engine.service.load_engine` loads its stack from the bundle's
+directories (:data:`~cosyserve.engine.service.BUNDLE_DIRS`) and everything else is one path. The LLM is the engine's own
+(``torch``: our LLM engine stepped in the loop) or a :mod:`cosyserve.llm` back end generating on
+its own threads (``hf``, ``trtllm``, ``openai``).
 
 Per batch of ``batch_size`` utterances: the voices are resolved (speech tokenizer + speaker
-encoder on each prompt, or one registered speaker for all), the LLM generates every utterance's
-speech tokens with all requests in flight together (the torch engine batches them; other back
-ends take them as they can), then token2wav synthesises them ``token2wav_batch_size`` at a time
-(:meth:`CosyVoice2Token2Wav.offline_batch`: one flow batch, HiFT batched per length; utterances
-are sorted by length first so batches pad little). Three timers (front-end, LLM, token2wav) add up
-to the total; writing files is not timed. RTF = total time / seconds of audio. A long text is
-normalised and split into segments as the server does (:mod:`cosyserve.text`); each segment is
-one LLM request and one token2wav utterance, and an item's wav is its segments' concatenation.
+encoder on each prompt, or one registered speaker for all) and the text normalised and split into
+segments as the server does (:mod:`cosyserve.text`); that is the front-end time. Then every
+segment goes to the engine at once as an offline request of its own (its own token limits), and
+the engine interleaves their LLM steps, packs their flow passes (at most ``token2wav_batch_size``
+flow jobs per Euler step) and vocodes them together; that is the engine time, up to the last
+segment's waveform. An item's wav is its segments' concatenation. RTF = (front-end + engine time)
+/ seconds of audio; writing files is not timed. The engine's own counters
+(:class:`~cosyserve.engine.core.EngineCounters`: time of its loop in LLM steps, flow starts, Euler
+steps, vocoder, host work, idle) say where the engine time went; with an LLM on its own threads
+(not ``torch``) ``llm_s`` is near zero, its time shows as loop idle.
+
+HiFT's noise is a function of ``seed`` and the call's length only (:class:`SeededSineNoise`), so
+the audio does not depend on batch sizes or on which requests share a vocoder call.
 
 Benchmarks on random weights need realistic lengths (a random LLM rarely samples the end of
 speech): with :class:`~cosyserve.data.FixedLength` every utterance generates exactly
@@ -29,13 +34,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import threading
 import time
 import unicodedata
-import uuid
 import wave
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,34 +47,39 @@ import numpy as np
 import torch
 
 from ..data import FixedLength, Utterance, load_reference_audio
+from ..engine.core import EngineCounters
+from ..engine.request import EngineRequest
+from ..engine.scheduler import Scheduler
+from ..engine.service import BUNDLE_DIRS, MODEL_KINDS, TTSEngine, load_engine
 from ..errors import InvalidInputError
-from ..frontend.prompt import trim_to_token_rate
-from ..frontend.torch_models import load_frontend_models
-from ..frontend.speakers import SpeakerRegistry
 from ..llm.backends import create_backend
 from ..llm.base import BackendUnavailableError
-from ..llm.prompt import COSYVOICE2, COSYVOICE3, MAX_SPEECH_TOKENS, register_voice_prefixes
-from ..llm.sampling import COSYVOICE3_SAMPLING, REFERENCE_SAMPLING
-from ..runtime import (COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, SPK2INFO, STEP_AUDIO2_DIR,
-                       resolve_device)
-from ..schedule import OUTPUT_SAMPLE_RATE, TOKEN_RATE
-from ..token2wav.cosyvoice2 import OfflineRequest, Token2WavOptions, default_flow_dtype, load_token2wav
-from ..token2wav.cosyvoice3 import load_cosyvoice3_token2wav
-from ..token2wav.dit import DIT_SPEAKER_ONNX, DIT_TOKENIZER_ONNX, SpeakerPrompt, load_dit_token2wav
-from ..token2wav.dit import OfflineRequest as DitOfflineRequest
-from ..token2wav.sessions import LocalToken2Wav
-from .cosyvoice3_token2wav import cosyvoice3_voices
-from .local import LocalSpeechTokens
-from .tts import DEFAULT_SPEAKER, SegmentPrompt, TokenLimits, TTSPipeline, TTSRequest, Voice, VoiceResolver
+from ..llm.prompt import MAX_SPEECH_TOKENS
+from ..models.hift.config import HiftConfig
+from ..runtime import resolve_device
+from ..schedule import TOKEN_RATE
+from ..token2wav.cosyvoice2 import Token2WavOptions
+from .tts import SegmentPrompt, TokenLimits, TTSRequest, Voice
 
 BACKENDS = ("torch", "hf", "trtllm", "vllm", "openai")
-MODELS = ("cosyvoice2", "cosyvoice3", "step_audio2")
+MODELS = tuple(MODEL_KINDS)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 VLLM_UNSUPPORTED = (
     "the vllm backend is not supported yet: vLLM's Qwen2 loader drops the CosyVoice2 LLM's lm_head bias "
     "(llm_layout.md §2), so it would sample text tokens instead of speech. Serve the LLM with a server that "
     "keeps the bias (python -m cosyserve.llm.openai_server) and use --backend openai --openai-base-url URL, "
     "or use --backend torch")
+
+# The token2wav kind's options (load_engine's ``kind_options``) from the command line's: the flow
+# dtype (None: the kind's default) and Token2WavOptions (CosyVoice2's speed-ups; CosyVoice3 takes
+# its CUDA graphs; Step-Audio2 none).
+KIND_OPTIONS: dict[str, Callable[[torch.dtype | None, Token2WavOptions], dict]] = {
+    "cosyvoice2": lambda dtype, o: {"flow_dtype": dtype, "cuda_graphs": o.cuda_graphs, "compile": o.compile,
+                                    "precapture_frames": o.precapture_frames, "precapture_batch": o.precapture_batch,
+                                    "precapture_streaming": o.precapture_streaming},
+    "cosyvoice3": lambda dtype, o: {"flow_dtype": dtype, "cuda_graphs": o.cuda_graphs},
+    "step_audio2": lambda dtype, o: {"dtype": dtype},
+}
 
 
 def spoken_characters(text: str) -> int:
@@ -97,17 +106,17 @@ def estimate_seconds(voice: Voice, target_text: str) -> float:
 
 @dataclass
 class OfflineConfig:
-    model: str = "cosyvoice2"  # or cosyvoice3, step_audio2 (MODELS)
+    model: str = "cosyvoice2"  # a key of MODEL_KINDS (MODELS)
     backend: str = "torch"
     device: str = "auto"
-    dtype: str | None = None  # flow dtype; default float16 on CUDA (as deployed), float32 on CPU
+    dtype: str | None = None  # flow dtype; None: the kind's default (CosyVoice2 fp16 on CUDA, fp32 on the CPU)
     llm_dtype: str | None = None  # default bfloat16 on CUDA, float32 on CPU
-    batch_size: int = 16  # LLM requests in flight together
-    token2wav_batch_size: int = 8
+    batch_size: int = 16  # utterances submitted to the engine together
+    token2wav_batch_size: int = 8  # flow jobs per packed Euler step (the engine's max_step_jobs)
     token2wav_options: Token2WavOptions = field(default_factory=Token2WavOptions)
     fixed_length: FixedLength | None = None
     speaker_id: str | None = None  # use this registered voice for every utterance instead of its prompt
-    seed: int = 0  # HiFT noise (per utterance, with its id) and the fixed-length draws
+    seed: int = 0  # HiFT noise and the fixed-length draws
     llm_options: dict = field(default_factory=dict)  # e.g. engine_dir (trtllm), base_url (openai)
     frontend_backend: str | None = None  # speech tokenizer + CAM++: torch / onnxruntime; None: by device
 
@@ -116,8 +125,9 @@ class OfflineConfig:
             raise InvalidInputError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         if self.backend not in BACKENDS:
             raise InvalidInputError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.model == "cosyvoice3" and self.backend not in ("torch", "hf"):
-            raise InvalidInputError(f"the {self.backend} backend does not serve CosyVoice3 here; use torch or hf")
+        if self.model == "cosyvoice3" and self.backend not in ("torch", "hf", "openai"):
+            raise InvalidInputError(f"the {self.backend} backend does not serve CosyVoice3 here; use torch, hf "
+                                    "or openai")
         for name in ("batch_size", "token2wav_batch_size"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -132,84 +142,101 @@ class ItemResult:
     speech_tokens: int
     audio_s: float
     wav: str
-    segments: int  # of the text, each one LLM request
+    segments: int  # of the text, each one LLM request and one offline request of the engine
+
+
+ENGINE_COUNTERS = tuple(f.name for f in dataclasses.fields(EngineCounters))
 
 
 @dataclass
 class Timers:
+    """Wall time on the calling thread (front-end: voices and segment prompts; engine: submit to the
+    last waveform) and the engine's counters over the same batches."""
+
     frontend_s: float = 0.0
-    llm_s: float = 0.0
-    token2wav_s: float = 0.0
+    engine_s: float = 0.0
+    engine: dict = field(default_factory=lambda: dict.fromkeys(ENGINE_COUNTERS, 0))
 
     @property
     def total_s(self) -> float:
-        return self.frontend_s + self.llm_s + self.token2wav_s
+        return self.frontend_s + self.engine_s
+
+    def add_counters(self, before: dict, after: dict) -> None:
+        for name in ENGINE_COUNTERS:
+            self.engine[name] += after[name] - before[name]
+
+
+class SeededSineNoise:
+    """HiFT's harmonic-source noise as a function of ``seed`` and the call's length only (the
+    kinds' ``sine_noise``): the same utterance gets the same noise whatever it is batched with."""
+
+    def __init__(self, seed: int, device: torch.device, harmonics: int = HiftConfig().nb_harmonics + 1) -> None:
+        self.seed, self.device, self.harmonics = seed, device, harmonics
+
+    def __call__(self, samples: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{samples}".encode()))
+        return torch.randn(1, samples, self.harmonics, generator=generator).to(self.device)
 
 
 def create_llm(name: str, llm_dir: Path, device: torch.device, dtype: str | None, **options):
-    """The LLM back end by name; those not installable here raise BackendUnavailableError saying what to install."""
+    """An LLM back end by name (not ``torch``: that is the engine's own); those not installable
+    here raise BackendUnavailableError saying what to install."""
     if name == "vllm":
         raise BackendUnavailableError(VLLM_UNSUPPORTED)
     return create_backend(name, llm_dir, device, dtype, **options)
 
 
 class OfflineTTS:
-    """The loaded models: voices, LLM back end, token2wav (layout of :func:`cosyserve.bundle.make_bundle`)."""
+    """The engine of ``config.model`` over a bundle root (layout of :func:`cosyserve.bundle.make_bundle`)."""
 
     def __init__(self, models_dir: str | Path, config: OfflineConfig):
-        from transformers import AutoTokenizer
-
         self.config = config
-        self.cosyvoice3 = config.model == "cosyvoice3"
-        self.step_audio2 = config.model == "step_audio2"
         models_dir = Path(models_dir)
-        model_dir, llm_dir = ((models_dir / COSYVOICE3_DIR, models_dir / COSYVOICE3_LLM_DIR) if self.cosyvoice3
-                              else (models_dir / COSYVOICE2_DIR, models_dir / LLM_DIR))
-        dit_dir = models_dir / STEP_AUDIO2_DIR  # step_audio2's token2wav; model_dir holds its voices
-        for path in (model_dir, llm_dir, *((dit_dir,) if self.step_audio2 else ())):
-            if not path.is_dir():
-                raise InvalidInputError(f"{path} does not exist: --model-dir must hold {model_dir.name}/ and "
-                                        f"{llm_dir.name}/ (step_audio2: and {STEP_AUDIO2_DIR}/) for --model "
-                                        f"{config.model}")
+        token2wav_dir, llm_dir, spk2info = BUNDLE_DIRS[config.model]
+        model_dir, llm_dir = models_dir / token2wav_dir, models_dir / llm_dir
+        spk2info = models_dir / spk2info if spk2info else None
+        for path in (model_dir, llm_dir, *((spk2info,) if spk2info else ())):
+            if not path.exists():
+                raise InvalidInputError(f"{path} does not exist: --model-dir must hold {token2wav_dir}/ and "
+                                        f"{llm_dir.name}/{f' and {spk2info.relative_to(models_dir)}' if spk2info else ''}"
+                                        f" for --model {config.model}")
         self.device = resolve_device(config.device)
-        flow_dtype = DTYPES[config.dtype] if config.dtype else default_flow_dtype(self.device)
-        self.text_tokenizer = AutoTokenizer.from_pretrained(llm_dir)
-        if self.cosyvoice3:  # no registered voices; the DiT in float32 unless asked (plain fp16 gives NaNs upstream)
-            self.voices = cosyvoice3_voices(model_dir, self.device, config.frontend_backend)
-            registry = self.voices.registry
-            self.token2wav = load_cosyvoice3_token2wav(model_dir, self.device,
-                                                       DTYPES[config.dtype] if config.dtype else torch.float32)
-            sampling, layout = COSYVOICE3_SAMPLING, COSYVOICE3
-        else:  # CosyVoice2's LLM and voices; Step-Audio2's front-end files are CosyVoice2's under its own names
-            registry = SpeakerRegistry.load(model_dir / SPK2INFO)
-            tokenizer_file, speaker_file = ((dit_dir / DIT_TOKENIZER_ONNX, dit_dir / DIT_SPEAKER_ONNX) if
-                                            self.step_audio2 else
-                                            (model_dir / "speech_tokenizer_v2.onnx", model_dir / "campplus.onnx"))
-            tokenizer, speaker_encoder = load_frontend_models(tokenizer_file, speaker_file, self.device,
-                                                              config.frontend_backend)
-            self.voices = VoiceResolver(registry, tokenizer, speaker_encoder, default_speaker=DEFAULT_SPEAKER)
-            self.token2wav = (load_dit_token2wav(dit_dir, self.device, flow_dtype) if self.step_audio2 else
-                              load_token2wav(model_dir, self.device, flow_dtype, config.token2wav_options))
-            sampling, layout = REFERENCE_SAMPLING, COSYVOICE2
-        self.llm_backend = create_llm(config.backend, llm_dir, self.device, config.llm_dtype, **config.llm_options)
-        register_voice_prefixes(self.llm_backend, self.text_tokenizer, registry)
-        self.llm = LocalSpeechTokens(self.llm_backend, sampling)
-        # CosyVoice3's token2wav is the pipeline's Token2Wav itself; CosyVoice2's is wrapped in sessions;
-        # Step-Audio2's only voices whole utterances (waveforms), so the pipeline only makes prompts
-        self.pipeline = TTSPipeline(self.text_tokenizer, self.llm, self.token2wav if self.cosyvoice3 or
-                                    self.step_audio2 else LocalToken2Wav(self.token2wav), layout=layout)
+        spec = MODEL_KINDS[config.model]
+        llm_backend, llm_options = None, {}
+        if config.backend == "torch":
+            llm_options = {"dtype": DTYPES[config.llm_dtype] if config.llm_dtype else None, **config.llm_options}
+        else:
+            options = dict(config.llm_options)
+            if config.backend == "openai":
+                options.setdefault("layout", spec.layout.name)
+            llm_backend = create_llm(config.backend, llm_dir, self.device, config.llm_dtype, **options)
+        dtype = DTYPES[config.dtype] if config.dtype else None
+        try:
+            self.engine: TTSEngine = load_engine(
+                config.model, model_dir, llm_dir, self.device,
+                kind_options=KIND_OPTIONS[config.model](dtype, config.token2wav_options), llm_backend=llm_backend,
+                llm_options=llm_options,
+                scheduler=Scheduler(max_step_jobs=config.token2wav_batch_size),
+                sine_noise=SeededSineNoise(config.seed, self.device), frontend_backend=config.frontend_backend,
+                spk2info=spk2info)
+        except BaseException:
+            if llm_backend is not None:
+                llm_backend.close()
+            raise
+        self.voices = self.engine.voices
+        self.sample_rate = self.engine.sample_rate
 
     def close(self) -> None:
-        if self.step_audio2:
-            self.token2wav.close()
-        elif not self.cosyvoice3:
-            self.token2wav.close_all()
-        self.llm_backend.close()
+        self.engine.close()
 
     def voice(self, item: Utterance) -> Voice:
         if self.config.speaker_id:
             return self.voices.resolve(speaker_id=self.config.speaker_id)
         return self.voices.resolve(load_reference_audio(item.reference_audio), item.reference_text)
+
+    def segments(self, item: Utterance, voice: Voice) -> list[SegmentPrompt]:
+        """The item's text segments' LLM prompts (the text front-end, as the server runs it)."""
+        return list(self.engine.prompter.segment_prompts(TTSRequest(item.id, item.target_text, voice)))
 
     def segment_limits(self, voice: Voice, item: Utterance, seconds: float | None,
                        segments: Sequence[SegmentPrompt]) -> list[TokenLimits]:
@@ -221,62 +248,49 @@ class OfflineTTS:
         return [TokenLimits(max_tokens=min(n, MAX_SPEECH_TOKENS), min_tokens=min(n, MAX_SPEECH_TOKENS))
                 for n in shares]
 
-    def speech_tokens(self, requests: Sequence[tuple[list[int], TokenLimits]]) -> list[list[int]]:
-        """Generate all requests with every one in flight at once."""
-        def one(request: tuple[list[int], TokenLimits]) -> list[int]:
-            ids, limits = request
-            tokens = [t for piece in self.llm.generate(ids, uuid.uuid4().hex, limits) for t in piece]
-            if not tokens:
-                raise RuntimeError("the LLM produced no speech tokens (nothing to synthesise)")
-            return tokens
+    def run(self, requests: Sequence[tuple[SegmentPrompt, Voice, TokenLimits]]) -> list[np.ndarray]:
+        """Every (segment, voice, limits) as an offline request of the engine, all submitted at once;
+        their waveforms in order (blocking). The first failure is raised after all have ended."""
+        waves: list[list[np.ndarray]] = [[] for _ in requests]
+        errors: list[BaseException | None] = [None] * len(requests)
+        left = len(requests)
+        done = threading.Condition()
 
-        with ThreadPoolExecutor(max_workers=max(1, len(requests)), thread_name_prefix="llm-request") as pool:
-            return list(pool.map(one, requests))
+        def finisher(i: int) -> Callable[[BaseException | None], None]:
+            def finish(error: BaseException | None) -> None:
+                nonlocal left
+                with done:
+                    errors[i] = error
+                    left -= 1
+                    done.notify()
+            return finish
 
-    def waveforms(self, ids: Sequence[str], tokens: Sequence[list[int]], voices: Sequence[Voice]) -> list[np.ndarray]:
-        """token2wav of every utterance, shortest first, ``token2wav_batch_size`` per batch.
-
-        HiFT noise comes from a generator per utterance seeded from its id and ``config.seed``, so
-        the audio does not depend on batch sizes or order. CosyVoice3 and Step-Audio2: one utterance at a time."""
-        if self.cosyvoice3:
-            return [self.token2wav.offline(i, t, v) for i, t, v in zip(ids, tokens, voices)]
-        order = sorted(range(len(tokens)), key=lambda i: len(tokens[i]))
-        waves: list[np.ndarray | None] = [None] * len(tokens)
-        size = self.config.token2wav_batch_size
-        for start in range(0, len(order), size):
-            members = order[start:start + size]
-            if self.step_audio2:
-                batch = [self._dit_offline(tokens[i], voices[i], ids[i]) for i in members]
-            else:
-                requests = [OfflineRequest(tokens[i], voices[i].features.speech_tokens,
-                                           voices[i].features.speech_feat, voices[i].features.embedding,
-                                           generator=self._generator(ids[i])) for i in members]
-                batch = self.token2wav.offline_batch(requests)
-            for i, wave_ in zip(members, batch):
-                waves[i] = wave_.numpy()
-        return waves
-
-    def _dit_offline(self, tokens: list[int], voice: Voice, item_id: str) -> torch.Tensor:
-        """One Step-Audio2 utterance (HiFT's noise seeded per item: a batch would share one generator)."""
-        prompt_tokens, prompt_mel = trim_to_token_rate(voice.features.speech_tokens.reshape(-1),
-                                                       voice.features.speech_feat)
-        request = DitOfflineRequest(torch.as_tensor(tokens), SpeakerPrompt(prompt_tokens, prompt_mel,
-                                                                           voice.features.embedding))
-        return self.token2wav.offline([request], generator=self._generator(item_id))[0]
+        submitted = 0
+        try:
+            for i, (segment, voice, limits) in enumerate(requests):
+                self.engine.core.submit(EngineRequest(segment.request_id, iter([segment]), voice, limits, False,
+                                                      waves[i].append, finisher(i)))
+                submitted += 1
+        except BaseException:
+            for segment, _, _ in requests[:submitted]:
+                self.engine.cancel(segment.request_id)
+            raise
+        finally:
+            with done:
+                left -= len(requests) - submitted
+                done.wait_for(lambda: left == 0)
+        for error in errors:
+            if error is not None:
+                raise error
+        return [np.concatenate(pieces) if pieces else np.zeros(0, np.float32) for pieces in waves]
 
 
-    def _generator(self, item_id: str) -> torch.Generator:
-        seed = zlib.crc32(f"{self.config.seed}:{item_id}".encode())
-        return torch.Generator(device=self.device).manual_seed(seed)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _counters(tts: OfflineTTS) -> dict:
+    return dataclasses.asdict(tts.engine.core.counters)
 
 
 def synthesize_items(tts: OfflineTTS, items: Sequence[Utterance], output_dir: Path, *,
-                progress: Callable[[int], None] | None = None, timers: Timers | None = None) -> list[ItemResult]:
+                     progress: Callable[[int], None] | None = None, timers: Timers | None = None) -> list[ItemResult]:
     """Synthesise ``items`` batch by batch into ``output_dir/<id>.wav``; adds the time spent to ``timers``."""
     timers = timers if timers is not None else Timers()
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -287,27 +301,25 @@ def synthesize_items(tts: OfflineTTS, items: Sequence[Utterance], output_dir: Pa
         batch = items[start:start + tts.config.batch_size]
         began = time.perf_counter()
         voices = [tts.voice(item) for item in batch]
-        segments = [list(tts.pipeline.segment_prompts(TTSRequest(item.id, item.target_text, voice)))
-                    for item, voice in zip(batch, voices)]
-        flat = [(segment, voice, segment_limits)
-                for item, voice, s, item_segments in zip(batch, voices, seconds[start:start + len(batch)], segments)
-                for segment, segment_limits in zip(item_segments, tts.segment_limits(voice, item, s, item_segments))]
-        llm_start = time.perf_counter()
-        tokens = tts.speech_tokens([(segment.ids, limits) for segment, _, limits in flat])
-        t2w_start = time.perf_counter()
-        waves = tts.waveforms([segment.request_id for segment, _, _ in flat], tokens, [voice for _, voice, _ in flat])
-        synchronize(tts.device)
+        segments = [tts.segments(item, voice) for item, voice in zip(batch, voices)]
+        requests = [(segment, voice, limits)
+                    for item, voice, s, item_segments in zip(batch, voices, seconds[start:start + len(batch)], segments)
+                    for segment, limits in zip(item_segments, tts.segment_limits(voice, item, s, item_segments))]
+        engine_start = time.perf_counter()
+        before = _counters(tts)
+        waves = tts.run(requests)
         done = time.perf_counter()
-        timers.frontend_s += llm_start - began
-        timers.llm_s += t2w_start - llm_start
-        timers.token2wav_s += done - t2w_start
+        timers.add_counters(before, _counters(tts))
+        timers.frontend_s += engine_start - began
+        timers.engine_s += done - engine_start
         ends = list(itertools.accumulate(len(item_segments) for item_segments in segments))
         for item, first, last in zip(batch, [0] + ends[:-1], ends):
             audio = np.concatenate(waves[first:last])
             path = output_dir / f"{item.id}.wav"
-            write_wav(path, audio, OUTPUT_SAMPLE_RATE)
-            results.append(ItemResult(item.id, sum(len(t) for t in tokens[first:last]),
-                                      audio.size / OUTPUT_SAMPLE_RATE, path.name, last - first))
+            write_wav(path, audio, tts.sample_rate)
+            # every kind voices a speech token as sample_rate / TOKEN_RATE samples (960 at 24 kHz)
+            tokens = round(audio.size * TOKEN_RATE / tts.sample_rate)
+            results.append(ItemResult(item.id, tokens, audio.size / tts.sample_rate, path.name, last - first))
         if progress:
             progress(len(batch))
     return results
@@ -325,6 +337,9 @@ def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> None:
 
 def build_report(results: Sequence[ItemResult], timers: Timers, config: OfflineConfig, device: torch.device,
                  extra: dict | None = None) -> dict:
+    """The run's figures: wall times on the calling thread (front-end, engine, total), RTF = total /
+    audio, and the engine's counters over the same batches (``engine``: seconds of its loop per
+    stage, steps, jobs, tokens; the LLM and flow stages overlap the whole engine time)."""
     audio = sum(r.audio_s for r in results)
     tokens = sum(r.speech_tokens for r in results)
 
@@ -340,10 +355,10 @@ def build_report(results: Sequence[ItemResult], timers: Timers, config: OfflineC
         "token2wav_options": {k: str(v) for k, v in dataclasses.asdict(config.token2wav_options).items()},
         "fixed_length": dataclasses.asdict(config.fixed_length) if config.fixed_length else None,
         "items": len(results), "speech_tokens": tokens, "audio_s": audio,
-        "frontend_time_s": timers.frontend_s, "llm_time_s": timers.llm_s, "token2wav_time_s": timers.token2wav_s,
-        "total_time_s": timers.total_s, "rtf": per_audio(timers.total_s), "llm_rtf": per_audio(timers.llm_s),
-        "token2wav_rtf": per_audio(timers.token2wav_s),
-        "llm_tokens_per_s": tokens / timers.llm_s if timers.llm_s > 0 else None,
+        "frontend_time_s": timers.frontend_s, "engine_time_s": timers.engine_s, "total_time_s": timers.total_s,
+        "rtf": per_audio(timers.total_s), "engine_rtf": per_audio(timers.engine_s),
+        "tokens_per_s": tokens / timers.engine_s if timers.engine_s > 0 else None,
+        "engine": dict(timers.engine),
         "per_item": [dataclasses.asdict(r) for r in results],
     }
 
@@ -352,23 +367,29 @@ def format_report_md(report: dict, per_item: bool = True) -> str:
     def num(value, digits: int = 4) -> str:
         return "n/a" if value is None else f"{value:.{digits}f}"
 
+    engine = report["engine"]
     lines = [
         "# offline_inference report", "",
         f"model `{report['model']}`, backend `{report['backend']}` on `{report['device']}`"
         + (f" ({report['gpu']})" if report["gpu"] else "")
-        + f", LLM batch {report['batch_size']}, token2wav batch {report['token2wav_batch_size']}", "",
+        + f", {report['batch_size']} utterances submitted together, up to {report['token2wav_batch_size']} "
+          "flow jobs per step", "",
         "| figure | value |", "|---|---:|",
         f"| utterances | {report['items']} |",
         f"| speech tokens | {report['speech_tokens']} |",
         f"| audio seconds | {num(report['audio_s'], 3)} |",
         f"| front-end time (s) | {num(report['frontend_time_s'], 3)} |",
-        f"| llm_time (s) | {num(report['llm_time_s'], 3)} |",
-        f"| token2wav_time (s) | {num(report['token2wav_time_s'], 3)} |",
+        f"| engine time (s) | {num(report['engine_time_s'], 3)} |",
         f"| total_time (s) | {num(report['total_time_s'], 3)} |",
         f"| RTF (total / audio) | {num(report['rtf'])} |",
-        f"| LLM RTF | {num(report['llm_rtf'])} |",
-        f"| token2wav RTF | {num(report['token2wav_rtf'])} |",
-        f"| LLM tokens/s | {num(report['llm_tokens_per_s'], 1)} |",
+        f"| engine RTF | {num(report['engine_rtf'])} |",
+        f"| speech tokens / engine s | {num(report['tokens_per_s'], 1)} |",
+        "", "Where the engine's loop spent its time (seconds; the LLM beside the flow on a GPU):", "",
+        "| llm_s | start_s | flow_s | vocoder_s | host_s | idle_s | iterations | flow steps | jobs per step |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| " + " | ".join(num(engine[k], 3) for k in ("llm_s", "start_s", "flow_s", "vocoder_s", "host_s", "idle_s"))
+        + f" | {engine['iterations']} | {engine['flow_steps']} | "
+        + num(engine["flow_step_jobs"] / engine["flow_steps"] if engine["flow_steps"] else None, 2) + " |",
     ]
     if per_item:
         lines += ["", "| id | speech tokens | audio s |", "|---|---:|---:|"]

@@ -70,8 +70,7 @@ class LocalToken2Wav:
     """:class:`~cosyserve.pipeline.tts.Token2Wav` over :class:`CosyVoice2Token2Wav`, plus :meth:`run`,
     which packs several requests' work into shared flow/HiFT batches (the Triton ``token2wav``
     model hands it every request of a dynamic batch). The batches are formed by the same
-    deadline-aware :class:`~cosyserve.token2wav.batching.Token2WavBatcher` that
-    ``streaming_inference.py`` benchmarks, run on the caller's thread.
+    deadline-aware :class:`~cosyserve.token2wav.batching.Token2WavBatcher`, run on the caller's thread.
 
     A request's streaming session opens at its first step and closes at its final step, on
     :meth:`cancel`, on any error, or after ``idle_timeout_s`` without a step (a caller that
