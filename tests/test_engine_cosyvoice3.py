@@ -1,7 +1,8 @@
 """CosyVoice3 as a kind of the engine (tiny random flow and HiFT, CPU): packed Euler steps of many
 streams' windows, each row at its own step, against each stream's own ``Cv3FlowStream.push``; the
-padded buffers against the unpadded step; the re-run and offline passes against
-``CosyVoice3Token2Wav``; streams that open, abort and finish leave nothing behind.
+padded buffers against the unpadded step; a stream against one block-masked pass over all its
+tokens; the re-run and offline passes against the model layer's full-attention flow and causal
+HiFT (the reference's computation); streams that open, abort and finish leave nothing behind.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from cosyserve.frontend.prompt import PromptFeatures, Voice
 from cosyserve.llm.stream import Finished, TokenStream
 from cosyserve.models.cosyvoice3.config import CausalHiftConfig, Cv3FlowConfig
 from cosyserve.models.cosyvoice3.flow import CosyVoice3Flow, Cv3FlowStream
-from cosyserve.models.cosyvoice3.hift import CausalHiFTGenerator
+from cosyserve.models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream
 from cosyserve.pipeline.tts import SegmentPrompt, TokenLimits
 from cosyserve.schedule import ChunkScheduler
-from cosyserve.token2wav.cosyvoice3 import CosyVoice3Token2Wav
 
 torch.set_num_threads(2)
 MEL_ATOL = 1e-4  # fp32 rounding (measured ~1e-6)
@@ -108,6 +108,35 @@ def flow_stream_mels(flow, features, ids: list[int], prefix=None) -> list[torch.
     return mels
 
 
+def prompt_of(features) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    f = features
+    return f.speech_tokens.reshape(1, -1).long(), f.speech_feat[None], f.embedding[None]
+
+
+@torch.inference_mode()
+def rerun_pcm(flow, hift, features, ids: list[int]) -> list[np.ndarray]:
+    """The reference runtime's stream: per chunk, the full-attention flow over every token so far,
+    the frames already sent dropped, vocoded by one causal HiFT stream."""
+    vocoder, sent, pieces = CausalHiftStream(hift), 0, []
+    for chunk in chunks_of(len(ids)):
+        lookahead = 0 if chunk.finalize else flow.cfg.pre_lookahead_len
+        if chunk.num_tokens + features.speech_tokens.numel() <= lookahead:
+            mel = torch.zeros(1, 80, 0)
+        else:
+            mel = flow.inference(torch.tensor([ids[:chunk.num_tokens]]), *prompt_of(features), streaming=False,
+                                 finalize=chunk.finalize)
+        new, sent = mel[:, :, sent:], max(sent, mel.shape[2])
+        pieces.append(vocoder.push(new, chunk.finalize).reshape(-1).numpy())
+    return pieces
+
+
+@torch.inference_mode()
+def offline_pcm(flow, hift, features, ids: list[int], streaming: bool = False) -> np.ndarray:
+    """One flow pass over all tokens (full attention, or block-masked with ``streaming``), one HiFT call."""
+    mel = flow.inference(torch.tensor([ids]), *prompt_of(features), streaming=streaming, finalize=True)
+    return hift.inference(mel, finalize=True)[0].reshape(-1).numpy()
+
+
 def max_diff(got: list[list[torch.Tensor]], expected: list[list[torch.Tensor]]) -> float:
     worst = 0.0
     for stream_got, stream_expected in zip(got, expected, strict=True):
@@ -188,16 +217,13 @@ def test_graphs_replay_the_eager_steps(models, features):
     assert graphed.sampler.replays > 0 and graphed.sampler.num_graphs == graphs
 
 
-def test_the_rerun_and_offline_passes_equal_cosyvoice3_token2wav(models, features):
+def test_the_rerun_and_offline_passes_equal_the_references_computation(models, features):
     flow, hift = models
     kind = CosyVoice3Kind(flow, hift, incremental=False, padded=True, **SMALL_GRID)
-    reference = CosyVoice3Token2Wav(flow, hift, incremental=False)
-    voice = Voice("prompt text", features)
     streams = STREAMS[:2]
     got = drive(kind, features, streams, [0, 4], vocode=True)
     for i, ids in enumerate(streams):
-        expected = [reference.step(f"r{i}", ids[:c.num_tokens], voice, c.token_offset, c.finalize)
-                    for c in chunks_of(len(ids))]
+        expected = rerun_pcm(flow, hift, features, ids)
         assert [p.size for p in got[i]] == [p.size for p in expected]
         assert sum(p.size for p in got[i]) == 960 * len(ids)
         assert np.abs(np.concatenate(got[i]) - np.concatenate(expected)).max() < 1e-4
@@ -207,10 +233,44 @@ def test_the_rerun_and_offline_passes_equal_cosyvoice3_token2wav(models, feature
     while not job.done:
         kind.step([job])
     (pcm,) = kind.vocode([(None, kind.mel(job), True)])
-    expected = reference.offline("o", ids, voice)
+    expected = offline_pcm(flow, hift, features, ids)
     assert pcm.size == expected.size == 960 * len(ids)
     assert np.abs(pcm - expected).max() < 1e-4
-    assert kind.open_streams == 0 and reference.open_sessions == 0
+    assert kind.open_streams == 0
+
+
+def test_a_stream_equals_one_block_masked_pass_over_all_its_tokens(models, features):
+    """Chunk by chunk, a stream computes what one block-masked flow pass over all its tokens and one
+    causal HiFT call give (960 samples per token), with or without the voice's kept prefix."""
+    flow, hift = models
+    for max_voices in (0, 1):
+        kind = CosyVoice3Kind(flow, hift, max_voices=max_voices, padded=True, **SMALL_GRID)
+        got = drive(kind, features, vocode=True)
+        for ids, pieces in zip(STREAMS, got):
+            audio = np.concatenate(pieces)
+            assert audio.size == 960 * len(ids)
+            expected = offline_pcm(flow, hift, features, ids, streaming=True)
+            assert np.linalg.norm(audio - expected) / np.linalg.norm(expected) < 1e-2
+            assert np.abs(audio).max() <= 0.99 + 1e-6
+
+
+def test_the_least_recently_used_voice_prefix_goes(models, features):
+    """With one voice kept: its second stream hits; another voice misses and takes its place; the
+    first voice then misses again. Every stream's audio is the same as with nothing kept."""
+    flow, hift = models
+    plain = CosyVoice3Kind(flow, hift, max_voices=0)
+    cached = CosyVoice3Kind(flow, hift, max_voices=1)
+    expected = drive(plain, features, STREAMS[:1], [0], vocode=True)
+    for _ in range(2):
+        assert max_diff([[torch.from_numpy(p) for p in drive(cached, features, STREAMS[:1], [0], vocode=True)[0]]],
+                        [[torch.from_numpy(p) for p in expected[0]]]) < 1e-5
+    assert (cached.prefix_misses, cached.prefix_hits, cached.cached_voices) == (1, 1, 1)
+    other = random_features(30, 2)
+    drive(cached, other, STREAMS[:1], [0])
+    assert (cached.prefix_misses, cached.cached_voices) == (2, 1)
+    drive(cached, features, STREAMS[:1], [0])
+    assert cached.prefix_misses == 3 and cached.open_streams == 0
+    assert (plain.prefix_misses, plain.prefix_hits, plain.cached_voices) == (0, 0, 0)
 
 
 def test_open_abort_and_finish_leave_no_stream_behind(models, features):
@@ -288,7 +348,6 @@ def test_the_engine_core_voices_streams_and_offline_requests(models, features):
     and every voicing is closed when they end."""
     flow, hift = models
     kind = CosyVoice3Kind(flow, hift, padded=True, **SMALL_GRID)
-    reference = CosyVoice3Token2Wav(flow, hift, voice_prefixes=0)
     voice = Voice("prompt text", features)
     scripts = {"s0": STREAMS[0], "s1": STREAMS[1], "off": tokens(50, 41)}
     core = EngineCore(kind, BackendLLM(ScriptedLLM(scripts))).start()
@@ -313,11 +372,11 @@ def test_the_engine_core_voices_streams_and_offline_requests(models, features):
     assert all(error is None for error in ends.values()), ends
     for rid in ("s0", "s1"):
         ids = scripts[rid]
-        expected = np.concatenate([reference.step(rid, ids[:c.num_tokens], voice, c.token_offset, c.finalize)
-                                   for c in chunks_of(len(ids))])
+        alone = drive(CosyVoice3Kind(flow, hift, max_voices=0), features, [ids], [0], vocode=True)[0]
+        expected = np.concatenate(alone)
         got = np.concatenate(pieces[rid])
         assert got.size == expected.size == 960 * len(ids)
         assert np.abs(got - expected).max() < 1e-4
     offline = np.concatenate(pieces["off"])
-    assert np.abs(offline - reference.offline("off", scripts["off"], voice)).max() < 1e-4
+    assert np.abs(offline - offline_pcm(flow, hift, features, scripts["off"])).max() < 1e-4
     assert kind.open_streams == 0 and core.active_requests == 0

@@ -17,7 +17,7 @@ import torch
 
 from cosyserve.bundle.dit import tiny_dit_config
 from cosyserve.engine.core import EngineCore
-from cosyserve.engine.kinds.step_audio2 import StepAudio2Kind, aligned_features, voice_digest
+from cosyserve.engine.kinds.step_audio2 import StepAudio2Kind, aligned_features
 from cosyserve.engine.request import EngineRequest
 from cosyserve.errors import InvalidInputError
 from cosyserve.frontend.prompt import PromptFeatures, Voice
@@ -137,7 +137,7 @@ def drive(kind: StepAudio2Kind, streams: list[Stream], offline: list[tuple] = ()
 
 
 def reference_pieces(reference: DitToken2Wav, s: Stream, request_id: str) -> list[torch.Tensor]:
-    with reference.open_stream(request_id, voice_digest(aligned_features(s.voice)), speaker_prompt(s.voice)) as stream:
+    with reference.open_stream(request_id, aligned_features(s.voice).key(), speaker_prompt(s.voice)) as stream:
         return [stream.step(s.tokens[offset:end], finalize) for offset, end, finalize in s.chunks]
 
 
@@ -224,14 +224,14 @@ def test_second_voice_evicts_the_first_whose_streams_still_finish(reference):
     s.chunks.append((chunk.token_offset, chunk.num_tokens, False))
     s.pcm += kind._run([s.voicing], kind.start_chunks([(s.voicing, s.tokens[:chunk.num_tokens], 0, False)]))
     other = kind.open(second)  # evicts the first voice
-    assert kind.cached_voices == [voice_digest(aligned_features(second))]
+    assert kind.cached_voices == [aligned_features(second).key()]
     s.start = 1
     drive(kind, [s, Stream(second, random_tokens(19, 51), "equal", start=0, rate=5, voicing=other)])
     for piece, want in zip(s.pcm, reference_pieces(reference, s, "ref-evicted"), strict=True):
         assert_audio_equal(piece, want.numpy())
     assert kind.open_streams == 0
     kind.warm_voice(first)
-    assert kind.cached_voices == [voice_digest(aligned_features(first))]
+    assert kind.cached_voices == [aligned_features(first).key()]
 
 
 # ---------------------------------------------------------------------------------- through the core

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cosyserve.errors import CapacityError, InvalidInputError
+from cosyserve.frontend.prompt import voice_key
 from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
 from cosyserve.schedule import plan_chunks
 from cosyserve.token2wav.flow_engine import EngineGraphs, FlowEngine
@@ -200,8 +201,8 @@ def test_page_pressure_drops_only_the_voices_it_needs_least_recently_used_first(
     stream = engine.open(*_voice(20, seed=3))
     engine.run([(stream, _tokens(160, seed=5)[:, :63], False)])  # 150 complete frames: 3 pages
     assert engine.cached_voices == 2 and engine.pool.free_pages == 1  # the older voice made room, not both
-    keys = {engine.voice_key(*newer), engine.voice_key(*older)}
-    assert keys & set(engine._voices) == {engine.voice_key(*newer)}
+    keys = {voice_key(*newer), voice_key(*older)}
+    assert keys & set(engine._voices) == {voice_key(*newer)}
     stream.close()
 
 

@@ -26,6 +26,7 @@ from cosyserve.frontend import (
     prompt_mel,
     trim_to_token_rate,
 )
+from cosyserve.frontend.prompt import COSYVOICE3_MEL_FMAX
 
 torch.set_num_threads(1)
 
@@ -181,6 +182,16 @@ def test_build_prompt_features(tokenizer: SpeechTokenizer, encoder: SpeakerEncod
     assert features.speech_tokens.dtype == torch.int32 and torch.equal(features.speech_tokens, tokens[:n])
     assert features.speech_feat.shape == (2 * n, 80) and torch.equal(features.speech_feat, mel[: 2 * n])
     torch.testing.assert_close(features.embedding, encoder.embed(prompt.wav16))
+
+
+def test_cosyvoice3_prompt_mel_uses_the_nyquist_band(tokenizer: SpeechTokenizer, encoder: SpeakerEncoder):
+    """CosyVoice3's prompt mel reaches 12 kHz (its yaml's fmax null), CosyVoice2's stops at 8 kHz:
+    the same clip gives a mel of the same shape and other values."""
+    prompt = prompt_audio_from_array(voice_like(1.99), 16000)
+    cv2 = build_prompt_features(prompt, tokenizer, encoder)
+    cv3 = build_prompt_features(prompt, tokenizer, encoder, COSYVOICE3_MEL_FMAX)
+    assert cv3.speech_feat.shape == cv2.speech_feat.shape
+    assert not torch.allclose(cv3.speech_feat, cv2.speech_feat)
 
 
 def test_prompt_mel_matches_the_flow_fixture_prompt(parity_dir: Path):

@@ -8,6 +8,7 @@ frames per prompt token (25 tokens/s vs 50 mel frames/s), so both are cut to
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -30,6 +31,20 @@ class PromptFeatures:
     speech_tokens: torch.Tensor  # int32 (P,), ids in [0, 6561)
     speech_feat: torch.Tensor  # float32 (2P, 80), 24 kHz log-mel, time-major as the flow takes it
     embedding: torch.Tensor  # float32 (192,), raw CAM++ output
+
+    def key(self) -> str:
+        """What identifies the voice to token2wav: a digest of its content (shapes and values), so
+        that two clips with one transcript never collide. Every kind keys its kept voice state by it."""
+        return voice_key(self.speech_tokens, self.speech_feat, self.embedding)
+
+
+def voice_key(speech_tokens: torch.Tensor, speech_feat: torch.Tensor, embedding: torch.Tensor) -> str:
+    """:meth:`PromptFeatures.key` of these tensors (any device, any batch shape: values are what count)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for tensor in (speech_tokens.to(torch.long), speech_feat.float(), embedding.float()):
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ A stream's chunk schedule is :class:`~cosyserve.schedule.DitChunkScheduler`.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -67,11 +66,6 @@ class SpeakerState:
     spk_proj: torch.Tensor  # (1, 80)
     prompt_frames: int  # P = 2n aligned prompt frames
     flow_cache: FlowStreamCache
-
-
-def speaker_key(prompt_wav: torch.Tensor) -> str:
-    """The runtime's speaker key: SHA-256 of the prompt waveform's float32 bytes."""
-    return hashlib.sha256(prompt_wav.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
 
 def _token_ids(value: Any, name: str, vocab: int) -> torch.Tensor:

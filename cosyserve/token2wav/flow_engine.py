@@ -44,7 +44,6 @@ outside the engine.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ import numpy as np
 import torch
 
 from ..errors import CapacityError, InvalidInputError
+from ..frontend.prompt import voice_key
 from ..models.flow import CosyVoice2Flow, fixed_noise
 from ..models.flow.cache import FrameBuffer, copy_states
 from ..models.flow.cfm import N_TIMESTEPS
@@ -374,15 +374,6 @@ class FlowEngine:
 
     # ----- voices and streams -----
 
-    @staticmethod
-    def voice_key(prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor) -> str:
-        """Content hash of a voice's flow inputs (two clips with one transcript never collide)."""
-        digest = hashlib.blake2b(digest_size=16)
-        for tensor in (prompt_tokens.to(torch.long), prompt_feat.float(), embedding.float()):
-            digest.update(str(tuple(tensor.shape)).encode())
-            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-        return digest.hexdigest()
-
     @property
     def cached_voices(self) -> int:
         with self._lock:
@@ -398,7 +389,7 @@ class FlowEngine:
         """A stream of this voice (prompt_tokens (1, P) long, prompt_feat (1, 2P, 80), embedding
         (1, 192)), starting from the voice's cached prefix, computed here on first use."""
         self.flow.check_prompt(prompt_tokens, prompt_feat, embedding, batch=1)
-        key = self.voice_key(prompt_tokens, prompt_feat, embedding)
+        key = voice_key(prompt_tokens, prompt_feat, embedding)
         with self._lock:
             voice = self._voices.get(key)
             if voice is None:

@@ -10,7 +10,7 @@ A stream's chunk is, by ``incremental``:
   or taken from the first window of a voice's first stream (those frames do not depend on the
   target tokens), so a new voice costs no extra pass and never holds up the loop;
 * ``False``: the reference's re-run, a full-attention pass over prompt + every token so far whose
-  frames already sent are dropped (``CosyVoice3Token2Wav._rerun``).
+  frames already sent are dropped (the reference Triton runtime's flow).
 
 An offline request is one full-attention pass over prompt + all tokens. Every job takes one Euler
 step per :meth:`CosyVoice3Kind.step`, packed with every other job (windows and passes at any step).
@@ -20,7 +20,6 @@ Each stream vocodes its new frames with its :class:`~cosyserve.models.cosyvoice3
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +34,11 @@ from ...models.cosyvoice3.flow import CosyVoice3Flow, Cv3VoicePrefix, load_cosyv
 from ...models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, load_causal_hift
 from ...models.flow.cfm import NOISE_FRAMES, fixed_noise
 from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
-from ...token2wav.cosyvoice3 import DEFAULT_VOICE_PREFIXES
 from ...token2wav.cosyvoice3_packed import EMPTY_STATE, PackedWindowSampler, WindowJob, token_conditions
 from ..device import synchronize
+
+
+DEFAULT_VOICE_PREFIXES = 8  # voices whose prompt-only flow states are kept (~360 MB each, bfloat16, a 5 s prompt)
 
 
 @dataclass(eq=False)
@@ -50,7 +51,7 @@ class Cv3Prompt:
     feat: torch.Tensor
     spks: torch.Tensor
     prefix_frames: int
-    key: bytes
+    key: str  # PromptFeatures.key(); empty when no voice is kept
 
     @property
     def frames(self) -> int:
@@ -118,7 +119,7 @@ class CosyVoice3Kind:
                                            **sampler_options)
         self.incremental = incremental
         self.max_voices = max_voices if incremental else 0
-        self._prefixes: OrderedDict[bytes, Cv3VoicePrefix] = OrderedDict()
+        self._prefixes: OrderedDict[str, Cv3VoicePrefix] = OrderedDict()
         self.prefix_hits = self.prefix_misses = 0
         self._open = 0
 
@@ -158,12 +159,7 @@ class CosyVoice3Kind:
                                     f"{tokens.shape[1]} tokens")
         self.check_tokens(tokens[0].tolist())
         spks = self.flow.speaker_vector(_to_device(features.embedding.reshape(1, -1), self.device).to(self.dtype))
-        key = b""
-        if self.max_voices:
-            digest = hashlib.blake2b(digest_size=16)
-            for tensor in (features.speech_tokens, features.speech_feat, features.embedding):
-                digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-            key = digest.digest()
+        key = features.key() if self.max_voices else ""
         return Cv3Prompt(tokens, _to_device(tokens, self.device), _to_device(feat, self.device).to(self.dtype),
                          spks, self.flow.voice_prefix_frames(tokens.shape[1]), key)
 
@@ -191,7 +187,7 @@ class CosyVoice3Kind:
             self.prefix_hits += 1
         return prefix
 
-    def _keep_prefix(self, key: bytes, prefix: Cv3VoicePrefix) -> None:
+    def _keep_prefix(self, key: str, prefix: Cv3VoicePrefix) -> None:
         if key not in self._prefixes:
             self._prefixes[key] = prefix
             while len(self._prefixes) > self.max_voices:

@@ -27,7 +27,6 @@ reach the engine (out-of-range ids raise InvalidInputError before any model work
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -64,17 +63,6 @@ def aligned_features(features: PromptFeatures) -> PromptFeatures:
     """``features`` cut to n = min(M // 2, n_p) tokens and 2n mel frames (a no-op when aligned)."""
     tokens, feat = trim_to_token_rate(features.speech_tokens.reshape(-1), features.speech_feat)
     return PromptFeatures(tokens, feat, features.embedding)
-
-
-def voice_digest(features: PromptFeatures) -> str:
-    """SHA-256 of the (aligned) features' tokens, mel and embedding: the key of a voice's state."""
-    digest = hashlib.sha256()
-    for tensor, dtype in ((features.speech_tokens, torch.int64), (features.speech_feat, torch.float32),
-                          (features.embedding, torch.float32)):
-        array = tensor.detach().to("cpu", dtype).contiguous().numpy()
-        digest.update(str(array.shape).encode())
-        digest.update(array.tobytes())
-    return digest.hexdigest()
 
 
 def load_step_audio2_frontend(model_dir: str | Path, device: str | torch.device = "cpu",
@@ -218,7 +206,7 @@ class StepAudio2Kind:
             self._open -= 1
 
     def _speaker(self, features: PromptFeatures) -> SpeakerState:
-        key = voice_digest(aligned_features(features))
+        key = aligned_features(features).key()
         with self._lock:
             state = self._voices.get(key)
             if state is not None:
