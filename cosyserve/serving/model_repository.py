@@ -30,7 +30,7 @@ from typing import Sequence
 
 from ..runtime import COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, SPK2INFO
 from ..token2wav.dit import DEFAULT_MAX_SPEAKERS
-from .settings import EngineSettings, FrontendSettings, LLMSettings, Token2WavSettings, parameter_value
+from .settings import EngineSettings, LLMSettings, Token2WavSettings, parameter_value
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
 # Parameters that repositories filled with the keys of NVIDIA's runtime (which has none of them)

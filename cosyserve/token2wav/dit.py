@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidInputError
+from ..speech_tokens import speech_token_ids
 from ..models.dit.flow import DitFlow, FlowStreamCache, load_dit_flow
 from ..models.hift import HiFTGenerator, load_hift
 from .vocoder_stream import HiftStream, SineNoiseProvider, VocoderChunk
@@ -66,21 +67,6 @@ class SpeakerState:
     spk_proj: torch.Tensor  # (1, 80)
     prompt_frames: int  # P = 2n aligned prompt frames
     flow_cache: FlowStreamCache
-
-
-def _token_ids(value: Any, name: str, vocab: int) -> torch.Tensor:
-    tokens = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    if tokens.numel() == 0:
-        tokens = tokens.long()  # an empty list parses as float
-    if tokens.dim() == 2 and tokens.shape[0] == 1:
-        tokens = tokens[0]
-    if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-        raise InvalidInputError(f"{name} must be a 1-D sequence of integer speech-token ids; got "
-                                f"{tuple(tokens.shape)} {tokens.dtype}")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-        raise InvalidInputError(f"{name} has ids in [{int(tokens.min())}, {int(tokens.max())}]; speech-token ids "
-                                f"must lie in [0, {vocab}) (shift LLM ids back first)")
-    return tokens.long()
 
 
 def _floats(value: Any, name: str, shape: tuple[int | None, ...]) -> torch.Tensor:
@@ -160,8 +146,8 @@ class DitToken2Wav:
         vocab, r = self.vocab_size, self.flow.up_rate
         items = []
         for i, req in enumerate(requests):
-            target = _token_ids(req.tokens, f"requests[{i}].tokens", vocab)
-            prompt_tokens = _token_ids(req.prompt.tokens, f"requests[{i}].prompt.tokens", vocab)
+            target = speech_token_ids(req.tokens, vocab, f"requests[{i}].tokens")
+            prompt_tokens = speech_token_ids(req.prompt.tokens, vocab, f"requests[{i}].prompt.tokens")
             mel = _floats(req.prompt.mel, f"requests[{i}].prompt.mel", (None, self.flow.cfg.output_size))
             emb = _floats(req.prompt.embedding, f"requests[{i}].prompt.embedding", (self.flow.cfg.spk_embed_dim,))
             tokens = torch.cat([prompt_tokens, target])
@@ -216,7 +202,7 @@ class DitToken2Wav:
 
     def _build_speaker(self, prompt: SpeakerPrompt) -> SpeakerState:
         flow, r = self.flow, self.flow.up_rate
-        tokens = _token_ids(prompt.tokens, "prompt.tokens", self.vocab_size)
+        tokens = speech_token_ids(prompt.tokens, self.vocab_size, "prompt.tokens")
         mel = _floats(prompt.mel, "prompt.mel", (None, flow.cfg.output_size))
         emb = _floats(prompt.embedding, "prompt.embedding", (flow.cfg.spk_embed_dim,))
         n = min(mel.shape[0] // r, tokens.numel())  # align tokens and frames (r frames per token)
@@ -309,7 +295,7 @@ class DitStream:
         if self._speaker is None:
             raise InvalidInputError(f"DiT token2wav stream {self.request_id!r} is closed (finalized, cancelled or failed)")
         try:
-            chunk = self._step(_token_ids(tokens, "tokens", self.owner.vocab_size), bool(finalize))
+            chunk = self._step(speech_token_ids(tokens, self.owner.vocab_size, "tokens"), bool(finalize))
         except BaseException:
             self.close()
             raise

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ...errors import InvalidInputError
+from ...speech_tokens import speech_token_ids
 from ...frontend.prompt import PromptFeatures
 from ...models.cosyvoice3.dit import WindowState
 from ...models.cosyvoice3.flow import CosyVoice3Flow, Cv3VoicePrefix, load_cosyvoice3_flow
@@ -144,9 +145,7 @@ class CosyVoice3Kind:
 
     def check_tokens(self, tokens) -> None:
         """InvalidInputError unless every id is a speech token 0..vocab-1 (host only, no device work)."""
-        if len(tokens) and (min(tokens) < 0 or max(tokens) >= self.cfg.vocab_size):
-            raise InvalidInputError(f"speech tokens must be in 0..{self.cfg.vocab_size - 1}; got "
-                                    f"{min(tokens)}..{max(tokens)}")
+        speech_token_ids(tokens, self.cfg.vocab_size)
 
     # ----- voices and streams -----
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from ...audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ...errors import InvalidInputError
+from ...speech_tokens import speech_token_ids
 from ...frontend.prompt import PromptFeatures, build_prompt_features, trim_to_token_rate
 from ...frontend.torch_models import load_frontend_models
 from ...models.dit.cfm import EstimatorCache, cosine_time_grid
@@ -77,19 +78,6 @@ def step_audio2_prompt_features(wav16: Any, tokenizer: Any, speaker_encoder: Any
     """A 16 kHz reference clip -> the features this kind takes (what the engine's VoiceResolver computes)."""
     audio = prompt_audio_from_array(wav16, TOKENIZER_SAMPLE_RATE)
     return build_prompt_features(audio, tokenizer, speaker_encoder)
-
-
-def _checked_ids(tokens: Any, vocab: int) -> torch.Tensor:
-    array = np.asarray(tokens)
-    if array.size == 0:
-        return torch.zeros(0, dtype=torch.long)
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise InvalidInputError(f"speech tokens must be a 1-D sequence of integer ids; got {array.dtype} "
-                                f"of shape {array.shape}")
-    low, high = int(array.min()), int(array.max())
-    if low < 0 or high >= vocab:
-        raise InvalidInputError(f"speech-token ids must lie in [0, {vocab}); got ids in [{low}, {high}]")
-    return torch.from_numpy(array.astype(np.int64))
 
 
 # ----------------------------------------------------------------------------- streams and jobs
@@ -265,7 +253,7 @@ class StepAudio2Kind:
     def _check_chunk(self, voicing: StepAudio2Voicing, tokens: list[int], finalize: bool) -> torch.Tensor:
         if voicing.closed:
             raise InvalidInputError("this Step-Audio2 stream is closed")
-        new = _checked_ids(tokens, self.flow.cfg.vocab_size)
+        new = speech_token_ids(tokens, self.flow.cfg.vocab_size)
         lookahead, r = self.flow.pre_lookahead_len, self.flow.up_rate
         voiced = new.numel() if finalize else new.numel() - lookahead
         if voiced <= 0 and not finalize:
@@ -294,9 +282,9 @@ class StepAudio2Kind:
     @torch.inference_mode()
     def start_offline(self, features: PromptFeatures, tokens: list[int]) -> StepAudio2Job:
         """The flow over prompt ‖ tokens with the prompt mel as condition (DitToken2Wav.offline)."""
-        target = _checked_ids(tokens, self.flow.cfg.vocab_size)
+        target = speech_token_ids(tokens, self.flow.cfg.vocab_size)
         features = aligned_features(features)
-        prompt = _checked_ids(features.speech_tokens.tolist(), self.flow.cfg.vocab_size)
+        prompt = speech_token_ids(features.speech_tokens.tolist(), self.flow.cfg.vocab_size)
         flow, r = self.flow, self.flow.up_rate
         ids = torch.cat([prompt, target])[None].to(self.device)
         noise = flow.decoder.noise_slice(0, r * ids.shape[1])
