@@ -273,6 +273,26 @@ def test_the_least_recently_used_voice_prefix_goes(models, features):
     assert (plain.prefix_misses, plain.prefix_hits, plain.cached_voices) == (0, 0, 0)
 
 
+def test_a_stream_without_room_for_its_state_re_runs_its_chunks(models, features):
+    """When the device has less free memory than a 30 s stream's flow state, a new stream re-runs its
+    chunks (the reference's computation, nothing kept) instead of exhausting the GPU; streams that
+    opened with room stay incremental; the gauge counts the fallbacks."""
+    flow, hift = models
+    free = [1 << 40]
+    kind = CosyVoice3Kind(flow, hift, max_voices=1, padded=True, free_memory=lambda: free[0], **SMALL_GRID)
+    roomy = kind.open(features)
+    free[0] = kind.stream_reserve_bytes - 1
+    cramped = kind.open(features)
+    assert roomy.incremental and not cramped.incremental and kind.gauges()["rerun_fallbacks"][1] == 1
+    roomy.close()
+    cramped.close()
+    got = drive(kind, features, STREAMS[:2], [0, 3], vocode=True)  # opened now: both without room
+    for ids, pieces in zip(STREAMS[:2], got):
+        expected = rerun_pcm(flow, hift, features, ids)
+        assert np.abs(np.concatenate(pieces) - np.concatenate(expected)).max() < 1e-4
+    assert kind.fallbacks == 3 and kind.open_streams == 0
+
+
 def test_open_abort_and_finish_leave_no_stream_behind(models, features):
     flow, hift = models
     kind = CosyVoice3Kind(flow, hift, padded=True, **SMALL_GRID)

@@ -21,6 +21,7 @@ Each stream vocodes its new frames with its :class:`~cosyserve.models.cosyvoice3
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,18 +29,19 @@ import numpy as np
 import torch
 
 from ...errors import InvalidInputError
-from ...speech_tokens import speech_token_ids
 from ...frontend.prompt import PromptFeatures
 from ...models.cosyvoice3.dit import WindowState
 from ...models.cosyvoice3.flow import CosyVoice3Flow, Cv3VoicePrefix, load_cosyvoice3_flow
 from ...models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, load_causal_hift
-from ...models.flow.cfm import NOISE_FRAMES, fixed_noise
+from ...models.flow.cfm import N_TIMESTEPS, NOISE_FRAMES, fixed_noise
 from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
+from ...speech_tokens import speech_token_ids
 from ...token2wav.cosyvoice3_packed import EMPTY_STATE, PackedWindowSampler, WindowJob, token_conditions
 from ..device import synchronize
 
 
 DEFAULT_VOICE_PREFIXES = 8  # voices whose prompt-only flow states are kept (~360 MB each, bfloat16, a 5 s prompt)
+RESERVE_TOKENS = 750  # a new incremental stream needs room for this long a reply's state (30 s)
 
 
 @dataclass(eq=False)
@@ -87,6 +89,7 @@ class Cv3Voicing:
     kind: "CosyVoice3Kind" = field(repr=False)
     prompt: Cv3Prompt
     vocoder: CausalHiftStream
+    incremental: bool = True  # its chunks are windows (else the reference's re-run passes)
     state: WindowState = EMPTY_STATE  # incremental: committed frames, prompt included
     emitted: int = 0  # incremental: frames returned so far, prompt included
     sent: int = 0  # re-run: target frames returned so far
@@ -111,7 +114,7 @@ class CosyVoice3Kind:
     def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFTGenerator, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, *, incremental: bool = True,
                  max_voices: int = DEFAULT_VOICE_PREFIXES, cuda_graphs: bool = False, padded: bool = False,
-                 **sampler_options) -> None:
+                 free_memory: Callable[[], int] | None = None, **sampler_options) -> None:
         self.device, self.dtype = torch.device(device), dtype
         self.flow = flow.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
         self.hift = hift.to(device=self.device).eval().requires_grad_(False)
@@ -123,6 +126,15 @@ class CosyVoice3Kind:
         self._prefixes: OrderedDict[str, Cv3VoicePrefix] = OrderedDict()
         self.prefix_hits = self.prefix_misses = 0
         self._open = 0
+        # An incremental stream keeps every committed frame's keys/values for all Euler steps (~1.8 MB
+        # a frame in bfloat16 at real size) and grows with its reply: one opens only while the device
+        # has room for a 30 s one; past that a stream re-runs its chunks (the reference's computation,
+        # no state kept) rather than failing the GPU.
+        cfg = self.cfg.estimator
+        self.stream_reserve_bytes = (N_TIMESTEPS * cfg.depth * 2 * 2 * cfg.heads * cfg.dim_head * dtype.itemsize
+                                     * self.cfg.token_mel_ratio * RESERVE_TOKENS)
+        self.free_memory = free_memory or (lambda: _free_device_memory(self.device))
+        self.fallbacks = 0  # streams that re-ran their chunks for want of memory
 
     @property
     def open_streams(self) -> int:
@@ -141,7 +153,9 @@ class CosyVoice3Kind:
         return {"open_streams": ("streams holding flow state in the engine", self.open_streams),
                 "voices_cached": ("voices whose prompt-only flow states are kept", self.cached_voices),
                 "voice_prefix_hits": ("streams that started after their voice's kept prefix", self.prefix_hits),
-                "voice_prefix_misses": ("streams whose voice had no kept prefix", self.prefix_misses)}
+                "voice_prefix_misses": ("streams whose voice had no kept prefix", self.prefix_misses),
+                "rerun_fallbacks": ("streams that re-ran their chunks because the device had no room for "
+                                    "their flow state", self.fallbacks)}
 
     def check_tokens(self, tokens) -> None:
         """InvalidInputError unless every id is a speech token 0..vocab-1 (host only, no device work)."""
@@ -166,8 +180,10 @@ class CosyVoice3Kind:
     def open(self, features: PromptFeatures) -> Cv3Voicing:
         """A stream's state, after its voice's kept prefix when there is one."""
         prompt = self._prompt(features)
-        voicing = Cv3Voicing(self, prompt, CausalHiftStream(self.hift), emitted=prompt.frames)
-        prefix = self.voice_prefix(features, prompt)
+        incremental = self.incremental and self.free_memory() >= self.stream_reserve_bytes
+        self.fallbacks += self.incremental and not incremental
+        voicing = Cv3Voicing(self, prompt, CausalHiftStream(self.hift), emitted=prompt.frames, incremental=incremental)
+        prefix = self.voice_prefix(features, prompt) if incremental else None
         if prefix is not None:
             voicing.state = prefix.state
         self._open += 1
@@ -265,7 +281,7 @@ class CosyVoice3Kind:
         before = [(v.emitted, v.sent) for v, *_ in chunks]
         try:
             with torch.inference_mode():
-                jobs = [self._start_window(v, list(t), f) if self.incremental else self._start_rerun(v, list(t), f)
+                jobs = [self._start_window(v, list(t), f) if v.incremental else self._start_rerun(v, list(t), f)
                         for v, t, _, f in chunks]
         except BaseException:
             for (voicing, *_), (emitted, sent) in zip(chunks, before):
@@ -339,7 +355,7 @@ class CosyVoice3Kind:
     def _complete(self, job: Cv3Job) -> None:
         """After a window's last step: commit the stream's state, keep the voice's prefix it offers."""
         v, window = job.voicing, job.window
-        if v is not None and self.incremental:
+        if v is not None and v.incremental:
             if job.offer:
                 self._keep_prefix(v.prompt.key, Cv3VoicePrefix(window.state_after(job.offer)))
             v.state = window.state_after(job.commit)
@@ -378,6 +394,14 @@ class CosyVoice3Kind:
                 speech = mel.new_zeros(1, 0)
             pcm.append(speech.detach().to("cpu", torch.float32).reshape(-1).numpy())
         return pcm
+
+
+def _free_device_memory(device: torch.device) -> int:
+    """Bytes the device can still give (free on the device and cached by PyTorch unused); the CPU: no bound."""
+    if device.type != "cuda":
+        return 1 << 62
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

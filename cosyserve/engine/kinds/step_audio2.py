@@ -39,13 +39,13 @@ import torch.nn.functional as F
 
 from ...audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ...errors import InvalidInputError
-from ...speech_tokens import speech_token_ids
 from ...frontend.prompt import PromptFeatures, build_prompt_features, trim_to_token_rate
 from ...frontend.torch_models import load_frontend_models
 from ...models.dit.cfm import EstimatorCache, cosine_time_grid
 from ...models.dit.estimator import CONV_KERNEL, DiT, DitBlock, modulate
 from ...models.dit.flow import FlowStreamCache
 from ...schedule import DitChunkScheduler
+from ...speech_tokens import speech_token_ids
 from ...token2wav.cosyvoice2 import default_flow_dtype
 from ...token2wav.dit import (DEFAULT_MAX_SPEAKERS, DIT_SPEAKER_ONNX, DIT_TOKENIZER_ONNX, ESTIMATOR_CACHE_KEEP,
                               DitToken2Wav, SpeakerPrompt, SpeakerState, load_dit_token2wav)
