@@ -400,3 +400,34 @@ def test_the_engine_core_voices_streams_and_offline_requests(models, features):
     offline = np.concatenate(pieces["off"])
     assert np.abs(offline - offline_pcm(flow, hift, features, scripts["off"])).max() < 1e-4
     assert kind.open_streams == 0 and core.active_requests == 0
+
+
+def test_a_bad_chunk_fails_its_own_request_only(models, features):
+    """An LLM that hands one request an id outside the speech vocabulary: that request ends with a
+    clear error; the request whose chunks started beside it in the same iterations is voiced in full."""
+    flow, hift = models
+    kind = CosyVoice3Kind(flow, hift, padded=True, **SMALL_GRID)
+    scripts = {"good": STREAMS[1], "bad": STREAMS[1][:20] + [6561] + STREAMS[1][21:]}
+    core = EngineCore(kind, BackendLLM(ScriptedLLM(scripts)))
+    pieces = {rid: [] for rid in scripts}
+    ends: dict[str, BaseException | None] = {}
+    done = threading.Event()
+
+    def finish(rid):
+        def record(error):
+            ends[rid] = error
+            if len(ends) == len(scripts):
+                done.set()
+        return record
+
+    for rid in scripts:  # both queued before the loop starts: their chunks start in the same iterations
+        core.submit(EngineRequest(rid, iter([SegmentPrompt(rid, "text", [1, 2, 3])]), Voice("prompt text", features),
+                                  TokenLimits(200), True, pieces[rid].append, finish(rid)))
+    core.start()
+    try:
+        assert done.wait(60)
+    finally:
+        core.close()
+    assert isinstance(ends["bad"], InvalidInputError) and "0..6560" in str(ends["bad"])
+    assert ends["good"] is None and sum(p.size for p in pieces["good"]) == 960 * len(scripts["good"])
+    assert kind.open_streams == 0 and core.active_requests == 0
