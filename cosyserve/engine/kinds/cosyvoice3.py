@@ -20,7 +20,6 @@ Each stream vocodes its new frames with its :class:`~cosyserve.models.cosyvoice3
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
 from ...speech_tokens import speech_token_ids
 from ...token2wav.cosyvoice3_packed import EMPTY_STATE, PackedWindowSampler, WindowJob, token_conditions
 from ..device import synchronize
+from .kept_voices import KeptVoices
 
 
 DEFAULT_VOICE_PREFIXES = 8  # voices whose prompt-only flow states are kept (~360 MB each, bfloat16, a 5 s prompt)
@@ -123,8 +123,7 @@ class CosyVoice3Kind:
                                            **sampler_options)
         self.incremental = incremental
         self.max_voices = max_voices if incremental else 0
-        self._prefixes: OrderedDict[str, Cv3VoicePrefix] = OrderedDict()
-        self.prefix_hits = self.prefix_misses = 0
+        self._prefixes: KeptVoices[Cv3VoicePrefix] = KeptVoices(self.max_voices)
         self._open = 0
         # An incremental stream keeps every committed frame's keys/values for all Euler steps (~1.8 MB
         # a frame in bfloat16 at real size) and grows with its reply: one opens only while the device
@@ -193,20 +192,15 @@ class CosyVoice3Kind:
         """The kept prefix of a voice (counted as a hit or a miss), None if none is kept."""
         if not self.max_voices:
             return None
-        key = (prompt or self._prompt(features)).key
-        prefix = self._prefixes.get(key)
-        if prefix is None:
-            self.prefix_misses += 1
-        else:
-            self._prefixes.move_to_end(key)
-            self.prefix_hits += 1
-        return prefix
+        return self._prefixes.get((prompt or self._prompt(features)).key)
 
-    def _keep_prefix(self, key: str, prefix: Cv3VoicePrefix) -> None:
-        if key not in self._prefixes:
-            self._prefixes[key] = prefix
-            while len(self._prefixes) > self.max_voices:
-                self._prefixes.popitem(last=False)
+    @property
+    def prefix_hits(self) -> int:
+        return self._prefixes.hits
+
+    @property
+    def prefix_misses(self) -> int:
+        return self._prefixes.misses
 
     def _close(self, voicing: Cv3Voicing) -> None:
         if voicing.closed:
@@ -229,7 +223,7 @@ class CosyVoice3Kind:
                                    prompt.spks, keep=frames)
         while not job.done:
             self.sampler.step([job])
-        self._keep_prefix(prompt.key, Cv3VoicePrefix(job.state_after(frames)))
+        self._prefixes.put(prompt.key, Cv3VoicePrefix(job.state_after(frames)))
 
     def warm_up(self, features: PromptFeatures, tokens: int = 120) -> None:
         """Capture the sampler's graphs (CUDA graphs on) and run every stage once: a stream of
@@ -357,7 +351,7 @@ class CosyVoice3Kind:
         v, window = job.voicing, job.window
         if v is not None and v.incremental:
             if job.offer:
-                self._keep_prefix(v.prompt.key, Cv3VoicePrefix(window.state_after(job.offer)))
+                self._prefixes.put(v.prompt.key, Cv3VoicePrefix(window.state_after(job.offer)))
             v.state = window.state_after(job.commit)
         window.release()
         if v is not None:

@@ -28,7 +28,6 @@ reach the engine (out-of-range ids raise InvalidInputError before any model work
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ from ...token2wav.dit import (DEFAULT_MAX_SPEAKERS, DIT_SPEAKER_ONNX, DIT_TOKENI
 from ...token2wav.graphs import HiftRunner
 from ...token2wav.vocoder_batch import source_noise, vocode_batch
 from ...token2wav.vocoder_stream import HiftStream, SineNoiseProvider, VocoderCall
+from .kept_voices import KeptVoices
 
 # Jobs shorter than this many frames share one estimator call; longer ones are packed with jobs of
 # the same power-of-two length class, so that padding at most doubles a call's work.
@@ -164,7 +164,7 @@ class StepAudio2Kind:
         self.dtype = self.flow.encoder_proj.weight.dtype
         self.n_steps = self.flow.decoder.n_timesteps
         self._t_span = cosine_time_grid(self.n_steps, self.device, self.dtype)
-        self._voices: OrderedDict[str, SpeakerState] = OrderedDict()
+        self._voices: KeptVoices[SpeakerState] = KeptVoices(max_voices)
         self._open = 0
         self._lock = threading.Lock()
 
@@ -175,8 +175,7 @@ class StepAudio2Kind:
 
     @property
     def cached_voices(self) -> list[str]:
-        with self._lock:
-            return list(self._voices)
+        return self._voices.keys()
 
     @property
     def open_streams(self) -> int:
@@ -195,19 +194,12 @@ class StepAudio2Kind:
 
     def _speaker(self, features: PromptFeatures) -> SpeakerState:
         key = aligned_features(features).key()
-        with self._lock:
-            state = self._voices.get(key)
-            if state is not None:
-                self._voices.move_to_end(key)
-                return state
-        # the model aligns the prompt itself (n = min(M // 2, n_p)) and runs it through the flow once
-        state = self.model._build_speaker(SpeakerPrompt(features.speech_tokens, features.speech_feat,
-                                                        features.embedding))
-        with self._lock:
-            self._voices[key] = state
-            self._voices.move_to_end(key)
-            while len(self._voices) > self.max_voices:
-                self._voices.popitem(last=False)  # open streams keep their own reference
+        state = self._voices.get(key)
+        if state is None:
+            # the model aligns the prompt itself (n = min(M // 2, n_p)) and runs it through the flow once
+            state = self.model._build_speaker(SpeakerPrompt(features.speech_tokens, features.speech_feat,
+                                                            features.embedding))
+            self._voices.put(key, state)  # open streams of an evicted voice keep their own reference
         return state
 
     def open(self, features: PromptFeatures) -> StepAudio2Voicing:
