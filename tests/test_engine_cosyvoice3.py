@@ -431,3 +431,25 @@ def test_a_bad_chunk_fails_its_own_request_only(models, features):
     assert isinstance(ends["bad"], InvalidInputError) and "0..6560" in str(ends["bad"])
     assert ends["good"] is None and sum(p.size for p in pieces["good"]) == 960 * len(scripts["good"])
     assert kind.open_streams == 0 and core.active_requests == 0
+
+
+def test_load_engine_warms_cosyvoice3_up_on_a_synthetic_voice(tmp_path):
+    """What a GPU server does before it reports ready (ENGINE_WARM_UP), here on the CPU with the
+    tiny bundle: CosyVoice3 has no registered voice, so a synthetic clip voices the warm-up (through
+    the front-end), a stream, four together and an offline request run through the whole loop
+    (its LLM included), and the engine is idle after it."""
+    from cosyserve.bundle import make_bundle
+    from cosyserve.engine.service import BUNDLE_DIRS, load_engine
+
+    models = make_bundle(tmp_path, "tiny", parts=("cosyvoice3", "cosyvoice3_llm"))
+    model_dir, llm_dir, _ = BUNDLE_DIRS["cosyvoice3"]
+    engine = load_engine("cosyvoice3", models / model_dir, models / llm_dir, torch.device("cpu"),
+                         kind_options={"max_voices": 1}, llm_options={"max_slots": 8, "max_model_len": 1024},
+                         warm_up=True)
+    try:
+        counters = engine.core.counters
+        assert (counters.requests_finished, counters.requests_failed) == (1 + 4 + 1, 0)
+        assert engine.core.active_requests == 0 and engine.core.kind.open_streams == 0
+        assert engine.core.kind.cached_voices == 1  # the warm-up voice's prefix, from its first stream
+    finally:
+        engine.close()
