@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyserve.serving.settings import (MODEL_SETTINGS, BlsSettings, LLMSettings, Token2WavSettings, parameter_value,
+from cosyserve.serving.settings import (MODEL_SETTINGS, EngineSettings, LLMSettings, Token2WavSettings, parameter_value,
                                         parse_settings)
 from cosyserve.token2wav.cosyvoice2 import DEFAULT_PRECAPTURE_FRAMES
 from cosyserve.token2wav.dit import DEFAULT_MAX_SPEAKERS
@@ -44,11 +44,11 @@ def test_parse_reads_each_type_and_auto():
 
 def test_parse_names_the_wrong_parameter():
     with pytest.raises(ValueError, match="'model_dir' is missing or empty"):
-        parse_settings(BlsSettings, {"llm_tokenizer_dir": "/t"})
+        parse_settings(EngineSettings, {"llm_tokenizer_dir": "/t"})
     with pytest.raises(ValueError, match="cuda_graphs: expected true, false or auto, got 'maybe'"):
         parse_settings(Token2WavSettings, {"model_dir": "/m", "cuda_graphs": "maybe"})
     with pytest.raises(ValueError, match="max_tokens"):
-        parse_settings(BlsSettings, {"model_dir": "/m", "llm_tokenizer_dir": "/t", "max_tokens": "many"})
+        parse_settings(EngineSettings, {"model_dir": "/m", "llm_tokenizer_dir": "/t", "max_tokens": "many"})
 
 
 def test_token2wav_auto_rules():

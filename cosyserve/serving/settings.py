@@ -165,44 +165,16 @@ class LLMSettings(GpuSharingSettings):
 
 
 @dataclass(frozen=True)
-class BlsSettings:
-    """What the text-to-speech models share (:class:`EngineSettings`' base). Speech tokens come from ``llm_url``
-    (an OpenAI-compatible completions server, model ``llm_model``; empty: the first it lists) when
-    set, else from the Triton model ``llm_model_name`` speaking ``llm_protocol`` (empty: by the name)."""
-
-    model_dir: Path
-    llm_tokenizer_dir: Path
-    llm_model_name: str = "llm"
-    llm_protocol: str = ""
-    llm_url: str = ""
-    llm_model: str = ""
-    streaming_strategy: str = "exponential"
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    min_tokens: int = 0
-    torch_threads: int = 0
-    max_text_chars: int = MAX_TEXT_CHARS  # the whole request text (cosyvoice2 splits it into segments)
-    voices_dir: Path | None = None  # voices uploaded through the HTTP API; default <model_dir>/voices
-    warm_up: bool | None = True  # cosyvoice2: load the text front-end at start (auto: on)
-    # seconds a request may run once an instance has taken it (0: no limit); past that it ends with
-    # "request timed out after N s" and releases its LLM request and token2wav session
-    request_timeout_s: float = 0.0
-    # refuse a new request while a stream of this server has less audio buffered ahead of its
-    # listener than this many seconds (0: admit every request); the engine's Scheduler
-    admission_min_buffer_s: float = 0.0
-    # refuse a new request while this server already sends this many streams (0: no cap); the engine's Scheduler
-    max_streams: int = 0
-
-
-@dataclass(frozen=True)
-class EngineSettings(BlsSettings):
+class EngineSettings:
     """The ``cosyvoice2``, ``cosyvoice3`` and ``cosyvoice2_dit`` models: the engine core
     (:mod:`cosyserve.engine`) of ``model_kind`` (cosyvoice2 | cosyvoice3 | step_audio2,
     :data:`~cosyserve.engine.service.MODEL_KINDS`) behind a thin front door. ``spk2info``: the
     registered voices (empty: ``model_dir``'s spk2info.pt; Step-Audio2's token2wav directory has
     none: CosyVoice2's).
 
-    Speech tokens: ``llm_url`` (OpenAI-compatible servers) when set, else the Triton model
-    ``llm_model_name`` when set (``tensorrt_llm``: TensorRT-LLM; the reference layout), else our
+    Speech tokens: ``llm_url`` (OpenAI-compatible servers; model ``llm_model``, empty: the first
+    one lists) when set, else the Triton model ``llm_model_name`` (speaking ``llm_protocol``,
+    empty: by the name) when set (``tensorrt_llm``: TensorRT-LLM; the reference layout), else our
     LLM engine in the loop (``llm_max_slots`` requests decoded at once, ``llm_max_model_len``
     positions each). ``device`` (auto: CUDA when available); the flow in ``token2wav_dtype``
     (auto: fp16 on CUDA for CosyVoice2 and Step-Audio2, bfloat16 for CosyVoice3's DiT: a plain fp16 DiT
@@ -220,7 +192,27 @@ class EngineSettings(BlsSettings):
     ready only once every shape is captured and a few requests have run through the loop).
     """
 
+    model_dir: Path
+    llm_tokenizer_dir: Path
     llm_model_name: str = ""  # empty: the LLM engine in the loop
+    llm_protocol: str = ""
+    llm_url: str = ""
+    llm_model: str = ""
+    streaming_strategy: str = "exponential"
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    min_tokens: int = 0
+    torch_threads: int = 0
+    max_text_chars: int = MAX_TEXT_CHARS  # the whole request text (cosyvoice2 splits it into segments)
+    voices_dir: Path | None = None  # voices uploaded through the HTTP API; default <model_dir>/voices
+    warm_up: bool | None = True  # load the text front-end at start (auto: on)
+    # seconds a request may run once an instance has taken it (0: no limit); past that it ends with
+    # "request timed out after N s" and releases its LLM request and token2wav session
+    request_timeout_s: float = 0.0
+    # refuse a new request while a stream of this server has less audio buffered ahead of its
+    # listener than this many seconds (0: admit every request); the engine's Scheduler
+    admission_min_buffer_s: float = 0.0
+    # refuse a new request while this server already sends this many streams (0: no cap); the engine's Scheduler
+    max_streams: int = 0
     model_kind: str = "cosyvoice2"
     spk2info: Path | None = None
     device: str = AUTO
