@@ -31,7 +31,7 @@ from ...errors import InvalidInputError
 from ...frontend.prompt import PromptFeatures
 from ...models.cosyvoice3.dit import WindowState
 from ...models.cosyvoice3.flow import CosyVoice3Flow, Cv3VoicePrefix, load_cosyvoice3_flow
-from ...models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, load_causal_hift
+from ...models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, decode_calls, load_causal_hift
 from ...models.flow.cfm import N_TIMESTEPS, NOISE_FRAMES, fixed_noise
 from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
 from ...speech_tokens import speech_token_ids
@@ -377,17 +377,19 @@ class CosyVoice3Kind:
 
     @torch.inference_mode()
     def vocode(self, items: list[tuple[Cv3Voicing | None, torch.Tensor, bool]]) -> list[np.ndarray]:
-        """PCM (float32) of each (stream's voicing, or None for an offline request; mel; final chunk)."""
-        pcm = []
-        for voicing, mel, final in items:
-            if voicing is not None:
-                speech = voicing.vocoder.push(mel, final)
-            elif mel.shape[2]:
-                speech = self.hift.inference(mel, finalize=True)[0]
-            else:
-                speech = mel.new_zeros(1, 0)
-            pcm.append(speech.detach().to("cpu", torch.float32).reshape(-1).numpy())
-        return pcm
+        """PCM (float32) of each (stream's voicing, or None for an offline request; mel; final chunk):
+        each stream's F0 and excitation on its own, the decoder batched over streams whose windows
+        have one shape."""
+        streams = [(i, voicing.vocoder, voicing.vocoder.prepare(mel, final))
+                   for i, (voicing, mel, final) in enumerate(items) if voicing is not None]
+        decoded = decode_calls(self.hift, [call for _, _, call in streams])
+        speech: list[torch.Tensor | None] = [None] * len(items)
+        for (i, vocoder, call), window in zip(streams, decoded):
+            speech[i] = vocoder.complete(call, window)
+        for i, (voicing, mel, _) in enumerate(items):
+            if voicing is None:
+                speech[i] = self.hift.inference(mel, finalize=True)[0] if mel.shape[2] else mel.new_zeros(1, 0)
+        return [s.detach().to("cpu", torch.float32).reshape(-1).numpy() for s in speech]
 
 
 def _free_device_memory(device: torch.device) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -321,6 +322,36 @@ class CausalHiFTGenerator(nn.Module):
                 f"got {tuple(mel.shape)}")
 
 
+@dataclass
+class CausalHiftCall:
+    """One stream's decoder work for a push: its mel window (1, 80, F) and excitation (1, 1, 480·F)
+    (None: nothing to decode), and which of the decoded samples are new."""
+
+    mel: torch.Tensor | None
+    source: torch.Tensor | None
+    finalize: bool
+    skip: int  # decoded samples before the new ones (the window's left context)
+    samples: int  # new samples
+
+
+@torch.inference_mode()
+def decode_calls(hift: "CausalHiFTGenerator", calls: list[CausalHiftCall]) -> list[torch.Tensor | None]:
+    """Every call's decoded window, calls of one shape (frames, finalize) in one batched decoder call:
+    streams at the same point of the chunk schedule share a shape. Each row's output is the one it
+    gets alone (the decoder works per row)."""
+    out: list[torch.Tensor | None] = [None] * len(calls)
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, call in enumerate(calls):
+        if call.mel is not None:
+            groups.setdefault((call.mel.shape[2], call.finalize), []).append(i)
+    for (_, finalize), members in groups.items():
+        speech = hift.decode(torch.cat([calls[i].mel for i in members]), torch.cat([calls[i].source for i in members]),
+                             finalize)
+        for row, i in enumerate(members):
+            out[i] = speech[row:row + 1]
+    return out
+
+
 class CausalHiftStream:
     """One utterance vocoded chunk by chunk: each :meth:`push` runs the vocoder only over the new mel
     frames plus ``STREAM_CONTEXT_FRAMES`` of left context, and returns only new samples.
@@ -348,6 +379,13 @@ class CausalHiftStream:
     @torch.inference_mode()
     def push(self, mel: torch.Tensor, finalize: bool = False) -> torch.Tensor:
         """Append mel frames (1, 80, n) (n may be 0 on the last call) and return the new samples (1, s)."""
+        call = self.prepare(mel, finalize)
+        return self.complete(call, None if call.mel is None else self.hift.decode(call.mel, call.source, finalize))
+
+    @torch.inference_mode()
+    def prepare(self, mel: torch.Tensor, finalize: bool = False) -> "CausalHiftCall":
+        """:meth:`push` up to the decoder: the new frames' F0 and excitation, and the decoder's window
+        (decoded by the caller, with other streams' windows of the same shape: :func:`decode_calls`)."""
         if self.finished:
             raise InvalidInputError("this vocoder stream is finished")
         self.hift._check_mel(mel, 0)
@@ -364,14 +402,19 @@ class CausalHiftStream:
             self.f0_frames = f0_end
         speech_end = hop * (self.frames if finalize else self.frames - self.hift.lookahead_frames)
         if speech_end <= self.emitted:
-            return self.mel.new_zeros(1, 0)
+            return CausalHiftCall(None, None, finalize, 0, 0)
         start = max(0, self.emitted // hop - self.context)
-        speech = self.hift.decode(self._mel(start, self.f0_frames),
-                                  self.source[:, :, (start - self.source_start) * hop:], finalize)
-        new = speech[:, self.emitted - start * hop:speech_end - start * hop]
+        call = CausalHiftCall(self._mel(start, self.f0_frames), self.source[:, :, (start - self.source_start) * hop:],
+                              finalize, self.emitted - start * hop, speech_end - self.emitted)
         self.emitted = speech_end
+        return call
+
+    def complete(self, call: "CausalHiftCall", speech: torch.Tensor | None) -> torch.Tensor:
+        """The new samples (1, s) of a prepared call, given its window's decoded ``speech`` (1, S)."""
+        if call.mel is None:
+            return self.mel.new_zeros(1, 0)
         self._trim()
-        return new
+        return speech[:, call.skip:call.skip + call.samples]
 
     def _mel(self, start: int, stop: int) -> torch.Tensor:
         return self.mel[:, :, start - self.mel_start:stop - self.mel_start]
