@@ -383,14 +383,11 @@ class ScriptedLLM:
         pass
 
 
-def test_the_engine_core_voices_streams_and_offline_requests(models, features):
-    """Through EngineCore: concurrent streams and an offline request give the reference's audio,
-    and every voicing is closed when they end."""
-    flow, hift = models
-    kind = CosyVoice3Kind(flow, hift, padded=True, **SMALL_GRID)
-    voice = Voice("prompt text", features)
-    scripts = {"s0": STREAMS[0], "s1": STREAMS[1], "off": tokens(50, 41)}
-    core = EngineCore(kind, BackendLLM(ScriptedLLM(scripts))).start()
+def run_scripted(kind, features, scripts: dict[str, list[int]], offline: tuple[str, ...] = ()):
+    """Every request of ``scripts`` (id -> the speech tokens its LLM hands over; ``offline`` ids
+    voiced offline) queued before the EngineCore's loop starts, run to its end; returns each
+    request's PCM pieces, its end (None or the error) and the closed core."""
+    core = EngineCore(kind, BackendLLM(ScriptedLLM(scripts)))
     pieces = {rid: [] for rid in scripts}
     ends: dict[str, BaseException | None] = {}
     done = threading.Event()
@@ -402,13 +399,24 @@ def test_the_engine_core_voices_streams_and_offline_requests(models, features):
                 done.set()
         return record
 
+    for rid in scripts:  # queued before the loop starts: their chunks start in the same iterations
+        core.submit(EngineRequest(rid, iter([SegmentPrompt(rid, "text", [1, 2, 3])]), Voice("prompt text", features),
+                                  TokenLimits(200), rid not in offline, pieces[rid].append, finish(rid)))
+    core.start()
     try:
-        for rid in scripts:
-            core.submit(EngineRequest(rid, iter([SegmentPrompt(rid, "text", [1, 2, 3])]), voice, TokenLimits(200),
-                                      rid != "off", pieces[rid].append, finish(rid)))
         assert done.wait(60)
     finally:
         core.close()
+    return pieces, ends, core
+
+
+def test_the_engine_core_voices_streams_and_offline_requests(models, features):
+    """Through EngineCore: concurrent streams and an offline request give the reference's audio,
+    and every voicing is closed when they end."""
+    flow, hift = models
+    kind = CosyVoice3Kind(flow, hift, padded=True, **SMALL_GRID)
+    scripts = {"s0": STREAMS[0], "s1": STREAMS[1], "off": tokens(50, 41)}
+    pieces, ends, core = run_scripted(kind, features, scripts, offline=("off",))
     assert all(error is None for error in ends.values()), ends
     for rid in ("s0", "s1"):
         ids = scripts[rid]
@@ -428,26 +436,7 @@ def test_a_bad_chunk_fails_its_own_request_only(models, features):
     flow, hift = models
     kind = CosyVoice3Kind(flow, hift, padded=True, **SMALL_GRID)
     scripts = {"good": STREAMS[1], "bad": STREAMS[1][:20] + [6561] + STREAMS[1][21:]}
-    core = EngineCore(kind, BackendLLM(ScriptedLLM(scripts)))
-    pieces = {rid: [] for rid in scripts}
-    ends: dict[str, BaseException | None] = {}
-    done = threading.Event()
-
-    def finish(rid):
-        def record(error):
-            ends[rid] = error
-            if len(ends) == len(scripts):
-                done.set()
-        return record
-
-    for rid in scripts:  # both queued before the loop starts: their chunks start in the same iterations
-        core.submit(EngineRequest(rid, iter([SegmentPrompt(rid, "text", [1, 2, 3])]), Voice("prompt text", features),
-                                  TokenLimits(200), True, pieces[rid].append, finish(rid)))
-    core.start()
-    try:
-        assert done.wait(60)
-    finally:
-        core.close()
+    pieces, ends, core = run_scripted(kind, features, scripts)
     assert isinstance(ends["bad"], InvalidInputError) and "0..6560" in str(ends["bad"])
     assert ends["good"] is None and sum(p.size for p in pieces["good"]) == 960 * len(scripts["good"])
     assert kind.open_streams == 0 and core.active_requests == 0
