@@ -374,7 +374,18 @@ def is_ready(http_port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
+def serves_metrics(metrics_port: int, host: str = "127.0.0.1") -> bool:
+    """Whether the server's Prometheus endpoint on ``metrics_port`` answers."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=2.0) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def _wait_until_ready(server: TritonServer, timeout: float) -> None:
+    # tritonserver opens its metrics endpoint after its HTTP one: health can say ready a moment
+    # before /metrics answers, and callers (autoscalers, our tests) read metrics at once.
     deadline = time.monotonic() + timeout
     while True:
         returncode = server.process.poll()
@@ -382,7 +393,7 @@ def _wait_until_ready(server: TritonServer, timeout: float) -> None:
             raise TritonServerError(
                 f"tritonserver exited with code {returncode} before it was ready.\n{log_report(server.log_file)}"
             )
-        if is_ready(server.http_port):
+        if is_ready(server.http_port) and serves_metrics(server.metrics_port):
             return
         if time.monotonic() > deadline:
             raise TritonServerError(
