@@ -1,5 +1,6 @@
-"""DiT token2wav (Step-Audio-2-mini flow + HiFT): config, model invariants, runtime bookkeeping,
-chunk schedules, and the parity suite when the shared fixtures are present."""
+"""Step-Audio2's token2wav (Step-Audio-2-mini flow with a DiT estimator, and HiFT): config, model
+invariants, one stream and offline requests, chunk schedules, and the parity suite when the shared
+fixtures are present."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from cosyserve.models.dit.config import DitFlowConfig
 from cosyserve.models.dit.flow import DitFlow, load_dit_flow
 from cosyserve.models.hift import HiftConfig, HiFTGenerator
 from cosyserve.schedule import DitChunkScheduler, TokenChunk, plan_stream_chunks
-from cosyserve.token2wav.dit import DitToken2Wav, OfflineRequest, SpeakerPrompt
+from cosyserve.token2wav.step_audio2 import (OfflineRequest, StepAudio2Models, StepAudio2Stream, VoicePrompt,
+                                             build_voice_state, offline_waveforms)
 
 torch.set_num_threads(1)
 
@@ -46,16 +48,18 @@ def zero_sine_noise(samples: int) -> torch.Tensor:
     return torch.zeros(1, samples, 9)
 
 
-@pytest.fixture()
-def runtime(flow, hift) -> DitToken2Wav:
-    rt = DitToken2Wav(flow, hift, max_speakers=2, vocoder_noise=zero_sine_noise)
-    yield rt
-    rt.close()
+@pytest.fixture(scope="module")
+def models(flow, hift) -> StepAudio2Models:
+    return StepAudio2Models(flow, hift)
 
 
-def prompt(seed: int, tokens: int = 20, frames: int = 41) -> SpeakerPrompt:
+def open_stream(models: StepAudio2Models, voice: VoicePrompt) -> StepAudio2Stream:
+    return StepAudio2Stream(models, build_voice_state(models.flow, voice), sine_noise=zero_sine_noise)
+
+
+def prompt(seed: int, tokens: int = 20, frames: int = 41) -> VoicePrompt:
     g = torch.Generator().manual_seed(seed)
-    return SpeakerPrompt(torch.randint(0, 6561, (tokens,), generator=g), torch.randn(frames, 80, generator=g),
+    return VoicePrompt(torch.randint(0, 6561, (tokens,), generator=g), torch.randn(frames, 80, generator=g),
                          torch.randn(192, generator=g))
 
 
@@ -234,9 +238,9 @@ def test_incremental_scheduler_agrees_with_plan():
     assert sent[-1] == TokenChunk(190, 300, True)
 
 
-# ---------------------------------------------------------------------------------- runtime
-def test_stream_sample_counts_and_release(runtime):
-    stream = runtime.open_stream("req-1", "spk", prompt(0))
+# ---------------------------------------------------------------------------------- one stream
+def test_stream_sample_counts_and_release(models):
+    stream = open_stream(models, prompt(0))
     tokens, frames, samples = random_tokens(60), 0, []
     for chunk in plan_stream_chunks(60, "exponential"):
         result = stream.step_chunk(tokens[chunk.start:chunk.end], chunk.last)
@@ -244,73 +248,54 @@ def test_stream_sample_counts_and_release(runtime):
         samples.append(result.audio.shape[1])
         assert torch.isfinite(result.audio).all()
     assert samples[0] == HOP * (30 - 8) and sum(samples) == HOP * frames == HOP * 2 * 60
-    assert stream.closed and stream.cache is None and runtime.open_stream_ids == []
+    assert stream.closed and stream.cache is None
     with pytest.raises(InvalidInputError, match="closed"):
         stream.step(tokens[:5], True)
 
 
-def test_stream_shares_speaker_cache_without_modifying_it(runtime):
-    state = runtime.speaker_state("spk", prompt(0))
+def test_stream_shares_the_voice_state_without_modifying_it(models):
+    state = build_voice_state(models.flow, prompt(0))
     before = state.flow_cache.estimator.att.clone()
     assert state.prompt_frames == 40  # n = min(41 // 2, 20) tokens, 2 frames each
-    with runtime.open_stream("req-a", "spk") as stream:
+    with StepAudio2Stream(models, state, sine_noise=zero_sine_noise) as stream:
         stream.step(random_tokens(18), False)
         assert stream.cache.estimator.frames == 40 + 30
-    assert runtime.open_stream_ids == []  # context exit = cancel
+    assert stream.closed  # context exit = cancel
     assert torch.equal(state.flow_cache.estimator.att, before)
 
 
-def test_stream_errors_release_state(runtime):
-    stream = runtime.open_stream("req-err", "spk", prompt(0))
+def test_stream_errors_release_state(models):
+    stream = open_stream(models, prompt(0))
     with pytest.raises(InvalidInputError, match="look-ahead"):
         stream.step(random_tokens(3), False)  # a non-last chunk needs more than 3 tokens
-    assert stream.closed and runtime.open_stream_ids == []
-    stream = runtime.open_stream("req-err", "spk")  # the id is free again
+    assert stream.closed and stream.cache is None
+    stream = open_stream(models, prompt(0))
     with pytest.raises(InvalidInputError, match="0..6560"):
         stream.step([1, 2, 6561, 4, 5], True)
-    assert runtime.open_stream_ids == []
+    assert stream.closed
     stream.close()  # idempotent
 
 
-def test_open_stream_validation(runtime):
-    with pytest.raises(InvalidInputError, match="not cached"):
-        runtime.open_stream("req-x", "unknown-speaker")
+def test_a_voice_prompt_shorter_than_the_look_ahead_is_refused(models):
     with pytest.raises(InvalidInputError, match="too short"):
-        runtime.open_stream("req-x", "tiny", prompt(1, tokens=2, frames=40))
-    runtime.open_stream("req-dup", "spk", prompt(0))
-    with pytest.raises(InvalidInputError, match="already open"):
-        runtime.open_stream("req-dup", "spk")
-    with pytest.raises(InvalidInputError, match="request_id"):
-        runtime.open_stream("", "spk")
-    runtime.close()
-    assert runtime.open_stream_ids == [] and runtime.cached_speakers == []
+        build_voice_state(models.flow, prompt(1, tokens=2, frames=40))
 
 
-def test_speaker_cache_is_bounded_and_open_streams_survive_eviction(runtime):
-    stream = runtime.open_stream("req-long", "s0", prompt(0))
-    stream.step(random_tokens(18), False)
-    for i in (1, 2):
-        runtime.speaker_state(f"s{i}", prompt(i))
-    assert runtime.cached_speakers == ["s1", "s2"]
-    assert stream.step(random_tokens(8), True).numel() == HOP * (2 * 8 + 8)
-
-
-def test_empty_final_chunk_flushes_the_withheld_tail(runtime):
-    stream = runtime.open_stream("req-flush", "spk", prompt(0))
+def test_empty_final_chunk_flushes_the_withheld_tail(models):
+    stream = open_stream(models, prompt(0))
     first = stream.step(random_tokens(18), False)
     tail = stream.step([], True)
     assert first.numel() + tail.numel() == HOP * 30 and tail.numel() == HOP * 8
 
 
-def test_offline_batch_equals_single_requests(runtime):
+def test_offline_batch_equals_single_requests(models):
     requests = [OfflineRequest(random_tokens(25, seed=8), prompt(0)),
                 OfflineRequest(random_tokens(9, seed=9), prompt(1, tokens=12, frames=25))]
-    batched = runtime.offline(requests)
+    batched = offline_waveforms(models, requests, sine_noise=zero_sine_noise)
     assert [w.numel() for w in batched] == [HOP * (2 * 45 - 41), HOP * (2 * 21 - 25)]
     for request, wave in zip(requests, batched):
-        (alone,) = runtime.offline([request])
+        (alone,) = offline_waveforms(models, [request], sine_noise=zero_sine_noise)
         torch.testing.assert_close(wave, alone, atol=1e-5, rtol=0)  # upstream-style leak: ~3e-4
-
 
 
 # ---------------------------------------------------------------------------------- parity

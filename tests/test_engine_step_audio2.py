@@ -1,4 +1,5 @@
-"""Step-Audio2's token2wav as a kind of the engine, against DitToken2Wav (its DitStream and offline).
+"""Step-Audio2's token2wav as a kind of the engine, against the one-request computation
+(StepAudio2Stream and offline_waveforms of cosyserve.token2wav.step_audio2).
 
 A tiny random flow and HiFT (as tests/test_dit.py builds them), HiFT with zero harmonic noise on
 both sides. The streams are driven in the engine core's order of work: per iteration, chunks that
@@ -25,7 +26,8 @@ from cosyserve.llm.stream import Finished, TokenStream
 from cosyserve.models.dit.flow import DitFlow
 from cosyserve.models.hift import HiftConfig, HiFTGenerator
 from cosyserve.pipeline.tts import SegmentPrompt, TokenLimits
-from cosyserve.token2wav.dit import DitToken2Wav, OfflineRequest, SpeakerPrompt
+from cosyserve.token2wav.step_audio2 import (OfflineRequest, StepAudio2Models, StepAudio2Stream, VoicePrompt,
+                                             build_voice_state, offline_waveforms)
 
 torch.set_num_threads(1)
 SAMPLES_PER_TOKEN = 960
@@ -36,17 +38,17 @@ def zero_sine_noise(samples: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def reference() -> DitToken2Wav:
+def reference() -> StepAudio2Models:
     torch.manual_seed(0)
     flow = DitFlow(tiny_dit_config()).eval()
     torch.manual_seed(1)
     hift = HiFTGenerator(HiftConfig.tiny()).eval()
-    return DitToken2Wav(flow, hift, max_speakers=8, vocoder_noise=zero_sine_noise)
+    return StepAudio2Models(flow, hift)
 
 
 @pytest.fixture()
 def kind(reference) -> StepAudio2Kind:
-    return StepAudio2Kind(reference, max_voices=4)
+    return StepAudio2Kind(reference, max_voices=4, sine_noise=zero_sine_noise)
 
 
 def features(seed: int, tokens: int = 20, frames: int = 41) -> PromptFeatures:
@@ -56,9 +58,9 @@ def features(seed: int, tokens: int = 20, frames: int = 41) -> PromptFeatures:
                           torch.randn(frames, 80, generator=g), torch.randn(192, generator=g))
 
 
-def speaker_prompt(f: PromptFeatures) -> SpeakerPrompt:
+def voice_prompt(f: PromptFeatures) -> VoicePrompt:
     f = aligned_features(f)
-    return SpeakerPrompt(f.speech_tokens, f.speech_feat, f.embedding)
+    return VoicePrompt(f.speech_tokens, f.speech_feat, f.embedding)
 
 
 def random_tokens(n: int, seed: int) -> list[int]:
@@ -136,13 +138,14 @@ def drive(kind: StepAudio2Kind, streams: list[Stream], offline: list[tuple] = ()
     return offline_pcm, most
 
 
-def reference_pieces(reference: DitToken2Wav, s: Stream, request_id: str) -> list[torch.Tensor]:
-    with reference.open_stream(request_id, aligned_features(s.voice).key(), speaker_prompt(s.voice)) as stream:
+def reference_pieces(reference: StepAudio2Models, s: Stream) -> list[torch.Tensor]:
+    voice = build_voice_state(reference.flow, voice_prompt(s.voice))
+    with StepAudio2Stream(reference, voice, sine_noise=zero_sine_noise) as stream:
         return [stream.step(s.tokens[offset:end], finalize) for offset, end, finalize in s.chunks]
 
 
 # ---------------------------------------------------------------------------------- tests
-def test_streams_equal_dit_stream(kind, reference):
+def test_streams_equal_the_one_stream_computation(kind, reference):
     voices = [features(0), features(1, tokens=16, frames=37)]
     streams = [Stream(voices[0], random_tokens(70, 10), "exponential", start=0, rate=4),
                Stream(voices[1], random_tokens(47, 11), "equal", start=3, rate=9),
@@ -152,21 +155,22 @@ def test_streams_equal_dit_stream(kind, reference):
     assert most >= 3  # jobs of several streams shared estimator steps
     for i, s in enumerate(streams):
         assert s.chunks[-1][2] and len(s.chunks) > (i < 2)
-        expected = reference_pieces(reference, s, f"ref-{i}")
+        expected = reference_pieces(reference, s)
         for piece, want in zip(s.pcm, expected, strict=True):
             assert_audio_equal(piece, want.numpy())
         assert sum(p.size for p in s.pcm) == SAMPLES_PER_TOKEN * len(s.tokens)
     assert kind.open_streams == 0
 
 
-def test_offline_equals_dit_offline_also_packed_with_streams(kind, reference):
+def test_offline_equals_the_one_request_computation_also_packed_with_streams(kind, reference):
     voice, other = features(2), features(3, tokens=30, frames=60)
     requests = [(voice, random_tokens(33, 20)), (other, random_tokens(9, 21))]
     streams = [Stream(other, random_tokens(40, 22), "exponential", start=0, rate=40)]
     pcm, most = drive(kind, streams, requests)
     assert most == 3
     for (f, tokens), piece in zip(requests, pcm, strict=True):
-        (want,) = reference.offline([OfflineRequest(torch.tensor(tokens), speaker_prompt(f))])
+        (want,) = offline_waveforms(reference, [OfflineRequest(torch.tensor(tokens), voice_prompt(f))],
+                                    sine_noise=zero_sine_noise)
         assert piece.size == SAMPLES_PER_TOKEN * len(tokens)
         assert_audio_equal(piece, want.numpy())
     (alone,) = kind._run([None], [kind.start_offline(*requests[0])])
@@ -215,7 +219,7 @@ def test_bad_token_ids_raise_before_any_model_work(kind, monkeypatch, bad):
 
 
 def test_second_voice_evicts_the_first_whose_streams_still_finish(reference):
-    kind = StepAudio2Kind(reference, max_voices=1)
+    kind = StepAudio2Kind(reference, max_voices=1, sine_noise=zero_sine_noise)
     first, second = features(6), features(7, tokens=24, frames=48)
     s = Stream(first, random_tokens(50, 50), "exponential", start=0, rate=50)
     s.schedule = kind.chunk_schedule("exponential")
@@ -227,7 +231,7 @@ def test_second_voice_evicts_the_first_whose_streams_still_finish(reference):
     assert kind.cached_voices == [aligned_features(second).key()]
     s.start = 1
     drive(kind, [s, Stream(second, random_tokens(19, 51), "equal", start=0, rate=5, voicing=other)])
-    for piece, want in zip(s.pcm, reference_pieces(reference, s, "ref-evicted"), strict=True):
+    for piece, want in zip(s.pcm, reference_pieces(reference, s), strict=True):
         assert_audio_equal(piece, want.numpy())
     assert kind.open_streams == 0
     kind.warm_voice(first)
@@ -275,9 +279,10 @@ def test_engine_core_runs_the_kind(kind, reference):
     for rid in ("a", "b"):
         s = Stream(voice, tokens[rid], "exponential", 0, 0, chunks=[
             (c.token_offset, c.num_tokens, c.finalize) for c in _plan(kind, len(tokens[rid]))])
-        for piece, want in zip(out[rid], reference_pieces(reference, s, f"core-{rid}"), strict=True):
+        for piece, want in zip(out[rid], reference_pieces(reference, s), strict=True):
             assert_audio_equal(piece, want.numpy())
-    (want,) = reference.offline([OfflineRequest(torch.tensor(tokens["c"]), speaker_prompt(voice))])
+    (want,) = offline_waveforms(reference, [OfflineRequest(torch.tensor(tokens["c"]), voice_prompt(voice))],
+                                sine_noise=zero_sine_noise)
     assert_audio_equal(out["c"][0], want.numpy())
 
 

@@ -17,14 +17,14 @@ import torch
 from cosyserve.serving.settings import (MODEL_SETTINGS, EngineSettings, LLMSettings, Token2WavSettings, parameter_value,
                                         parse_settings)
 from cosyserve.token2wav.cosyvoice2 import DEFAULT_PRECAPTURE_FRAMES
-from cosyserve.token2wav.dit import DEFAULT_MAX_SPEAKERS
+from cosyserve.token2wav.step_audio2 import DEFAULT_MAX_VOICES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PARAMETER = re.compile(r'\{ key: "([a-z0-9_]+)", value: \{ string_value: "([^"]*)" \} \}')
 # Fields the run scripts set to where things are (or must set), not to a default.
 LOCATIONS = {"model_dir", "llm_dir", "llm_tokenizer_dir", "spk2info", "llm_url"}
 # Where a model's kind has defaults of its own: Step-Audio2's voice states are larger than CosyVoice2's pages.
-KIND_DEFAULTS = {"cosyvoice2_dit": {"model_kind": "step_audio2", "max_voices": DEFAULT_MAX_SPEAKERS}}
+KIND_DEFAULTS = {"cosyvoice2_dit": {"model_kind": "step_audio2", "max_voices": DEFAULT_MAX_VOICES}}
 
 
 def parameters(config: Path) -> dict[str, str]:

@@ -12,7 +12,7 @@ from ..models.dit import DitFlow, DitFlowConfig
 from ..models.dit.config import DitEncoderConfig, DitEstimatorConfig
 from ..models.hift import HiFTGenerator, HiftConfig
 from ..runtime import STEP_AUDIO2_DIR
-from ..token2wav.dit import DIT_SPEAKER_ONNX, DIT_TOKENIZER_ONNX
+from ..token2wav.step_audio2 import STEP_AUDIO2_SPEAKER_ONNX, STEP_AUDIO2_TOKENIZER_ONNX
 
 DIT_DIR = STEP_AUDIO2_DIR
 
@@ -40,6 +40,6 @@ def make_dit_dir(out_dir: Path, size: str, seed: int, cosyvoice2_dir: Path) -> P
     torch.manual_seed(seed + 1)
     hift_cfg = HiftConfig.tiny() if size == "tiny" else HiftConfig.real()
     torch.save(HiFTGenerator(hift_cfg).state_dict(), model_dir / "hift.pt")
-    shutil.copyfile(cosyvoice2_dir / "campplus.onnx", model_dir / DIT_SPEAKER_ONNX)
-    shutil.copyfile(cosyvoice2_dir / "speech_tokenizer_v2.onnx", model_dir / DIT_TOKENIZER_ONNX)
+    shutil.copyfile(cosyvoice2_dir / "campplus.onnx", model_dir / STEP_AUDIO2_SPEAKER_ONNX)
+    shutil.copyfile(cosyvoice2_dir / "speech_tokenizer_v2.onnx", model_dir / STEP_AUDIO2_TOKENIZER_ONNX)
     return model_dir

@@ -32,7 +32,7 @@ from ..llm.prompt import COSYVOICE2, COSYVOICE3, PromptLayout
 from ..llm.sampling import COSYVOICE3_SAMPLING, REFERENCE_SAMPLING, SamplingParams
 from ..pipeline.tts import DEFAULT_SPEAKER, SegmentPrompter, TokenLimits, TTSRequest, Voice, VoiceResolver
 from ..runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, SPK2INFO, STEP_AUDIO2_DIR
-from ..token2wav.dit import DIT_TOKENIZER_ONNX
+from ..token2wav.step_audio2 import STEP_AUDIO2_TOKENIZER_ONNX
 from ..token2wav.cosyvoice2 import Token2WavOptions, default_flow_dtype, load_token2wav
 from ..token2wav.vocoder_stream import SineNoiseProvider
 from .core import EngineCore
@@ -157,7 +157,7 @@ MODEL_KINDS: dict[str, ModelKind] = {
                             FEATURES_FILE, _cosyvoice2_kind),
     "cosyvoice3": ModelKind(COSYVOICE3, COSYVOICE3_SAMPLING, "speech_tokenizer_v3.onnx", COSYVOICE3_MEL_FMAX, False,
                             COSYVOICE3_FEATURES_FILE, _cosyvoice3_kind),
-    "step_audio2": ModelKind(COSYVOICE2, REFERENCE_SAMPLING, DIT_TOKENIZER_ONNX, COSYVOICE2_MEL_FMAX, True,
+    "step_audio2": ModelKind(COSYVOICE2, REFERENCE_SAMPLING, STEP_AUDIO2_TOKENIZER_ONNX, COSYVOICE2_MEL_FMAX, True,
                              FEATURES_FILE, _step_audio2_kind),
 }
 

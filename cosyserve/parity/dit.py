@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file
@@ -34,14 +36,14 @@ from cosyserve.models.dit.flow import DitFlow, load_dit_flow_state_dict
 from cosyserve.models.hift import HiftConfig, load_hift
 from cosyserve.parity import CaseResult, check, compare
 from cosyserve.schedule import plan_stream_chunks
-from cosyserve.token2wav.dit import DitToken2Wav, OfflineRequest, SpeakerPrompt
+from cosyserve.token2wav.step_audio2 import (OfflineRequest, StepAudio2Models, StepAudio2Stream, VoicePrompt,
+                                             VoiceState, build_voice_state, offline_waveforms)
 from cosyserve.token2wav.vocoder_stream import HiftStream
 
 SUITE = "dit"
 UNIT_CAP, MEL_CAP = 1e-4, 2e-4
 WAVE = {"max_abs": 5e-3, "rel_l2": 0.03}
 BATCH_INVARIANCE = 1e-5  # our batched vs our single run: only op-order noise allowed
-PROMPT_KEY = "parity-speaker"
 
 
 def detect(fixture_dir: Path) -> bool:
@@ -93,7 +95,19 @@ def _capture(module: torch.nn.Module, pre: bool = False):
 
 
 # ---------------------------------------------------------------------------------- models
-def _load_models(fx: _Fixture, results: list[CaseResult]) -> tuple[DitFlow, DitToken2Wav]:
+@dataclass
+class _Models:
+    """The tiny flow and HiFT, and HiFT's recorded harmonic-source noise for every call."""
+
+    models: StepAudio2Models
+    sine_noise: Callable[[int], torch.Tensor]
+
+    @property
+    def hift(self):
+        return self.models.hift
+
+
+def _load_models(fx: _Fixture, results: list[CaseResult]) -> tuple[DitFlow, _Models]:
     cfg = DitFlowConfig.from_fixture_json(fx.config)
     flow = DitFlow(cfg).eval()
     try:
@@ -106,8 +120,7 @@ def _load_models(fx: _Fixture, results: list[CaseResult]) -> tuple[DitFlow, DitT
     flow.decoder.rand_noise[:, :, : stored.shape[2]] = stored  # frames past the stored ones are never read
     sine_noise = noise["hift_sine_noise"].float()
     hift = load_hift(fx.root / "tiny_hift.pt", config=HiftConfig.from_fixture_json(fx.config["hift_hparams"]))
-    runtime = DitToken2Wav(flow, hift, vocoder_noise=lambda samples: sine_noise[:, :samples])
-    return flow, runtime
+    return flow, _Models(StepAudio2Models(flow, hift), lambda samples: sine_noise[:, :samples])
 
 
 def _config_cases(fx: _Fixture) -> list[CaseResult]:
@@ -229,14 +242,14 @@ def _encoder_cases(fx: _Fixture, flow: DitFlow) -> list[CaseResult]:
     return results
 
 
-def _hift_cases(fx: _Fixture, runtime: DitToken2Wav) -> list[CaseResult]:
+def _hift_cases(fx: _Fixture, runtime: _Models) -> list[CaseResult]:
     hift, u = runtime.hift, fx.tensors("unit_hift")
     results = []
     for call in sorted({k.split(".")[0] for k in u}):
         mel = u[f"{call}.mel"]
         cache = u.get(f"{call}.cache_source")
         f0 = hift.f0_predictor(mel)
-        speech, source = hift.inference(mel, cache, sine_noise=runtime.vocoder_noise(mel.shape[2] * hift.hop_length))
+        speech, source = hift.inference(mel, cache, sine_noise=runtime.sine_noise(mel.shape[2] * hift.hop_length))
         results.append(compare(SUITE, f"unit_hift {call} f0", f0, u[f"{call}.f0"], max_abs=1e-3))
         results.append(compare(SUITE, f"unit_hift {call} source", source, u[f"{call}.source"], max_abs=1e-4))
         results.append(compare(SUITE, f"unit_hift {call} speech", speech, u[f"{call}.speech"], max_abs=1e-3))
@@ -244,7 +257,7 @@ def _hift_cases(fx: _Fixture, runtime: DitToken2Wav) -> list[CaseResult]:
 
 
 # ---------------------------------------------------------------------------------- offline
-def _offline_cases(fx: _Fixture, name: str, flow: DitFlow, runtime: DitToken2Wav) -> list[CaseResult]:
+def _offline_cases(fx: _Fixture, name: str, flow: DitFlow, runtime: _Models) -> list[CaseResult]:
     t, items = fx.tensors(name), fx.meta[name]["items"]
     lens, mel_lens = t["flow_token_lens"].long(), t["prompt_mel_lens"].long()
     unpadded = [int(n) == t["flow_tokens"].shape[1] for n in lens]
@@ -258,7 +271,7 @@ def _offline_cases(fx: _Fixture, name: str, flow: DitFlow, runtime: DitToken2Wav
     for i, item in enumerate(items):
         n, frames, prompt_tokens = int(lens[i]), int(frame_lens[i]), item["prompt_tokens"]
         tokens = t["flow_tokens"][i, :n]
-        requests.append(OfflineRequest(tokens[prompt_tokens:], SpeakerPrompt(
+        requests.append(OfflineRequest(tokens[prompt_tokens:], VoicePrompt(
             tokens[:prompt_tokens], t["prompt_mel"][i, : int(mel_lens[i])], t["spk_emb"][i])))
         if unpadded[i]:
             results.append(fx.cmp(f"{name} item{i} mu", mu[i], t["mu"][i], f"{name}.mu"))
@@ -274,7 +287,8 @@ def _offline_cases(fx: _Fixture, name: str, flow: DitFlow, runtime: DitToken2Wav
         if ref_alone is not None:
             results.append(fx.cmp(f"{name} item{i} out_mel vs ref single run", mels[i:i + 1, :, :frames], ref_alone,
                                   f"{name}.item{i}_alone_out_mel", MEL_CAP))
-    waves = runtime.offline(requests, noise=[t["z"][i:i + 1] for i in range(len(items))])
+    waves = offline_waveforms(runtime.models, requests, noise=[t["z"][i:i + 1] for i in range(len(items))],
+                              sine_noise=runtime.sine_noise)
     for i, item in enumerate(items):
         results.append(_exact(f"{name} item{i} samples", waves[i].numel(), item["wav_samples"]))
         ref_wave = t[f"item{i}.wav"][0]
@@ -284,7 +298,7 @@ def _offline_cases(fx: _Fixture, name: str, flow: DitFlow, runtime: DitToken2Wav
             continue
         # The stored wav was vocoded from the leaky batched mel: check our vocoder path on that mel,
         # and our wav against the same vocoder on the reference's single-run mel.
-        noise = runtime.vocoder_noise((end - start) * runtime.hift.hop_length)
+        noise = runtime.sine_noise((end - start) * runtime.hift.hop_length)
         from_batched = runtime.hift.inference(t["out_mel"][i:i + 1, :, start:end], sine_noise=noise)[0][0]
         results.append(_wave(f"{name} item{i} vocoder on ref batched mel", from_batched, ref_wave))
         ref_alone = t.get(f"item{i}_alone_out_mel")
@@ -295,20 +309,21 @@ def _offline_cases(fx: _Fixture, name: str, flow: DitFlow, runtime: DitToken2Wav
 
 
 # ---------------------------------------------------------------------------------- streaming
-def _speaker_prompt(fx: _Fixture, setup_mel: torch.Tensor) -> SpeakerPrompt:
+def _speaker_prompt(fx: _Fixture, setup_mel: torch.Tensor) -> VoicePrompt:
     """The prompt whose mel starts with the setup's aligned mel."""
     prompts = fx.tensors("prompts")
     for name in sorted({k.split(".")[0] for k in prompts}):
         mel = prompts.get(f"{name}.mel_24k")
         if mel is not None and mel.shape[1] >= setup_mel.shape[1] and torch.equal(mel[:, : setup_mel.shape[1]], setup_mel):
-            return SpeakerPrompt(prompts[f"{name}.tokens"], mel[0], prompts[f"{name}.spk_emb"][0])
+            return VoicePrompt(prompts[f"{name}.tokens"], mel[0], prompts[f"{name}.spk_emb"][0])
     raise ValueError("no prompt in prompts.safetensors matches stream_setup.setup_mel")
 
 
-def _setup_cases(fx: _Fixture, flow: DitFlow, runtime: DitToken2Wav) -> list[CaseResult]:
+def _setup_cases(fx: _Fixture, flow: DitFlow) -> tuple[list[CaseResult], VoiceState]:
+    """The voice state of the streams' prompt, and its cases."""
     s, meta = fx.tensors("stream_setup"), fx.meta["stream_setup"]
     prompt = _speaker_prompt(fx, s["setup_mel"])
-    state = runtime.speaker_state(PROMPT_KEY, prompt)
+    state = build_voice_state(flow, prompt)
     results = [
         _exact("stream_setup P (aligned frames)", state.prompt_frames, meta["P"]),
         fx.cmp("stream_setup spk_proj", state.spk_proj, s["spk_proj"], "stream_setup.spk_proj"),
@@ -326,7 +341,7 @@ def _setup_cases(fx: _Fixture, flow: DitFlow, runtime: DitToken2Wav) -> list[Cas
               "estimator_cnn_cache": state.flow_cache.estimator.cnn, "estimator_att_cache": state.flow_cache.estimator.att}
     for name, got in caches.items():
         results.append(fx.cmp(f"stream_setup cache.{name}", got, s[f"cache.{name}"], f"stream_setup.cache.{name}"))
-    return results
+    return results, state
 
 
 def _snapshot(state) -> list[torch.Tensor]:
@@ -335,15 +350,14 @@ def _snapshot(state) -> list[torch.Tensor]:
                                 cache.encoder.token_att, cache.encoder.frame_att, cache.estimator.cnn, cache.estimator.att)]
 
 
-def _stream_cases(fx: _Fixture, name: str, flow: DitFlow, runtime: DitToken2Wav) -> list[CaseResult]:
+def _stream_cases(fx: _Fixture, name: str, flow: DitFlow, runtime: _Models, state: VoiceState) -> list[CaseResult]:
     t, meta = fx.tensors(name), fx.meta["streams"][name]
     target = t["target_tokens"].long()
     plan = plan_stream_chunks(target.numel(), meta["strategy"], flow.pre_lookahead_len)
     ref_plan = [(c["token_range"][0], c["token_range"][1], c["last_chunk"]) for c in meta["chunks"]]
     results = [_exact(f"{name} chunk plan ({meta['strategy']})", [(c.start, c.end, c.last) for c in plan], ref_plan)]
-    state = runtime.speaker_state(PROMPT_KEY)
     before = _snapshot(state)
-    stream = runtime.open_stream(meta["request_id"], PROMPT_KEY)
+    stream = StepAudio2Stream(runtime.models, state, sine_noise=runtime.sine_noise)
     mels, waves = [], []
     for chunk, ref in zip(plan, meta["chunks"]):
         tag = f"{name} c{ref['index']:02d}"
@@ -368,13 +382,13 @@ def _stream_cases(fx: _Fixture, name: str, flow: DitFlow, runtime: DitToken2Wav)
             results.append(_wave(f"{tag} hift_source", res.vocoder.source, t[f"{key}.hift_source"]))
         results.append(_wave(f"{tag} wav", res.audio, t[f"{key}.wav"]))
     results.append(check(SUITE, f"{name} request state released",
-                         stream.closed and stream.cache is None and meta["request_id"] not in runtime.open_stream_ids))
+                         stream.closed and stream.cache is None))
     after = _snapshot(state)
-    results.append(check(SUITE, f"{name} speaker cache unchanged", all(torch.equal(a, b) for a, b in zip(before, after))))
+    results.append(check(SUITE, f"{name} voice state unchanged", all(torch.equal(a, b) for a, b in zip(before, after))))
     results.append(fx.cmp(f"{name} mel_concat", torch.cat(mels, dim=2), t["mel_concat"], f"{name}.mel_concat", MEL_CAP))
     results.append(_wave(f"{name} wav_concat", torch.cat(waves, dim=1), t["wav_concat"]))
     # The vocoder alone, fed the reference's chunk mels: isolates HiFT streaming from flow error.
-    vocoder = HiftStream(runtime.hift, sine_noise=runtime.vocoder_noise)
+    vocoder = HiftStream(runtime.hift, sine_noise=runtime.sine_noise)
     pieces = [vocoder.push(t[f"chunk{ref['index']:02d}.mel"], finalize=ref["last_chunk"]).audio for ref in meta["chunks"]]
     results.append(_wave(f"{name} vocoder-only wav_concat", torch.cat(pieces, dim=1), t["wav_concat"]))
     return results
@@ -390,8 +404,8 @@ def run(fixture_dir: Path) -> list[CaseResult]:
     results += _hift_cases(fx, runtime)
     for name in sorted(k for k, v in fx.meta.items() if k.startswith("offline_") and isinstance(v, dict)):
         results += _offline_cases(fx, name, flow, runtime)
-    results += _setup_cases(fx, flow, runtime)
+    setup, state = _setup_cases(fx, flow)
+    results += setup
     for name in fx.meta["streams"]:
-        results += _stream_cases(fx, name, flow, runtime)
-    results.append(check(SUITE, "no stream left open", not runtime.open_stream_ids, ", ".join(runtime.open_stream_ids)))
+        results += _stream_cases(fx, name, flow, runtime, state)
     return results

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..runtime import COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, SPK2INFO
-from ..token2wav.dit import DEFAULT_MAX_SPEAKERS
+from ..token2wav.step_audio2 import DEFAULT_MAX_VOICES
 from .settings import EngineSettings, LLMSettings, Token2WavSettings, parameter_value
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
@@ -257,7 +257,7 @@ class DitRepository(EngineRepository):
     llm_model: str = EngineSettings.llm_model                  # LLM_MODEL (empty: the first llm_url lists)
     max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
     token2wav_dtype: str = EngineSettings.token2wav_dtype      # TOKEN2WAV_DTYPE
-    token2wav_max_voices: int = DEFAULT_MAX_SPEAKERS           # TOKEN2WAV_MAX_VOICES
+    token2wav_max_voices: int = DEFAULT_MAX_VOICES             # TOKEN2WAV_MAX_VOICES
     voices_dir: str = ""                                       # VOICES_DIR (empty: <dit model dir>/voices)
 
     def models(self) -> dict[str, ModelEntry]:

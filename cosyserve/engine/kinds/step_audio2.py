@@ -1,6 +1,6 @@
 """Step-Audio2's token2wav (the Step-Audio-2-mini flow with a DiT estimator, and HiFT) as a kind
-of the engine: the same audio as :class:`~cosyserve.token2wav.dit.DitStream` and
-:meth:`~cosyserve.token2wav.dit.DitToken2Wav.offline`, with every flow job under way advanced by
+of the engine: the same audio as :class:`~cosyserve.token2wav.step_audio2.StepAudio2Stream` and
+:func:`~cosyserve.token2wav.step_audio2.offline_waveforms`, with every flow job under way advanced by
 one Euler step per :meth:`StepAudio2Kind.step`, all jobs packed into as few estimator calls as
 their lengths allow.
 
@@ -12,7 +12,7 @@ over :func:`load_step_audio2_frontend` makes the same for clips and stored voice
 voices of ``spk2info.pt`` are used as they are). Features are cut to n = min(M // 2, n_p) tokens
 and 2n frames (:func:`aligned_features`) for streams and offline requests alike, so every speech
 token yields exactly 960 samples. A voice's streaming state (the prompt run once through the
-flow, :class:`~cosyserve.token2wav.dit.SpeakerState`) is kept per digest of its features, for the
+flow, :class:`~cosyserve.token2wav.step_audio2.VoiceState`) is kept per digest of its features, for the
 last ``max_voices`` voices; a stream keeps its voice's state even after eviction.
 
 Streams. A voicing is one stream: its flow caches (shared with the voice until its first chunk)
@@ -46,8 +46,9 @@ from ...models.dit.flow import FlowStreamCache
 from ...schedule import DitChunkScheduler
 from ...speech_tokens import speech_token_ids
 from ...token2wav.cosyvoice2 import default_flow_dtype
-from ...token2wav.dit import (DEFAULT_MAX_SPEAKERS, DIT_SPEAKER_ONNX, DIT_TOKENIZER_ONNX, ESTIMATOR_CACHE_KEEP,
-                              DitToken2Wav, SpeakerPrompt, SpeakerState, load_dit_token2wav)
+from ...token2wav.step_audio2 import (DEFAULT_MAX_VOICES, ESTIMATOR_CACHE_KEEP, STEP_AUDIO2_SPEAKER_ONNX,
+                                      STEP_AUDIO2_TOKENIZER_ONNX, StepAudio2Models, VoicePrompt, VoiceState,
+                                      build_voice_state, load_step_audio2)
 from ...token2wav.graphs import HiftRunner
 from ...token2wav.vocoder_batch import source_noise, vocode_batch
 from ...token2wav.vocoder_stream import HiftStream, SineNoiseProvider, VocoderCall
@@ -71,7 +72,7 @@ def load_step_audio2_frontend(model_dir: str | Path, device: str | torch.device 
     """(speech tokenizer, speaker encoder) of a Step-Audio-2-mini ``token2wav`` directory, for a
     :class:`~cosyserve.pipeline.tts.VoiceResolver` of this kind (default ``mel_fmax``)."""
     model_dir = Path(model_dir)
-    return load_frontend_models(model_dir / DIT_TOKENIZER_ONNX, model_dir / DIT_SPEAKER_ONNX, device, backend)
+    return load_frontend_models(model_dir / STEP_AUDIO2_TOKENIZER_ONNX, model_dir / STEP_AUDIO2_SPEAKER_ONNX, device, backend)
 
 
 def step_audio2_prompt_features(wav16: Any, tokenizer: Any, speaker_encoder: Any) -> PromptFeatures:
@@ -86,7 +87,7 @@ class StepAudio2Voicing:
     """One stream: its voice's state, its flow caches and its vocoder."""
 
     kind: "StepAudio2Kind"
-    speaker: SpeakerState | None
+    speaker: VoiceState | None
     cache: FlowStreamCache | None  # the voice's caches until the first chunk replaces them
     vocoder: HiftStream
 
@@ -143,28 +144,27 @@ class StepAudio2Job:
 
 
 class StepAudio2Kind:
-    """Over a loaded :class:`~cosyserve.token2wav.dit.DitToken2Wav` (its flow and HiFT; its own
-    speaker cache and stream registry are not used). ``sine_noise``: HiFT's harmonic noise for every
-    call (tests: zero noise); default the model's ``vocoder_noise``, else drawn per call.
-    ``vocoder``: the HiFT runner of the batched calls (default eager)."""
+    """Over loaded :class:`~cosyserve.token2wav.step_audio2.StepAudio2Models`. ``sine_noise``:
+    HiFT's harmonic noise for every call (tests: zero noise), else drawn per call. ``vocoder``: the
+    HiFT runner of the batched calls (default eager)."""
 
     name = "step_audio2"
     sample_rate = 24000
 
-    def __init__(self, model: DitToken2Wav, *, max_voices: int = DEFAULT_MAX_SPEAKERS,
+    def __init__(self, models: StepAudio2Models, *, max_voices: int = DEFAULT_MAX_VOICES,
                  sine_noise: SineNoiseProvider | None = None, vocoder: HiftRunner | None = None) -> None:
         if max_voices < 1:
             raise InvalidInputError("max_voices must be at least 1")
-        self.model = model
-        self.flow = model.flow
+        self.models = models
+        self.flow = models.flow
         self.max_voices = max_voices
-        self.sine_noise = sine_noise if sine_noise is not None else model.vocoder_noise
-        self.vocoder = vocoder or HiftRunner(model.hift)  # eager unless given one with CUDA graphs
+        self.sine_noise = sine_noise
+        self.vocoder = vocoder or HiftRunner(models.hift)  # eager unless given one with CUDA graphs
         self.device = self.flow.encoder_proj.weight.device
         self.dtype = self.flow.encoder_proj.weight.dtype
         self.n_steps = self.flow.decoder.n_timesteps
         self._t_span = cosine_time_grid(self.n_steps, self.device, self.dtype)
-        self._voices: KeptVoices[SpeakerState] = KeptVoices(max_voices)
+        self._voices: KeptVoices[VoiceState] = KeptVoices(max_voices)
         self._open = 0
         self._lock = threading.Lock()
 
@@ -192,20 +192,20 @@ class StepAudio2Kind:
         with self._lock:
             self._open -= 1
 
-    def _speaker(self, features: PromptFeatures) -> SpeakerState:
+    def _speaker(self, features: PromptFeatures) -> VoiceState:
         key = aligned_features(features).key()
         state = self._voices.get(key)
         if state is None:
-            # the model aligns the prompt itself (n = min(M // 2, n_p)) and runs it through the flow once
-            state = self.model._build_speaker(SpeakerPrompt(features.speech_tokens, features.speech_feat,
-                                                            features.embedding))
+            # aligned there too (n = min(M // 2, n_p)), then run through the flow once
+            state = build_voice_state(self.flow, VoicePrompt(features.speech_tokens, features.speech_feat,
+                                                             features.embedding))
             self._voices.put(key, state)  # open streams of an evicted voice keep their own reference
         return state
 
     def open(self, features: PromptFeatures) -> StepAudio2Voicing:
         """A stream of ``features``' voice; the voice's state is built here on first use."""
         speaker = self._speaker(features)
-        voicing = StepAudio2Voicing(self, speaker, speaker.flow_cache, HiftStream(self.model.hift,
+        voicing = StepAudio2Voicing(self, speaker, speaker.flow_cache, HiftStream(self.models.hift,
                                                                                   sine_noise=self.sine_noise))
         with self._lock:
             self._open += 1
@@ -273,7 +273,7 @@ class StepAudio2Kind:
 
     @torch.inference_mode()
     def start_offline(self, features: PromptFeatures, tokens: list[int]) -> StepAudio2Job:
-        """The flow over prompt ‖ tokens with the prompt mel as condition (DitToken2Wav.offline)."""
+        """The flow over prompt ‖ tokens with the prompt mel as condition (as :func:`~cosyserve.token2wav.step_audio2.offline_waveforms`)."""
         target = speech_token_ids(tokens, self.flow.cfg.vocab_size)
         features = aligned_features(features)
         prompt = speech_token_ids(features.speech_tokens.tolist(), self.flow.cfg.vocab_size)
@@ -336,7 +336,7 @@ class StepAudio2Kind:
         return job.read.cnn[job.steps_done], job.read.att[job.steps_done]
 
     def _commit(self, job: StepAudio2Job) -> None:
-        """The stream's caches after its chunk (the estimator's trimmed as DitStream trims them)."""
+        """The stream's caches after its chunk (the estimator's trimmed as StepAudio2Stream trims them)."""
         voicing = job.voicing
         if not voicing.closed:
             estimator = EstimatorCache(torch.stack(job.new_cnn), torch.stack(job.new_att))
@@ -359,7 +359,7 @@ class StepAudio2Kind:
     def vocode(self, items: list[tuple[StepAudio2Voicing | None, torch.Tensor, bool]]) -> list[np.ndarray]:
         """PCM (float32) of each (stream's voicing, or None for an offline request; mel; final chunk),
         HiFT calls of equal shape batched."""
-        hift = self.model.hift
+        hift = self.models.hift
         calls = [v.vocoder.prepare(mel, finalize=final) if v is not None else
                  VocoderCall(mel, None, True, hift.hop_length, mel.shape[2] > 0) for v, mel, final in items]
         harmonics, device = hift.m_source.num_harmonics, hift.conv_pre.weight.device
@@ -440,13 +440,13 @@ def _packed_conv(layers, x, cache, lengths):
 
 # ----------------------------------------------------------------------------- loading
 def load_step_audio2_kind(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                          *, registry: Any = None, max_voices: int = DEFAULT_MAX_SPEAKERS,
+                          *, registry: Any = None, max_voices: int = DEFAULT_MAX_VOICES,
                           sine_noise: SineNoiseProvider | None = None) -> StepAudio2Kind:
     """The kind over a Step-Audio-2-mini ``token2wav`` directory (flow in ``dtype``, default fp16 on
     CUDA; HiFT fp32), the first ``max_voices`` voices of ``registry`` (a SpeakerRegistry) warmed."""
     device = torch.device(device)
-    model = load_dit_token2wav(model_dir, device, dtype or default_flow_dtype(device))
-    kind = StepAudio2Kind(model, max_voices=max_voices, sine_noise=sine_noise)
+    models = load_step_audio2(model_dir, device, dtype or default_flow_dtype(device))
+    kind = StepAudio2Kind(models, max_voices=max_voices, sine_noise=sine_noise)
     if registry is not None:
         for speaker_id in registry.ids()[:max_voices]:
             kind.warm_voice(registry.get(speaker_id).features)

@@ -5,8 +5,8 @@ speech tokens (25 Hz) -> embedding -> :class:`UpsampleConformerEncoderV2` (50 Hz
 
 Entry points: :meth:`DitFlow.inference` (offline, batched, per-item identical to a batch of one),
 :meth:`DitFlow.setup_stream` (per-speaker prompt pass that fills the caches) and
-:meth:`DitFlow.stream_chunk` (one cached chunk). Estimator-cache trimming and all
-request bookkeeping live in :mod:`cosyserve.token2wav.dit`.
+:meth:`DitFlow.stream_chunk` (one cached chunk). Estimator-cache trimming is the stream's
+(:mod:`cosyserve.token2wav.step_audio2`; the engine's Step-Audio2 kind keeps streams and voices).
 """
 
 from __future__ import annotations
