@@ -7,7 +7,6 @@ of plain text and the names of the 260 phone tokens (ids 151664..151923), which 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerFast
 
@@ -101,42 +100,16 @@ def test_cosyvoice3_prompt_table(cv3_tokenizer):
     assert prefix == [sos, *text(SYSTEM), ENDOFPROMPT_ID, *text(PROMPT_TEXT)]
 
 
-class RecordingLLM:
-    """A :class:`~cosyserve.pipeline.tts.SpeechTokenSource` that records each prompt and yields tokens 0, 1, ..."""
-
-    def __init__(self):
-        self.prompts: list[list[int]] = []
-
-    def generate(self, prompt_ids, request_id, limits):
-        self.prompts.append(list(prompt_ids))
-        return iter([list(range(limits.max_tokens))])
-
-    def cancel(self, request_id):
-        pass
-
-
-class SilentToken2Wav:
-    """Records the voice token2wav is conditioned on; 960 zero samples per token."""
-
-    def __init__(self):
-        self.voices = []
-
-    def offline(self, request_id, tokens, voice):
-        self.voices.append(voice)
-        return np.zeros(960 * len(tokens), np.float32)
-
-
-def test_cosyvoice3_pipeline_sends_each_modes_prompt(cv3_tokenizer):
-    """What a pipeline with the CosyVoice3 layout (its :class:`SegmentPrompter`, which the engine's
-    ``cosyvoice3`` model builds prompts with too) sends the LLM for a request of each mode: the ids of
-    the table above. Instruct drops the voice's transcript and prompt speech tokens from the LLM prompt (as
-    CosyVoice2's instruct mode and upstream's ``inference_instruct2``); token2wav keeps the voice in
-    every mode."""
+def test_cosyvoice3_requests_get_each_modes_prompt(cv3_tokenizer):
+    """What the engine's ``cosyvoice3`` model sends the LLM for a request of each mode (its
+    :class:`SegmentPrompter`, with the CosyVoice3 layout): the ids of the table above. Instruct drops
+    the voice's transcript and prompt speech tokens from the LLM prompt (as CosyVoice2's instruct mode
+    and upstream's ``inference_instruct2``)."""
     from types import SimpleNamespace
 
     import torch
 
-    from cosyserve.pipeline.tts import TokenLimits, TTSPipeline, TTSRequest, Voice
+    from cosyserve.pipeline.tts import SegmentPrompter, TokenLimits, TTSRequest, Voice
 
     sos, task, speech0 = 158485, 158487, 151924
     features = SimpleNamespace(speech_tokens=torch.tensor(SPEECH, dtype=torch.int32))
@@ -158,19 +131,20 @@ def test_cosyvoice3_pipeline_sends_each_modes_prompt(cv3_tokenizer):
             dict(voice=stored_bare, instruction=f"{SYSTEM} 请用广东话表达。{ENDOFPROMPT}"),
             [sos, *text(f"{SYSTEM} 请用广东话表达。"), ENDOFPROMPT_ID, *text(TARGET), task]),
     }
-    llm, token2wav = RecordingLLM(), SilentToken2Wav()
-    pipeline = TTSPipeline(cv3_tokenizer, llm, token2wav, layout=COSYVOICE3)
+    prompter = SegmentPrompter(cv3_tokenizer, layout=COSYVOICE3)
+
+    def prompt_ids(request: TTSRequest) -> list[list[int]]:
+        return [segment.ids for segment in prompter.segment_prompts(request)]
+
     for mode, (kwargs, expected) in table.items():
         request = TTSRequest(mode, TARGET, kwargs["voice"], TokenLimits(3, 3), text_frontend=False,
                              instruction=kwargs.get("instruction"))
-        assert pipeline.synthesize(request).size == 3 * 960, mode
-        assert llm.prompts[-1] == expected, mode
-        assert token2wav.voices[-1] is kwargs["voice"], mode
+        assert prompt_ids(request) == [expected], mode
     for bad in ("", " "):
         with pytest.raises(InvalidInputError, match="instruction is empty"):
-            pipeline.synthesize(TTSRequest("e", TARGET, clip, TokenLimits(3, 3), instruction=bad))
+            prompt_ids(TTSRequest("e", TARGET, clip, TokenLimits(3, 3), instruction=bad))
     with pytest.raises(InvalidInputError, match="instruction has"):
-        pipeline.synthesize(TTSRequest("long", TARGET, clip, TokenLimits(3, 3), instruction="x" * 100_000))
+        prompt_ids(TTSRequest("long", TARGET, clip, TokenLimits(3, 3), instruction="x" * 100_000))
 
 
 def test_cosyvoice2_prompt_table_unchanged(cv2_tokenizer):

@@ -7,6 +7,7 @@ the reference BLS's schedule (``plan_chunks``), HiFT with zero harmonic noise on
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -41,8 +42,10 @@ class ScriptedTokens:
         self.fail: set[str] = set()
         self.interval = token_interval_s
         self.cancelled: list[str] = []
+        self.log: list[tuple] = []  # ("generate", request id) as requests start; tests add their own events
 
     def generate_stream(self, prompt_ids, params, request_id=None) -> TokenStream:
+        self.log.append(("generate", request_id))
         stream = TokenStream(request_id, lambda: self.cancelled.append(request_id))
         tokens = self.tokens[request_id.split(".")[0]]
 
@@ -75,10 +78,17 @@ def reference(model_dirs):
     return load_token2wav(model_dirs[0], "cpu", torch.float32)
 
 
-def make_engine(model_dirs, llm, final="reference", pool_mb=256, **scheduler):
-    return load_engine("cosyvoice2", *model_dirs, torch.device("cpu"),
-                       kind_options={"flow_dtype": torch.float32, "final": final, "state_pool_bytes": pool_mb << 20},
-                       llm_backend=llm, sine_noise=zero_noise, scheduler=Scheduler(**scheduler))
+@contextlib.contextmanager
+def running_engine(model_dirs, llm, final="reference", pool_mb=256, **scheduler):
+    """The cosyvoice2 engine on ``llm``'s tokens; on leaving, it must be idle (:func:`assert_idle`)."""
+    engine = load_engine("cosyvoice2", *model_dirs, torch.device("cpu"),
+                         kind_options={"flow_dtype": torch.float32, "final": final, "state_pool_bytes": pool_mb << 20},
+                         llm_backend=llm, sine_noise=zero_noise, scheduler=Scheduler(**scheduler))
+    try:
+        yield engine
+        assert_idle(engine)
+    finally:
+        engine.close()
 
 
 def clip_voice(engine, seconds: float, seed: int):
@@ -111,8 +121,7 @@ def assert_idle(engine) -> None:
 @pytest.mark.parametrize("final", ["reference", "streaming"])
 def test_concurrent_streams_equal_the_reference(model_dirs, reference, final):
     llm = ScriptedTokens(token_interval_s=0.002)
-    engine = make_engine(model_dirs, llm, final)
-    try:
+    with running_engine(model_dirs, llm, final) as engine:
         rng = random.Random(3)
         voices = [engine.voices.resolve(), clip_voice(engine, 2.3, 1), clip_voice(engine, 3.1, 2)]
         requests = []
@@ -141,30 +150,22 @@ def test_concurrent_streams_equal_the_reference(model_dirs, reference, final):
                 assert rel(np.concatenate(got[:-1]), np.concatenate(expected[:-1])) < REL_L2
                 assert sum(p.size for p in got) == 960 * len(tokens)
         assert engine.core.counters.flow_step_jobs > engine.core.counters.flow_steps  # jobs shared steps
-        assert_idle(engine)
-    finally:
-        engine.close()
 
 
 def test_offline_equals_the_reference(model_dirs, reference):
     llm = ScriptedTokens()
-    engine = make_engine(model_dirs, llm)
-    try:
+    with running_engine(model_dirs, llm) as engine:
         voice = clip_voice(engine, 2.0, 5)
         llm.tokens["o1"] = tokens = [random.Random(5).randrange(6561) for _ in range(57)]
         got = engine.synthesize(TTSRequest("o1", "你好。", voice, TokenLimits(57)))
         f = voice.features
         expected = reference.offline(tokens, f.speech_tokens, f.speech_feat, f.embedding, sine_noise=zero_noise).numpy()
         assert rel(got, expected) < REL_L2
-        assert_idle(engine)
-    finally:
-        engine.close()
 
 
 def test_cancel_error_and_timeout_release_everything(model_dirs):
     llm = ScriptedTokens(token_interval_s=0.01)
-    engine = make_engine(model_dirs, llm)
-    try:
+    with running_engine(model_dirs, llm) as engine:
         voice = engine.voices.resolve()
         for rid in ("cancel", "fail", "slow", "ok"):
             llm.tokens[rid] = list(range(100, 160))
@@ -189,15 +190,11 @@ def test_cancel_error_and_timeout_release_everything(model_dirs):
         assert isinstance(outcomes["slow"], RequestTimeoutError)
         assert outcomes["ok"] is None
         assert "cancel" in llm.cancelled and "slow" in llm.cancelled
-        assert_idle(engine)
-    finally:
-        engine.close()
 
 
 def test_admission_refuses_past_max_streams_and_bad_text_fails_alone(model_dirs):
     llm = ScriptedTokens(token_interval_s=0.01)
-    engine = make_engine(model_dirs, llm, max_streams=1)
-    try:
+    with running_engine(model_dirs, llm, max_streams=1) as engine:
         voice = engine.voices.resolve()
         llm.tokens["a"] = llm.tokens["b"] = list(range(40))
         first = engine.stream(TTSRequest("a", "你好。", voice, TokenLimits(40)))
@@ -207,9 +204,59 @@ def test_admission_refuses_past_max_streams_and_bad_text_fails_alone(model_dirs)
         with pytest.raises(InvalidInputError, match="target_text is empty"):
             engine.submit(TTSRequest("c", "   ", voice), streaming=False, emit=print, finish=print)
         assert sum(p.size for p in first) > 0
+
+
+LONG_TEXT = "一二三四五六七八九十。" * 20  # three segments (tests/test_pipeline.py)
+
+
+def test_long_text_segments_stream_in_order_with_the_next_llm_one_segment_ahead(model_dirs):
+    llm = ScriptedTokens(token_interval_s=0.005)
+    with running_engine(model_dirs, llm) as engine:
+        llm.tokens["long"] = list(range(100, 140))
+        plan = plan_chunks(40)
+        pieces = []
+        for piece in engine.stream(TTSRequest("long", LONG_TEXT, engine.voices.resolve(), TokenLimits(40, 40))):
+            llm.log.append(("pcm", piece.size))
+            pieces.append(piece)
+        assert [e for e in llm.log if e[0] == "generate"] == [("generate", "long"), ("generate", "long.1"),
+                                                             ("generate", "long.2")]
+        assert len(pieces) == 3 * len(plan) and sum(p.size for p in pieces) == 3 * 40 * 960
+        # a segment's LLM request starts while the segment before it is still being voiced
+        pcm = [i for i, e in enumerate(llm.log) if e[0] == "pcm"]
+        assert llm.log.index(("generate", "long.1")) < pcm[len(plan) - 1]
+        assert llm.log.index(("generate", "long.2")) < pcm[2 * len(plan) - 1]
+        llm.tokens["offline"] = list(range(200, 230))
+        audio = engine.synthesize(TTSRequest("offline", LONG_TEXT, engine.voices.resolve(), TokenLimits(30, 30)))
+        assert audio.shape == (3 * 30 * 960,)  # the segments' waveforms concatenated
+
+
+def test_closing_a_long_stream_cancels_both_llm_requests_under_way(model_dirs):
+    llm = ScriptedTokens(token_interval_s=0.01)
+    with running_engine(model_dirs, llm) as engine:
+        llm.tokens["long"] = list(range(100, 400))
+        stream = engine.stream(TTSRequest("long", LONG_TEXT, engine.voices.resolve(), TokenLimits(300, 300)))
+        next(stream)
+        deadline = time.monotonic() + 10
+        while ("generate", "long.1") not in llm.log and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stream.close()
         assert_idle(engine)
-    finally:
-        engine.close()
+        assert sorted(llm.cancelled) == ["long", "long.1"] and ("generate", "long.2") not in llm.log
+
+
+def test_an_llm_that_produces_nothing_or_non_speech_tokens_fails_its_request(model_dirs):
+    llm = ScriptedTokens()
+    with running_engine(model_dirs, llm) as engine:
+        voice = engine.voices.resolve()
+        llm.tokens["silent"] = []
+        llm.tokens["bad"] = [1, 2, 6561, 4, 5, 6, 7]
+        for streaming in (True, False):
+            for rid, message in (("silent", "no speech tokens"), ("bad", "LLM's speech tokens: .* got ids in 1..6561")):
+                request = TTSRequest(rid, "你好。", voice, TokenLimits(7))
+                with pytest.raises(RuntimeError, match=message):  # the server's fault, not the caller's
+                    list(engine.stream(request)) if streaming else engine.synthesize(request)
+        llm.tokens["ok"] = list(range(20))
+        assert engine.synthesize(TTSRequest("ok", "你好。", voice, TokenLimits(20))).size == 20 * 960
 
 
 @pytest.mark.parametrize("captured_shapes", [False, True])

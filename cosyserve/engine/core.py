@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 
 from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutError
+from ..llm.prompt import NUM_SPEECH_TOKENS
+from ..speech_tokens import speech_token_ids
 from .device import synchronize, work_done_event
 from .request import EngineRequest, RequestState, SegmentState
 from .scheduler import Candidate, Scheduler
@@ -244,6 +246,7 @@ class EngineCore:
         for seg in state.segments():
             if not seg.llm_done:
                 tokens, end = seg.tokens.drain()
+                _check_llm_tokens(tokens)
                 seg.received += tokens
                 self.counters.tokens += len(tokens)
                 if end is not None:
@@ -406,6 +409,16 @@ def _close_voicing(seg: SegmentState) -> None:
     if seg.flow is not None:
         seg.flow.close()
         seg.flow = None
+
+
+def _check_llm_tokens(tokens: list[int]) -> None:
+    """Speech tokens an LLM back end handed on must be raw codes (a server-side fault otherwise, not
+    the caller's: RuntimeError, not InvalidInputError)."""
+    if tokens:
+        try:
+            speech_token_ids(tokens, NUM_SPEECH_TOKENS, "the LLM's speech tokens")
+        except InvalidInputError as exc:
+            raise RuntimeError(str(exc)) from None
 
 
 def _check_tokens(tokens: list[int]) -> None:

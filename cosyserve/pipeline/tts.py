@@ -1,48 +1,28 @@
-"""One text-to-speech request end to end: prompt ids -> LLM speech tokens -> token2wav audio.
-
-The orchestration here is backend-agnostic. It talks to two small interfaces,
-:class:`SpeechTokenSource` (the LLM) and :class:`Token2Wav` (flow + vocoder), over the package
-objects called in-process (``cosyserve.pipeline.local``, ``offline_inference.py`` and the tests).
-The Triton models serve every request of a GPU in one loop instead (:mod:`cosyserve.engine`), with
-this module's voices, prompts and limits. The token2wav (CosyVoice2's or CosyVoice3's flow) keeps a
-session per request id.
-
-Streaming: everything happens on the calling thread, which reads the LLM's pieces as they come
-and synthesises a chunk as soon as :class:`~cosyserve.schedule.ChunkScheduler` allows
-(as the reference BLS does). Generation and synthesis still overlap: every back end buffers
-tokens on its own side (the engine's thread, the ``llm`` Triton model), so the LLM goes on while
-a chunk is voiced. Inside Triton this keeps every ``pb_utils`` call of a BLS stub on its
-request thread. Ready chunks are emitted after each piece, so the
-chunk sequence for ``n`` tokens is exactly :func:`~cosyserve.schedule.plan_chunks`
-``(n)`` with the exponential strategy, however fast the LLM is. Whenever a request ends early
-(cancelled, error), the LLM request is cancelled (which also releases what it holds) and the
-token2wav session closed.
+"""What a text-to-speech request is before the engine runs it: its text, voice and limits
+(:class:`TTSRequest`), the voice it names resolved to prompt features (:class:`VoiceResolver`), and
+its segments' LLM prompts (:class:`SegmentPrompter`). The engine (:mod:`cosyserve.engine`) runs
+every request of a GPU in one loop; the front doors (Triton, offline_inference.py, benchmarks) build
+requests here.
 
 Long text: :class:`~cosyserve.text.TextFrontend` normalises the request text and splits it into
 segments (upstream CosyVoice's rules; ``TTSRequest.text_frontend`` false skips both). Each
-segment is one LLM request and one token2wav session (ids ``<request id>``, ``<request id>.1``,
-...), all with the request's voice. A stream voices them in order, one after the other, as one
-stream; the LLM request of the next segment starts as soon as the current one has sent its first
-chunk (or its LLM has finished), so it generates while the current segment is voiced and the
-first chunk comes as soon as for a one-segment text. Offline, the segments' waveforms are
-concatenated.
+segment is one LLM request (ids ``<request id>``, ``<request id>.1``, ...), all with the request's
+voice; the engine voices them in order as one stream (:mod:`cosyserve.engine.request`).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 
 from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..clip_cache import ClipCache
-from ..errors import InvalidInputError, RequestCancelledError
+from ..errors import InvalidInputError
 from ..frontend.prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, Voice, build_prompt_features
 from ..frontend.voice_store import VoiceStore, is_voice_id
-from ..llm.prompt import COSYVOICE2, MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, PromptLayout, build_prompt_ids
-from ..schedule import ChunkScheduler
+from ..llm.prompt import COSYVOICE2, MAX_SPEECH_TOKENS, PromptLayout, build_prompt_ids
 from ..text import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS, TextFrontend
 
 DEFAULT_MAX_TOKENS = 750  # the reference BLS's request_output_len
@@ -87,34 +67,6 @@ class SegmentPrompt:
     request_id: str
     text: str
     ids: list[int]
-
-
-class SpeechTokenSource(Protocol):
-    """The LLM: raw speech tokens (0..6560) for a prompt, in pieces as they are generated.
-
-    Registered voices' prefixes (``<|sos|>{prompt_text}``) are registered with the engine at
-    start-up; its prefix cache then matches them by token ids, so no key travels per request.
-    """
-
-    def generate(self, prompt_ids: list[int], request_id: str, limits: TokenLimits) -> Iterator[Sequence[int]]: ...
-
-    def cancel(self, request_id: str) -> None:
-        """Stop the request and release what it holds; harmless once it has ended."""
-
-
-class Token2Wav(Protocol):
-    """Flow + vocoder. Streaming sessions are keyed by request id and end with ``finalize``/``cancel``.
-
-    A ``step`` gets the tokens so far (up to the chunk's look-ahead), of which the first
-    ``token_offset`` were voiced by earlier steps; its session opens at ``token_offset`` 0.
-    """
-
-    def offline(self, request_id: str, tokens: Sequence[int], voice: Voice) -> np.ndarray: ...
-
-    def step(self, request_id: str, tokens: Sequence[int], voice: Voice, token_offset: int,
-             finalize: bool) -> np.ndarray: ...
-
-    def cancel(self, request_id: str) -> None: ...
 
 
 def validate_text(text: str, what: str = "target_text", max_chars: int = MAX_SEGMENT_CHARS) -> str:
@@ -202,10 +154,6 @@ class VoiceResolver:
             audio.wav16, lambda: build_prompt_features(audio, self.tokenizer, self.speaker_encoder, self.mel_fmax))
 
 
-def never_cancelled() -> bool:
-    return False
-
-
 class SegmentPrompter:
     """A request's text -> its segments' LLM prompts: the text front-end (normalisation and
     splitting, :class:`~cosyserve.text.TextFrontend`) and the prompt layout.
@@ -256,131 +204,3 @@ class SegmentPrompter:
                 prompt_text = self.voice_prompt_text(request.voice, request.text_frontend)
             yield SegmentPrompt(request.request_id if k == 0 else f"{request.request_id}.{k}", segment,
                                 self.prompt_ids(segment, request.voice, prompt_text, request.instruction))
-
-
-class TTSPipeline:
-    """Text + voice -> 24 kHz waveform, offline (:meth:`synthesize`) or chunk by chunk (:meth:`stream`),
-    one request on the calling thread, over a :class:`SpeechTokenSource` and a :class:`Token2Wav`.
-    Arguments as for :class:`SegmentPrompter`, whose methods it offers too.
-    """
-
-    def __init__(self, text_tokenizer: Any, llm: SpeechTokenSource, token2wav: Token2Wav, *,
-                 strategy: str = "exponential", max_text_chars: int = MAX_TEXT_CHARS,
-                 layout: PromptLayout = COSYVOICE2):
-        ChunkScheduler(strategy)  # fail at start-up, not per request, on an unknown strategy
-        self.llm = llm
-        self.token2wav = token2wav
-        self.strategy = strategy
-        self.prompter = SegmentPrompter(text_tokenizer, max_text_chars=max_text_chars, layout=layout)
-        self.text = self.prompter.text
-        self.segment_prompts = self.prompter.segment_prompts
-
-    @property
-    def max_text_chars(self) -> int:
-        return self.prompter.max_text_chars
-
-    def synthesize(self, request: TTSRequest, is_cancelled: Callable[[], bool] = never_cancelled) -> np.ndarray:
-        """The whole waveform (float32, 24 kHz) in one piece: the segments' waveforms concatenated.
-
-        The LLM request of segment k+1 runs while token2wav voices segment k."""
-        prompts = self.segment_prompts(request)
-        generating: dict[str, Iterator[Sequence[int]]] = {}  # started LLM requests not read to their end
-
-        def start_next() -> str | None:
-            item = next(prompts, None)
-            if item is None:
-                return None
-            generating[item.request_id] = self.llm.generate(item.ids, item.request_id, request.limits)
-            return item.request_id
-
-        waves = []
-        finished = False
-        try:
-            rid = start_next()
-            while rid is not None:
-                tokens: list[int] = []
-                for piece in generating[rid]:
-                    tokens.extend(int(t) for t in piece)
-                    _raise_if_cancelled(is_cancelled, request.request_id)
-                del generating[rid]
-                next_rid = start_next()
-                _raise_if_cancelled(is_cancelled, request.request_id)
-                _check_tokens(tokens, final=True)
-                waves.append(self.token2wav.offline(rid, tokens, request.voice))
-                rid = next_rid
-            finished = True
-        finally:
-            if not finished:
-                for rid in generating:
-                    self.llm.cancel(rid)
-        if not waves:  # no segment
-            return np.zeros(0, np.float32)
-        return waves[0] if len(waves) == 1 else np.concatenate(waves)
-
-    def stream(self, request: TTSRequest, is_cancelled: Callable[[], bool] = never_cancelled) -> Iterator[np.ndarray]:
-        """Waveform chunks in order, segment after segment; their concatenation is the utterance.
-
-        Closing the generator early (or an error, or ``is_cancelled()`` turning true) cancels the
-        LLM requests under way and closes the open token2wav session.
-        """
-        prompts = self.segment_prompts(request)
-        voice = request.voice
-        generating: dict[str, Iterator[Sequence[int]]] = {}  # started LLM requests not read to their end
-        waiting: deque[str] = deque()  # started segments, in order, not voiced yet (at most one ahead)
-        open_session: str | None = None
-
-        def start_next() -> None:
-            if len(waiting) > 1:
-                return
-            item = next(prompts, None)
-            if item is not None:
-                generating[item.request_id] = self.llm.generate(item.ids, item.request_id, request.limits)
-                waiting.append(item.request_id)
-
-        finished = False
-        try:
-            start_next()
-            while waiting:
-                rid = waiting[0]
-                scheduler = ChunkScheduler(self.strategy)
-                tokens: list[int] = []
-                for piece in generating[rid]:
-                    tokens.extend(int(t) for t in piece)
-                    _raise_if_cancelled(is_cancelled, rid)
-                    while (chunk := scheduler.next_chunk(len(tokens))) is not None:
-                        part = tokens[:chunk.num_tokens]
-                        _check_tokens(part)
-                        open_session = rid
-                        yield self.token2wav.step(rid, part, voice, chunk.token_offset, False)
-                        _raise_if_cancelled(is_cancelled, rid)
-                        start_next()
-                del generating[rid]
-                start_next()
-                _check_tokens(tokens, final=True)
-                final = scheduler.final_chunk(len(tokens))
-                yield self.token2wav.step(rid, tokens, voice, final.token_offset, True)
-                open_session = None
-                waiting.popleft()
-            finished = True
-        finally:
-            if not finished:
-                for rid in generating:
-                    self.llm.cancel(rid)
-                if open_session is not None:
-                    self.token2wav.cancel(open_session)
-
-
-def _raise_if_cancelled(is_cancelled: Callable[[], bool], request_id: str) -> None:
-    if is_cancelled():
-        raise RequestCancelledError(f"request {request_id} was cancelled")
-
-
-def _check_tokens(tokens: Sequence[int], final: bool = False) -> None:
-    """The LLM must hand on raw speech tokens only, and at least one by the end."""
-    if final and not tokens:
-        # Also what a BLS caller sees when the LLM model failed: Triton 24.10 drops error
-        # responses of decoupled models on their way to BLS callers.
-        raise RuntimeError("the LLM produced no speech tokens for this request (nothing to synthesise)")
-    if tokens and not (0 <= min(tokens) and max(tokens) < NUM_SPEECH_TOKENS):
-        raise RuntimeError(
-            f"the LLM produced token ids outside 0..{NUM_SPEECH_TOKENS - 1}: {min(tokens)}..{max(tokens)}")

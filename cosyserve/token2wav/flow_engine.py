@@ -156,7 +156,8 @@ class EngineStream:
         engine.pool.share(prefix.pages)
         self._state = _FlowState(copy_states(prefix.encoder_states), prefix.mu.copy(), prefix.conv.clone(),
                                  list(prefix.pages), prefix.token_commit, prefix.frame_commit)
-        self._target = voice.prompt_tokens[:, :0]  # target tokens so far
+        # target tokens so far, kept on the CPU: checking that a chunk extends them must not wait on the GPU
+        self._target = torch.zeros(1, 0, dtype=torch.long)
         self._prompt_frames = voice.prompt_feat.size(1)
         self._frames_out = self._prompt_frames  # frames (prompt included) returned, or prompt
         self.closed = False
@@ -544,7 +545,7 @@ class FlowEngine:
         if tokens.size(0) != 1:
             raise InvalidInputError(f"tokens_so_far must be (1, n), got {tuple(tokens.shape)}")
         flow.check_length(stream.voice.prompt_tokens.size(1), tokens.size(1), finalize)
-        tokens = tokens.to(self.device, torch.long)
+        tokens = tokens.to("cpu", torch.long)
         seen = stream._target.size(1)
         if tokens.size(1) < seen or not torch.equal(tokens[:, :seen], stream._target):
             raise InvalidInputError(f"tokens_so_far must extend the {seen} tokens of the previous step")
@@ -555,7 +556,7 @@ class FlowEngine:
                 f"{tokens.size(1)} tokens give no frames beyond the {stream.frames_returned} already returned"
                 + ("" if finalize else f" (the last {lookahead} tokens are look-ahead only)"))
         stream._target = tokens
-        return tokens
+        return tokens.to(self.device)
 
     def _commits(self, total_tokens: int) -> tuple[int, int]:
         """Tokens and frames (prompt included) in complete encoder and estimator blocks once a

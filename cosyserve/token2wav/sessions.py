@@ -3,8 +3,9 @@
 with each streaming session's life (opened at its first step, closed at its final one, on cancel,
 on an error, or when its caller vanished).
 
-:class:`LocalToken2Wav` is the in-process :class:`~cosyserve.pipeline.tts.Token2Wav` back end and
-what the Triton ``token2wav`` model runs every request of a dynamic batch through.
+:class:`LocalToken2Wav` is what the reference layout's Triton ``token2wav`` model
+(``REFERENCE_MODELS=true``, for callers of that model; the engine does not use it) runs every
+request of a dynamic batch through.
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ class SessionClock:
 
 
 class LocalToken2Wav:
-    """:class:`~cosyserve.pipeline.tts.Token2Wav` over :class:`CosyVoice2Token2Wav`, plus :meth:`run`,
-    which packs several requests' work into shared flow/HiFT batches (the Triton ``token2wav``
-    model hands it every request of a dynamic batch). The batches are formed by the same
+    """Offline calls and streaming steps over :class:`CosyVoice2Token2Wav`; :meth:`run` packs several
+    requests' work into shared flow/HiFT batches (the Triton ``token2wav`` model hands it every
+    request of a dynamic batch). The batches are formed by the same
     deadline-aware :class:`~cosyserve.token2wav.batching.Token2WavBatcher`, run on the caller's thread.
 
     A request's streaming session opens at its first step and closes at its final step, on
