@@ -98,7 +98,7 @@ def clip_voice(engine, seconds: float, seed: int):
 
 def reference_stream(reference, voice, tokens: list[int]) -> list[np.ndarray]:
     f = voice.features
-    stream = reference.open_stream(f"ref-{random.random()}", f.speech_tokens, f.speech_feat, f.embedding,
+    stream = reference.open_stream(f.speech_tokens, f.speech_feat, f.embedding,
                                    sine_noise=zero_noise)
     return [stream.step(tokens[:c.num_tokens], c.token_offset, c.finalize).numpy() for c in plan_chunks(len(tokens))]
 

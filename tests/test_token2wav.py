@@ -125,7 +125,7 @@ def test_stream_sample_counts_and_seed_reproducibility(t2w, prompt):
     tokens = _tokens(60)
     runs = []
     for _ in range(2):
-        with t2w.open_stream("req", **prompt, generator=torch.Generator().manual_seed(4242)) as stream:
+        with t2w.open_stream(**prompt, generator=torch.Generator().manual_seed(4242)) as stream:
             pieces = [stream.step(tokens[:n], offset, final) for n, offset, final in SCHEDULE]
         runs.append(pieces)
     assert [p.shape[0] for p in runs[0]] == [10560, 24000, 23040]
@@ -137,44 +137,33 @@ def test_stream_sample_counts_and_seed_reproducibility(t2w, prompt):
 
 
 def test_finalize_closes_and_step_after_raises(t2w, prompt):
-    stream = t2w.open_stream("a", **prompt)
-    assert t2w.open_streams == 1 and t2w.open_stream_ids == ["a"]
+    stream = t2w.open_stream(**prompt)
+    assert t2w.open_streams == 1
     stream.step(_tokens(10), 0, True)
     assert stream.closed and t2w.open_streams == 0
     with pytest.raises(InvalidInputError, match="closed"):
         stream.step(_tokens(10), 5, True)
 
 
-def test_close_is_idempotent_and_scoped_to_its_own_stream(t2w, prompt):
-    old = t2w.open_stream("same-id", **prompt)
+def test_close_is_idempotent_and_counted_once(t2w, prompt):
+    old = t2w.open_stream(**prompt)
     old.close()
     old.close()
-    new = t2w.open_stream("same-id", **prompt)
-    old.close()  # must not drop the newer session with the same id
-    assert t2w.open_stream_ids == ["same-id"] and not new.closed
-    with pytest.raises(InvalidInputError, match="already open"):
-        t2w.open_stream("same-id", **prompt)
+    new = t2w.open_stream(**prompt)
+    old.close()  # must not count the newer stream as closed
+    assert t2w.open_streams == 1 and not new.closed
     new.close()
     assert t2w.open_streams == 0
 
 
-def test_lookup_and_close_all(t2w, prompt):
-    streams = [t2w.open_stream(f"r{i}", **prompt) for i in range(3)]
-    assert t2w.get_stream("r1") is streams[1]
-    with pytest.raises(InvalidInputError, match="no open"):
-        t2w.get_stream("unknown")
-    t2w.close_all()
-    assert t2w.open_streams == 0 and all(s.closed for s in streams)
-
-
 def test_context_manager_and_errors_release_state(t2w, prompt):
     with pytest.raises(RuntimeError):
-        with t2w.open_stream("cancelled", **prompt) as stream:
+        with t2w.open_stream(**prompt) as stream:
             stream.step(_tokens(10), 0, False)
             raise RuntimeError("client went away")
     assert stream.closed and t2w.open_streams == 0
 
-    stream = t2w.open_stream("bad-ids", **prompt)
+    stream = t2w.open_stream(**prompt)
     stream.step(_tokens(10), 0, False)
     with pytest.raises(InvalidInputError, match="6561"):
         stream.step(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 6561, 1, 2]), 7, False)
@@ -189,7 +178,7 @@ def test_context_manager_and_errors_release_state(t2w, prompt):
     (0, 0, True, "more than 0"),
 ])
 def test_bad_step_arguments(t2w, prompt, tokens, offset, finalize, match):
-    stream = t2w.open_stream("bad-step", **prompt)
+    stream = t2w.open_stream(**prompt)
     with pytest.raises(InvalidInputError, match=match):
         stream.step(_tokens(tokens), offset, finalize)
     assert t2w.open_streams == 0
@@ -205,7 +194,7 @@ def test_bad_step_arguments(t2w, prompt, tokens, offset, finalize, match):
 ])
 def test_bad_prompts(t2w, prompt, field, value, match):
     with pytest.raises(InvalidInputError, match=match):
-        t2w.open_stream("bad-prompt", **{**prompt, field: value})
+        t2w.open_stream(**{**prompt, field: value})
     with pytest.raises(InvalidInputError, match=match):
         t2w.offline(_tokens(5), **{**prompt, field: value})
     assert t2w.open_streams == 0

@@ -4,6 +4,7 @@ streaming flow and padded (CUDA-graph) sampling equal the reference path."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -111,7 +112,7 @@ def test_seeded_batch_consumes_each_generator_like_a_single_run(t2w):
 
 def _direct_stream(model, i: int, n: int, **noise) -> list[torch.Tensor]:
     tokens = _tokens(n, 10 + i)
-    with model.open_stream(f"direct-{i}", **_prompt(i), **noise) as stream:
+    with model.open_stream(**_prompt(i), **noise) as stream:
         return [stream.step(tokens[:c.num_tokens], c.token_offset, c.finalize) for c in plan_chunks(n)]
 
 
@@ -120,7 +121,7 @@ def _batched_streams(model, lengths: list[int], noise_for, offline_every_round: 
     batcher = Token2WavBatcher(model, max_batch=8)
     plans = [plan_chunks(n) for n in lengths]
     tokens = [_tokens(n, 10 + i) for i, n in enumerate(lengths)]
-    streams = [model.open_stream(f"batched-{i}", **_prompt(i), **noise_for(i)) for i in range(len(lengths))]
+    streams = [model.open_stream(**_prompt(i), **noise_for(i)) for i in range(len(lengths))]
     pieces: list[list] = [[] for _ in lengths]
     for k in range(max(len(p) for p in plans)):
         futures = [(i, batcher.submit_step(streams[i], tokens[i][:p[k].num_tokens], p[k].token_offset, p[k].finalize))
@@ -169,20 +170,21 @@ def test_default_deadline_is_when_the_listener_runs_out_of_audio(t2w):
     batcher = Token2WavBatcher(t2w, max_batch=1, clock=lambda: now[0])
     tokens = _tokens(60, 1)
     first, second = plan_chunks(60)[:2]
-    buffered = t2w.open_stream("buffered", **_prompt(0))
+    buffered = t2w.open_stream(**_prompt(0))
     batcher.submit_step(buffered, tokens[:first.num_tokens], first.token_offset, first.finalize)
     batcher.run_batch()  # returned 10560 samples = 0.44 s at t = 0
     now[0] = 0.1
     order: list[str] = []
     batcher.submit_step(buffered, tokens[:second.num_tokens], second.token_offset, second.finalize) \
         .add_done_callback(lambda _: order.append("buffered"))  # due at 0.44
-    fresh = t2w.open_stream("fresh", **_prompt(1))
+    fresh = t2w.open_stream(**_prompt(1))
     batcher.submit_step(fresh, tokens[:first.num_tokens], 0, False) \
         .add_done_callback(lambda _: order.append("fresh"))  # no audio yet: due now (0.1)
     while batcher.run_batch():
         pass
     assert order == ["fresh", "buffered"]
-    t2w.close_all()
+    buffered.close()
+    fresh.close()
 
 
 def test_served_path_batches_by_deadline(t2w, monkeypatch):
@@ -199,7 +201,7 @@ def test_served_path_batches_by_deadline(t2w, monkeypatch):
 
     batches: list[list[str]] = []
     run_batch = t2w.run_batch
-    monkeypatch.setattr(t2w, "run_batch", lambda work: batches.append([w.stream.request_id for w in work])
+    monkeypatch.setattr(t2w, "run_batch", lambda work: batches.append([w.stream.label for w in work])
                         or run_batch(work))
     calls = [Token2WavCall("buffered", tokens[:second.num_tokens], voices[0], second.token_offset, False),
              Token2WavCall("fresh-1", tokens[:first.num_tokens], voices[1], 0, False),
@@ -210,6 +212,31 @@ def test_served_path_batches_by_deadline(t2w, monkeypatch):
     for rid in ("buffered", "fresh-1", "fresh-2"):
         served.cancel(rid)
     assert t2w.open_streams == 0
+
+
+def test_served_sessions_by_request_id_end_on_finalize_cancel_error_idle_and_close(t2w):
+    """LocalToken2Wav keeps one stream per request id from its first step to its last, a cancel, a
+    failed step, ``idle_timeout_s`` without a step, or :meth:`close_all`; a finished id may be used again."""
+    served = LocalToken2Wav(t2w, idle_timeout_s=0.2)
+    voice = Voice("", PromptFeatures(*_prompt(0).values()))
+    tokens = _tokens(60, 4).tolist()
+    first, second = plan_chunks(60)[:2]
+
+    def step(rid: str, chunk, finalize: bool = False):
+        return served.run([Token2WavCall(rid, tokens[:chunk.num_tokens], voice, chunk.token_offset, finalize)])[0]
+
+    assert step("a", first).shape == (10560,) and served.open_sessions == t2w.open_streams == 1
+    assert step("a", second).size > 0 and served.open_sessions == 1  # the same session went on
+    assert isinstance(step("a", first), InvalidInputError)  # out of order: the step fails, the session ends
+    assert served.open_sessions == t2w.open_streams == 0
+    assert step("a", first).shape == (10560,)  # the id is free again
+    served.cancel("a")
+    step("b", first)
+    time.sleep(0.3)
+    step("c", first)  # each run first closes the sessions idle past the timeout
+    assert served.open_sessions == 1
+    served.close_all()
+    assert served.open_sessions == t2w.open_streams == 0
 
 
 def test_background_worker_serves_concurrent_callers(t2w):
@@ -233,12 +260,12 @@ def test_background_worker_serves_concurrent_callers(t2w):
 
 def test_bad_submissions_and_failed_batches(t2w):
     batcher = Token2WavBatcher(t2w)
-    stream = t2w.open_stream("bad", **_prompt(0))
+    stream = t2w.open_stream(**_prompt(0))
     with pytest.raises(InvalidInputError, match="does not continue"):
         batcher.submit_step(stream, _tokens(20, 0), 4, False)
     assert stream.closed and batcher.pending == 0
 
-    stream = t2w.open_stream("twice", **_prompt(0))
+    stream = t2w.open_stream(**_prompt(0))
     batcher.submit_step(stream, _tokens(20, 0), 0, False)
     with pytest.raises(InvalidInputError, match="already has a step pending"):
         batcher.submit_step(stream, _tokens(30, 0), 17, False)
@@ -247,7 +274,7 @@ def test_bad_submissions_and_failed_batches(t2w):
     def broken_noise(length: int) -> torch.Tensor:
         raise RuntimeError("noise source failed")
 
-    failing = t2w.open_stream("failing", **_prompt(1), sine_noise=broken_noise)
+    failing = t2w.open_stream(**_prompt(1), sine_noise=broken_noise)
     futures = [batcher.submit_step(failing, _tokens(20, 0), 0, False),
                batcher.submit_step(stream, _tokens(40, 0), 17, True)]
     batcher.run_batch()

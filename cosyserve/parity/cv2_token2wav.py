@@ -81,7 +81,7 @@ def _stream_cases(t2w: CosyVoice2Token2Wav, prefix: str, prompt: tuple[torch.Ten
     results = []
     generator = torch.Generator().manual_seed(meta["stream_seed"]) if noise is None else None
     pieces = []
-    with t2w.open_stream(f"parity-{prefix}", *prompt, generator=generator, sine_noise=noise) as stream:
+    with t2w.open_stream(*prompt, generator=generator, sine_noise=noise) as stream:
         for i, chunk_meta in enumerate(meta["chunks"]):
             chunk = stream.step_chunk(tokens[:, : chunk_meta["num_tokens"]], chunk_meta["token_offset"],
                                       chunk_meta["finalize"])

@@ -162,5 +162,5 @@ class Token2WavModel:
         return Voice("", features)
 
     def close(self) -> None:
-        self.token2wav.model.close_all()
+        self.token2wav.close_all()
 

@@ -83,7 +83,7 @@ class Token2WavBatcher:
                     deadline: float | None = None) -> Future:
         with self._cond:
             if stream in self._pending_streams:
-                raise InvalidInputError(f"token2wav stream {stream.request_id!r} already has a step pending")
+                raise InvalidInputError(f"token2wav stream {stream.label!r} already has a step pending")
         work = stream.plan_step(tokens_so_far, token_offset, finalize)
         if deadline is None:
             playback = self._playback.get(stream)

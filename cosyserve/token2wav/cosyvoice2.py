@@ -225,7 +225,7 @@ class CosyVoice2Token2Wav:
                                      precapture=options.precapture_frames > 0, counters=self.sampler.counters)
         self.counters = Token2WavCounters()
         self.sample_rate = self.hift.cfg.sampling_rate
-        self._streams: dict[str, Token2WavStream] = {}
+        self._open_streams = 0  # a count for leak checks; the streams' owners keep the streams
         self._lock = threading.Lock()
         # With CUDA graphs, batches run one at a time: a capture must not overlap other threads' GPU work.
         self._run_lock = threading.Lock() if options.cuda_graphs else contextlib.nullcontext()
@@ -257,14 +257,13 @@ class CosyVoice2Token2Wav:
 
     # ----- streaming -----
 
-    def open_stream(self, request_id: str, prompt_tokens: Any, prompt_feat: Any, embedding: Any, *,
+    def open_stream(self, prompt_tokens: Any, prompt_feat: Any, embedding: Any, *, label: str = "",
                     generator: torch.Generator | None = None,
                     sine_noise: SineNoiseProvider | None = None) -> "Token2WavStream":
-        """Start a streaming session for ``request_id`` (must not already be open). HiFT randomness
-        as in :meth:`offline`; one generator serves all chunks of the session in order."""
+        """Start a streaming session (``label`` names it in error messages; whoever opens it keeps
+        it). HiFT randomness as in :meth:`offline`; one generator serves all chunks of the session in
+        order."""
         prompt = self._prompt(prompt_tokens, prompt_feat, embedding)
-        if request_id in self.open_stream_ids:  # checked again below; this spares the voice's flow pass
-            raise InvalidInputError(f"a token2wav stream for request id {request_id!r} is already open")
         engine_stream = None
         if self.engine is not None:
             with self._run_lock:  # a new voice's prompt runs through the flow
@@ -272,45 +271,20 @@ class CosyVoice2Token2Wav:
                     engine_stream = self.engine.open(prompt.tokens, prompt.feat, prompt.embedding)
                 except CapacityError:  # no pages for a new voice's prompt state: this stream re-runs
                     self.counters.engine_fallbacks += 1
+        vocoder = HiftStream(self.hift, generator=generator, sine_noise=sine_noise)
         with self._lock:
-            if request_id in self._streams:
-                if engine_stream is not None:
-                    engine_stream.close()
-                raise InvalidInputError(f"a token2wav stream for request id {request_id!r} is already open")
-            vocoder = HiftStream(self.hift, generator=generator, sine_noise=sine_noise)
-            stream = Token2WavStream(self, request_id, prompt, vocoder, engine_stream)
-            self._streams[request_id] = stream
-        return stream
+            self._open_streams += 1
+        return Token2WavStream(self, label, prompt, vocoder, engine_stream)
 
     @property
     def open_streams(self) -> int:
+        """Streams opened and not closed yet."""
         with self._lock:
-            return len(self._streams)
+            return self._open_streams
 
-    @property
-    def open_stream_ids(self) -> list[str]:
+    def _stream_closed(self) -> None:
         with self._lock:
-            return list(self._streams)
-
-    def get_stream(self, request_id: str) -> "Token2WavStream":
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is None:
-            raise InvalidInputError(f"no open token2wav stream for request id {request_id!r}")
-        return stream
-
-    def close_all(self) -> None:
-        """Close every open stream (server shutdown)."""
-        with self._lock:
-            streams = list(self._streams.values())
-        for stream in streams:
-            stream.close()
-
-    def _forget(self, stream: "Token2WavStream") -> None:
-        with self._lock:
-            # Only if still registered: the id may have been reused by a newer stream.
-            if self._streams.get(stream.request_id) is stream:
-                del self._streams[stream.request_id]
+            self._open_streams -= 1
 
     # ----- batched execution -----
 
@@ -439,10 +413,10 @@ class Token2WavStream:
     serves cancellation. Usable as a context manager.
     """
 
-    def __init__(self, owner: CosyVoice2Token2Wav, request_id: str, prompt: _Prompt, vocoder: HiftStream,
+    def __init__(self, owner: CosyVoice2Token2Wav, label: str, prompt: _Prompt, vocoder: HiftStream,
                  engine_stream: EngineStream | None = None):
         self.owner = owner
-        self.request_id = request_id
+        self.label = label
         self._prompt: _Prompt | None = prompt
         self._vocoder = vocoder
         self._engine_stream = engine_stream
@@ -471,7 +445,7 @@ class Token2WavStream:
         Run it before planning the next step: the check of ``token_offset`` reads the frames voiced so far.
         """
         if self._prompt is None:
-            raise InvalidInputError(f"token2wav stream {self.request_id!r} is closed (finalized, cancelled or failed)")
+            raise InvalidInputError(f"token2wav stream {self.label!r} is closed (finalized, cancelled or failed)")
         try:
             return self._plan(tokens_so_far, token_offset, finalize)
         except BaseException:
@@ -514,12 +488,14 @@ class Token2WavStream:
         self.owner.counters.engine_fallbacks += 1
 
     def close(self) -> None:
-        """Release the caches and leave the owner's registry (idempotent)."""
+        """Release the caches (idempotent)."""
+        if self._prompt is None:
+            return
         self._prompt = None
         self._vocoder.close()
         if self._engine_stream is not None:
             self._engine_stream.close()
-        self.owner._forget(self)
+        self.owner._stream_closed()
 
     def __enter__(self) -> "Token2WavStream":
         return self

@@ -36,35 +36,10 @@ class Token2WavCall:
     finalize: bool = False
 
 
-class SessionClock:
-    """When each open streaming session last stepped, so that sessions whose caller vanished
-    mid-stream can be closed (thread-safe)."""
-
-    def __init__(self):
-        self._last_step: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    def stepped(self, session_id: str, closed: bool) -> None:
-        """A step of ``session_id`` ended; ``closed``: the session ended with it."""
-        with self._lock:
-            if closed:
-                self._last_step.pop(session_id, None)
-            else:
-                self._last_step[session_id] = time.monotonic()
-
-    def forget(self, session_id: str) -> None:
-        with self._lock:
-            self._last_step.pop(session_id, None)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._last_step.clear()
-
-    def idle(self, timeout_s: float) -> list[str]:
-        """The sessions without a step for ``timeout_s`` seconds."""
-        deadline = time.monotonic() - timeout_s
-        with self._lock:
-            return [sid for sid, last in self._last_step.items() if last < deadline]
+@dataclass
+class _Session:
+    stream: Token2WavStream
+    last_step: float  # time.monotonic() when its last step ended
 
 
 class LocalToken2Wav:
@@ -83,11 +58,13 @@ class LocalToken2Wav:
         self.model = model
         self.idle_timeout_s = idle_timeout_s
         self.batcher = Token2WavBatcher(model, max_batch=max_batch)
-        self._clock = SessionClock()
+        self._sessions: dict[str, _Session] = {}  # by request id: the streaming sessions open
+        self._lock = threading.Lock()
 
     @property
     def open_sessions(self) -> int:
-        return self.model.open_streams
+        with self._lock:
+            return len(self._sessions)
 
     def offline(self, request_id: str, tokens: Sequence[int], voice: Voice) -> np.ndarray:
         return _one(self.run([Token2WavCall(request_id, tokens, voice)]))
@@ -105,21 +82,21 @@ class LocalToken2Wav:
         """
         self.close_idle()
         results: list[np.ndarray | Exception | None] = [None] * len(calls)
-        submitted = []  # (index, stream or None, future)
+        submitted = []  # (index, call, stream or None, future)
         for index, call in enumerate(calls):
             try:
-                submitted.append((index, *self._submit(call)))
+                submitted.append((index, call, *self._submit(call)))
             except Exception as exc:
                 results[index] = exc
         while self.batcher.run_batch():
             pass
-        for index, stream, future in submitted:
+        for index, call, stream, future in submitted:
             try:
                 results[index] = _numpy(future.result())  # another caller's thread may still run it
             except Exception as exc:
                 results[index] = exc
             if stream is not None:
-                self._clock.stepped(stream.request_id, stream.closed)
+                self._stepped(call.request_id, stream)
         return results
 
     def _submit(self, call: Token2WavCall) -> tuple[Token2WavStream | None, Future]:
@@ -127,26 +104,51 @@ class LocalToken2Wav:
         if call.token_offset is None:
             request = OfflineRequest(list(call.tokens), f.speech_tokens, f.speech_feat, f.embedding)
             return None, self.batcher.submit_offline(request)
-        if call.request_id in self.model.open_stream_ids:
-            stream = self.model.get_stream(call.request_id)
+        with self._lock:
+            session = self._sessions.get(call.request_id)
+        if session is not None:
+            stream = session.stream
         else:
-            stream = self.model.open_stream(call.request_id, f.speech_tokens, f.speech_feat, f.embedding)
+            stream = self.model.open_stream(f.speech_tokens, f.speech_feat, f.embedding, label=call.request_id)
+            with self._lock:
+                self._sessions[call.request_id] = _Session(stream, time.monotonic())
         try:
             return stream, self.batcher.submit_step(stream, list(call.tokens), call.token_offset, call.finalize)
         finally:
-            self._clock.stepped(stream.request_id, stream.closed)  # a failed plan closes the stream
+            self._stepped(call.request_id, stream)  # a failed plan closes the stream
+
+    def _stepped(self, request_id: str, stream: Token2WavStream) -> None:
+        """A step of ``request_id``'s session ended; the session goes once its stream has closed."""
+        with self._lock:
+            session = self._sessions.get(request_id)
+            if session is None or session.stream is not stream:
+                return
+            if stream.closed:
+                del self._sessions[request_id]
+            else:
+                session.last_step = time.monotonic()
 
     def cancel(self, request_id: str) -> None:
-        self._clock.forget(request_id)
-        if request_id in self.model.open_stream_ids:
-            self.model.get_stream(request_id).close()
+        with self._lock:
+            session = self._sessions.pop(request_id, None)
+        if session is not None:
+            session.stream.close()
 
     def close_idle(self) -> list[str]:
         """Close sessions whose last step is older than the idle timeout; returns their ids."""
-        stale = self._clock.idle(self.idle_timeout_s)
+        deadline = time.monotonic() - self.idle_timeout_s
+        with self._lock:
+            stale = [rid for rid, session in self._sessions.items() if session.last_step < deadline]
         for rid in stale:
             self.cancel(rid)
         return stale
+
+    def close_all(self) -> None:
+        """Close every open session (server shutdown)."""
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            session.stream.close()
 
 
 def _one(results: list) -> np.ndarray:
