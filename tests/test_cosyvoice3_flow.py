@@ -73,7 +73,7 @@ def test_streaming_prefix_blocks_do_not_see_the_future(tiny_flow):
 
 def test_bad_inputs_are_rejected(tiny_flow):
     prompt, feat, emb = torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 8, 80), torch.ones(1, 192)
-    with pytest.raises(InvalidInputError, match="below 6561"):
+    with pytest.raises(InvalidInputError, match="0..6560"):
         tiny_flow.inference(torch.tensor([[6561]]), prompt, feat, emb, streaming=False, finalize=True)
     with pytest.raises(InvalidInputError, match="prompt_feat"):
         tiny_flow.inference(torch.tensor([[1, 2]]), prompt, feat[:, :7], emb, streaming=False, finalize=True)

@@ -430,14 +430,28 @@ def test_the_engine_core_voices_streams_and_offline_requests(models, features):
     assert kind.open_streams == 0 and core.active_requests == 0
 
 
+REFUSED_TOKEN = 4321  # a valid id that RefusingKind will not start a chunk with
+
+
+class RefusingKind(CosyVoice3Kind):
+    """Refuses (InvalidInputError) any set of chunks holding one with REFUSED_TOKEN among its new
+    tokens, as a kind refuses a chunk it cannot start."""
+
+    def start_chunks(self, chunks):
+        if any(REFUSED_TOKEN in tokens[offset:] for _, tokens, offset, _ in chunks):
+            raise InvalidInputError("chunk refused")
+        return super().start_chunks(chunks)
+
+
 def test_a_bad_chunk_fails_its_own_request_only(models, features):
-    """An LLM that hands one request an id outside the speech vocabulary: that request ends with a
-    clear error; the request whose chunks started beside it in the same iterations is voiced in full."""
+    """One request's chunk cannot start: that request ends with the kind's error; the request whose
+    chunks started beside it in the same iterations is voiced in full."""
     flow, hift = models
-    kind = CosyVoice3Kind(flow, hift, padded=True, **SMALL_GRID)
-    scripts = {"good": STREAMS[1], "bad": STREAMS[1][:20] + [6561] + STREAMS[1][21:]}
+    kind = RefusingKind(flow, hift, padded=True, **SMALL_GRID)
+    scripts = {"good": STREAMS[1], "bad": STREAMS[1][:20] + [REFUSED_TOKEN] + STREAMS[1][21:]}
+    assert REFUSED_TOKEN not in scripts["good"]
     pieces, ends, core = run_scripted(kind, features, scripts)
-    assert isinstance(ends["bad"], InvalidInputError) and "0..6560" in str(ends["bad"])
+    assert isinstance(ends["bad"], InvalidInputError) and "chunk refused" in str(ends["bad"])
     assert ends["good"] is None and sum(p.size for p in pieces["good"]) == 960 * len(scripts["good"])
     assert kind.open_streams == 0 and core.active_requests == 0
 

@@ -202,7 +202,7 @@ def test_fixed_noise_is_the_seed0_buffer_and_keeps_global_rng():
         (lambda r: (r[0][:, :0], r[1], r[2], r[3]), True, "empty"),
         (lambda r: (r[0][:, :3], r[1], r[2], r[3]), False, "more than 3 tokens"),
         (lambda r: (r[0].float(), r[1], r[2], r[3]), True, "integer"),
-        (lambda r: (r[0] + 6561, r[1], r[2], r[3]), True, "below 6561"),
+        (lambda r: (r[0] + 6561, r[1], r[2], r[3]), True, "0..6560"),
         (lambda r: (r[0], r[1], r[2], r[3][:, :100]), True, "192"),
         (lambda r: (r[0], r[1], r[2], torch.cat([r[3], r[3]])), True, "batch size"),
         (lambda r: (r[0][0], r[1], r[2], r[3]), True, "2-D"),

@@ -185,8 +185,8 @@ def test_bad_step_arguments(t2w, prompt, tokens, offset, finalize, match):
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("prompt_tokens", torch.tensor([-1, 5, 6, 7, 8, 9]), "raw speech-token ids"),
-    ("prompt_tokens", torch.tensor([151663, 5, 6, 7, 8, 9]), "raw speech-token ids"),
+    ("prompt_tokens", torch.tensor([-1, 5, 6, 7, 8, 9]), "raw codes"),
+    ("prompt_tokens", torch.tensor([151663, 5, 6, 7, 8, 9]), "raw codes"),
     ("prompt_tokens", torch.ones(6), "integer"),
     ("prompt_feat", torch.zeros(1, 11, 80), "prompt_feat"),
     ("embedding", torch.zeros(191), "192"),

@@ -39,6 +39,7 @@ from ..models.hift import HiFTGenerator, load_hift
 from .flow_engine import EngineStream, FlowEngine
 from .graphs import FlowSampler, HiftRunner
 from ..schedule import plan_chunks
+from ..speech_tokens import speech_token_ids
 from .vocoder_batch import source_noise, vocode_batch
 from .vocoder_stream import MEL_CACHE_FRAMES, HiftStream, SineNoiseProvider, VocoderCall, VocoderChunk
 
@@ -366,25 +367,9 @@ class CosyVoice2Token2Wav:
     # ----- validation -----
 
     def _tokens(self, value: Any, name: str) -> torch.Tensor:
-        """Speech-token ids as a (1, n) long CPU tensor; ids must lie in [0, vocab_size)."""
-        tokens = torch.as_tensor(value) if not isinstance(value, torch.Tensor) else value
-        if tokens.numel() == 0:
-            tokens = tokens.long()  # an empty list parses as float
-        if tokens.dim() == 2 and tokens.shape[0] == 1:
-            tokens = tokens[0]
-        if tokens.dim() != 1:
-            raise InvalidInputError(
-                f"{name} must be a 1-D sequence (or (1, n)) of speech-token ids, got shape {tuple(tokens.shape)}")
-        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-            raise InvalidInputError(f"{name} must hold integer speech-token ids, got dtype {tokens.dtype}")
-        vocab = self.flow.cfg.vocab_size
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-            raise InvalidInputError(
-                f"{name} has ids in [{int(tokens.min())}, {int(tokens.max())}]; raw speech-token ids must lie in "
-                f"[0, {vocab}) (LLM ids must be shifted back before token2wav)"
-            )
-        # Kept on the CPU: the flow checks ids again, which on the device would wait for queued GPU work.
-        return tokens.to("cpu", torch.long)[None]
+        """Speech-token ids as a (1, n) long CPU tensor (:func:`~cosyserve.speech_tokens.speech_token_ids`).
+        Kept on the CPU: the flow checks ids again, which on the device would wait for queued GPU work."""
+        return speech_token_ids(value, self.flow.cfg.vocab_size, name)[None]
 
     def _prompt(self, prompt_tokens: Any, prompt_feat: Any, embedding: Any) -> _Prompt:
         tokens = self._tokens(prompt_tokens, "prompt_tokens")

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import InvalidInputError, ModelLoadError
+from ...speech_tokens import speech_token_ids
 from ..dit.cfm import cosine_time_grid
 from ..flow.cfm import N_TIMESTEPS, fixed_noise
 from .config import Cv3FlowConfig, config_from_model_dir
@@ -188,9 +189,7 @@ class CosyVoice3Flow(nn.Module):
         if tokens.dim() != 2 or prompt_tokens.dim() != 2 or tokens.shape[0] != 1 or prompt_tokens.shape[0] != 1:
             raise InvalidInputError("the CosyVoice3 flow takes one request: tokens and prompt tokens of shape (1, n)")
         all_tokens = torch.cat([prompt_tokens, tokens], dim=1).to(w.device)
-        if all_tokens.numel() and int(all_tokens.max()) >= self.cfg.vocab_size:
-            raise InvalidInputError(
-                f"speech token ids must be below {self.cfg.vocab_size}; got {int(all_tokens.max())}")
+        speech_token_ids(all_tokens.reshape(-1), self.cfg.vocab_size)
         lookahead = 0 if finalize else self.cfg.pre_lookahead_len
         if all_tokens.shape[1] <= lookahead:
             raise InvalidInputError(f"a non-final flow call needs more than {lookahead} tokens (look-ahead)")

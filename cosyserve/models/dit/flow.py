@@ -20,6 +20,7 @@ from torch import nn
 
 from cosyserve.config import load_hyperpyyaml
 from cosyserve.errors import InvalidInputError, ModelLoadError
+from cosyserve.speech_tokens import speech_token_ids
 
 from .cfm import DitCFM, EstimatorCache
 from .config import DitFlowConfig
@@ -59,10 +60,7 @@ class DitFlow(nn.Module):
         return self.encoder_proj.weight
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size):
-            raise InvalidInputError(
-                f"speech token ids must be in [0, {self.cfg.vocab_size}); got values in "
-                f"[{int(tokens.min())}, {int(tokens.max())}]")
+        speech_token_ids(tokens.reshape(-1), self.cfg.vocab_size)
 
     @torch.inference_mode()
     def project_speaker(self, spk_emb: torch.Tensor) -> torch.Tensor:

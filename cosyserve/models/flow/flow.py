@@ -21,6 +21,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ...config import load_hyperpyyaml
 from ...errors import InvalidInputError, ModelLoadError
+from ...speech_tokens import speech_token_ids
 from .cache import StreamWindow
 from .cfm import N_TIMESTEPS, NOISE_FRAMES, CausalConditionalCFM
 from .config import FlowConfig
@@ -173,12 +174,7 @@ class CosyVoice2Flow(nn.Module):
         if not isinstance(value, torch.Tensor) or value.dim() != 2:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise InvalidInputError(f"flow {name} must be a 2-D tensor, got {shape}")
-        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise InvalidInputError(f"flow {name} must hold integer speech-token ids, got dtype {value.dtype}")
-        if value.numel() and int(value.max()) >= self.cfg.vocab_size:
-            raise InvalidInputError(
-                f"flow {name} has id {int(value.max())}; speech-token ids must be below {self.cfg.vocab_size}"
-            )
+        speech_token_ids(value.reshape(-1), self.cfg.vocab_size, f"flow {name}")
 
     def check_prompt(self, prompt_token: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
                       batch: int) -> None:
