@@ -1,6 +1,6 @@
 """Shared test fixtures: one thread for torch (2-core CI), the parity fixture dir, tiny bundles; and the
 tiers: ``-m e2e`` starts real servers, ``-m slow`` is in-process but minutes of CPU, and
-``-m "not e2e and not slow"`` is the development loop (README). The whole suite is all three.
+``-m "not e2e and not slow" -n 2`` is the development loop (README). The whole suite is all three.
 
 A test is end-to-end (marked ``e2e``) when its module is in :data:`E2E_MODULES`, or by its own
 ``@pytest.mark.e2e`` in a module of mostly in-process tests. The guard below keeps a new server test
