@@ -203,7 +203,7 @@ if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
     tiny|real)
       log "Stage 0: generating a $MODEL_SOURCE random-weight bundle with the DiT token2wav in $MODELS_DIR"
       "$PY" "$repo_root/scripts/make_model_bundle.py" --size "$MODEL_SOURCE" --seed "$BUNDLE_SEED" \
-        --out "$MODELS_DIR" --parts cosyvoice2,llm,dit
+        --out "$MODELS_DIR" --parts cosyvoice2,llm,step_audio2
       ;;
     huggingface)
       log "Stage 0: downloading cosyvoice2_llm, CosyVoice2-0.5B and Step-Audio-2-mini/token2wav into $MODELS_DIR"
@@ -250,8 +250,8 @@ fi
 
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   log "Stage 2: creating the model repository $MODEL_REPO (decoupled=$DECOUPLED_MODE, strategy=$STREAMING_STRATEGY, LLM: ${LLM_URL:-in the engine loop})"
-  "$PY" -m cosyserve.serving.model_repository dit "$MODEL_REPO" --templates "$repo_root/model_repo" \
-    --dit-model-dir "$DIT_MODEL_DIR" --cosyvoice2-dir "$COSYVOICE2_DIR" --llm-dir "$LLM_DIR" --llm-url "$LLM_URL" \
+  "$PY" -m cosyserve.serving.model_repository step_audio2 "$MODEL_REPO" --templates "$repo_root/model_repo" \
+    --step-audio2-dir "$DIT_MODEL_DIR" --cosyvoice2-dir "$COSYVOICE2_DIR" --llm-dir "$LLM_DIR" --llm-url "$LLM_URL" \
     --llm-model "$LLM_MODEL" --decoupled "$DECOUPLED_MODE" --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" \
     --max-streams "$MAX_STREAMS" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --request-timeout-s "$REQUEST_TIMEOUT_S" \
     --bls-warm-up "$BLS_WARM_UP" --engine-warm-up "$ENGINE_WARM_UP" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \

@@ -14,7 +14,7 @@ tokens the flow needs to see), then
 Each chunk passes every token so far (the flow recomputes from ``token_offset``); the final call
 always passes every token with ``finalize=True``.
 
-**DiT** (:class:`DitChunkScheduler`, NVIDIA's ``cosyvoice2_dit`` BLS; the engine's Step-Audio2
+**DiT** (:class:`StepAudio2ChunkScheduler`, NVIDIA's ``cosyvoice2_dit`` BLS; the engine's Step-Audio2
 kind): each chunk carries only the *new* tokens [offset, offset+hop+3), sent whenever hop+3 are
 pending; hop = 15, then 25·2^j (``exponential``) or stays 15 (``equal``).
 
@@ -31,7 +31,7 @@ from .errors import InvalidInputError
 
 STRATEGIES = ("exponential", "time_based")  # CosyVoice2's
 TOKEN_RATE = 25  # speech tokens per second of audio
-OUTPUT_SAMPLE_RATE = 24000  # Hz of the audio every model returns (CosyVoice2, CosyVoice3, the DiT)
+OUTPUT_SAMPLE_RATE = 24000  # Hz of the audio every model returns (CosyVoice2, CosyVoice3, Step-Audio2)
 SAMPLES_PER_TOKEN = OUTPUT_SAMPLE_RATE // TOKEN_RATE  # 960: two mel frames of 480 samples
 
 
@@ -115,7 +115,7 @@ def plan_chunks(total_tokens: int, strategy: str = "exponential", first_hop: int
     return chunks
 
 
-# ---------------------------------------------------------------------------------- DiT
+# ---------------------------------------------------------------------------------- Step-Audio2
 DIT_STRATEGIES = ("exponential", "equal")
 DIT_FIRST_HOP = 15
 EXPONENTIAL_BASE_HOP = 25
@@ -130,7 +130,7 @@ class TokenChunk:
     last: bool
 
 
-def dit_chunk_hop(strategy: str, chunks_sent: int, first_hop: int = DIT_FIRST_HOP) -> int:
+def step_audio2_chunk_hop(strategy: str, chunks_sent: int, first_hop: int = DIT_FIRST_HOP) -> int:
     """New tokens voiced by the next chunk after ``chunks_sent`` chunks (§3.7 of the spec)."""
     if strategy not in DIT_STRATEGIES:
         raise InvalidInputError(f"unknown chunk strategy {strategy!r}; choose one of {DIT_STRATEGIES}")
@@ -139,8 +139,8 @@ def dit_chunk_hop(strategy: str, chunks_sent: int, first_hop: int = DIT_FIRST_HO
     return EXPONENTIAL_BASE_HOP * 2 ** (chunks_sent - 1)
 
 
-class DitChunkScheduler:
-    """Incremental chunking of a growing token stream (a DiT chunk voices only its new tokens).
+class StepAudio2ChunkScheduler:
+    """Incremental chunking of a growing token stream (a Step-Audio2 chunk voices only its new tokens).
 
     :meth:`next_chunk` / :meth:`final_chunk` are :class:`ChunkScheduler`'s interface, which the
     engine drives: chunk ``k`` is tokens ``[:num_tokens]`` of which the first ``token_offset``
@@ -148,14 +148,14 @@ class DitChunkScheduler:
     """
 
     def __init__(self, strategy: str = "exponential", lookahead: int = 3, first_hop: int = DIT_FIRST_HOP):
-        dit_chunk_hop(strategy, 0)  # validates the strategy
+        step_audio2_chunk_hop(strategy, 0)  # validates the strategy
         self.strategy, self.lookahead, self.first_hop = strategy, lookahead, first_hop
         self.offset = 0
         self.chunks_sent = 0
 
     def next_chunk(self, available: int) -> Chunk | None:
         """The chunk to send now that ``available`` tokens exist, or None to wait."""
-        hop = dit_chunk_hop(self.strategy, self.chunks_sent, self.first_hop)
+        hop = step_audio2_chunk_hop(self.strategy, self.chunks_sent, self.first_hop)
         if available - self.offset < hop + self.lookahead:
             return None
         chunk = Chunk(self.offset + hop + self.lookahead, self.offset, False)
@@ -181,5 +181,5 @@ class DitChunkScheduler:
 
 def plan_stream_chunks(total_tokens: int, strategy: str = "exponential", lookahead: int = 3) -> list[TokenChunk]:
     """The chunks of a stream whose ``total_tokens`` are all known in advance."""
-    scheduler = DitChunkScheduler(strategy, lookahead)
+    scheduler = StepAudio2ChunkScheduler(strategy, lookahead)
     return scheduler.ready(total_tokens) + [scheduler.finish(total_tokens)]

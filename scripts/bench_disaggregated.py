@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark several Triton servers at once (disaggregated DiT serving) and merge the reports.
+"""Benchmark several Triton servers at once (disaggregated Step-Audio2 serving) and merge the reports.
 
     python scripts/bench_disaggregated.py --servers localhost:18001 localhost:18002 \\
         --model-name cosyvoice2_dit --num-tasks 1 2 4 --manifest-path data/manifest.txt --log-dir log_disagg

@@ -28,7 +28,7 @@ E2E_MODULES = {
     "test_api_router": "two tritonservers behind the API's router",
     "test_bls_llm_protocols": "tritonserver on an OpenAI-compatible LLM server; run.sh stage 2",
     "test_cosyvoice3_e2e": "a CosyVoice3 tritonserver; run_cosyvoice3.sh's tiny recipe",
-    "test_dit_e2e": "the Step-Audio2 tritonserver (cosyvoice2_dit); the recipe's tiny run and stages 7-8",
+    "test_step_audio2_e2e": "the Step-Audio2 tritonserver (cosyvoice2_dit); the recipe's tiny run and stages 7-8",
     "test_faults": "nine tritonservers, some of them killed",
     "test_run_sh": "run.sh and the DiT recipe's stages",
     "test_run_sh_disaggregated": "run.sh stage 7: LLM servers, tritonserver, the API",

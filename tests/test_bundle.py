@@ -49,14 +49,15 @@ def test_bad_arguments(tmp_path):
 
 
 def test_dit_directory_loads_strictly(tmp_path):
-    from cosyserve.bundle.dit import DIT_DIR, tiny_dit_config
-    from cosyserve.models.dit import DitFlowConfig
+    from cosyserve.bundle.step_audio2 import tiny_step_audio2_config
+    from cosyserve.runtime import STEP_AUDIO2_DIR
+    from cosyserve.models.step_audio2 import StepAudio2FlowConfig
     from cosyserve.token2wav.step_audio2 import load_step_audio2
 
-    make_bundle(tmp_path, "tiny", seed=1, parts=("dit",))
-    model_dir = tmp_path / DIT_DIR
+    make_bundle(tmp_path, "tiny", seed=1, parts=("step_audio2",))
+    model_dir = tmp_path / STEP_AUDIO2_DIR
     for name in ("flow.yaml", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2_25hz.onnx"):
         assert (model_dir / name).is_file(), name
-    assert DitFlowConfig.from_yaml_tree(load_hyperpyyaml(model_dir / "flow.yaml")) == tiny_dit_config()
+    assert StepAudio2FlowConfig.from_yaml_tree(load_hyperpyyaml(model_dir / "flow.yaml")) == tiny_step_audio2_config()
     t2w = load_step_audio2(model_dir, "cpu", torch.float32)
     assert t2w.hift.cfg == HiftConfig.tiny()  # widths read from the config-less hift.pt

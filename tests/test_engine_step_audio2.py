@@ -1,7 +1,7 @@
 """Step-Audio2's token2wav as a kind of the engine, against the one-request computation
 (StepAudio2Stream and offline_waveforms of cosyserve.token2wav.step_audio2).
 
-A tiny random flow and HiFT (as tests/test_dit.py builds them), HiFT with zero harmonic noise on
+A tiny random flow and HiFT (as tests/test_step_audio2_flow.py builds them), HiFT with zero harmonic noise on
 both sides. The streams are driven in the engine core's order of work: per iteration, chunks that
 are ready start together, one packed step of every job under way, the jobs that finished vocoded
 together; streams start at different iterations and receive their tokens at different rates, so
@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from cosyserve.bundle.dit import tiny_dit_config
+from cosyserve.bundle.step_audio2 import tiny_step_audio2_config
 from cosyserve.engine.core import EngineCore
 from cosyserve.engine.kinds.step_audio2 import StepAudio2Kind, aligned_features
 from cosyserve.engine.request import EngineRequest
 from cosyserve.errors import InvalidInputError
 from cosyserve.frontend.prompt import PromptFeatures, Voice
 from cosyserve.llm.stream import Finished, TokenStream
-from cosyserve.models.dit.flow import DitFlow
+from cosyserve.models.step_audio2.flow import StepAudio2Flow
 from cosyserve.models.hift import HiftConfig, HiFTGenerator
 from cosyserve.pipeline.tts import SegmentPrompt, TokenLimits
 from cosyserve.token2wav.step_audio2 import (OfflineRequest, StepAudio2Models, StepAudio2Stream, VoicePrompt,
@@ -40,7 +40,7 @@ def zero_sine_noise(samples: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def reference() -> StepAudio2Models:
     torch.manual_seed(0)
-    flow = DitFlow(tiny_dit_config()).eval()
+    flow = StepAudio2Flow(tiny_step_audio2_config()).eval()
     torch.manual_seed(1)
     hift = HiFTGenerator(HiftConfig.tiny()).eval()
     return StepAudio2Models(flow, hift)
@@ -311,7 +311,7 @@ def test_load_engine_serves_step_audio2_on_the_tiny_bundle(tmp_path):
 
     spec = MODEL_KINDS["step_audio2"]
     assert spec.layout is COSYVOICE2 and spec.sampling == REFERENCE_SAMPLING and spec.registered_voices
-    models = make_bundle(tmp_path, "tiny", seed=0, parts=("cosyvoice2", "llm", "dit"))
+    models = make_bundle(tmp_path, "tiny", seed=0, parts=("cosyvoice2", "llm", "step_audio2"))
     engine = load_engine("step_audio2", models / STEP_AUDIO2_DIR, models / LLM_DIR, torch.device("cpu"),
                          spk2info=models / COSYVOICE2_DIR / SPK2INFO, kind_options={"max_voices": 2},
                          llm_options={"max_slots": 4, "max_model_len": 1024})

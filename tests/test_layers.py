@@ -142,7 +142,7 @@ def test_the_parser_sees_relative_absolute_and_function_level_imports():
     assert "text" in graph["pipeline.tts"]  # from ..text import MAX_SEGMENT_CHARS, ...
     assert "errors" in graph["data"]  # from .errors import InvalidInputError
     assert "audio.io" in graph["data"]  # inside load_reference_audio
-    assert "bundle.dit" in graph["bundle"]  # from .dit import make_dit_dir, inside make_bundle
+    assert "bundle.step_audio2" in graph["bundle"]  # from .step_audio2 import make_step_audio2_dir, inside make_bundle
     assert "llm.base" in graph["llm.trtllm"]  # from ..base import BackendUnavailableError
 
 

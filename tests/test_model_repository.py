@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cosyserve.serving.model_repository import (TEMPLATES, CosyVoice2Repository, DitRepository, TemplateError,
+from cosyserve.serving.model_repository import (TEMPLATES, CosyVoice2Repository, StepAudio2Repository, TemplateError,
                                                 build)
 
 
@@ -52,7 +52,7 @@ def test_dit_repository_is_the_engine_with_step_audio2s_kind(tmp_path):
 
     from cosyserve.serving.settings import EngineSettings, parse_settings
 
-    repo = build(DitRepository(Path("/d"), Path("/c"), Path("/l"), llm_url="http://h:1/v1", device="cpu",
+    repo = build(StepAudio2Repository(Path("/d"), Path("/c"), Path("/l"), llm_url="http://h:1/v1", device="cpu",
                                token2wav_dtype="bfloat16"), tmp_path / "dit")
     assert sorted(p.name for p in repo.iterdir()) == ["cosyvoice2_dit"]
     config = (repo / "cosyvoice2_dit" / "config.pbtxt").read_text()
@@ -66,7 +66,7 @@ def test_dit_repository_is_the_engine_with_step_audio2s_kind(tmp_path):
                                                               config)))
     assert settings.spk2info == Path("/c/spk2info.pt") and settings.model_kind == "step_audio2"
     assert settings.kind_options(torch.device("cpu")) == {"dtype": torch.bfloat16, "max_voices": 8}
-    in_loop = build(DitRepository(Path("/d"), Path("/c"), Path("/l"), decoupled=False), tmp_path / "in_loop")
+    in_loop = build(StepAudio2Repository(Path("/d"), Path("/c"), Path("/l"), decoupled=False), tmp_path / "in_loop")
     assert parameter(in_loop, "cosyvoice2_dit", "llm_url") == ""  # the LLM in the engine's loop
     assert "decoupled: False" in (in_loop / "cosyvoice2_dit" / "config.pbtxt").read_text()
 
@@ -100,14 +100,14 @@ def test_the_stream_cap_reaches_every_streaming_bls(tmp_path):
     cv2 = build(CosyVoice2Repository(Path("/m"), max_streams=6), tmp_path / "cv2")
     assert parameter(cv2, "cosyvoice2", "max_streams") == "6"  # the engine's: offline requests obey it too
     assert parameter(build(CosyVoice2Repository(Path("/m")), tmp_path / "off"), "cosyvoice2", "max_streams") == "0"
-    dit = build(DitRepository(Path("/d"), Path("/c"), Path("/l"), llm_url="u", max_streams=3), tmp_path / "dit")
+    dit = build(StepAudio2Repository(Path("/d"), Path("/c"), Path("/l"), llm_url="u", max_streams=3), tmp_path / "dit")
     assert parameter(dit, "cosyvoice2_dit", "max_streams") == "3"
     cv3 = build(CosyVoice3Repository(Path("/m"), max_streams=2), tmp_path / "cv3")
     assert parameter(cv3, "cosyvoice3", "max_streams") == "2"
     with pytest.raises(ValueError, match="max_streams is 0"):
         build(CosyVoice2Repository(Path("/m"), max_streams=-1), tmp_path / "bad")
     # the buffer rule (ADMISSION_MIN_BUFFER_S) reaches every streaming BLS the same way
-    dit = build(DitRepository(Path("/d"), Path("/c"), Path("/l"), llm_url="u", admission_min_buffer_s=0.5), tmp_path / "dit2")
+    dit = build(StepAudio2Repository(Path("/d"), Path("/c"), Path("/l"), llm_url="u", admission_min_buffer_s=0.5), tmp_path / "dit2")
     cv3 = build(CosyVoice3Repository(Path("/m"), admission_min_buffer_s=0.5), tmp_path / "cv32")
     assert parameter(dit, "cosyvoice2_dit", "admission_min_buffer_s") == "0.5"
     assert parameter(cv3, "cosyvoice3", "admission_min_buffer_s") == "0.5"

@@ -179,7 +179,7 @@ def test_step_audio2_model_kind(tmp_path_factory, manifest, tmp_path, capsys):
     registered voice; a bundle without the DiT directory is a clear error."""
     from cosyserve.bundle import make_bundle
 
-    models = make_bundle(tmp_path_factory.mktemp("sa2_offline"), "tiny", parts=("cosyvoice2", "llm", "dit"))
+    models = make_bundle(tmp_path_factory.mktemp("sa2_offline"), "tiny", parts=("cosyvoice2", "llm", "step_audio2"))
     for name, extra in (("clip", ()), ("registered", ("--speaker-id", "001"))):
         out = tmp_path / name
         assert offline_inference.main(["--model", "step_audio2", "--model-dir", str(models), "--manifest-path",

@@ -2,7 +2,6 @@
 coreutils and the pid files. Stand-in processes (``sleep`` under the name a server runs as) take the
 place of tritonserver, the API and the LLM servers."""
 
-import os
 import shutil
 import subprocess
 from pathlib import Path

@@ -172,7 +172,7 @@ def test_cosyvoice2_is_the_default(tmp_path_factory, tmp_path, capsys, mode):
 
 @pytest.fixture(scope="module")
 def sa2_bundle(tmp_path_factory) -> Path:
-    return make_bundle(tmp_path_factory.mktemp("sa2_t2w"), "tiny", parts=("cosyvoice2", "dit"))
+    return make_bundle(tmp_path_factory.mktemp("sa2_t2w"), "tiny", parts=("cosyvoice2", "step_audio2"))
 
 
 @pytest.mark.parametrize("mode, strategy", [("offline", "exponential"), ("streaming", "equal"),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import threading
 import time
 from dataclasses import dataclass

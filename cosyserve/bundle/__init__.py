@@ -30,7 +30,7 @@ from ..runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO
 from .model_yaml import write_model_yaml
 
 SIZES = ("tiny", "real")
-PARTS = ("cosyvoice2", "llm", "dit", "cosyvoice3", "cosyvoice3_llm")
+PARTS = ("cosyvoice2", "llm", "step_audio2", "cosyvoice3", "cosyvoice3_llm")
 ASSETS_DIR = "assets"
 DEFAULT_SPEAKER_ID = "001"
 # The prompt text shipped with the synthetic prompt; any text works with random weights.
@@ -119,13 +119,13 @@ def make_bundle(out_dir: str | Path, size: str = "tiny", seed: int = 0, parts: t
         from .llm import write_llm_bundle
 
         write_llm_bundle(out_dir / LLM_DIR, size, seed + 10)
-    if "dit" in parts:
-        from .dit import make_dit_dir
+    if "step_audio2" in parts:
+        from .step_audio2 import make_step_audio2_dir
 
         cosyvoice2_dir = out_dir / COSYVOICE2_DIR
-        if not (cosyvoice2_dir / "campplus.onnx").exists():  # the DiT's front-end models are these
+        if not (cosyvoice2_dir / "campplus.onnx").exists():  # Step-Audio2's front-end models are these
             make_cosyvoice2_dir(out_dir, size, seed + 20)
-        make_dit_dir(out_dir, size, seed + 20, cosyvoice2_dir)
+        make_step_audio2_dir(out_dir, size, seed + 20, cosyvoice2_dir)
     if "cosyvoice3" in parts:
         from .cosyvoice3 import make_cosyvoice3_dir
 

@@ -58,7 +58,7 @@ class Voice:
     transcript, so the LLM prompt carries neither prompt text nor prompt speech tokens
     (CosyVoice2's cross-lingual mode); token2wav still uses the features. ``reference_wav16``: the
     16 kHz clip a zero-shot voice was made from, as the request sent it; a token2wav that derives
-    its own prompt from the clip (the DiT's) is sent that.
+    its own prompt from the clip (Step-Audio2's) is sent that.
     """
 
     prompt_text: str

@@ -18,7 +18,7 @@ import torch
 from ..errors import ModelLoadError
 
 # Suite modules, in the order their tables are printed. Each is cosyserve.parity.<name>.
-SUITES = ("cv2_frontend", "cv2_flow", "cv2_hift", "cv2_token2wav", "dit", "cv3_frontend", "cv3_flow", "cv3_hift", "cv3_token2wav")
+SUITES = ("cv2_frontend", "cv2_flow", "cv2_hift", "cv2_token2wav", "step_audio2", "cv3_frontend", "cv3_flow", "cv3_hift", "cv3_token2wav")
 # The CosyVoice3 set reuses CosyVoice2's file names (flow_tiny.pt, hift_tiny_io.safetensors, ...); its yaml
 # tells the two apart.
 COSYVOICE3_MARKER = "cosyvoice3_tiny.yaml"

@@ -7,11 +7,11 @@
 the same template) and the tests all call :func:`build`::
 
     python -m cosyserve.serving.model_repository cosyvoice2 OUT_DIR --models-dir models --device cpu
-    python -m cosyserve.serving.model_repository dit OUT_DIR --dit-model-dir models/Step-Audio-2-mini/token2wav \\
+    python -m cosyserve.serving.model_repository step_audio2 OUT_DIR --step-audio2-dir models/Step-Audio-2-mini/token2wav \\
         --cosyvoice2-dir models/CosyVoice2-0.5B --llm-dir models/cosyvoice2_llm --llm-url http://h:8100/v1
     python -m cosyserve.serving.model_repository cosyvoice3 OUT_DIR --models-dir models --device cpu
 
-Every field of :class:`CosyVoice2Repository` / :class:`DitRepository` / :class:`CosyVoice3Repository` is a ``--flag`` of the same
+Every field of :class:`CosyVoice2Repository` / :class:`StepAudio2Repository` / :class:`CosyVoice3Repository` is a ``--flag`` of the same
 name (``_`` -> ``-``). A template is a ``config.pbtxt`` with ``${key}`` placeholders; :func:`fill`
 replaces them (``scripts/fill_template.py`` is its command line, with NVIDIA's syntax).
 """
@@ -243,7 +243,7 @@ def _max_streams(cap: int) -> str:
 
 
 @dataclass(frozen=True)
-class DitRepository(EngineRepository):
+class StepAudio2Repository(EngineRepository):
     """What ``run_stepaudio2_dit_token2wav.sh`` stage 2 builds (its variables in the comments):
     ``cosyvoice2_dit``, the engine core with Step-Audio2's kind (CosyVoice2's LLM, prompt layout and
     voices; Step-Audio-2-mini's DiT flow and HiFT) behind the front door ``cosyvoice2`` runs on, with
@@ -251,18 +251,18 @@ class DitRepository(EngineRepository):
     one process here). Speech tokens from the OpenAI-compatible server(s) at ``llm_url``, else from
     the LLM in the engine's loop."""
 
-    dit_model_dir: Path                                        # DIT_MODEL_DIR (Step-Audio-2-mini/token2wav)
+    step_audio2_dir: Path                                      # DIT_MODEL_DIR (Step-Audio-2-mini/token2wav)
     cosyvoice2_dir: Path                                       # COSYVOICE2_DIR (its spk2info.pt: the voices)
     llm_dir: Path                                              # LLM_DIR (the tokenizer; the LLM without llm_url)
     llm_model: str = EngineSettings.llm_model                  # LLM_MODEL (empty: the first llm_url lists)
     max_batch_size: int = 1                                    # TRITON_MAX_BATCH_SIZE
     token2wav_dtype: str = EngineSettings.token2wav_dtype      # TOKEN2WAV_DTYPE
     token2wav_max_voices: int = DEFAULT_MAX_VOICES             # TOKEN2WAV_MAX_VOICES
-    voices_dir: str = ""                                       # VOICES_DIR (empty: <dit model dir>/voices)
+    voices_dir: str = ""                                       # VOICES_DIR (empty: <step_audio2_dir>/voices)
 
     def models(self) -> dict[str, ModelEntry]:
         return {"cosyvoice2_dit": ModelEntry("cosyvoice2", {
-            **self.engine_values(str(self.dit_model_dir), str(self.llm_dir)), "model_kind": "step_audio2",
+            **self.engine_values(str(self.step_audio2_dir), str(self.llm_dir)), "model_kind": "step_audio2",
             "spk2info": f"{self.cosyvoice2_dir}/{SPK2INFO}", "llm_model": self.llm_model,
             "voices_dir": self.voices_dir, "llm_model_name": "", "llm_protocol": "",
             "token2wav_dtype": self.token2wav_dtype, "token2wav_max_voices": str(self.token2wav_max_voices),
@@ -297,10 +297,10 @@ class CosyVoice3Repository(EngineRepository):
             "token2wav_final": "", "token2wav_state_pool_gb": "", "token2wav_hift_dtype": ""})}
 
 
-PIPELINES = {"cosyvoice2": CosyVoice2Repository, "dit": DitRepository, "cosyvoice3": CosyVoice3Repository}
+PIPELINES = {"cosyvoice2": CosyVoice2Repository, "step_audio2": StepAudio2Repository, "cosyvoice3": CosyVoice3Repository}
 
 
-def build(spec: CosyVoice2Repository | DitRepository | CosyVoice3Repository, out: str | Path, templates: str | Path = TEMPLATES) -> Path:
+def build(spec: CosyVoice2Repository | StepAudio2Repository | CosyVoice3Repository, out: str | Path, templates: str | Path = TEMPLATES) -> Path:
     """Replace ``out`` with the repository ``spec`` describes; returns ``out``.
 
     Every template is filled before ``out`` is touched: when one does not fit
@@ -339,7 +339,7 @@ def _boolean(text: str) -> bool:
 
 
 def parse_args(argv: Sequence[str] | None = None
-               ) -> tuple[CosyVoice2Repository | DitRepository | CosyVoice3Repository, Path, Path]:
+               ) -> tuple[CosyVoice2Repository | StepAudio2Repository | CosyVoice3Repository, Path, Path]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     pipelines = parser.add_subparsers(dest="pipeline", required=True)
     for name, spec in PIPELINES.items():

@@ -79,7 +79,7 @@ def default_state_pool_bytes(device: torch.device) -> int:
 
 
 def default_flow_dtype(device: torch.device) -> torch.dtype:
-    """The flow's dtype when none is asked for (CosyVoice2 and DiT): fp16 on CUDA, as deployed
+    """The flow's dtype when none is asked for (CosyVoice2 and Step-Audio2): fp16 on CUDA, as deployed
     (HiFT's own dtype: ``Token2WavOptions.hift_dtype``), fp32 on CPU."""
     return torch.float16 if device.type == "cuda" else torch.float32
 

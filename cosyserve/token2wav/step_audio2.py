@@ -18,7 +18,7 @@ together; it keeps no registry of streams or voices (the engine's kind keeps tho
   overlap, cross-fade). The stream's state is released on the last chunk, on any error and on
   :meth:`StepAudio2Stream.close`.
 
-A stream's chunk schedule is :class:`~cosyserve.schedule.DitChunkScheduler`.
+A stream's chunk schedule is :class:`~cosyserve.schedule.StepAudio2ChunkScheduler`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 from ..errors import InvalidInputError
 from ..speech_tokens import speech_token_ids
-from ..models.dit.flow import DitFlow, FlowStreamCache, load_dit_flow
+from ..models.step_audio2.flow import StepAudio2Flow, FlowStreamCache, load_step_audio2_flow
 from ..models.hift import HiFTGenerator, load_hift
 from .vocoder_stream import HiftStream, SineNoiseProvider, VocoderChunk
 
@@ -100,7 +100,7 @@ class StepAudio2Chunk:
 class StepAudio2Models:
     """The flow (fp32, fp16 or bf16) and HiFT (fp32, as the deployment keeps it), in eval mode."""
 
-    flow: DitFlow
+    flow: StepAudio2Flow
     hift: HiFTGenerator
 
     def __post_init__(self):
@@ -117,7 +117,7 @@ def load_step_audio2(model_dir: str | Path, device: torch.device | str = "cpu",
     """``flow.pt`` (+ ``flow.yaml``) in ``dtype`` and ``hift.pt`` (default constructor values) in
     float32, from a Step-Audio-2-mini ``token2wav`` directory."""
     model_dir = Path(model_dir)
-    return StepAudio2Models(load_dit_flow(model_dir, device, dtype),
+    return StepAudio2Models(load_step_audio2_flow(model_dir, device, dtype),
                             load_hift(model_dir / "hift.pt", device, torch.float32))
 
 
@@ -180,7 +180,7 @@ def offline_waveforms(
 
 
 # ---------------------------------------------------------------------------------- streaming
-def build_voice_state(flow: DitFlow, prompt: VoicePrompt) -> VoiceState:
+def build_voice_state(flow: StepAudio2Flow, prompt: VoicePrompt) -> VoiceState:
     """The prompt aligned (n = min(M // 2, n_p) tokens, 2n frames) and run once through the flow."""
     r = flow.up_rate
     tokens = speech_token_ids(prompt.tokens, flow.cfg.vocab_size, "prompt.tokens")

@@ -7,7 +7,7 @@ cross-faded with a symmetric Hamming window of twice that length. The overlap of
 chunk is withheld until the next chunk has faded into it. The fade is not gain-neutral (the two
 window halves sum to ≈1.08), exactly like the reference; it is evaluated in float64.
 
-The class knows nothing about the mel producer, so the CosyVoice2 flow and the DiT flow share it.
+The class knows nothing about the mel producer, so the CosyVoice2 and Step-Audio2 flows share it.
 """
 
 from __future__ import annotations

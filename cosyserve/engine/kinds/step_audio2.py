@@ -17,7 +17,7 @@ last ``max_voices`` voices; a stream keeps its voice's state even after eviction
 
 Streams. A voicing is one stream: its flow caches (shared with the voice until its first chunk)
 and its :class:`~cosyserve.token2wav.vocoder_stream.HiftStream`. Chunks come from
-:class:`~cosyserve.schedule.DitChunkScheduler`; a chunk job runs the encoder on the chunk's new
+:class:`~cosyserve.schedule.StepAudio2ChunkScheduler`; a chunk job runs the encoder on the chunk's new
 tokens when it starts, then takes ``n_timesteps`` estimator steps; on its last step the stream's
 caches become the chunk's (estimator cache trimmed as upstream does).
 
@@ -40,10 +40,10 @@ from ...audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ...errors import InvalidInputError
 from ...frontend.prompt import PromptFeatures, build_prompt_features, trim_to_token_rate
 from ...frontend.torch_models import load_frontend_models
-from ...models.dit.cfm import EstimatorCache, cosine_time_grid
-from ...models.dit.estimator import CONV_KERNEL, DiT, DitBlock, modulate
-from ...models.dit.flow import FlowStreamCache
-from ...schedule import DitChunkScheduler
+from ...models.step_audio2.cfm import EstimatorCache, cosine_time_grid
+from ...models.step_audio2.estimator import CONV_KERNEL, DiT, DitBlock, modulate
+from ...models.step_audio2.flow import FlowStreamCache
+from ...schedule import StepAudio2ChunkScheduler
 from ...speech_tokens import speech_token_ids
 from ...token2wav.cosyvoice2 import default_flow_dtype
 from ...token2wav.step_audio2 import (DEFAULT_MAX_VOICES, ESTIMATOR_CACHE_KEEP, STEP_AUDIO2_SPEAKER_ONNX,
@@ -168,8 +168,8 @@ class StepAudio2Kind:
         self._open = 0
         self._lock = threading.Lock()
 
-    def chunk_schedule(self, strategy: str) -> DitChunkScheduler:
-        return DitChunkScheduler(strategy, self.flow.pre_lookahead_len)
+    def chunk_schedule(self, strategy: str) -> StepAudio2ChunkScheduler:
+        return StepAudio2ChunkScheduler(strategy, self.flow.pre_lookahead_len)
 
     # ----- voices and streams -----
 

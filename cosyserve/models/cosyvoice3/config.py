@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from ...config import Tagged, load_hyperpyyaml, tagged_kwargs
 from ...errors import ModelLoadError
-from ..dit.config import _checked  # the same required/fixed/unknown-key rule as the Step-Audio-2 DiT config
+from ..step_audio2.config import _checked  # the same required/fixed/unknown-key rule as the Step-Audio2 flow config
 from ..hift.config import HiftConfig
 
 FLOW_CLASS = "cosyvoice.flow.flow.CausalMaskedDiffWithDiT"

@@ -4,7 +4,7 @@ An F5-TTS-style transformer: input projection of [x ‖ cond ‖ mu ‖ speaker]
 convolutional position embedding, adaLN-Zero blocks (attention + GELU-tanh feed-forward) and an
 adaptive final norm. Sequences are time-major (B, T, D) inside. Parameter names follow
 upstream so released ``flow.pt`` files load strictly. Differences from the Step-Audio-2 DiT
-(:mod:`cosyserve.models.dit`) that make it a different network: rotary positions (on the first
+(:mod:`cosyserve.models.step_audio2`) that make it a different network: rotary positions (on the first
 head only), no per-block convolution, no QK-norm, a learned position convolution at the input,
 and sin-before-cos time features.
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..dit.estimator import modulate
+from ..step_audio2.estimator import modulate
 from .config import Cv3EstimatorConfig
 
 TIME_FREQ_DIM = 256  # width of the sinusoidal time features

@@ -20,7 +20,7 @@ from torch import nn
 
 from cosyserve.errors import InvalidInputError
 
-from .config import DitFlowConfig
+from .config import StepAudio2FlowConfig
 from .estimator import DiT
 
 NOISE_SEED = 0
@@ -56,8 +56,8 @@ def cosine_time_grid(n_steps: int, device: torch.device, dtype: torch.dtype) -> 
     return 1 - torch.cos(u * 0.5 * math.pi)
 
 
-class DitCFM(nn.Module):
-    def __init__(self, cfg: DitFlowConfig):
+class StepAudio2CFM(nn.Module):
+    def __init__(self, cfg: StepAudio2FlowConfig):
         super().__init__()
         self.estimator = DiT(cfg.estimator)
         self.cfg_rate = cfg.inference_cfg_rate

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DitEstimatorConfig
+from .config import StepAudio2EstimatorConfig
 
 CONV_KERNEL = 3  # both causal convolutions of a block
 TIME_FREQ_DIM = 256  # width of the sinusoidal time features
@@ -129,7 +129,7 @@ class Mlp(nn.Module):
 class DitBlock(nn.Module):
     """x += gate·Attn(mod(norm1 x)); x += gate·Conv(mod(norm3 x)); x += gate·MLP(mod(norm2 x))."""
 
-    def __init__(self, cfg: DitEstimatorConfig):
+    def __init__(self, cfg: StepAudio2EstimatorConfig):
         super().__init__()
         hidden = cfg.hidden_size
         self.norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
@@ -171,7 +171,7 @@ class FinalLayer(nn.Module):
 
 
 class DiT(nn.Module):
-    def __init__(self, cfg: DitEstimatorConfig):
+    def __init__(self, cfg: StepAudio2EstimatorConfig):
         super().__init__()
         self.cfg = cfg
         self.t_embedder = TimestepEmbedder(cfg.hidden_size)

@@ -1,4 +1,4 @@
-"""The Step-Audio-2-mini ``token2wav/`` directory of a random-weight bundle (DiT pipeline)."""
+"""The Step-Audio-2-mini ``token2wav/`` directory of a random-weight bundle (Step-Audio2)."""
 
 from __future__ import annotations
 
@@ -8,35 +8,33 @@ from pathlib import Path
 import torch
 
 from ..config import dump_hyperpyyaml
-from ..models.dit import DitFlow, DitFlowConfig
-from ..models.dit.config import DitEncoderConfig, DitEstimatorConfig
+from ..models.step_audio2 import StepAudio2Flow, StepAudio2FlowConfig
+from ..models.step_audio2.config import StepAudio2EncoderConfig, StepAudio2EstimatorConfig
 from ..models.hift import HiFTGenerator, HiftConfig
 from ..runtime import STEP_AUDIO2_DIR
 from ..token2wav.step_audio2 import STEP_AUDIO2_SPEAKER_ONNX, STEP_AUDIO2_TOKENIZER_ONNX
 
-DIT_DIR = STEP_AUDIO2_DIR
 
-
-def tiny_dit_config() -> DitFlowConfig:
-    """The shrunk DiT of the parity fixtures (same module tree, tiny widths)."""
-    return DitFlowConfig(
+def tiny_step_audio2_config() -> StepAudio2FlowConfig:
+    """The shrunk Step-Audio2 flow of the parity fixtures (same module tree, tiny widths)."""
+    return StepAudio2FlowConfig(
         input_size=64,
-        encoder=DitEncoderConfig(input_size=64, output_size=64, attention_heads=2, linear_units=128,
+        encoder=StepAudio2EncoderConfig(input_size=64, output_size=64, attention_heads=2, linear_units=128,
                                  num_blocks=2, num_up_blocks=2),
-        estimator=DitEstimatorConfig(hidden_size=64, depth=2, num_heads=2, head_dim=32),
+        estimator=StepAudio2EstimatorConfig(hidden_size=64, depth=2, num_heads=2, head_dim=32),
     )
 
 
-def make_dit_dir(out_dir: Path, size: str, seed: int, cosyvoice2_dir: Path) -> Path:
+def make_step_audio2_dir(out_dir: Path, size: str, seed: int, cosyvoice2_dir: Path) -> Path:
     """Write ``Step-Audio-2-mini/token2wav/``: flow.yaml, flow.pt, hift.pt and the two ONNX
     front-end models, copied from ``cosyvoice2_dir`` (they are the same files as CosyVoice2's; the
     released directory names the tokenizer ``speech_tokenizer_v2_25hz.onnx``)."""
-    model_dir = out_dir / DIT_DIR
+    model_dir = out_dir / STEP_AUDIO2_DIR
     model_dir.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_dit_config() if size == "tiny" else DitFlowConfig.real()
+    cfg = tiny_step_audio2_config() if size == "tiny" else StepAudio2FlowConfig.real()
     dump_hyperpyyaml({"flow": cfg.to_yaml_node()}, model_dir / "flow.yaml")
     torch.manual_seed(seed)
-    torch.save(DitFlow(cfg).state_dict(), model_dir / "flow.pt")
+    torch.save(StepAudio2Flow(cfg).state_dict(), model_dir / "flow.pt")
     torch.manual_seed(seed + 1)
     hift_cfg = HiftConfig.tiny() if size == "tiny" else HiftConfig.real()
     torch.save(HiFTGenerator(hift_cfg).state_dict(), model_dir / "hift.pt")

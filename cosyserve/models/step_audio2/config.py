@@ -1,8 +1,8 @@
 """Hyper-parameters of the Step-Audio-2-mini DiT flow (``token2wav/flow.yaml``).
 
 The released ``flow.yaml`` builds four upstream classes through HyperPyYAML tags. We never
-execute them: :meth:`DitFlowConfig.from_yaml_tree` reads the tag arguments from the safe
-parse of :func:`cosyserve.config.load_hyperpyyaml`, and :meth:`DitFlowConfig.to_yaml_node`
+execute them: :meth:`StepAudio2FlowConfig.from_yaml_tree` reads the tag arguments from the safe
+parse of :func:`cosyserve.config.load_hyperpyyaml`, and :meth:`StepAudio2FlowConfig.to_yaml_node`
 writes an equivalent tree back. Options this implementation does not support are rejected
 with :class:`ModelLoadError` instead of being silently ignored.
 """
@@ -46,7 +46,7 @@ _CFM_INERT = {"training_cfg_rate", "sigma_min", "t_scheduler", "solver", "in_cha
 
 
 @dataclass(frozen=True)
-class DitEncoderConfig:
+class StepAudio2EncoderConfig:
     """``UpsampleConformerEncoderV2``: token-rate Conformer stack, ×2 up-sampling, frame-rate stack."""
 
     input_size: int = 512
@@ -68,7 +68,7 @@ class DitEncoderConfig:
 
 
 @dataclass(frozen=True)
-class DitEstimatorConfig:
+class StepAudio2EstimatorConfig:
     """``DiT`` estimator: adaLN-Zero transformer blocks with a causal-conv sub-block."""
 
     in_channels: int = 320
@@ -85,7 +85,7 @@ class DitEstimatorConfig:
 
 
 @dataclass(frozen=True)
-class DitFlowConfig:
+class StepAudio2FlowConfig:
     """``CausalMaskedDiffWithXvec`` with its encoder, CFM and DiT estimator."""
 
     vocab_size: int = 6561
@@ -95,8 +95,8 @@ class DitFlowConfig:
     inference_cfg_rate: float = 0.7
     n_timesteps: int = 10  # fixed by the runtime, not in flow.yaml
     noise_frames: int = 30000  # length of the fixed streaming noise buffer
-    encoder: DitEncoderConfig = field(default_factory=DitEncoderConfig)
-    estimator: DitEstimatorConfig = field(default_factory=DitEstimatorConfig)
+    encoder: StepAudio2EncoderConfig = field(default_factory=StepAudio2EncoderConfig)
+    estimator: StepAudio2EstimatorConfig = field(default_factory=StepAudio2EstimatorConfig)
 
     def __post_init__(self) -> None:
         est = self.estimator
@@ -115,12 +115,12 @@ class DitFlowConfig:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def real(cls) -> "DitFlowConfig":
+    def real(cls) -> "StepAudio2FlowConfig":
         """The released Step-Audio-2-mini configuration."""
         return cls()
 
     @classmethod
-    def from_yaml_tree(cls, tree: Any) -> "DitFlowConfig":
+    def from_yaml_tree(cls, tree: Any) -> "StepAudio2FlowConfig":
         """Read a parsed ``flow.yaml`` (the whole tree or its ``flow`` node)."""
         node = tree["flow"] if isinstance(tree, dict) and "flow" in tree else tree
         flow = _checked(tagged_kwargs(node, "CausalMaskedDiffWithXvec", "flow"), "flow",
@@ -138,7 +138,7 @@ class DitFlowConfig:
         return cls._from_dicts(flow, enc, cfm, est)
 
     @classmethod
-    def from_fixture_json(cls, path_or_dict: str | Path | dict) -> "DitFlowConfig":
+    def from_fixture_json(cls, path_or_dict: str | Path | dict) -> "StepAudio2FlowConfig":
         """Read the ``flow_hparams`` block of a parity fixture's ``tiny_config.json``."""
         data = path_or_dict if isinstance(path_or_dict, dict) else json.loads(Path(path_or_dict).read_text())
         hp = data.get("flow_hparams", data)
@@ -148,7 +148,7 @@ class DitFlowConfig:
             raise ModelLoadError(f"fixture config lacks {exc}") from exc
 
     @classmethod
-    def _from_dicts(cls, flow: dict, enc: dict, cfm: dict, est: dict) -> "DitFlowConfig":
+    def _from_dicts(cls, flow: dict, enc: dict, cfm: dict, est: dict) -> "StepAudio2FlowConfig":
         try:
             return cls(
                 vocab_size=int(flow["vocab_size"]),
@@ -156,7 +156,7 @@ class DitFlowConfig:
                 output_size=int(flow["output_size"]),
                 spk_embed_dim=int(flow["spk_embed_dim"]),
                 inference_cfg_rate=float(cfm["inference_cfg_rate"]),
-                encoder=DitEncoderConfig(
+                encoder=StepAudio2EncoderConfig(
                     input_size=int(enc["input_size"]),
                     output_size=int(enc["output_size"]),
                     attention_heads=int(enc["attention_heads"]),
@@ -166,7 +166,7 @@ class DitFlowConfig:
                     pre_lookahead_len=int(enc["pre_lookahead_len"]),
                     dropout_rate=float(enc.get("dropout_rate", 0.1)),
                 ),
-                estimator=DitEstimatorConfig(
+                estimator=StepAudio2EstimatorConfig(
                     in_channels=int(est["in_channels"]),
                     out_channels=int(est["out_channels"]),
                     hidden_size=int(est["hidden_size"]),

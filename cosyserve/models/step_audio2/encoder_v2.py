@@ -34,7 +34,7 @@ from cosyserve.models.flow.encoder import (
     relative_position_table,
 )
 
-from .config import DitEncoderConfig
+from .config import StepAudio2EncoderConfig
 
 
 def relative_shift_for_last_queries(scores: torch.Tensor, key_len: int) -> torch.Tensor:
@@ -116,7 +116,7 @@ class EncoderCache:
 
 
 class UpsampleConformerEncoderV2(nn.Module):
-    def __init__(self, cfg: DitEncoderConfig) -> None:
+    def __init__(self, cfg: StepAudio2EncoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
         dim = cfg.output_size

@@ -1,11 +1,11 @@
 """The Step-Audio-2-mini flow (upstream ``CausalMaskedDiffWithXvec`` with a DiT decoder).
 
 speech tokens (25 Hz) -> embedding -> :class:`UpsampleConformerEncoderV2` (50 Hz) ->
-``encoder_proj`` = mu -> :class:`DitCFM` (10 Euler steps, CFG) -> 80-bin log-mel.
+``encoder_proj`` = mu -> :class:`StepAudio2CFM` (10 Euler steps, CFG) -> 80-bin log-mel.
 
-Entry points: :meth:`DitFlow.inference` (offline, batched, per-item identical to a batch of one),
-:meth:`DitFlow.setup_stream` (per-speaker prompt pass that fills the caches) and
-:meth:`DitFlow.stream_chunk` (one cached chunk). Estimator-cache trimming is the stream's
+Entry points: :meth:`StepAudio2Flow.inference` (offline, batched, per-item identical to a batch of one),
+:meth:`StepAudio2Flow.setup_stream` (per-speaker prompt pass that fills the caches) and
+:meth:`StepAudio2Flow.stream_chunk` (one cached chunk). Estimator-cache trimming is the stream's
 (:mod:`cosyserve.token2wav.step_audio2`; the engine's Step-Audio2 kind keeps streams and voices).
 """
 
@@ -22,8 +22,8 @@ from cosyserve.config import load_hyperpyyaml
 from cosyserve.errors import InvalidInputError, ModelLoadError
 from cosyserve.speech_tokens import speech_token_ids
 
-from .cfm import DitCFM, EstimatorCache
-from .config import DitFlowConfig
+from .cfm import StepAudio2CFM, EstimatorCache
+from .config import StepAudio2FlowConfig
 from .encoder_v2 import EncoderCache, UpsampleConformerEncoderV2
 
 CHECKPOINT_NAME = "flow.pt"
@@ -38,15 +38,15 @@ class FlowStreamCache:
     estimator: EstimatorCache
 
 
-class DitFlow(nn.Module):
-    def __init__(self, cfg: DitFlowConfig):
+class StepAudio2Flow(nn.Module):
+    def __init__(self, cfg: StepAudio2FlowConfig):
         super().__init__()
         self.cfg = cfg
         self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
         self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
         self.encoder = UpsampleConformerEncoderV2(cfg.encoder)
         self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
-        self.decoder = DitCFM(cfg)
+        self.decoder = StepAudio2CFM(cfg)
 
     @property
     def up_rate(self) -> int:
@@ -145,18 +145,18 @@ class DitFlow(nn.Module):
         return mel.float(), FlowStreamCache(encoder_cache, estimator_cache)
 
 
-def load_dit_flow(model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DitFlow:
+def load_step_audio2_flow(model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> StepAudio2Flow:
     """Build the flow from ``model_dir/flow.yaml`` (released values when absent) and load
     ``model_dir/flow.pt`` strictly."""
     model_dir = Path(model_dir)
     config_path = model_dir / CONFIG_NAME
-    cfg = DitFlowConfig.from_yaml_tree(load_hyperpyyaml(config_path)) if config_path.exists() else DitFlowConfig.real()
-    flow = DitFlow(cfg)
-    load_dit_flow_state_dict(flow, model_dir / CHECKPOINT_NAME)
+    cfg = StepAudio2FlowConfig.from_yaml_tree(load_hyperpyyaml(config_path)) if config_path.exists() else StepAudio2FlowConfig.real()
+    flow = StepAudio2Flow(cfg)
+    load_step_audio2_flow_state_dict(flow, model_dir / CHECKPOINT_NAME)
     return flow.to(device=device, dtype=dtype).eval()
 
 
-def load_dit_flow_state_dict(flow: DitFlow, path: str | Path) -> None:
+def load_step_audio2_flow_state_dict(flow: StepAudio2Flow, path: str | Path) -> None:
     """Strict load of a ``flow.pt``-style state dict; any key or shape mismatch is a ModelLoadError."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)

@@ -1,6 +1,6 @@
 """Step-Audio2 (NVIDIA's ``cosyvoice2_dit``) through the real Triton server (CPU, tiny random-weight bundle).
 
-The repository is what ``run_stepaudio2_dit_token2wav.sh`` stage 2 builds (:class:`DitRepository`):
+The repository is what ``run_stepaudio2_dit_token2wav.sh`` stage 2 builds (:class:`StepAudio2Repository`):
 ``cosyvoice2_dit``, the engine core with Step-Audio2's kind (CosyVoice2's LLM, prompt layout and
 voices; Step-Audio-2-mini's DiT flow and HiFT, tokenizer and CAM++ in one loop) behind the front door
 ``cosyvoice2`` runs on, with NVIDIA's wire protocol. With ``MAX_TOKENS = MIN_TOKENS = 40`` every
@@ -70,7 +70,7 @@ def run_script(*args: str, env: dict[str, str], timeout: float = 240) -> subproc
 def models(tmp_path_factory) -> Path:
     from cosyserve.bundle import make_bundle
 
-    return make_bundle(tmp_path_factory.mktemp("dit_models"), "tiny", seed=0, parts=("cosyvoice2", "llm", "dit"))
+    return make_bundle(tmp_path_factory.mktemp("dit_models"), "tiny", seed=0, parts=("cosyvoice2", "llm", "step_audio2"))
 
 
 def _variant(repo: Path, name: str, old: str, new: str) -> None:

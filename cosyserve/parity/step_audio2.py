@@ -1,4 +1,5 @@
-"""Parity suite "dit": Step-Audio-2-mini DiT token2wav against the reference's tiny-model vectors.
+"""Parity suite "step_audio2": Step-Audio-2-mini's token2wav (its DiT flow and HiFT) against the
+reference's tiny-model vectors.
 
 Fixture format: ``shared/parity/dit/README.md``. Everything is derived from the directory
 (config JSON, manifest metadata, tensor files), never from the shared copy's values.
@@ -30,9 +31,9 @@ from safetensors.torch import load_file
 
 from cosyserve.config import dump_hyperpyyaml, load_hyperpyyaml
 from cosyserve.errors import ModelLoadError
-from cosyserve.models.dit.config import DitFlowConfig
-from cosyserve.models.dit.encoder_v2 import relative_position_table
-from cosyserve.models.dit.flow import DitFlow, load_dit_flow_state_dict
+from cosyserve.models.step_audio2.config import StepAudio2FlowConfig
+from cosyserve.models.step_audio2.encoder_v2 import relative_position_table
+from cosyserve.models.step_audio2.flow import StepAudio2Flow, load_step_audio2_flow_state_dict
 from cosyserve.models.hift import HiftConfig, load_hift
 from cosyserve.parity import CaseResult, check, compare
 from cosyserve.schedule import plan_stream_chunks
@@ -40,7 +41,7 @@ from cosyserve.token2wav.step_audio2 import (OfflineRequest, StepAudio2Models, S
                                              VoiceState, build_voice_state, offline_waveforms)
 from cosyserve.token2wav.vocoder_stream import HiftStream
 
-SUITE = "dit"
+SUITE = "step_audio2"
 UNIT_CAP, MEL_CAP = 1e-4, 2e-4
 WAVE = {"max_abs": 5e-3, "rel_l2": 0.03}
 BATCH_INVARIANCE = 1e-5  # our batched vs our single run: only op-order noise allowed
@@ -107,11 +108,11 @@ class _Models:
         return self.models.hift
 
 
-def _load_models(fx: _Fixture, results: list[CaseResult]) -> tuple[DitFlow, _Models]:
-    cfg = DitFlowConfig.from_fixture_json(fx.config)
-    flow = DitFlow(cfg).eval()
+def _load_models(fx: _Fixture, results: list[CaseResult]) -> tuple[StepAudio2Flow, _Models]:
+    cfg = StepAudio2FlowConfig.from_fixture_json(fx.config)
+    flow = StepAudio2Flow(cfg).eval()
     try:
-        load_dit_flow_state_dict(flow, fx.root / "tiny_flow.pt")
+        load_step_audio2_flow_state_dict(flow, fx.root / "tiny_flow.pt")
         results.append(check(SUITE, "load tiny_flow.pt (strict)", True, f"{len(flow.state_dict())} tensors"))
     except ModelLoadError as exc:
         results.append(check(SUITE, "load tiny_flow.pt (strict)", False, str(exc)[:200]))
@@ -126,18 +127,18 @@ def _load_models(fx: _Fixture, results: list[CaseResult]) -> tuple[DitFlow, _Mod
 def _config_cases(fx: _Fixture) -> list[CaseResult]:
     """tiny_config's YAML == its JSON hyper-parameters; to_yaml_node round-trips; real YAML == real()."""
     results = []
-    tiny = DitFlowConfig.from_fixture_json(fx.config)
+    tiny = StepAudio2FlowConfig.from_fixture_json(fx.config)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "flow.yaml"
         path.write_text(fx.config["flow_yaml"])
-        results.append(_exact("config: tiny flow.yaml == JSON", DitFlowConfig.from_yaml_tree(load_hyperpyyaml(path)), tiny))
+        results.append(_exact("config: tiny flow.yaml == JSON", StepAudio2FlowConfig.from_yaml_tree(load_hyperpyyaml(path)), tiny))
         dump_hyperpyyaml({"flow": tiny.to_yaml_node()}, path)
-        results.append(_exact("config: to_yaml_node round trip", DitFlowConfig.from_yaml_tree(load_hyperpyyaml(path)), tiny))
+        results.append(_exact("config: to_yaml_node round trip", StepAudio2FlowConfig.from_yaml_tree(load_hyperpyyaml(path)), tiny))
         real_manifest = fx.root / "dit_flow_real_manifest.json"
         if real_manifest.is_file():
             path.write_text(json.loads(real_manifest.read_text())["flow_yaml"])
             results.append(_exact("config: real flow.yaml == real()",
-                                  DitFlowConfig.from_yaml_tree(load_hyperpyyaml(path)), DitFlowConfig.real()))
+                                  StepAudio2FlowConfig.from_yaml_tree(load_hyperpyyaml(path)), StepAudio2FlowConfig.real()))
     return results
 
 
@@ -147,7 +148,7 @@ def _real_manifest_cases(fx: _Fixture) -> list[CaseResult]:
         return []
     manifest = json.loads(path.read_text())
     with torch.device("meta"):  # shapes only: no 600 MB allocation
-        flow = DitFlow(DitFlowConfig.real())
+        flow = StepAudio2Flow(StepAudio2FlowConfig.real())
     state = flow.state_dict()
     ours = [(k, list(v.shape)) for k, v in state.items()]
     ref = [(k["key"], k["shape"]) for k in manifest["keys"]]
@@ -166,7 +167,7 @@ def _real_manifest_cases(fx: _Fixture) -> list[CaseResult]:
 
 
 # ---------------------------------------------------------------------------------- units
-def _estimator_cases(fx: _Fixture, flow: DitFlow) -> list[CaseResult]:
+def _estimator_cases(fx: _Fixture, flow: StepAudio2Flow) -> list[CaseResult]:
     est, u = flow.decoder.estimator, fx.tensors("unit_estimator")
     results = []
     full = {k[len("unit_est_full."):]: v for k, v in u.items() if k.startswith("unit_est_full.")}
@@ -196,7 +197,7 @@ def _estimator_cases(fx: _Fixture, flow: DitFlow) -> list[CaseResult]:
     return results
 
 
-def _encoder_cases(fx: _Fixture, flow: DitFlow) -> list[CaseResult]:
+def _encoder_cases(fx: _Fixture, flow: StepAudio2Flow) -> list[CaseResult]:
     enc, u = flow.encoder, fx.tensors("unit_encoder")
     full = {k[len("unit_enc_full."):]: v for k, v in u.items() if k.startswith("unit_enc_full.")}
     lens = full["token_lens"].long()
@@ -257,7 +258,7 @@ def _hift_cases(fx: _Fixture, runtime: _Models) -> list[CaseResult]:
 
 
 # ---------------------------------------------------------------------------------- offline
-def _offline_cases(fx: _Fixture, name: str, flow: DitFlow, runtime: _Models) -> list[CaseResult]:
+def _offline_cases(fx: _Fixture, name: str, flow: StepAudio2Flow, runtime: _Models) -> list[CaseResult]:
     t, items = fx.tensors(name), fx.meta[name]["items"]
     lens, mel_lens = t["flow_token_lens"].long(), t["prompt_mel_lens"].long()
     unpadded = [int(n) == t["flow_tokens"].shape[1] for n in lens]
@@ -319,7 +320,7 @@ def _speaker_prompt(fx: _Fixture, setup_mel: torch.Tensor) -> VoicePrompt:
     raise ValueError("no prompt in prompts.safetensors matches stream_setup.setup_mel")
 
 
-def _setup_cases(fx: _Fixture, flow: DitFlow) -> tuple[list[CaseResult], VoiceState]:
+def _setup_cases(fx: _Fixture, flow: StepAudio2Flow) -> tuple[list[CaseResult], VoiceState]:
     """The voice state of the streams' prompt, and its cases."""
     s, meta = fx.tensors("stream_setup"), fx.meta["stream_setup"]
     prompt = _speaker_prompt(fx, s["setup_mel"])
@@ -350,7 +351,7 @@ def _snapshot(state) -> list[torch.Tensor]:
                                 cache.encoder.token_att, cache.encoder.frame_att, cache.estimator.cnn, cache.estimator.att)]
 
 
-def _stream_cases(fx: _Fixture, name: str, flow: DitFlow, runtime: _Models, state: VoiceState) -> list[CaseResult]:
+def _stream_cases(fx: _Fixture, name: str, flow: StepAudio2Flow, runtime: _Models, state: VoiceState) -> list[CaseResult]:
     t, meta = fx.tensors(name), fx.meta["streams"][name]
     target = t["target_tokens"].long()
     plan = plan_stream_chunks(target.numel(), meta["strategy"], flow.pre_lookahead_len)

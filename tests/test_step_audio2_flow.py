@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyserve.bundle.dit import tiny_dit_config
+from cosyserve.bundle.step_audio2 import tiny_step_audio2_config
 from cosyserve.config import dump_hyperpyyaml, load_hyperpyyaml
 from cosyserve.config import Tagged
 from cosyserve.errors import InvalidInputError, ModelLoadError
-from cosyserve.models.dit.cfm import EstimatorCache
-from cosyserve.models.dit.config import DitFlowConfig
-from cosyserve.models.dit.flow import DitFlow, load_dit_flow
+from cosyserve.models.step_audio2.cfm import EstimatorCache
+from cosyserve.models.step_audio2.config import StepAudio2FlowConfig
+from cosyserve.models.step_audio2.flow import StepAudio2Flow, load_step_audio2_flow
 from cosyserve.models.hift import HiftConfig, HiFTGenerator
-from cosyserve.schedule import DitChunkScheduler, TokenChunk, plan_stream_chunks
+from cosyserve.schedule import StepAudio2ChunkScheduler, TokenChunk, plan_stream_chunks
 from cosyserve.token2wav.step_audio2 import (OfflineRequest, StepAudio2Models, StepAudio2Stream, VoicePrompt,
                                              build_voice_state, offline_waveforms)
 
@@ -28,14 +28,14 @@ PARITY_DIR = Path(os.environ.get("COSYSERVE_PARITY_DIR", Path(__file__).resolve(
 HOP = 480
 
 
-TINY = tiny_dit_config()
+TINY = tiny_step_audio2_config()
 EMBED = TINY.encoder.input_size  # width of the speech-token embeddings the encoder takes
 
 
 @pytest.fixture(scope="module")
-def flow() -> DitFlow:
+def flow() -> StepAudio2Flow:
     torch.manual_seed(0)
-    return DitFlow(TINY).eval()
+    return StepAudio2Flow(TINY).eval()
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +70,16 @@ def random_tokens(n: int, seed: int = 5) -> torch.Tensor:
 # ---------------------------------------------------------------------------------- config
 def test_real_config_yaml_round_trip(tmp_path):
     path = tmp_path / "flow.yaml"
-    dump_hyperpyyaml({"flow": DitFlowConfig.real().to_yaml_node()}, path)
+    dump_hyperpyyaml({"flow": StepAudio2FlowConfig.real().to_yaml_node()}, path)
     text = path.read_text()
     for tag in ("CausalMaskedDiffWithXvec", "upsample_encoder_v2.UpsampleConformerEncoderV2",
                 "flow_matching.CausalConditionalCFM", "decoder_dit.DiT"):
         assert tag in text
-    assert DitFlowConfig.from_yaml_tree(load_hyperpyyaml(path)) == DitFlowConfig.real()
+    assert StepAudio2FlowConfig.from_yaml_tree(load_hyperpyyaml(path)) == StepAudio2FlowConfig.real()
 
 
 def _with_encoder_option(key: str, value) -> Tagged:
-    node = DitFlowConfig.real().to_yaml_node()
+    node = StepAudio2FlowConfig.real().to_yaml_node()
     node.kwargs["encoder"].kwargs[key] = value
     return node
 
@@ -88,28 +88,28 @@ def _with_encoder_option(key: str, value) -> Tagged:
                                        ("up_stride", 4), ("use_cnn_module", True), ("brand_new_option", 1)])
 def test_config_rejects_unsupported_encoder_options(key, value):
     with pytest.raises(ModelLoadError):
-        DitFlowConfig.from_yaml_tree({"flow": _with_encoder_option(key, value)})
+        StepAudio2FlowConfig.from_yaml_tree({"flow": _with_encoder_option(key, value)})
 
 
 def test_config_rejects_inconsistent_sizes():
-    node = DitFlowConfig.real().to_yaml_node()
+    node = StepAudio2FlowConfig.real().to_yaml_node()
     node.kwargs["decoder"].kwargs["estimator"].kwargs["in_channels"] = 240
     with pytest.raises(ModelLoadError, match="in_channels"):
-        DitFlowConfig.from_yaml_tree(node)
+        StepAudio2FlowConfig.from_yaml_tree(node)
 
 
 def test_load_dit_flow_is_strict(tmp_path, flow):
     dump_hyperpyyaml({"flow": flow.cfg.to_yaml_node()}, tmp_path / "flow.yaml")
     state = flow.state_dict()
     torch.save(state, tmp_path / "flow.pt")
-    loaded = load_dit_flow(tmp_path)
+    loaded = load_step_audio2_flow(tmp_path)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
     torch.save({k: v for k, v in state.items() if k != "encoder_proj.bias"}, tmp_path / "flow.pt")
     with pytest.raises(ModelLoadError, match="encoder_proj.bias"):
-        load_dit_flow(tmp_path)
+        load_step_audio2_flow(tmp_path)
     torch.save({**state, "decoder.extra": torch.zeros(1)}, tmp_path / "flow.pt")
     with pytest.raises(ModelLoadError, match="decoder.extra"):
-        load_dit_flow(tmp_path)
+        load_step_audio2_flow(tmp_path)
 
 
 # ---------------------------------------------------------------------------------- estimator
@@ -230,7 +230,7 @@ def test_chunk_plans_match_the_reference_tables():
 
 
 def test_incremental_scheduler_agrees_with_plan():
-    scheduler, sent = DitChunkScheduler("exponential"), []
+    scheduler, sent = StepAudio2ChunkScheduler("exponential"), []
     for available in range(1, 301, 7):
         sent += scheduler.ready(available)
     sent.append(scheduler.finish(300))
@@ -299,11 +299,11 @@ def test_offline_batch_equals_single_requests(models):
 
 
 # ---------------------------------------------------------------------------------- parity
-@pytest.mark.skipif(not (PARITY_DIR / "manifest.json").is_file(), reason=f"no DiT parity fixtures at {PARITY_DIR}")
+@pytest.mark.skipif(not (PARITY_DIR / "manifest.json").is_file(), reason=f"no Step-Audio2 parity fixtures at {PARITY_DIR}")
 def test_parity_suite():
-    from cosyserve.parity import dit
+    from cosyserve.parity import step_audio2
 
-    assert dit.detect(PARITY_DIR)
-    results = dit.run(PARITY_DIR)
+    assert step_audio2.detect(PARITY_DIR)
+    results = step_audio2.run(PARITY_DIR)
     failed = [f"{r.case}: max-abs {r.max_abs:.3g} ({r.tolerance}) {r.note}" for r in results if not r.passed]
     assert len(results) > 150 and not failed, "\n".join(failed)
