@@ -111,7 +111,7 @@ class StepAudio2FlowConfig:
         if est.out_channels != self.output_size:
             problems.append(f"estimator.out_channels {est.out_channels} != output_size {self.output_size}")
         if problems:
-            raise ModelLoadError("inconsistent DiT flow config: " + "; ".join(problems))
+            raise ModelLoadError("inconsistent Step-Audio2 flow config: " + "; ".join(problems))
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -177,7 +177,7 @@ class StepAudio2FlowConfig:
                 ),
             )
         except (TypeError, ValueError) as exc:
-            raise ModelLoadError(f"bad value in DiT flow config: {exc}") from exc
+            raise ModelLoadError(f"bad value in Step-Audio2 flow config: {exc}") from exc
 
     # ------------------------------------------------------------------ writer
     def to_yaml_node(self) -> Tagged:

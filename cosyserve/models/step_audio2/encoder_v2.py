@@ -1,4 +1,4 @@
-"""Up-sampling Conformer encoder of the DiT flow (upstream ``UpsampleConformerEncoderV2``).
+"""Up-sampling Conformer encoder of the Step-Audio2 flow (upstream ``UpsampleConformerEncoderV2``).
 
 Same layers as the CosyVoice2 encoder (reused from :mod:`cosyserve.models.flow.encoder`):
 ``embed`` -> ``pre_lookahead_layer`` -> ``encoders`` -> ``up_layer`` (x2) -> ``up_embed`` ->

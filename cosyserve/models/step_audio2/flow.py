@@ -161,10 +161,10 @@ def load_step_audio2_flow_state_dict(flow: StepAudio2Flow, path: str | Path) -> 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read DiT flow checkpoint {path}: {exc}") from exc
+        raise ModelLoadError(f"cannot read Step-Audio2 flow checkpoint {path}: {exc}") from exc
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ModelLoadError(f"{path} is not a plain state dict of tensors")
     try:
         flow.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise ModelLoadError(f"{path} does not match the DiT flow built from its config: {exc}") from exc
+        raise ModelLoadError(f"{path} does not match the Step-Audio2 flow built from its config: {exc}") from exc
