@@ -139,6 +139,21 @@ def tagged_kwargs(node: Any, expected_class: str | tuple[str, ...], where: str) 
     return node.kwargs
 
 
+def checked_kwargs(kwargs: dict, where: str, *, required: set[str], fixed: dict, inert: set[str]) -> dict:
+    """``kwargs`` of a config node, after rejecting missing keys, unknown keys (beyond ``fixed`` and the
+    ``inert`` ones, which change nothing here) and unsupported values of ``fixed`` options."""
+    missing = required - kwargs.keys()
+    if missing:
+        raise ModelLoadError(f"{where}: missing {sorted(missing)}")
+    unknown = kwargs.keys() - required - fixed.keys() - inert
+    if unknown:
+        raise ModelLoadError(f"{where}: unsupported options {sorted(unknown)}")
+    for key, expected in fixed.items():
+        if key in kwargs and kwargs[key] != expected:
+            raise ModelLoadError(f"{where}.{key} = {kwargs[key]!r}; only {expected!r} is supported")
+    return kwargs
+
+
 def walk_tagged(tree: Any) -> Iterator[Tagged]:
     """Yield every Tagged node in a parsed tree (depth first)."""
     if isinstance(tree, Tagged):

@@ -20,8 +20,7 @@ from ..config import load_hyperpyyaml
 from ..errors import ModelLoadError
 from ..models.cosyvoice3.config import Cv3FlowConfig
 from ..models.cosyvoice3.flow import CosyVoice3Flow, load_cosyvoice3_flow
-from ..models.step_audio2.cfm import cosine_time_grid
-from ..models.flow.cfm import fixed_noise
+from ..models.flow.cfm import cosine_time_grid, fixed_noise
 from . import CaseResult, check, compare, is_cosyvoice3_fixture, manifest_case
 
 SUITE = "cv3_flow"

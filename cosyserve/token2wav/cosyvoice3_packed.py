@@ -36,8 +36,7 @@ import torch
 
 from ..models.cosyvoice3.dit import POS_CONV_KERNEL, Cv3DiT, WindowState, commit_window
 from ..models.cosyvoice3.flow import Cv3CFM, CosyVoice3Flow
-from ..models.step_audio2.cfm import cosine_time_grid
-from ..models.flow.cfm import N_TIMESTEPS
+from ..models.flow.cfm import N_TIMESTEPS, cosine_time_grid
 from .graphs import capture_graph
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,8 @@ from ...audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ...errors import InvalidInputError
 from ...frontend.prompt import PromptFeatures, build_prompt_features, trim_to_token_rate
 from ...frontend.torch_models import load_frontend_models
-from ...models.step_audio2.cfm import EstimatorCache, cosine_time_grid
+from ...models.flow.cfm import cosine_time_grid
+from ...models.step_audio2.cfm import EstimatorCache
 from ...models.step_audio2.estimator import CONV_KERNEL, DiT, DitBlock, modulate
 from ...models.step_audio2.flow import FlowStreamCache
 from ...schedule import StepAudio2ChunkScheduler

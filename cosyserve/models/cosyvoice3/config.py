@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from ...config import Tagged, load_hyperpyyaml, tagged_kwargs
+from ...config import Tagged, checked_kwargs, load_hyperpyyaml, tagged_kwargs
 from ...errors import ModelLoadError
-from ..step_audio2.config import _checked  # the same required/fixed/unknown-key rule as the Step-Audio2 flow config
 from ..hift.config import HiftConfig
 
 FLOW_CLASS = "cosyvoice.flow.flow.CausalMaskedDiffWithDiT"
@@ -130,16 +129,16 @@ class Cv3FlowConfig:
                                ("flow.decoder.cfm_params", params), ("flow.decoder.estimator", est)):
             if not isinstance(section, dict):
                 raise ModelLoadError(f"{where}: expected a mapping, got {section!r}")
-        _checked(flow, "flow", required={"input_size", "output_size", "spk_embed_dim", "vocab_size", "token_mel_ratio",
-                                         "pre_lookahead_len"}, fixed={}, inert=_FLOW_INERT)
-        _checked(lookahead, "flow.pre_lookahead_layer", required={"in_channels", "channels", "pre_lookahead_len"},
-                 fixed={}, inert=set())
-        _checked(cfm, "flow.decoder", required=set(), fixed={}, inert=_CFM_INERT)
-        _checked(params, "flow.decoder.cfm_params", required={"inference_cfg_rate"}, fixed=_CFM_PARAMS_FIXED,
-                 inert=_CFM_PARAMS_INERT)
-        _checked(est, "flow.decoder.estimator", required={"dim", "depth", "heads", "dim_head", "ff_mult", "mel_dim",
-                                                          "mu_dim", "spk_dim", "out_channels", "static_chunk_size"},
-                 fixed={}, inert=_ESTIMATOR_INERT)
+        checked_kwargs(flow, "flow", required={"input_size", "output_size", "spk_embed_dim", "vocab_size",
+                                               "token_mel_ratio", "pre_lookahead_len"}, fixed={}, inert=_FLOW_INERT)
+        checked_kwargs(lookahead, "flow.pre_lookahead_layer", required={"in_channels", "channels", "pre_lookahead_len"},
+                       fixed={}, inert=set())
+        checked_kwargs(cfm, "flow.decoder", required=set(), fixed={}, inert=_CFM_INERT)
+        checked_kwargs(params, "flow.decoder.cfm_params", required={"inference_cfg_rate"}, fixed=_CFM_PARAMS_FIXED,
+                       inert=_CFM_PARAMS_INERT)
+        checked_kwargs(est, "flow.decoder.estimator",
+                       required={"dim", "depth", "heads", "dim_head", "ff_mult", "mel_dim", "mu_dim", "spk_dim",
+                                 "out_channels", "static_chunk_size"}, fixed={}, inert=_ESTIMATOR_INERT)
         if int(lookahead["in_channels"]) != int(flow["input_size"]) or \
                 int(lookahead["pre_lookahead_len"]) != int(flow["pre_lookahead_len"]):
             raise ModelLoadError("flow.pre_lookahead_layer must take input_size channels and pre_lookahead_len frames")

@@ -21,8 +21,7 @@ from torch import nn
 
 from ...errors import InvalidInputError, ModelLoadError
 from ...speech_tokens import speech_token_ids
-from ..step_audio2.cfm import cosine_time_grid
-from ..flow.cfm import N_TIMESTEPS, fixed_noise
+from ..flow.cfm import N_TIMESTEPS, cosine_time_grid, fixed_noise
 from .config import Cv3FlowConfig, config_from_model_dir
 from .dit import Cv3DiT, WindowState, commit_window
 

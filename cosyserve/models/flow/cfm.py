@@ -25,6 +25,13 @@ NOISE_CHANNELS = 80
 NOISE_FRAMES = 15000
 N_TIMESTEPS = 10  # upstream's flow always samples with 10 steps
 
+def cosine_time_grid(n_steps: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """t_k = 1 − cos(k/n · π/2), k = 0..n, in the working dtype: upstream's cosine scheduler, the time
+    grid of every flow here (CosyVoice2, CosyVoice3, Step-Audio2)."""
+    u = torch.linspace(0, 1, n_steps + 1, device=device, dtype=dtype)
+    return 1 - torch.cos(u * 0.5 * torch.pi)
+
+
 _noise_lock = threading.Lock()
 _noise_cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -61,10 +68,9 @@ class CausalConditionalCFM(nn.Module):
 
     def time_span(self, n_timesteps: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The (n_timesteps + 1,) time grid from 0 to 1 (cosine: 1 - cos(t * pi / 2))."""
-        t_span = torch.linspace(0, 1, n_timesteps + 1, device=device, dtype=dtype)
         if self.t_scheduler == "cosine":
-            t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
-        return t_span
+            return cosine_time_grid(n_timesteps, device, dtype)
+        return torch.linspace(0, 1, n_timesteps + 1, device=device, dtype=dtype)
 
     @staticmethod
     def guidance_batch(x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,

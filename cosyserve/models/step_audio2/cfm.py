@@ -12,7 +12,6 @@ given input always produces the same audio.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 
 from cosyserve.errors import InvalidInputError
 
+from ..flow.cfm import cosine_time_grid
 from .config import StepAudio2FlowConfig
 from .estimator import DiT
 
@@ -48,12 +48,6 @@ class EstimatorCache:
             return self
         att = torch.cat([self.att[:, :, :, :, :keep_front], self.att[:, :, :, :, self.frames - keep_back:]], dim=4)
         return EstimatorCache(self.cnn, att)
-
-
-def cosine_time_grid(n_steps: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """t_k = 1 − cos(k/n · π/2), k = 0..n, in the working dtype (as upstream)."""
-    u = torch.linspace(0, 1, n_steps + 1, device=device, dtype=dtype)
-    return 1 - torch.cos(u * 0.5 * math.pi)
 
 
 class StepAudio2CFM(nn.Module):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosyserve.config import Tagged, tagged_kwargs
+from cosyserve.config import Tagged, checked_kwargs, tagged_kwargs
 from cosyserve.errors import ModelLoadError
 
 FLOW_TAG = "cosyvoice2.flow.flow.CausalMaskedDiffWithXvec"
@@ -123,18 +123,19 @@ class StepAudio2FlowConfig:
     def from_yaml_tree(cls, tree: Any) -> "StepAudio2FlowConfig":
         """Read a parsed ``flow.yaml`` (the whole tree or its ``flow`` node)."""
         node = tree["flow"] if isinstance(tree, dict) and "flow" in tree else tree
-        flow = _checked(tagged_kwargs(node, "CausalMaskedDiffWithXvec", "flow"), "flow",
-                        required={"input_size", "output_size", "spk_embed_dim", "vocab_size", "encoder", "decoder"},
-                        fixed=_FLOW_FIXED, inert=_FLOW_INERT)
-        enc = _checked(tagged_kwargs(flow["encoder"], "UpsampleConformerEncoderV2", "flow.encoder"), "flow.encoder",
-                       required={"input_size", "output_size", "attention_heads", "linear_units",
-                                 "num_blocks", "num_up_blocks", "pre_lookahead_len"},
-                       fixed=_ENCODER_FIXED, inert=_ENCODER_INERT)
-        cfm = _checked(tagged_kwargs(flow["decoder"], "CausalConditionalCFM", "flow.decoder"), "flow.decoder",
-                       required={"inference_cfg_rate", "estimator"}, fixed={}, inert=_CFM_INERT)
-        est = _checked(tagged_kwargs(cfm["estimator"], "DiT", "flow.decoder.estimator"), "flow.decoder.estimator",
-                       required={"in_channels", "out_channels", "hidden_size", "depth", "num_heads", "head_dim",
-                                 "mlp_ratio"}, fixed={}, inert=set())
+        flow = checked_kwargs(tagged_kwargs(node, "CausalMaskedDiffWithXvec", "flow"), "flow",
+                              required={"input_size", "output_size", "spk_embed_dim", "vocab_size", "encoder",
+                                        "decoder"}, fixed=_FLOW_FIXED, inert=_FLOW_INERT)
+        enc = checked_kwargs(tagged_kwargs(flow["encoder"], "UpsampleConformerEncoderV2", "flow.encoder"),
+                             "flow.encoder",
+                             required={"input_size", "output_size", "attention_heads", "linear_units",
+                                       "num_blocks", "num_up_blocks", "pre_lookahead_len"},
+                             fixed=_ENCODER_FIXED, inert=_ENCODER_INERT)
+        cfm = checked_kwargs(tagged_kwargs(flow["decoder"], "CausalConditionalCFM", "flow.decoder"), "flow.decoder",
+                             required={"inference_cfg_rate", "estimator"}, fixed={}, inert=_CFM_INERT)
+        est = checked_kwargs(tagged_kwargs(cfm["estimator"], "DiT", "flow.decoder.estimator"), "flow.decoder.estimator",
+                             required={"in_channels", "out_channels", "hidden_size", "depth", "num_heads", "head_dim",
+                                       "mlp_ratio"}, fixed={}, inert=set())
         return cls._from_dicts(flow, enc, cfm, est)
 
     @classmethod
@@ -223,17 +224,3 @@ class StepAudio2FlowConfig:
             "encoder": encoder,
             "decoder": decoder,
         })
-
-
-def _checked(kwargs: dict, where: str, *, required: set[str], fixed: dict, inert: set[str]) -> dict:
-    """Reject missing keys, unknown keys and unsupported values of fixed options."""
-    missing = required - kwargs.keys()
-    if missing:
-        raise ModelLoadError(f"{where}: missing {sorted(missing)}")
-    unknown = kwargs.keys() - required - fixed.keys() - inert
-    if unknown:
-        raise ModelLoadError(f"{where}: unsupported options {sorted(unknown)}")
-    for key, expected in fixed.items():
-        if key in kwargs and kwargs[key] != expected:
-            raise ModelLoadError(f"{where}.{key} = {kwargs[key]!r}; only {expected!r} is supported")
-    return kwargs
