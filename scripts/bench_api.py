@@ -5,6 +5,7 @@ rate, Poisson arrivals of streamed pcm requests; prints a table (first audio p50
 
     python scripts/bench_api.py --url http://127.0.0.1:8080 --rates 2 5 10 --requests-per-rate 40
     python scripts/bench_api.py --url http://api:8080 --api-key KEY --voice voice_... --texts texts.txt
+    python scripts/bench_api.py --model cosyvoice3 --voice voice_... --rates 5 10 15 --seconds-per-rate 30
     python scripts/bench_api.py --rates 8 --requests-per-rate 200 --kill-after 10 --kill-pid-file outputs/disaggregated/tritonserver_3.pid
 
 --kill-after S with --kill-pid-file F sends SIGKILL to the process whose pid F holds S seconds into
@@ -39,7 +40,9 @@ def main() -> int:
     count.add_argument("--requests-per-rate", type=int, default=20)
     count.add_argument("--seconds-per-rate", type=float, metavar="S",
                        help="instead: the arrivals of S seconds at each rate (at least 10 requests)")
-    parser.add_argument("--voice", default="001")
+    parser.add_argument("--model", default="cosyvoice2", help="the request's model: cosyvoice2 (tts-1) or cosyvoice3")
+    parser.add_argument("--voice", default="001", help="a registered speaker or an uploaded voice's id (CosyVoice3 "
+                        "has no registered speakers: upload one through /v1/audio/voices)")
     parser.add_argument("--api-key")
     parser.add_argument("--texts", type=Path, help="one text per line (default: three short zh/en sentences)")
     parser.add_argument("--seed", type=int, default=0)
@@ -55,7 +58,7 @@ def main() -> int:
              if args.texts else DEFAULT_TEXTS)
     if not texts:
         parser.error(f"{args.texts} holds no text")
-    target = SpeechTarget(args.url, args.voice, args.api_key, timeout_s=args.timeout)
+    target = SpeechTarget(args.url, args.voice, args.api_key, model=args.model, timeout_s=args.timeout)
     print(HEADER, flush=True)
     summaries = []
     for n, rate in enumerate(args.rates):

@@ -107,6 +107,21 @@ def test_model_cosyvoice3_instruct_and_cross_lingual(api, voices):
     assert "instruction has 1001 characters" in response.json()["error"]["message"]
 
 
+def test_bench_api_drives_cosyvoice3_open_loop_with_an_uploaded_voice(api, tmp_path):
+    """scripts/bench_api.py --model cosyvoice3 at one rate: every request streamed in full."""
+    import json
+
+    voice = upload(api, "bench", "希望你以后能够做的比我还好呦。", seed=7)
+    report = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "scripts/bench_api.py", "--url", api, "--model", "cosyvoice3",
+                             "--voice", voice, "--rates", "2", "--requests-per-rate", "4", "--json-report", str(report)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (summary,) = json.loads(report.read_text())
+    assert summary["failed"] == 0 and summary["first_chunk_latency"]["count"] == 4, result.stdout
+    assert summary["audio_s"] == 4 * NUM_TOKENS * SAMPLES_PER_TOKEN / 24000  # every sample arrived
+
+
 def test_clear_errors_per_model(api):
     # CosyVoice3 has no built-in voices, so OpenAI's voice names stand for none
     response = speech(api, "cosyvoice3", "alloy")
