@@ -303,7 +303,9 @@ def test_a_stream_without_room_for_its_state_re_runs_its_chunks(models, features
     roomy = kind.open(features)
     free[0] = kind.stream_reserve_bytes - 1
     cramped = kind.open(features)
-    assert roomy.incremental and not cramped.incremental and kind.gauges()["rerun_fallbacks"][1] == 1
+    gauges = kind.gauges()
+    assert roomy.incremental and not cramped.incremental and gauges["rerun_fallbacks"][1] == 1
+    assert gauges["window_graphs"][1] == 0 and gauges["window_calls"][1] == kind.sampler.calls
     roomy.close()
     cramped.close()
     got = drive(kind, features, STREAMS[:2], [0, 3], vocode=True)  # opened now: both without room

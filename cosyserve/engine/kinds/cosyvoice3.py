@@ -154,7 +154,10 @@ class CosyVoice3Kind:
                 "voice_prefix_hits": ("streams that started after their voice's kept prefix", self.prefix_hits),
                 "voice_prefix_misses": ("streams whose voice had no kept prefix", self.prefix_misses),
                 "rerun_fallbacks": ("streams that re-ran their chunks because the device had no room for "
-                                    "their flow state", self.fallbacks)}
+                                    "their flow state", self.fallbacks),
+                "window_graphs": ("packed window shapes captured as CUDA graphs", self.sampler.num_graphs),
+                "window_calls": ("packed estimator calls (one Euler step of their jobs)", self.sampler.calls),
+                "window_eager_calls": ("packed estimator calls outside every graphed shape", self.sampler.eager_calls)}
 
     def check_tokens(self, tokens) -> None:
         """InvalidInputError unless every id is a speech token 0..vocab-1 (host only, no device work)."""
