@@ -32,7 +32,7 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "cosyserve"
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"", "errors", "config", "runtime", "schedule", "clip_cache", "speech_tokens"}),  # "": cosyserve/__init__.py
+    frozenset({"", "errors", "config", "runtime", "schedule", "clip_cache", "speech_tokens", "lru"}),  # "": cosyserve/__init__.py
     frozenset({"audio"}),
     frozenset({"frontend", "text", "models", "data"}),
     frozenset({"token2wav", "llm"}),

@@ -29,6 +29,7 @@ import torch
 
 from ...errors import InvalidInputError
 from ...frontend.prompt import PromptFeatures
+from ...lru import LruCache
 from ...models.cosyvoice3.dit import WindowState
 from ...models.cosyvoice3.flow import CosyVoice3Flow, Cv3VoicePrefix, load_cosyvoice3_flow
 from ...models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, decode_calls, load_causal_hift
@@ -37,7 +38,6 @@ from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
 from ...speech_tokens import speech_token_ids
 from ...token2wav.cosyvoice3_packed import EMPTY_STATE, PackedWindowSampler, WindowJob, token_conditions
 from ..device import synchronize
-from .kept_voices import KeptVoices
 
 
 DEFAULT_VOICE_PREFIXES = 8  # voices whose prompt-only flow states are kept (~360 MB each, bfloat16, a 5 s prompt)
@@ -123,7 +123,7 @@ class CosyVoice3Kind:
                                            **sampler_options)
         self.incremental = incremental
         self.max_voices = max_voices if incremental else 0
-        self._prefixes: KeptVoices[Cv3VoicePrefix] = KeptVoices(self.max_voices)
+        self._prefixes: LruCache[str, Cv3VoicePrefix] = LruCache(self.max_voices)
         self._open = 0
         # An incremental stream keeps every committed frame's keys/values for all Euler steps (~1.8 MB
         # a frame in bfloat16 at real size) and grows with its reply: one opens only while the device

@@ -40,6 +40,7 @@ from ...audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ...errors import InvalidInputError
 from ...frontend.prompt import PromptFeatures, build_prompt_features, trim_to_token_rate
 from ...frontend.torch_models import load_frontend_models
+from ...lru import LruCache
 from ...models.flow.cfm import cosine_time_grid
 from ...models.step_audio2.cfm import EstimatorCache
 from ...models.step_audio2.estimator import CONV_KERNEL, DiT, DitBlock, modulate
@@ -53,7 +54,6 @@ from ...token2wav.step_audio2 import (DEFAULT_MAX_VOICES, ESTIMATOR_CACHE_KEEP, 
 from ...token2wav.graphs import HiftRunner
 from ...token2wav.vocoder_batch import source_noise, vocode_batch
 from ...token2wav.vocoder_stream import HiftStream, SineNoiseProvider, VocoderCall
-from .kept_voices import KeptVoices
 
 # Jobs shorter than this many frames share one estimator call; longer ones are packed with jobs of
 # the same power-of-two length class, so that padding at most doubles a call's work.
@@ -165,7 +165,7 @@ class StepAudio2Kind:
         self.dtype = self.flow.encoder_proj.weight.dtype
         self.n_steps = self.flow.decoder.n_timesteps
         self._t_span = cosine_time_grid(self.n_steps, self.device, self.dtype)
-        self._voices: KeptVoices[VoiceState] = KeptVoices(max_voices)
+        self._voices: LruCache[str, VoiceState] = LruCache(max_voices)
         self._open = 0
         self._lock = threading.Lock()
 
