@@ -414,9 +414,9 @@ def _close_voicing(seg: SegmentState) -> None:
 def _check_llm_tokens(tokens: list[int]) -> None:
     """Speech tokens an LLM back end handed on must be raw codes (a server-side fault otherwise, not
     the caller's: RuntimeError, not InvalidInputError)."""
-    if tokens:
+    if tokens and not (0 <= min(tokens) and max(tokens) < NUM_SPEECH_TOKENS):  # the loop's path: plain ints
         try:
-            speech_token_ids(tokens, NUM_SPEECH_TOKENS, "the LLM's speech tokens")
+            speech_token_ids(tokens, NUM_SPEECH_TOKENS, "the LLM's speech tokens")  # its message
         except InvalidInputError as exc:
             raise RuntimeError(str(exc)) from None
 
