@@ -57,7 +57,7 @@ DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
 CUDA_MPS=${CUDA_MPS:-off}                     # off | auto | on
 MPS_DIR=${MPS_DIR:-$repo_root/outputs/mps}    # the daemon's pipes and logs
 OFFLINE_BLS_INSTANCE_NUM=${OFFLINE_BLS_INSTANCE_NUM:-1}  # cosyvoice2_offline, served next to a streaming cosyvoice2
-BLS_WARM_UP=${BLS_WARM_UP:-true}               # load the BLS's text front-end at start, not on the first request
+TEXT_WARM_UP=${TEXT_WARM_UP:-true}               # load the BLS's text front-end at start, not on the first request
 # Seconds a request may run once a BLS instance has taken it; past that it ends with "request timed out
 # after N s" (HTTP API: 504) and frees its LLM slot and token2wav state at once. 0: no limit.
 REQUEST_TIMEOUT_S=${REQUEST_TIMEOUT_S:-0}
@@ -189,7 +189,7 @@ build_repository() {
     --models-dir "$MODELS_DIR" --llm-backend "$LLM_BACKEND" --llm-engine "$LLM_ENGINE" --llm-protocol "$LLM_PROTOCOL" --llm-url "$2" \
     --trt-engine-dir "$TRT_ENGINE_DIR" --trt-kv-cache-tokens "$TRT_KV_CACHE_TOKENS" --decoupled "$DECOUPLED_MODE" \
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --engine-warm-up "$ENGINE_WARM_UP" \
-    --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --bls-warm-up "$BLS_WARM_UP" --reference-models "$REFERENCE_MODELS" \
+    --offline-bls-instances "$OFFLINE_BLS_INSTANCE_NUM" --text-warm-up "$TEXT_WARM_UP" --reference-models "$REFERENCE_MODELS" \
     --offline-bls-max-queue-ms "$OFFLINE_BLS_MAX_QUEUE_MS" \
     --request-timeout-s "$REQUEST_TIMEOUT_S" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --max-streams "$MAX_STREAMS" \
     --offline-bls-max-queue-size "$OFFLINE_BLS_MAX_QUEUE_SIZE" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \

@@ -39,7 +39,7 @@ DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
 MAX_STREAMS=${MAX_STREAMS:-0}                 # streams at most, past that refused at once; 0: no cap (run.sh)
 ADMISSION_MIN_BUFFER_S=${ADMISSION_MIN_BUFFER_S:-0}  # refuse while a stream has less audio buffered; 0: off (run.sh)
 REQUEST_TIMEOUT_S=${REQUEST_TIMEOUT_S:-0}     # seconds a request may run; 0: no limit (run.sh)
-BLS_WARM_UP=${BLS_WARM_UP:-true}              # load the text front-end at start
+TEXT_WARM_UP=${TEXT_WARM_UP:-true}              # load the text front-end at start
 ENGINE_WARM_UP=${ENGINE_WARM_UP:-auto}        # capture every graph and voice a few requests before ready (auto: on with CUDA)
 # Voices uploaded through the HTTP API (empty: <model dir>/voices). Give a CosyVoice2 deployment's
 # (its CosyVoice2-0.5B/voices) so that one API serves a voice with both models (docs/api.md).
@@ -111,7 +111,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --models-dir "$MODELS_DIR" --llm-url "$LLM_URL" --decoupled "$DECOUPLED_MODE" \
     --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" --max-streams "$MAX_STREAMS" \
     --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --request-timeout-s "$REQUEST_TIMEOUT_S" \
-    --bls-warm-up "$BLS_WARM_UP" --engine-warm-up "$ENGINE_WARM_UP" --max-tokens "$MAX_TOKENS" \
+    --text-warm-up "$TEXT_WARM_UP" --engine-warm-up "$ENGINE_WARM_UP" --max-tokens "$MAX_TOKENS" \
     --min-tokens "$MIN_TOKENS" --max-batch-size "$TRITON_MAX_BATCH_SIZE" --frontend-backend "$FRONTEND_BACKEND" \
     --token2wav-dtype "$TOKEN2WAV_DTYPE" --token2wav-incremental-stream "$TOKEN2WAV_INCREMENTAL_STREAM" \
     --token2wav-max-voices "$TOKEN2WAV_MAX_VOICES" --token2wav-cuda-graphs "$TOKEN2WAV_CUDA_GRAPHS" \

@@ -54,7 +54,7 @@ DEVICE=${DEVICE:-auto}                        # auto | cpu | cuda
 MAX_STREAMS=${MAX_STREAMS:-0}                 # streams at most, past that refused at once; 0: no cap (run.sh)
 ADMISSION_MIN_BUFFER_S=${ADMISSION_MIN_BUFFER_S:-0}  # refuse while a stream has less audio buffered; 0: off (run.sh)
 REQUEST_TIMEOUT_S=${REQUEST_TIMEOUT_S:-0}     # seconds a request may run; 0: no limit (run.sh)
-BLS_WARM_UP=${BLS_WARM_UP:-true}              # load the text front-end at start
+TEXT_WARM_UP=${TEXT_WARM_UP:-true}              # load the text front-end at start
 ENGINE_WARM_UP=${ENGINE_WARM_UP:-auto}        # voice a few requests before ready (auto: on with CUDA)
 TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-1}
 MAX_TOKENS=${MAX_TOKENS:-750}                 # speech tokens per request (the engine's LLM limits)
@@ -254,7 +254,7 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
     --step-audio2-dir "$DIT_MODEL_DIR" --cosyvoice2-dir "$COSYVOICE2_DIR" --llm-dir "$LLM_DIR" --llm-url "$LLM_URL" \
     --llm-model "$LLM_MODEL" --decoupled "$DECOUPLED_MODE" --streaming-strategy "$STREAMING_STRATEGY" --device "$DEVICE" \
     --max-streams "$MAX_STREAMS" --admission-min-buffer-s "$ADMISSION_MIN_BUFFER_S" --request-timeout-s "$REQUEST_TIMEOUT_S" \
-    --bls-warm-up "$BLS_WARM_UP" --engine-warm-up "$ENGINE_WARM_UP" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
+    --text-warm-up "$TEXT_WARM_UP" --engine-warm-up "$ENGINE_WARM_UP" --max-tokens "$MAX_TOKENS" --min-tokens "$MIN_TOKENS" \
     --max-batch-size "$TRITON_MAX_BATCH_SIZE" --frontend-backend "$FRONTEND_BACKEND" --token2wav-dtype "$TOKEN2WAV_DTYPE" \
     --token2wav-max-voices "$TOKEN2WAV_MAX_VOICES" --voices-dir "$VOICES_DIR" > /dev/null \
     || die "Stage 2: could not build the model repository"

@@ -39,3 +39,15 @@ def resolve_device_dtype(device: str | torch.device, dtype: torch.dtype | str | 
             raise InvalidInputError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
         dtype = _DTYPES[dtype]
     return device, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def host_to_device(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` (a list or a CPU tensor) on ``device`` without waiting for the device's queue.
+
+    ``torch.tensor(values, device=cuda)`` and a blocking ``copy_`` from the host wait until every
+    kernel queued on the stream has run before they copy: in a loop that launches GPU work, each one
+    stalls the host behind the GPU, and the GPU then idles while the host builds the next call. An
+    asynchronous copy from pageable memory is staged by the driver at once (the source may be freed
+    when this returns) and runs in stream order, with no wait."""
+    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return tensor.to(device, non_blocking=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cosyserve.bench.api_load import HEADER, SpeechTarget, best_clean_rate, run_rate, table_row  # noqa: E402
+from cosyserve.bench.prometheus import first_chunk_stage_ms, scrape_metrics  # noqa: E402
 
 DEFAULT_TEXTS = ["收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。",
                  "Hello! Thanks for calling. How can I help you today?",
@@ -51,6 +52,9 @@ def main() -> int:
     parser.add_argument("--kill-after", type=float, metavar="S", help="seconds into the last rate's run to SIGKILL "
                         "the process of --kill-pid-file")
     parser.add_argument("--kill-pid-file", type=Path)
+    parser.add_argument("--metrics", metavar="HOST:PORT", help="a Triton server's metrics port: per rate, the mean "
+                        "time of its streams' first chunks in each stage (front door, IPC, prefill, decodes, flow, "
+                        "HiFT, send)")
     args = parser.parse_args()
     if (args.kill_after is None) != (args.kill_pid_file is None):
         parser.error("--kill-after and --kill-pid-file go together")
@@ -59,6 +63,10 @@ def main() -> int:
     if not texts:
         parser.error(f"{args.texts} holds no text")
     target = SpeechTarget(args.url, args.voice, args.api_key, model=args.model, timeout_s=args.timeout)
+    metrics_at = None
+    if args.metrics:
+        host, _, port = args.metrics.rpartition(":")
+        metrics_at = (int(port), host or "127.0.0.1")
     print(HEADER, flush=True)
     summaries = []
     for n, rate in enumerate(args.rates):
@@ -67,7 +75,10 @@ def main() -> int:
             pid = int(args.kill_pid_file.read_text())
             fault = lambda: os.kill(pid, signal.SIGKILL)  # noqa: E731
         requests = max(10, round(rate * args.seconds_per_rate)) if args.seconds_per_rate else args.requests_per_rate
+        before = scrape_metrics(*metrics_at) if metrics_at else None
         summary = run_rate(target, texts, rate, requests, args.seed, fault, args.kill_after or 0.0)
+        if metrics_at:
+            summary["first_chunk_stage_ms"] = first_chunk_stage_ms(before, scrape_metrics(*metrics_at))
         summaries.append(summary)
         print(table_row(summary), flush=True)
         if fault:
@@ -75,6 +86,11 @@ def main() -> int:
             print(f"\nkilled pid {pid} at {split['at_s']:g} s: {split['failed_before']} of {split['arrived_before']} "
                   f"requests that arrived before failed {split['errors_before']}; {split['failed_after']} of "
                   f"{split['arrived_after']} that arrived after failed {split['errors_after']}", flush=True)
+    if metrics_at:
+        print("\nfirst chunk, mean ms per stage (the server's trace):")
+        for summary in summaries:
+            stages = summary["first_chunk_stage_ms"]
+            print(f"  {summary['open_loop']['arrival_rate']:g} req/s: " + (", ".join(f"{k} {v:g}" for k, v in stages.items()) or "none traced"))
     best = best_clean_rate(summaries)
     print(f"\nhighest rate without failures or underruns: {'none' if best is None else f'{best:g} req/s'}")
     if args.json_report:

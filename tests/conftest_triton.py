@@ -32,22 +32,22 @@ HELD_BACK_SAMPLES = 3840  # HiFT overlap withheld by a non-final chunk (8 mel fr
 
 
 # The test servers' BLS instances load the text front-end on their first request of each language
-# (BLS_WARM_UP=false): loading both languages' grammars at start costs ~3.5 s of CPU per instance,
+# (TEXT_WARM_UP=false): loading both languages' grammars at start costs ~3.5 s of CPU per instance,
 # 10 s of a 3-instance server's 32 s start on the CI machine. What the warm-up is for is tested on a
 # server of its own (tests/test_faults.py, test_the_first_requests_after_ready_...).
-TEST_BLS_WARM_UP = "false"
+TEST_TEXT_WARM_UP = "false"
 
 
 def repository_spec(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
                     max_batch_size: int = 16, max_queue_size: int | None = 0,
-                    bls_warm_up: str = TEST_BLS_WARM_UP, max_streams: int = 0) -> CosyVoice2Repository:
+                    text_warm_up: str = TEST_TEXT_WARM_UP, max_streams: int = 0) -> CosyVoice2Repository:
     """The streaming CosyVoice2 repository on the CPU: the engine (``cosyvoice2``), ``bls_instances``
     instances of ``cosyvoice2_offline`` with a queue of ``max_queue_size`` waiting requests (0: no
     limit, run.sh's default; None: as many as instances), the engine's stream cap ``max_streams``
     (0: none), and the reference layout's models, which tests call directly."""
     return CosyVoice2Repository(models_dir, device="cpu", offline_bls_instances=bls_instances,
                                 offline_bls_max_queue_size=max_queue_size, max_tokens=max_tokens,
-                                min_tokens=min_tokens, max_batch_size=max_batch_size, bls_warm_up=bls_warm_up,
+                                min_tokens=min_tokens, max_batch_size=max_batch_size, text_warm_up=text_warm_up,
                                 max_streams=max_streams, reference_models=True)
 
 
@@ -55,7 +55,7 @@ def template_values(models_dir: Path, *, max_tokens: int, min_tokens: int, bls_i
                     max_batch_size: int = 16) -> dict[str, dict[str, str]]:
     """The keys run.sh stage 2 fills, per model (``cosyvoice2_offline`` aside)."""
     models = repository_spec(models_dir, max_tokens=max_tokens, min_tokens=min_tokens, bls_instances=bls_instances,
-                             max_batch_size=max_batch_size, bls_warm_up="true").models()
+                             max_batch_size=max_batch_size, text_warm_up="true").models()
     return {name: entry.values for name, entry in models.items() if name != "cosyvoice2_offline"}
 
 
@@ -69,11 +69,11 @@ def copy_of_bundle(tiny_bundle: Path, out: Path) -> Path:
 
 
 def build_model_repo(models_dir: Path, repo: Path, *, max_tokens: int, min_tokens: int, bls_instances: int,
-                     max_queue_size: int | None = 0, bls_warm_up: str = TEST_BLS_WARM_UP) -> Path:
+                     max_queue_size: int | None = 0, text_warm_up: str = TEST_TEXT_WARM_UP) -> Path:
     """Streaming ``cosyvoice2`` + its offline twin ``cosyvoice2_offline`` + the four shared models."""
     return build(repository_spec(models_dir, max_tokens=max_tokens, min_tokens=min_tokens,
                                  bls_instances=bls_instances, max_queue_size=max_queue_size,
-                                 bls_warm_up=bls_warm_up), repo)
+                                 text_warm_up=text_warm_up), repo)
 
 
 def set_parameter(config: Path, key: str, value: str) -> None:
@@ -242,7 +242,7 @@ def wait_until_idle(port: int, timeout_s: float = 20.0) -> dict[str, float]:
         idle = (values.get("cosyserve_llm_active_requests", 0) == 0
                 and values.get("cosyserve_token2wav_open_streams", 0) == 0
                 and values.get("cosyserve_engine_requests", 0) == 0
-                and values.get("cosyserve_bls_requests_in_progress", 0) == 0 and pending_requests(port) == 0)
+                and values.get("cosyserve_requests_in_progress", 0) == 0 and pending_requests(port) == 0)
         if idle or time.monotonic() > deadline:
             return values
         time.sleep(0.1)
@@ -372,7 +372,7 @@ def assert_server_idle(server, log_start: int) -> None:
     assert values.get("cosyserve_llm_active_requests", 0) == 0, leftovers
     assert values.get("cosyserve_token2wav_open_streams", 0) == 0, leftovers
     assert values.get("cosyserve_engine_requests", 0) == 0, leftovers
-    assert values.get("cosyserve_bls_requests_in_progress", 0) == 0, leftovers
+    assert values.get("cosyserve_requests_in_progress", 0) == 0, leftovers
     # the flow engine's state: only cached voices hold pages once no stream is open
     assert values.get("cosyserve_token2wav_state_pages_in_use", 0) == \
         values.get("cosyserve_token2wav_state_voice_pages", 0), leftovers
@@ -409,7 +409,7 @@ def fill_to_capacity(server, model: str, instances: int, queued: int, num_tokens
 
     def in_progress() -> float:  # taken by the engine (admitted), or by a BLS instance
         values = metrics(server.metrics_port)
-        return values.get("cosyserve_engine_requests", values.get("cosyserve_bls_requests_in_progress", 0))
+        return values.get("cosyserve_engine_requests", values.get("cosyserve_requests_in_progress", 0))
 
     before = in_progress()  # the model's twin (offline / streaming) may be busy too
     send(streams[:instances])

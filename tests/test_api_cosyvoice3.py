@@ -37,7 +37,7 @@ def voices(tmp_path_factory) -> Path:
 def cv3_server(tmp_path_factory, voices):
     models = make_bundle(tmp_path_factory.mktemp("cv3_api_models"), "tiny", parts=("cosyvoice3", "cosyvoice3_llm"))
     work = tmp_path_factory.mktemp("cv3_api")
-    repo = build(CosyVoice3Repository(models, device="cpu", bls_warm_up="false",
+    repo = build(CosyVoice3Repository(models, device="cpu", text_warm_up="false",
                                       max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, voices_dir=str(voices)),
                  work / "repo")
     yield from serve_repo(repo, work)

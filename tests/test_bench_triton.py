@@ -352,7 +352,7 @@ def test_driver_end_to_end(tiny_bundle, tmp_path, monkeypatch, capsys):
     out = tmp_path / "bench"
     argv = ["--models-dir", str(tiny_bundle), "--out-dir", str(out), "--concurrency", "1", "2",
             "--modes", "streaming", "offline", "--fixed-output-seconds", *map(str, SECONDS), "--seed", "3",
-            "--requests-per-level", str(REQUESTS), "--num-prompts", str(PROMPTS), "--variant", "ours:DEVICE=cpu,BLS_WARM_UP=false",
+            "--requests-per-level", str(REQUESTS), "--num-prompts", str(PROMPTS), "--variant", "ours:DEVICE=cpu,TEXT_WARM_UP=false",
             "--offline-inference", "cpu:--device cpu --batch-size 2 --threads 1",
             "--rates", "4", "--requests-per-rate", str(RATE_REQUESTS),
             "--long-text-chars", "400", "--long-text-seconds", "0.2",
@@ -392,7 +392,7 @@ def test_driver_end_to_end(tiny_bundle, tmp_path, monkeypatch, capsys):
 
     assert (out / "ours" / "model_repo" / "cosyvoice2_offline" / "config.pbtxt").is_file()  # built by run.sh
     variant = result["variants"][0]
-    assert variant["overrides"] == {"DEVICE": "cpu", "BLS_WARM_UP": "false"} and variant["bls_instances"]["cosyvoice2"] >= 1
+    assert variant["overrides"] == {"DEVICE": "cpu", "TEXT_WARM_UP": "false"} and variant["bls_instances"]["cosyvoice2"] >= 1
     assert result["header"]["gpu"] == "cpu" and "--variant ours:DEVICE=cpu" in result["header"]["command"]
 
     offline = result["offline_inference"][0]

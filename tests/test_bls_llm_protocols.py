@@ -31,7 +31,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_model_repo,
                              expected_chunk_samples, grpc_input, metrics, serve_openai_llm, serve_repo, set_parameter,
-                             stream_tts, token_limits, wait_until_idle)
+                             stream_tts, token_limits, wait_for, wait_until_idle)
 from cosyserve.errors import InvalidInputError
 from cosyserve.llm.prompt import EOS_IDS, SOS_ID, SPEECH_TOKEN_OFFSET, TASK_ID
 from cosyserve.llm.sampling import REFERENCE_SAMPLING
@@ -276,7 +276,8 @@ def test_openai_mode_cancel_stops_the_generation_on_the_server(idle_server, open
     stream.send("cosyvoice2_openai", [grpc_input("target_text", "你好"), *token_limits(LONG_TOKENS)])
     result, error = stream.next()
     assert error is None and result.as_numpy("waveform").size > 0
-    assert metrics(idle_server.metrics_port)["cosyserve_token2wav_open_streams"] == 1
+    wait_for(lambda: metrics(idle_server.metrics_port)["cosyserve_token2wav_open_streams"] == 1,
+             "the stream open in the engine", timeout_s=5)  # its gauges reach Triton a stats period later
     stream.close(cancel=True)
     deadline = time.monotonic() + 20
     while log.read_text().count("went away") == went_away and time.monotonic() < deadline:

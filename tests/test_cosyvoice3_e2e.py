@@ -45,7 +45,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, models):
     work = tmp_path_factory.mktemp("cv3_e2e")
-    repo = build(CosyVoice3Repository(models, device="cpu", bls_warm_up="false"), work / "repo")
+    repo = build(CosyVoice3Repository(models, device="cpu", text_warm_up="false"), work / "repo")
     yield from serve_repo(repo, work)
 
 
@@ -164,7 +164,7 @@ def test_run_cosyvoice3_sh_tiny_recipe(tmp_path):
 
     http, grpc, metrics_port = free_ports(3)
     env = dict(server_env(), VENV=sys.prefix, MODEL_SOURCE="tiny", MODELS_DIR=str(tmp_path / "models"),
-               MODEL_REPO=str(tmp_path / "repo"), OUT_DIR=str(tmp_path / "out"), DEVICE="cpu", BLS_WARM_UP="false", TOKEN2WAV_INCREMENTAL_STREAM="false", MAX_TOKENS="20", MIN_TOKENS="20",
+               MODEL_REPO=str(tmp_path / "repo"), OUT_DIR=str(tmp_path / "out"), DEVICE="cpu", TEXT_WARM_UP="false", TOKEN2WAV_INCREMENTAL_STREAM="false", MAX_TOKENS="20", MIN_TOKENS="20",
                NUM_TASKS="2", HTTP_PORT=str(http),
                GRPC_PORT=str(grpc), METRICS_PORT=str(metrics_port), SERVER_LOG=str(tmp_path / "server.log"),
                SERVER_PID_FILE=str(tmp_path / "server.pid"))

@@ -18,6 +18,7 @@ import torch
 
 from cosyserve.bundle.step_audio2 import tiny_step_audio2_config
 from cosyserve.engine.core import EngineCore
+from cosyserve.engine.runners.llm import BackendLLM
 from cosyserve.engine.kinds.step_audio2 import StepAudio2Kind, aligned_features
 from cosyserve.engine.request import EngineRequest
 from cosyserve.errors import InvalidInputError
@@ -240,22 +241,17 @@ def test_second_voice_evicts_the_first_whose_streams_still_finish(reference):
 
 # ---------------------------------------------------------------------------------- through the core
 class ScriptedLLM:
-    """Every request's speech tokens at once (the core's loop is stepped by hand)."""
-
-    external, has_work = True, False
+    """A back end that hands every request's speech tokens at once (the core's loop is stepped by hand)."""
 
     def __init__(self, tokens: dict[str, list[int]]):
         self.tokens = tokens
 
-    def submit(self, prompt_ids, request_id, limits) -> TokenStream:
+    def generate_stream(self, prompt_ids, params, request_id) -> TokenStream:
         stream = TokenStream(request_id, lambda: None)
         for token in self.tokens[request_id]:
             stream.put(token)
         stream.put(Finished("stop"))
         return stream
-
-    def step(self) -> int:
-        return 0
 
     def close(self) -> None:
         pass
@@ -264,7 +260,7 @@ class ScriptedLLM:
 def test_engine_core_runs_the_kind(kind, reference):
     voice = features(8)
     tokens = {"a": random_tokens(45, 60), "b": random_tokens(12, 61), "c": random_tokens(25, 62)}
-    core = EngineCore(kind, ScriptedLLM(tokens))
+    core = EngineCore(kind, BackendLLM(ScriptedLLM(tokens)))
     out: dict[str, list] = {rid: [] for rid in tokens}
     ended: dict[str, object] = {}
     for rid, streaming in (("a", True), ("b", True), ("c", False)):

@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest_triton import (TEST_BLS_WARM_UP, Stream, assert_server_idle, fill_to_capacity, grpc_input, metrics,
+from conftest_triton import (TEST_TEXT_WARM_UP, Stream, assert_server_idle, fill_to_capacity, grpc_input, metrics,
                              serve_repo, set_parameter, stream_tts, token_limits, triton_gauge, wait_for,
                              wait_until_idle)
 from cosyserve.bench.soak import BAD_INPUTS, SoakConfig, format_report, run_soak, write_report
@@ -43,7 +43,7 @@ LLM_SEND_TIMEOUT_S = 2  # the llm model stops a request whose caller is gone aft
 @pytest.fixture(scope="module")
 def server(tiny_bundle: Path, tmp_path_factory):
     # the text front-end loaded at start, as run.sh does: the module's first test measures it
-    yield from serve_faults_repo(tiny_bundle, tmp_path_factory.mktemp("faults_server"), bls_warm_up="true")
+    yield from serve_faults_repo(tiny_bundle, tmp_path_factory.mktemp("faults_server"), text_warm_up="true")
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +76,10 @@ def watched_server(tiny_bundle: Path, tmp_path):
     yield from serve_faults_repo(tiny_bundle, tmp_path, watch_stubs=True)
 
 
-def serve_faults_repo(tiny_bundle: Path, work: Path, watch_stubs: bool = False, bls_warm_up: str = TEST_BLS_WARM_UP):
+def serve_faults_repo(tiny_bundle: Path, work: Path, watch_stubs: bool = False, text_warm_up: str = TEST_TEXT_WARM_UP):
     repo = build(CosyVoice2Repository(
         tiny_bundle, device="cpu", offline_bls_instances=OFFLINE_INSTANCES, offline_bls_max_queue_size=OFFLINE_QUEUE,
-        max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, bls_warm_up=bls_warm_up, reference_models=True), work / "repo")
+        max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, text_warm_up=text_warm_up, reference_models=True), work / "repo")
     token2wav_config = repo / "token2wav" / "config.pbtxt"
     token2wav_config.write_text(token2wav_config.read_text().replace(
         "parameters [", f'parameters [\n  {{ key: "stream_idle_timeout_s", value: {{ string_value: "{STREAM_IDLE_TIMEOUT_S}" }} }},', 1))
@@ -177,7 +177,8 @@ def test_the_engine_takes_every_stream_at_once(idle_server):
         wait_for(lambda: triton_gauge(idle_server, "nv_inference_pending_request_count", "cosyvoice2") == 0,
                  "no request queued", timeout_s=5)
         streams_with_a_chunk(streams, STREAMS)
-        assert metrics(idle_server.metrics_port)["cosyserve_engine_streams"] == STREAMS
+        wait_for(lambda: metrics(idle_server.metrics_port)["cosyserve_engine_streams"] == STREAMS,
+                 "every stream in the engine's gauge", timeout_s=5)  # a stats period after the change
     finally:
         for stream in streams:
             stream.close(cancel=True)
@@ -431,7 +432,7 @@ def serve_admitting(tiny_bundle: Path, tmp_path_factory, name: str, **admission)
     work = tmp_path_factory.mktemp(name)
     repo = build(CosyVoice2Repository(
         tiny_bundle, device="cpu", offline_bls_instances=1, max_tokens=NUM_TOKENS,
-        min_tokens=NUM_TOKENS, bls_warm_up=TEST_BLS_WARM_UP, **admission), work / "repo")
+        min_tokens=NUM_TOKENS, text_warm_up=TEST_TEXT_WARM_UP, **admission), work / "repo")
     yield from serve_repo(repo, work)
 
 
@@ -465,8 +466,8 @@ def test_while_a_stream_runs_short_of_audio_new_requests_are_refused_at_once(adm
     assert_idle_and_alive(server)
     assert short_stream(server) == NUM_TOKENS * 960
     after = metrics(server.metrics_port)
-    assert after["cosyserve_bls_requests_refused_total"] - before.get("cosyserve_bls_requests_refused_total", 0) == 2
-    assert after["cosyserve_bls_requests_admitted_total"] - before.get("cosyserve_bls_requests_admitted_total", 0) == 2
+    assert after["cosyserve_requests_refused_total"] - before.get("cosyserve_requests_refused_total", 0) == 2
+    assert after["cosyserve_requests_admitted_total"] - before.get("cosyserve_requests_admitted_total", 0) == 2
     client.close()
 
 
@@ -518,8 +519,8 @@ def test_past_max_streams_new_requests_are_refused_at_once(stream_cap_server):
     short = [grpc_input("target_text", "好"), *token_limits(NUM_TOKENS)]
     assert client.infer("cosyvoice2_offline", short).as_numpy("waveform").size == NUM_TOKENS * 960
     after = metrics(server.metrics_port)
-    assert after["cosyserve_bls_requests_refused_total"] - before.get("cosyserve_bls_requests_refused_total", 0) == 2
-    assert after["cosyserve_bls_requests_admitted_total"] - before.get("cosyserve_bls_requests_admitted_total", 0) == 5
+    assert after["cosyserve_requests_refused_total"] - before.get("cosyserve_requests_refused_total", 0) == 2
+    assert after["cosyserve_requests_admitted_total"] - before.get("cosyserve_requests_admitted_total", 0) == 5
     client.close()
 
 

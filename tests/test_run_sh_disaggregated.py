@@ -25,7 +25,7 @@ def test_stage_7_serves_through_the_api_over_an_llm_server_and_stops_cleanly(tin
     llm_port = consecutive_free_ports(2)  # LLM server i listens on DISAGG_LLM_PORT + i - 1
     disagg = tmp_path / "disaggregated"
     env = dict(server_env(), VENV=str(Path(sys.prefix)), MODELS_DIR=str(tiny_bundle), DEVICE="cpu", CUDA_MPS="off",
-               LLM_GPUS="cpu,cpu", T2W_GPUS="cpu", BLS_INSTANCE_NUM="1", OFFLINE_BLS_INSTANCE_NUM="1", BLS_WARM_UP="false",
+               LLM_GPUS="cpu,cpu", T2W_GPUS="cpu", BLS_INSTANCE_NUM="1", OFFLINE_BLS_INSTANCE_NUM="1", TEXT_WARM_UP="false",
                MAX_TOKENS=str(NUM_TOKENS), MIN_TOKENS=str(NUM_TOKENS), LLM_MAX_SLOTS="4",
                DISAGG_LLM_PORT=str(llm_port), DISAGG_HTTP_BASE=str(http - 1), DISAGG_GRPC_BASE=str(grpc - 1),
                DISAGG_METRICS_BASE=str(metrics - 1), DISAGG_DIR=str(disagg), API_PORT=str(api_port),

@@ -54,7 +54,7 @@ def expected_chunk_samples(num_tokens: int, strategy: str = "exponential") -> li
 
 def script_env(models: Path, out: Path, **extra: str) -> dict[str, str]:
     return dict(server_env(), VENV=str(Path(sys.prefix)), MODELS_DIR=str(models), OUT_DIR=str(out), DEVICE="cpu",
-                MAX_TOKENS=str(NUM_TOKENS), MIN_TOKENS=str(NUM_TOKENS), LLM_MAX_SLOTS="8", BLS_WARM_UP="false",
+                MAX_TOKENS=str(NUM_TOKENS), MIN_TOKENS=str(NUM_TOKENS), LLM_MAX_SLOTS="8", TEXT_WARM_UP="false",
                 **extra)
 
 

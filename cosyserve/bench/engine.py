@@ -4,16 +4,17 @@ against :class:`~cosyserve.engine.service.TTSEngine`, with the loop's own per-st
 
 Per level: first-chunk latency (arrival to the first PCM piece handed out by the loop), playback
 underruns of each stream (a listener that starts with the first piece, :class:`~cosyserve.clients.Playback`),
-and where the loop's time went (:class:`~cosyserve.engine.core.EngineCounters` deltas: LLM steps,
-chunk starts, packed Euler steps, vocoder, host, idle; ms per iteration). Every reply is exactly
+and where the loop's time went (:class:`~cosyserve.engine.core.EngineCounters` deltas: chunk
+starts, packed Euler steps, vocoder, host, idle; ms per iteration; and the free-running LLM's busy
+seconds and rows per decode step). Every reply is exactly
 ``--tokens`` speech tokens (min = max), so timing depends on shapes, not on random weights' output.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from ..engine.service import BUNDLE_DIRS, TTSEngine, load_engine, warm_up_clip
 from ..pipeline.tts import TokenLimits, TTSRequest
 from ..serving.settings import EngineSettings
 from ..runtime import resolve_device
+from .kernels import kernel_profile
 from .openloop import poisson_arrivals, run_open_loop
 
 TEXT = "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。"
@@ -41,6 +43,13 @@ class Outcome:
     underruns: int
     stall_s: float
     error: str | None
+    stages_ms: dict[str, float] | None = None  # the first chunk's way through the engine
+
+
+# The engine's stages of a first chunk (engine/request.py FIRST_CHUNK_STAGES), from the submit on.
+ENGINE_STAGES = (("prefill", "received", "first_token"), ("chunk_tokens", "first_token", "chunk_planned"),
+                 ("chunk_start", "chunk_planned", "chunk_started"), ("flow", "chunk_started", "flow_done"),
+                 ("vocoder", "flow_done", "emitted"))
 
 
 def one_request(engine: TTSEngine, voice, tokens: int, request_id: str) -> Outcome:
@@ -61,17 +70,20 @@ def one_request(engine: TTSEngine, voice, tokens: int, request_id: str) -> Outco
     def finish(exc) -> None:
         error.append(exc)
         done.set()
+    trace: dict[str, float] = {}
     try:
         if callable(voice):
             voice = voice()
         engine.submit(TTSRequest(request_id, TEXT, voice, TokenLimits(tokens, tokens)), streaming=True, emit=emit,
-                      finish=finish)
+                      finish=finish, trace=trace)
     except Exception as exc:  # refused, or a bad clip
         return Outcome(None, 0, 0.0, f"{type(exc).__name__}: {exc}")
     done.wait()
     failed = error[0]
+    stages = ({stage: 1e3 * (trace[end] - trace[begin]) for stage, begin, end in ENGINE_STAGES}
+              if all(stamp in trace for _, begin, end in ENGINE_STAGES for stamp in (begin, end)) else None)
     return Outcome(None if first is None else 1e3 * (first - arrival), playback.underruns, playback.stall_s,
-                   None if failed is None else f"{type(failed).__name__}: {failed}")
+                   None if failed is None else f"{type(failed).__name__}: {failed}", stages)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -81,15 +93,24 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def _profile(before, after) -> dict:
-    delta = {f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)}
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _profile(before: dict, after: dict) -> dict:
+    """The loop's per-stage time per iteration between two :class:`~cosyserve.engine.wire.EngineStats`
+    counter snapshots; the LLM's busy share is of the wall clock on its own thread."""
+    delta = {name: after[name] - before.get(name, 0) for name in after}
     iterations = max(delta["iterations"], 1)
-    busy = sum(delta[k] for k in ("llm_s", "start_s", "flow_s", "vocoder_s", "host_s"))
+    busy = sum(delta[k] for k in ("start_s", "flow_s", "vocoder_s", "host_s"))
     return {"iterations": delta["iterations"], "busy_ms_per_iteration": 1e3 * busy / iterations,
             **{f"{k[:-2]}_ms_per_iteration": 1e3 * delta[k] / iterations
-               for k in ("llm_s", "start_s", "flow_s", "vocoder_s", "host_s")},
+               for k in ("start_s", "flow_s", "vocoder_s", "host_s")},
             "idle_share": delta["idle_s"] / max(busy + delta["idle_s"], 1e-9),
-            "jobs_per_flow_step": delta["flow_step_jobs"] / max(delta["flow_steps"], 1)}
+            "jobs_per_flow_step": delta["flow_step_jobs"] / max(delta["flow_steps"], 1),
+            "llm_busy_s": delta.get("llm_busy_s"),
+            "llm_rows_per_decode_step": (delta["llm_decode_rows"] / max(delta["llm_decode_steps"], 1)
+                                         if "llm_decode_steps" in delta else None)}
 
 
 def level(engine: TTSEngine, outcomes: list[Outcome], label: str, wall_s: float, before) -> dict:
@@ -99,7 +120,8 @@ def level(engine: TTSEngine, outcomes: list[Outcome], label: str, wall_s: float,
             "underrun_requests": sum(o.underruns > 0 for o in outcomes),
             "stall_s": sum(o.stall_s for o in outcomes), "wall_s": wall_s,
             "errors": sorted({o.error for o in outcomes if o.error})[:3],
-            **_profile(before, engine.core.counters)}
+            **{f"{stage}_ms": _mean([o.stages_ms[stage] for o in outcomes if o.stages_ms]) for stage, _, _ in ENGINE_STAGES},
+            **_profile(before, engine.stats().counters)}
 
 
 def kind_options(args: argparse.Namespace, models: Path, device: torch.device) -> dict:
@@ -125,30 +147,51 @@ def run(args: argparse.Namespace) -> dict:
               "load_s": time.perf_counter() - loading, "tokens": args.tokens, "final": args.final, "levels": []}
     voice, prompt_text = registered_voice(engine, args)
     counter = iter(range(1 << 30))
+    rng = np.random.default_rng(args.seed)
     try:
         first = one_request(engine, voice, args.tokens, f"first-{next(counter)}")
         report["first_request_ms"] = first.first_chunk_ms
-        for concurrency in args.concurrency:
-            def closed_loop(sender: int) -> list[Outcome]:
-                return [one_request(engine, voice, args.tokens, f"c-{next(counter)}")
-                        for _ in range(args.requests_per_sender)]
-            _measure(report, engine, f"{concurrency} concurrent",
-                     lambda: ([o for outcomes in _in_threads(concurrency, closed_loop) for o in outcomes], {}))
-        rng = np.random.default_rng(args.seed)
+        # each thread switch interval in turn (one: the engine's own), every level under it
+        for interval_ms in args.switch_interval_ms or [None]:
+            if interval_ms is not None:
+                sys.setswitchinterval(interval_ms / 1e3)
+            tag = f" @{sys.getswitchinterval() * 1e3:g} ms" if args.switch_interval_ms else ""
+            report["switch_interval_ms"] = sys.getswitchinterval() * 1e3
+            for concurrency in args.concurrency:
+                def closed_loop(sender: int) -> list[Outcome]:
+                    return [one_request(engine, voice, args.tokens, f"c-{next(counter)}")
+                            for _ in range(args.requests_per_sender)]
+                _measure(report, engine, f"{concurrency} concurrent{tag}",
+                         lambda: ([o for outcomes in _in_threads(concurrency, closed_loop) for o in outcomes], {}))
 
-        def new_clip():  # a clip of 3-8 s the server has never seen, with the registered voice's transcript
-            wav = rng.standard_normal(int(TOKENIZER_SAMPLE_RATE * rng.uniform(3, 8))).astype(np.float32) * 0.1
-            return lambda: engine.voices.resolve(wav, prompt_text)
-        for count in args.new_clips:
-            clips = [new_clip() for _ in range(count)]
-            _measure(report, engine, f"{count} new clips together", lambda: (_in_threads(
-                count, lambda i: one_request(engine, clips[i], args.tokens, f"n-{next(counter)}")), {}))
-        for rate in args.rates:
-            def open_loop():
-                arrivals = poisson_arrivals(rate, args.seed, duration_s=args.seconds_per_rate)
-                run_ = run_open_loop(arrivals, lambda i: one_request(engine, voice, args.tokens, f"o-{next(counter)}"))
+            def new_clip():  # a clip of 3-8 s the server has never seen, with the registered voice's transcript
+                wav = rng.standard_normal(int(TOKENIZER_SAMPLE_RATE * rng.uniform(3, 8))).astype(np.float32) * 0.1
+                return lambda: engine.voices.resolve(wav, prompt_text)
+            for count in args.new_clips:
+                clips = [new_clip() for _ in range(count)]
+                _measure(report, engine, f"{count} new clips together{tag}", lambda: (_in_threads(
+                    count, lambda i: one_request(engine, clips[i], args.tokens, f"n-{next(counter)}")), {}))
+            for rate in args.rates:
+                def open_loop():
+                    arrivals = poisson_arrivals(rate, args.seed, duration_s=args.seconds_per_rate)
+                    run_ = run_open_loop(arrivals,
+                                         lambda i: one_request(engine, voice, args.tokens, f"o-{next(counter)}"))
+                    return run_.results, {"peak_in_flight": run_.peak_in_flight}
+                _measure(report, engine, f"{rate:g} req/s{tag}", open_loop)
+        if args.profile_rate:
+            def profiled():
+                arrivals = poisson_arrivals(args.profile_rate, args.seed, duration_s=args.profile_seconds)
+                before = engine.stats().counters
+                run_, kernels = kernel_profile(lambda: run_open_loop(
+                    arrivals, lambda i: one_request(engine, voice, args.tokens, f"p-{next(counter)}")))
+                iterations = engine.stats().counters["iterations"] - before["iterations"]
+                audio_s = len(arrivals) * args.tokens / 25
+                kernels.update(kernels_per_iteration=kernels["kernels"] / max(iterations, 1),
+                               kernels_per_audio_s=kernels["kernels"] / audio_s)
+                report["kernel_profile"] = {"rate": args.profile_rate, **kernels}
                 return run_.results, {"peak_in_flight": run_.peak_in_flight}
-            _measure(report, engine, f"{rate:g} req/s", open_loop)
+            _measure(report, engine, f"{args.profile_rate:g} req/s profiled", profiled)
+            print(kernel_table(report["kernel_profile"]), flush=True)
     finally:
         engine.close()
     return report
@@ -181,7 +224,7 @@ def _in_threads(count: int, work) -> list:
 def _measure(report: dict, engine: TTSEngine, label: str, run) -> None:
     """One level: ``run()`` -> (outcomes, extra fields), with the loop's counters around it; the
     level is added to ``report`` and printed as it is measured."""
-    before = dataclasses.replace(engine.core.counters)
+    before = engine.stats().counters
     start = time.perf_counter()
     outcomes, extra = run()
     report["levels"].append({**level(engine, outcomes, label, time.perf_counter() - start, before), **extra})
@@ -189,8 +232,10 @@ def _measure(report: dict, engine: TTSEngine, label: str, run) -> None:
 
 
 COLUMNS = ("level", "requests", "failed", "first_p50_ms", "first_p95_ms", "underrun_requests", "stall_s",
-           "busy_ms_per_iteration", "llm_ms_per_iteration", "start_ms_per_iteration", "flow_ms_per_iteration",
-           "vocoder_ms_per_iteration", "host_ms_per_iteration", "idle_share", "jobs_per_flow_step")
+           *(f"{stage}_ms" for stage, _, _ in ENGINE_STAGES),
+           "busy_ms_per_iteration", "start_ms_per_iteration", "flow_ms_per_iteration",
+           "vocoder_ms_per_iteration", "host_ms_per_iteration", "idle_share", "jobs_per_flow_step", "llm_busy_s",
+           "llm_rows_per_decode_step")
 
 
 def table(report: dict, levels: list[dict] | None = None) -> str:
@@ -233,6 +278,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-pool-gb", type=float, default=0.0, help="0: a third of the free GPU memory")
     p.add_argument("--sync-stages", action="store_true", help="wait for the GPU after each stage (a true split)")
     p.add_argument("--cold", action="store_true", help="no warm-up at load (graphs and kernels on first use)")
+    p.add_argument("--profile-rate", type=float, default=0.0, help="last, an open-loop level at this rate under "
+                   "torch.profiler (CUDA): kernels per iteration and per second of audio, GPU busy share")
+    p.add_argument("--profile-seconds", type=float, default=4.0)
+    p.add_argument("--switch-interval-ms", type=float, nargs="*", default=[],
+                   help="the interpreter's thread switch intervals to run every level under, one after the other "
+                   "(default: the engine's own, set when its loop starts)")
     p.add_argument("--json", help="write the report here")
     return p
 
@@ -243,3 +294,14 @@ def main(argv=None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     print(table(report))
+
+
+def kernel_table(profile: dict) -> str:
+    """The profiled level's device figures and its top kernels, as markdown."""
+    lines = [f"kernel profile at {profile['rate']:g} req/s over {profile['wall_s']:.1f} s: {profile['kernels']} kernels "
+             f"({profile['kernels_per_iteration']:.0f} per iteration, {profile['kernels_per_audio_s']:.0f} per second of "
+             f"audio), {100 * (profile['short_kernel_share'] or 0):.0f} % under 10 us (median "
+             f"{profile['median_kernel_us'] or 0:.1f} us), GPU busy {100 * (profile['gpu_busy_share'] or 0):.0f} %",
+             "", "| kernel | calls | ms | share of busy |", "|---|---:|---:|---:|"]
+    lines += [f"| {k['name']} | {k['calls']} | {k['ms']} | {k['share_of_busy']} |" for k in profile["top"]]
+    return "\n".join(lines)

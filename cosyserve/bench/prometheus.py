@@ -60,3 +60,16 @@ def scrape_metrics(port: int, host: str = "localhost", timeout: float = 5.0) -> 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """What each counter (``*_total``) in both scrapes grew by; {} when either scrape is empty."""
     return {name: after[name] - before[name] for name in after if name.endswith("_total") and name in before}
+
+
+def first_chunk_stage_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean milliseconds per stage of the first chunks traced between two scrapes (the front doors'
+    ``cosyserve_first_chunk_<stage>_seconds`` counters, :data:`~cosyserve.engine.request.FIRST_CHUNK_STAGES`);
+    {} when none was."""
+    grew = counter_deltas(before, after)
+    count = grew.get("cosyserve_first_chunks_traced_total", 0)
+    if not count:
+        return {}
+    prefix, suffix = "cosyserve_first_chunk_", "_seconds_total"
+    return {name[len(prefix):-len(suffix)]: round(1e3 * value / count, 2) for name, value in grew.items()
+            if name.startswith(prefix) and name.endswith(suffix)}

@@ -58,7 +58,7 @@ from ..serving.processes import python_stubs
 from ..serving.tritonserver import is_ready
 from .prometheus import read_metrics
 
-IDLE_GAUGES = ("cosyserve_llm_active_requests", "cosyserve_token2wav_open_streams", "cosyserve_bls_requests_in_progress")
+IDLE_GAUGES = ("cosyserve_llm_active_requests", "cosyserve_token2wav_open_streams", "cosyserve_requests_in_progress")
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:

@@ -1,4 +1,4 @@
-"""The engine core: one loop that owns the GPU and steps the LLM, the flow and the vocoder.
+"""The engine core: one loop that owns the GPU's token2wav work (flow and vocoder) for every request.
 
 Each iteration (:meth:`EngineCore.step`), read top to bottom:
 
@@ -9,22 +9,26 @@ Each iteration (:meth:`EngineCore.step`), read top to bottom:
    within the step's frame budget): the kind runs their encoder and takes their state pages;
 4. one packed Euler step of every flow job under way, whatever its step (the kind's
    :meth:`step`: chunks of different streams and at different steps in one estimator call);
-5. LLM steps (prefill of newly admitted prompts, then one decode step for every request still
-   generating, :mod:`.runners.llm`) beside the flow step on the GPU: at least one, and more while
-   the flow step is still running there;
-6. jobs that took their last step are vocoded together and their PCM handed to the requests'
+5. jobs that took their last step are vocoded together and their PCM handed to the requests'
    ``emit``; finished segments hand over to the next, finished requests call ``finish``.
+
+Speech tokens come from an LLM that runs beside the loop (:mod:`.runners.llm`: our LLM engine on a
+thread and a CUDA stream of its own, or an external back end): the loop only drains each request's
+token stream, so the LLM's pace is its own, never one decode step per loop iteration.
 
 Nothing blocks on one request: a new request's first chunk joins the step after its tokens are
 there, and a long pass (the reference's final chunk, an offline request) takes one step per
 iteration like every other job. Requests come from any thread (:meth:`submit`, :meth:`cancel`);
 everything else happens on the loop's thread, which is also where ``emit`` and ``finish`` are
-called (keep them quick: hand the data to another thread).
+called (keep them quick: hand the data to another thread). In a server the core runs in a process
+of its own (:mod:`.process`), fed by the front doors over IPC.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -32,14 +36,20 @@ from dataclasses import dataclass
 from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutError
 from ..llm.prompt import NUM_SPEECH_TOKENS
 from ..speech_tokens import speech_token_ids
-from .device import synchronize, work_done_event
+from .device import synchronize
 from .request import EngineRequest, RequestState, SegmentState
 from .scheduler import Candidate, Scheduler
+from .wire import EngineStats
 
 log = logging.getLogger(__name__)
 
-# How long the loop waits for tokens from an external LLM before looking again (seconds).
-EXTERNAL_POLL_S = 0.001
+# How long an idle loop with requests waits for their LLM's tokens before looking again (seconds).
+TOKEN_POLL_S = 0.001
+# The interpreter's thread switch interval while a loop runs (seconds; Python's default is 5 ms). The
+# loop and the LLM's thread share the GIL, and a thread back from a blocking call (a CUDA sync)
+# waits up to this long for the other to let go of it: at 5 ms, each decode step or Euler step
+# could stall behind the other thread's Python.
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -48,7 +58,6 @@ class EngineCounters:
     ``sync_stages`` each stage waits for its GPU work, so the split is the GPU's too)."""
 
     iterations: int = 0
-    llm_s: float = 0.0  # LLM steps
     start_s: float = 0.0  # encoder and planning of chunks that start
     flow_s: float = 0.0  # packed Euler steps
     vocoder_s: float = 0.0  # HiFT and emitting PCM
@@ -64,7 +73,7 @@ class EngineCounters:
 
 class EngineCore:
     """One per GPU: ``kind`` (the token2wav kind: :class:`~.kinds.cosyvoice2.CosyVoice2Kind`),
-    ``llm`` (:class:`~.runners.llm.LoopLLM` or :class:`~.runners.llm.BackendLLM`), the chunk
+    ``llm`` (:class:`~.runners.llm.FreeRunningLLM` or :class:`~.runners.llm.BackendLLM`), the chunk
     ``strategy`` of the kind's schedule, and the ``scheduler``."""
 
     def __init__(self, kind, llm, *, strategy: str = "exponential", scheduler: Scheduler | None = None,
@@ -95,6 +104,7 @@ class EngineCore:
             if request.request_id in self._states:
                 raise InvalidInputError(f"request id {request.request_id!r} is already in use")
             self.scheduler.admit(request.streaming, self._states.values())
+            request.stamp("received")
             state = RequestState(request)
             self._states[request.request_id] = state
             self._inbox.append(state)
@@ -109,23 +119,29 @@ class EngineCore:
                 self._wakeup.notify()
 
     @property
+    def sample_rate(self) -> int:
+        return self.kind.sample_rate
+
+    @property
     def active_requests(self) -> int:
         with self._lock:
             return len(self._states)
 
-    @property
-    def generating(self) -> int:
-        """LLM requests under way (segments whose tokens are still coming)."""
+    def stats(self) -> EngineStats:
+        """Requests and streams in the engine, LLM requests generating, the loop's totals (and the
+        LLM's, where it runs here) and the kind's gauges."""
         with self._lock:
-            return sum(not seg.llm_done for state in self._states.values() for seg in state.segments())
-
-    @property
-    def active_streams(self) -> int:
-        with self._lock:
-            return sum(s.request.streaming for s in self._states.values())
+            states = list(self._states.values())
+        generating = self.llm.generating
+        if generating is None:  # segments whose tokens are still coming
+            generating = sum(not seg.llm_done for state in states for seg in state.segments())
+        return EngineStats(len(states), sum(s.request.streaming for s in states), generating,
+                           {**dataclasses.asdict(self.counters), **self.llm.counters()},
+                           {name: (text, float(value)) for name, (text, value) in self.kind.gauges().items()})
 
     def start(self) -> "EngineCore":
         if self._thread is None:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
             self._thread = threading.Thread(target=self._loop, name="engine-core", daemon=True)
             self._thread.start()
         return self
@@ -152,8 +168,8 @@ class EngineCore:
             waited = time.perf_counter()
             with self._wakeup:
                 if not (self._closing or self._inbox or self._cancels or self._busy()):
-                    # requests waiting only for an external LLM's tokens: look again shortly
-                    self._wakeup.wait(EXTERNAL_POLL_S if self._states else None)
+                    # requests waiting only for their LLM's tokens: look again shortly
+                    self._wakeup.wait(TOKEN_POLL_S if self._states else None)
                 if self._closing:
                     return
             self.counters.idle_s += time.perf_counter() - waited
@@ -163,14 +179,13 @@ class EngineCore:
                 log.exception("engine step failed")
 
     def _busy(self) -> bool:
-        """Work that needs no new event: jobs under way or waiting to start, an LLM with work."""
-        return bool(self._jobs) or self.llm.has_work or any(
+        """Work that needs no new event: jobs under way or waiting to start."""
+        return bool(self._jobs) or any(
             seg.pending is not None for state in self._states.values() for seg in state.segments())
 
     def step(self) -> None:
-        """One iteration (see the module docstring). The flow step is launched before the LLM step:
-        on a GPU the two run side by side (the LLM on a stream of its own), and the host waits for
-        the flow's work only when the vocoder reads the mels."""
+        """One iteration (see the module docstring); the host waits for the flow's work only when
+        the vocoder reads the mels."""
         c = self.counters
         c.iterations += 1
         began = time.perf_counter()
@@ -186,20 +201,13 @@ class EngineCore:
         self._start_jobs(picked)
         self._sync()
         flow_begin = time.perf_counter()
-        flow_running = self._flow_step() if self._jobs else None
-        llm_begin = time.perf_counter()
-        # LLM steps while the flow step runs on the GPU: a stream's tokens then come at the LLM's
-        # own pace, not one per (longer) flow step
-        while self.llm.has_work:
-            self.llm.step()
-            if flow_running is None or flow_running.query():
-                break
+        if self._jobs:
+            self._flow_step()
         vocoder_begin = time.perf_counter()
         self._finish_jobs()
         end = time.perf_counter()
         c.start_s += flow_begin - start_begin
-        c.flow_s += llm_begin - flow_begin
-        c.llm_s += vocoder_begin - llm_begin
+        c.flow_s += vocoder_begin - flow_begin
         c.vocoder_s += end - vocoder_begin
         c.host_s += start_begin - began
 
@@ -246,6 +254,8 @@ class EngineCore:
         for seg in state.segments():
             if not seg.llm_done:
                 tokens, end = seg.tokens.drain()
+                if tokens:
+                    state.request.stamp("first_token")
                 _check_llm_tokens(tokens)
                 seg.received += tokens
                 self.counters.tokens += len(tokens)
@@ -269,6 +279,7 @@ class EngineCore:
                 seg.pending = _OFFLINE
         if seg.pending is None:
             return []
+        state.request.stamp("chunk_planned")
         chunk = seg.pending
         frames = 2 * (len(seg.received) if chunk is _OFFLINE else chunk.num_tokens - chunk.token_offset) + 50
         return [Candidate(state, seg, chunk, frames)]
@@ -281,6 +292,7 @@ class EngineCore:
             try:
                 if chunk is _OFFLINE:
                     seg.job = self.kind.start_offline(state.request.voice.features, seg.received)
+                    state.request.stamp("chunk_started")
                     self._jobs.append((seg, state))
                     continue
                 if seg.flow is None:
@@ -303,11 +315,11 @@ class EngineCore:
                     self._end(owner[1], exc)
         for (seg, state), job in started:
             seg.job = job
+            state.request.stamp("chunk_started")
             self._jobs.append((seg, state))
 
-    def _flow_step(self):
-        """One packed Euler step of every job under way, launched; returns what tells when the
-        device has finished it (a CUDA event; None on the CPU, where it has)."""
+    def _flow_step(self) -> None:
+        """One packed Euler step of every job under way, launched."""
         jobs = [seg.job for seg, _ in self._jobs]
         try:
             self.kind.step(jobs)
@@ -319,7 +331,6 @@ class EngineCore:
         self._sync()
         self.counters.flow_steps += 1
         self.counters.flow_step_jobs += len(jobs)
-        return work_done_event(self.kind.device)
 
     def _finish_jobs(self) -> None:
         done = [(seg, state) for seg, state in self._jobs if seg.job.done]
@@ -327,7 +338,8 @@ class EngineCore:
             return
         self._jobs = [(seg, state) for seg, state in self._jobs if not seg.job.done]
         items = []
-        for seg, _ in done:
+        for seg, state in done:
+            state.request.stamp("flow_done")
             finalize = seg.job.finalize
             items.append((seg.flow if seg.schedule is not None else None, self.kind.mel(seg.job), finalize))
         try:
@@ -345,6 +357,7 @@ class EngineCore:
                 continue
             seg.chunks += 1
             state.emitted(pcm.size, self.kind.sample_rate, now)
+            state.request.stamp("emitted")
             try:
                 state.request.emit(pcm)
             except Exception as exc:  # the front door could not take it: the request ends

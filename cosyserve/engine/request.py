@@ -12,6 +12,9 @@ stream's chunks must run in order. The LLM request of the next segment starts as
 current one has sent its first chunk (or its LLM has ended), so it generates while the current
 segment is voiced, as the reference pipeline does.
 
+``trace`` collects when the request's first chunk passed each stage (CLOCK_MONOTONIC stamps, one
+clock for every process of a host; :data:`FIRST_CHUNK_STAGES`): the front door's, then the engine's.
+
 Deadlines: a playing stream's next chunk is due when its listener would run out of audio
 (first emit + seconds emitted); a stream with nothing emitted yet is due ``first_chunk_budget_s``
 after it arrived; an offline request has no deadline (it is served after every due chunk).
@@ -34,6 +37,27 @@ from ..pipeline.tts import SegmentPrompt, TokenLimits
 # When a stream's first chunk is due, counted from its arrival (seconds).
 FIRST_CHUNK_BUDGET_S = 0.15
 
+# A first chunk's way, stamp by stamp: the stage named here ends at its stamp and began at the one
+# before. Front door: ``arrival`` (it took the request), ``submitted`` (text front-end, voice and
+# prompts done); engine: ``received``, ``first_token`` (prefill, behind other LLM work),
+# ``chunk_planned`` (the rest of the chunk's tokens decoded and seen by the loop), ``chunk_started``
+# (waiting for a place in the flow step, the stream's state opened, the encoder), ``flow_done``
+# (Euler steps), ``emitted`` (HiFT); front door: ``pcm_received`` (IPC back), ``sent`` (handed to
+# the client's connection).
+FIRST_CHUNK_STAGES = (("prepare", "submitted"), ("ipc_in", "received"), ("prefill", "first_token"),
+                      ("chunk_tokens", "chunk_planned"), ("chunk_start", "chunk_started"), ("flow", "flow_done"),
+                      ("vocoder", "emitted"), ("ipc_out", "pcm_received"), ("send", "sent"))
+
+
+def first_chunk_stages(trace: dict[str, float]) -> dict[str, float] | None:
+    """Seconds per stage of a complete first-chunk ``trace`` (starting at ``arrival``); None when a
+    stamp is missing (a request that ended before its first chunk)."""
+    stamps = ["arrival", *(stamp for _, stamp in FIRST_CHUNK_STAGES)]
+    if any(stamp not in trace for stamp in stamps):
+        return None
+    return {stage: max(0.0, trace[stamp] - trace[previous])
+            for (stage, stamp), previous in zip(FIRST_CHUNK_STAGES, stamps)}
+
 
 @dataclass(eq=False)
 class EngineRequest:
@@ -46,6 +70,11 @@ class EngineRequest:
     finish: Callable[[BaseException | None], None]  # exactly once, last
     timeout_s: float = 0.0  # 0: no limit; past it the request ends with RequestTimeoutError
     arrival: float = field(default_factory=time.monotonic)
+    trace: dict[str, float] = field(default_factory=dict)  # first-chunk stamps (FIRST_CHUNK_STAGES)
+
+    def stamp(self, name: str) -> None:
+        """Record when the first chunk passed ``name`` (the first time only)."""
+        self.trace.setdefault(name, time.monotonic())
 
 
 @dataclass(eq=False)

@@ -2,15 +2,18 @@
 
 :class:`TTSEngine` turns a :class:`~cosyserve.pipeline.tts.TTSRequest` (text, resolved voice,
 limits) into an :class:`~.request.EngineRequest`: the text front-end and the prompt ids run on the
-caller's thread (a front door's worker, never the loop), then the core takes it. The Triton
-front door (:mod:`cosyserve.serving.frontdoor`) hands PCM to Triton's response senders;
-:meth:`TTSEngine.stream` and :meth:`TTSEngine.synthesize` are blocking conveniences for in-process
-callers (``offline_inference.py``, benchmarks, tests). :func:`load_engine` builds the whole
-stack of one model kind (:data:`MODEL_KINDS`: CosyVoice2, CosyVoice3, Step-Audio2) on one device: the LLM
-engine first, so that the flow's state is sized from the memory it leaves, then the token2wav
-kind, the kept voices' prompt state and CUDA graphs, so that the first request is as fast as the
-hundredth. The kinds differ in their modules, prompt layouts and front-end files only; requests,
-scheduling, admission and the loop are one.
+caller's thread (a front door's worker, never the loop), then the core takes it: the
+:class:`~.core.EngineCore` in this process, or an engine process through its
+:class:`~.client.EngineClient` (what the servers use). The Triton front door
+(:mod:`cosyserve.serving.frontdoor`) hands PCM to Triton's response senders; :meth:`TTSEngine.stream`
+and :meth:`TTSEngine.synthesize` are blocking conveniences (``offline_inference.py``, benchmarks,
+tests). :func:`load_engine` builds the whole stack of one model kind (:data:`MODEL_KINDS`:
+CosyVoice2, CosyVoice3, Step-Audio2) on one device: the LLM engine first, so that the flow's state
+is sized from the memory it leaves, then the token2wav kind, the kept voices' prompt state and CUDA
+graphs, so that the first request is as fast as the hundredth. :func:`load_frontend` builds the
+front-end half alone (text, prompts, voices) for a front door whose engine runs elsewhere. The kinds
+differ in their modules, prompt layouts and front-end files only; requests, scheduling, admission
+and the loop are one.
 """
 
 from __future__ import annotations
@@ -40,14 +43,18 @@ from .kinds.cosyvoice2 import CosyVoice2Kind
 from .kinds.cosyvoice3 import load_cosyvoice3_kind
 from .kinds.step_audio2 import load_step_audio2_kind
 from .request import EngineRequest
-from .runners.llm import BackendLLM, LoopLLM
+from .runners.llm import BackendLLM, FreeRunningLLM
 from .scheduler import Scheduler
+from .wire import EngineStats
 
 WARM_UP_TEXT = "你好，欢迎使用语音合成服务。"
 
 
 class TTSEngine:
-    def __init__(self, core: EngineCore, prompter: SegmentPrompter, voices: VoiceResolver, warm_voice: Voice) -> None:
+    """``core``: an :class:`~.core.EngineCore` or an :class:`~.client.EngineClient` (one interface:
+    ``submit``, ``cancel``, ``stats``, ``sample_rate``, ``close``)."""
+
+    def __init__(self, core, prompter: SegmentPrompter, voices: VoiceResolver, warm_voice: Voice) -> None:
         self.core = core
         self.prompter = prompter
         self.voices = voices
@@ -55,15 +62,23 @@ class TTSEngine:
 
     @property
     def sample_rate(self) -> int:
-        return self.core.kind.sample_rate
+        return self.core.sample_rate
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
 
     def submit(self, request: TTSRequest, *, streaming: bool, emit: Callable[[np.ndarray], None],
-               finish: Callable[[BaseException | None], None], timeout_s: float = 0.0) -> None:
+               finish: Callable[[BaseException | None], None], timeout_s: float = 0.0,
+               trace: dict[str, float] | None = None) -> None:
         """Queue ``request``; its prompts are built here (bad text raises here, as does a refusal:
-        CapacityError). ``emit``/``finish`` are then called from the engine's loop thread."""
+        CapacityError). ``emit``/``finish`` are then called from the engine's loop thread (or the
+        client's receiver). ``trace``: the request's first-chunk stamps so far (``arrival``), which the
+        engine completes (:data:`~.request.FIRST_CHUNK_STAGES`)."""
         segments = list(self.prompter.segment_prompts(request))
-        self.core.submit(EngineRequest(request.request_id, iter(segments), request.voice, request.limits, streaming,
-                                       emit, finish, timeout_s))
+        engine_request = EngineRequest(request.request_id, iter(segments), request.voice, request.limits, streaming,
+                                       emit, finish, timeout_s, trace=trace if trace is not None else {})
+        engine_request.stamp("submitted")
+        self.core.submit(engine_request)
 
     def cancel(self, request_id: str) -> None:
         self.core.cancel(request_id)
@@ -183,17 +198,48 @@ def load_engine(model: str, model_dir: str | Path, llm_dir: str | Path, device: 
     :func:`~.kinds.cosyvoice3.load_cosyvoice3_kind`'s; Step-Audio2:
     :func:`~.kinds.step_audio2.load_step_audio2_kind`'s). ``spk2info``: the registered voices of a
     kind that has them (None: ``model_dir``'s spk2info.pt; Step-Audio2's are CosyVoice2's).
-    ``llm_backend``: None for our LLM engine in the loop (``llm_options``:
+    ``llm_backend``: None for our LLM engine, free-running beside the loop (``llm_options``:
     :class:`~cosyserve.llm.engine.llm_engine.LLMEngine`'s), or a :mod:`cosyserve.llm` back end that
-    generates on its own threads (an OpenAI-compatible server).
+    generates on its own threads (an OpenAI-compatible server, tokens forwarded by a front door).
     ``frontend_backend``: the speech tokenizer's and speaker encoder's
     (:func:`~cosyserve.frontend.torch_models.load_frontend_models`; None: PyTorch on a GPU,
     onnxruntime on the CPU). ``warm_up``: capture and compile every shape class of the flow, then
     voice a few requests through the whole loop, before returning (a GPU server's ready state: its
     first request is then as fast as the hundredth)."""
-    from transformers import AutoTokenizer
-
     from ..llm.engine.llm_engine import LLMEngine
+
+    if model not in MODEL_KINDS:
+        raise ValueError(f"unknown model kind {model!r}; choose one of {sorted(MODEL_KINDS)}")
+    spec = MODEL_KINDS[model]
+    prompter, voices, warm_voice = load_frontend(model, model_dir, llm_dir, device, voices_dir=voices_dir,
+                                                 max_text_chars=max_text_chars, frontend_backend=frontend_backend,
+                                                 spk2info=spk2info)
+    # the LLM first: the flow's state is sized from the memory it leaves
+    if llm_backend is None:
+        llm = FreeRunningLLM(LLMEngine(llm_dir, device, **(llm_options or {})), spec.sampling)
+    else:
+        llm = BackendLLM(llm_backend, spec.sampling)
+    llm.register_voices(prompter.text_tokenizer, voices.registry)
+    kind = spec.load_kind(Path(model_dir), device, kind_options or {}, sine_noise)
+    for voice in _kept_voices(voices, kind.max_voices):
+        kind.warm_voice(voice.features)
+    if warm_up:
+        kind.warm_up(warm_voice.features)
+    core = EngineCore(kind, llm, strategy=strategy, scheduler=scheduler, sync_stages=sync_stages).start()
+    engine = TTSEngine(core, prompter, voices, warm_voice)
+    if warm_up:
+        engine.warm_up()
+    return engine
+
+
+def load_frontend(model: str, model_dir: str | Path, llm_dir: str | Path, device: torch.device, *,
+                  voices_dir: Path | None = None, max_text_chars: int | None = None,
+                  frontend_backend: str | None = None,
+                  spk2info: str | Path | None = None) -> tuple[SegmentPrompter, VoiceResolver, Voice]:
+    """The front-end half of ``model``'s stack: its prompter (text front-end and prompt ids), its voice
+    resolver (registered voices, stored ones, new clips through the speech tokenizer and speaker
+    encoder on ``device``) and the voice its warm-up speaks with."""
+    from transformers import AutoTokenizer
 
     if model not in MODEL_KINDS:
         raise ValueError(f"unknown model kind {model!r}; choose one of {sorted(MODEL_KINDS)}")
@@ -202,30 +248,15 @@ def load_engine(model: str, model_dir: str | Path, llm_dir: str | Path, device: 
     text_tokenizer = AutoTokenizer.from_pretrained(llm_dir)
     registry = (SpeakerRegistry.load(spk2info or model_dir / SPK2INFO) if spec.registered_voices
                 else SpeakerRegistry())
-    # the LLM first: the flow's state is sized from the memory it leaves
-    if llm_backend is None:
-        llm = LoopLLM(LLMEngine(llm_dir, device, **(llm_options or {})), spec.sampling)
-    else:
-        llm = BackendLLM(llm_backend, spec.sampling)
-    llm.register_voices(text_tokenizer, registry)
-    kind = spec.load_kind(model_dir, device, kind_options or {}, sine_noise)
     store = VoiceStore(voices_dir, features_file=spec.features_file) if voices_dir is not None else None
     tokenizer, speaker_encoder = load_frontend_models(model_dir / spec.speech_tokenizer, model_dir / "campplus.onnx",
                                                       device, frontend_backend)
     voices = VoiceResolver(registry, tokenizer, speaker_encoder, store=store, mel_fmax=spec.mel_fmax,
                            default_speaker=DEFAULT_SPEAKER if spec.registered_voices else None)
-    for voice in _kept_voices(voices, kind.max_voices):
-        kind.warm_voice(voice.features)
     prompter = SegmentPrompter(text_tokenizer, layout=spec.layout,
                                **({} if max_text_chars is None else {"max_text_chars": max_text_chars}))
     warm_voice = voices.resolve() if spec.registered_voices else voices.resolve(warm_up_clip(), WARM_UP_TEXT)
-    if warm_up:
-        kind.warm_up(warm_voice.features)
-    core = EngineCore(kind, llm, strategy=strategy, scheduler=scheduler, sync_stages=sync_stages).start()
-    engine = TTSEngine(core, prompter, voices, warm_voice)
-    if warm_up:
-        engine.warm_up()
-    return engine
+    return prompter, voices, warm_voice
 
 
 def _kept_voices(voices: VoiceResolver, limit: int) -> list[Voice]:

@@ -1,16 +1,18 @@
 """The ``cosyvoice2``, ``cosyvoice3`` and ``cosyvoice2_dit`` Triton models: a thin front door over
 the engine core of this GPU (parameter ``model_kind``: which model's stack the engine runs).
 
-One model instance holds the :class:`~cosyserve.engine.service.TTSEngine` (LLM, flow and HiFT
-stepped by one loop in this process; no other process on the GPU). ``execute`` reads each
+The engine core (LLM, flow and HiFT) runs in a process of its own, which the model instance starts
+and talks to over ZMQ (:class:`~cosyserve.engine.client.EngineClient`): the text front-end, the
+voices (a new clip's speech tokenizer and speaker encoder), response sending, metrics and
+cancellation stay here, on this stub's GIL, and never slow the loop. ``execute`` reads each
 request's inputs (:func:`~cosyserve.serving.protocol.parse_tts_inputs`, the reference's wire
-protocol unchanged) and returns at once; a pool of ``prepare_threads`` resolves the voice (a new
-clip's speech tokenizer and speaker encoder run there) and builds the prompts, then hands the
-request to the engine, which refuses it at once when it is past capacity (gRPC ``UNAVAILABLE``
-"overloaded: ...", the API's 429). PCM comes back through each request's response sender as soon
-as the loop has it: one thread sends every response, so the loop never waits for Triton. Nothing
-is a process per request: concurrency is the engine's, bounded by its admission
-(``max_streams``, ``admission_min_buffer_s``), not by instance counts.
+protocol unchanged) and returns at once; a pool of ``prepare_threads`` resolves the voice and builds
+the prompts, then hands the request to the engine, which refuses it when it is past capacity (gRPC
+``UNAVAILABLE`` "overloaded: ...", the API's 429). PCM comes back through each request's response
+sender as soon as the engine sends it: one thread sends every response. Nothing is a process per
+request: concurrency is the engine's, bounded by its admission (``max_streams``,
+``admission_min_buffer_s``), not by instance counts. If the engine process dies, its requests end
+with an error at once and it is started again (docs/operations.md).
 
 Decoupled (streaming): one response per chunk, then the final flag. Not decoupled: one response
 with the whole waveform (the engine's offline path: one flow pass over each segment). The
@@ -18,8 +20,9 @@ optional ``streaming`` BOOL input (default: the model's mode) lets a decoupled m
 request offline and answer it in one response: what ``cosyvoice2_offline`` asks for on behalf
 of HTTP clients (:mod:`.offline_proxy`).
 
-Speech tokens: :class:`~.settings.EngineSettings` (the in-loop LLM engine, an OpenAI-compatible
-server, or a Triton LLM model such as ``tensorrt_llm``, read on a thread per request).
+Speech tokens: :class:`~.settings.EngineSettings` (our LLM engine in the engine process, an
+OpenAI-compatible server, or a Triton LLM model such as ``tensorrt_llm``: only this stub can call
+it, so each segment's tokens are read here on a thread and forwarded to the engine).
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..clients import Playback
-from ..engine.scheduler import Scheduler
-from ..engine.service import MODEL_KINDS, TTSEngine, load_engine
+from ..engine.client import EngineClient
+from ..engine.process import EngineSpec
+from ..engine.request import FIRST_CHUNK_STAGES, first_chunk_stages
+from ..engine.runners.llm import BackendLLM
+from ..engine.service import MODEL_KINDS, TTSEngine, load_frontend
 from ..errors import CapacityError
 from ..frontend.voice_store import VOICES_DIR
-from ..llm.backends import create_backend
 from ..llm.prompt import PromptLayout
 from ..llm.stream import Finished, TokenStream
 from ..llm.trtllm.request import TritonLLMInputs, resolve_protocol
@@ -130,6 +135,24 @@ class _Reply:
     streaming: bool
     pieces: list = field(default_factory=list)
     playback: Playback = field(default_factory=Playback)
+    submitted: bool = False  # handed to the engine (a refusal for capacity may still come back)
+    trace: dict = field(default_factory=lambda: {"arrival": time.monotonic()})  # first-chunk stamps
+
+
+class _StatsCounters:
+    """The engine's running totals as attributes, for :class:`~.triton_utils.WorkMetrics`: the last
+    :class:`~cosyserve.engine.wire.EngineStats` fetched by :meth:`refresh`."""
+
+    def __init__(self, engine: TTSEngine) -> None:
+        self._engine = engine
+        self.stats = engine.stats()
+
+    def refresh(self):
+        self.stats = self._engine.stats()
+        return self.stats
+
+    def __getattr__(self, name: str) -> float:
+        return self.stats.counters.get(name, 0)
 
 
 class EngineFrontDoor:
@@ -141,25 +164,41 @@ class EngineFrontDoor:
         self.limits = TokenLimits(settings.max_tokens, settings.min_tokens)
         self.timeout_s = settings.request_timeout_s
         self.triton_llm = None
-        llm_backend = None
         model = MODEL_KINDS[settings.model_kind]
+        token_source = None
         if settings.llm_url:
-            llm_backend = create_backend("openai", settings.llm_tokenizer_dir, base_url=settings.llm_url,
-                                         model=settings.llm_model or None, layout=model.layout.name)
+            llm, llm_options = "openai", {"base_url": settings.llm_url, "model": settings.llm_model or None}
         elif settings.llm_model_name:
             protocol = resolve_protocol(settings.llm_protocol, settings.llm_model_name)
             inputs = TritonLLMInputs(protocol, model.sampling, True, settings.llm_tokenizer_dir, end_id=model.layout.eos_id)
-            llm_backend = self.triton_llm = TritonModelTokens(settings.llm_model_name, inputs, model.layout)
-        self.engine: TTSEngine = load_engine(
-            settings.model_kind, settings.model_dir, settings.llm_tokenizer_dir, device,
-            kind_options=settings.kind_options(device), llm_backend=llm_backend,
-            llm_options={"max_slots": settings.llm_max_slots, "max_model_len": settings.llm_max_model_len},
-            strategy=settings.streaming_strategy,
-            scheduler=Scheduler(settings.max_streams, settings.admission_min_buffer_s, settings.max_step_frames,
-                                settings.max_step_jobs),
-            voices_dir=settings.voices_dir or settings.model_dir / VOICES_DIR,
-            max_text_chars=settings.max_text_chars, warm_up=settings.warm_up_engine(device),
-            frontend_backend=settings.frontend_backend, spk2info=settings.spk2info)
+            self.triton_llm = TritonModelTokens(settings.llm_model_name, inputs, model.layout)
+            token_source = BackendLLM(self.triton_llm, model.sampling)
+            llm, llm_options = "client", {}
+        else:
+            llm, llm_options = "engine", {"max_slots": settings.llm_max_slots, "max_model_len": settings.llm_max_model_len}
+        self.own_llm = llm == "engine"
+        voices_dir = settings.voices_dir or settings.model_dir / VOICES_DIR
+        frontend_backend = None if settings.frontend_backend == "auto" else settings.frontend_backend
+        spec = EngineSpec(
+            settings.model_kind, str(settings.model_dir), str(settings.llm_tokenizer_dir), str(device),
+            kind_options=settings.kind_options(device), llm=llm, llm_options=llm_options,
+            strategy=settings.streaming_strategy, max_streams=settings.max_streams,
+            min_buffer_s=settings.admission_min_buffer_s, max_step_frames=settings.max_step_frames,
+            max_step_jobs=settings.max_step_jobs, voices_dir=str(voices_dir), frontend_backend=frontend_backend,
+            spk2info=str(settings.spk2info) if settings.spk2info else None,
+            warm_up=settings.warm_up_engine(device), torch_threads=settings.torch_threads)
+        # the engine process loads while the front end loads here (text, prompts, voices; a new clip's
+        # models on this device, off the engine's GIL and CUDA stream)
+        client = EngineClient.spawn(spec, token_source=token_source)
+        try:
+            prompter, voices, warm_voice = load_frontend(
+                settings.model_kind, settings.model_dir, settings.llm_tokenizer_dir, device, voices_dir=voices_dir,
+                max_text_chars=settings.max_text_chars, frontend_backend=frontend_backend, spk2info=settings.spk2info)
+            client.wait_ready()
+        except BaseException:
+            client.close()
+            raise
+        self.engine = TTSEngine(client, prompter, voices, warm_voice)
         if settings.warm_up is not False:  # the text front-end: before the server reports ready
             self.engine.prompter.text.warm_up()
         self.prepare = ThreadPoolExecutor(settings.prepare_threads, thread_name_prefix="prepare")
@@ -171,46 +210,59 @@ class EngineFrontDoor:
         self._responder.start()
 
     def _metrics(self, name: str) -> None:
-        self.in_progress = Metric("cosyserve_bls_requests_in_progress", "requests taken and not yet answered", name)
+        self.in_progress = Metric("cosyserve_requests_in_progress", "requests taken and not yet answered", name)
         self.listeners = ListenerMetrics(name)
-        self.admitted = Metric("cosyserve_bls_requests_admitted", "requests the engine took", name, kind="counter")
-        self.refused = Metric("cosyserve_bls_requests_refused", "requests refused because the engine was past "
+        self.admitted = Metric("cosyserve_requests_admitted", "requests the engine took", name, kind="counter")
+        self.refused = Metric("cosyserve_requests_refused", "requests refused because the engine was past "
                               "max_streams or a stream had less than admission_min_buffer_s of audio buffered",
                               name, kind="counter")
         # the reference layout's names for the LLM's and the flow's live requests (operators and tests
-        # read them); the LLM's only when it runs in the loop: an LLM model or server counts its own
-        core = self.engine.core
+        # read them); the LLM's only when the engine runs ours: an LLM model or server counts its own
+        stats = self.engine.stats()
         self.llm_requests = Metric("cosyserve_llm_active_requests", "LLM requests generating in the engine",
-                                   name) if not core.llm.external else None
-        llm_tokens = {} if core.llm.external else {
-            "cosyserve_llm_generated_tokens_total": ("speech tokens the engine's LLM produced", core.counters, "tokens")}
-        self.work = WorkMetrics(name, {
+                                   name) if self.own_llm else None
+        llm_tokens = {"cosyserve_llm_generated_tokens_total": ("speech tokens the engine's LLM produced", "tokens")
+                      } if self.own_llm else {}
+        self._counters = _StatsCounters(self.engine)
+        self._published: dict[Metric, float] = {}  # gauge -> the value last set
+        self.work = WorkMetrics(name, {metric: (text, self._counters, field) for metric, (text, field) in {
             **llm_tokens,
-            **{f"cosyserve_engine_{stage}_seconds_total": (f"the loop's time: {text}", self.engine.core.counters,
-                                                          f"{stage}_s")
-               for stage, text in (("llm", "LLM steps"), ("start", "chunks starting (encoder)"),
-                                   ("flow", "packed Euler steps"), ("vocoder", "HiFT and emitting PCM"),
-                                   ("host", "requests, tokens and scheduling"), ("idle", "waiting for work"))},
-            "cosyserve_engine_iterations_total": ("iterations of the loop", self.engine.core.counters, "iterations"),
-            "cosyserve_engine_flow_steps_total": ("packed Euler steps", self.engine.core.counters, "flow_steps"),
-            "cosyserve_engine_flow_step_jobs_total": ("jobs advanced by packed Euler steps", self.engine.core.counters,
-                                                      "flow_step_jobs")})
+            **{f"cosyserve_engine_{stage}_seconds_total": (f"the loop's time: {text}", f"{stage}_s")
+               for stage, text in (("start", "chunks starting (encoder)"), ("flow", "packed Euler steps"),
+                                   ("vocoder", "HiFT and emitting PCM"), ("host", "requests, tokens and scheduling"),
+                                   ("idle", "waiting for work"))},
+            "cosyserve_engine_iterations_total": ("iterations of the loop", "iterations"),
+            "cosyserve_engine_flow_steps_total": ("packed Euler steps", "flow_steps"),
+            "cosyserve_engine_flow_step_jobs_total": ("jobs advanced by packed Euler steps", "flow_step_jobs"),
+            **({"cosyserve_engine_llm_busy_seconds_total": ("the LLM's time stepping (its own thread)", "llm_busy_s")}
+               if self.own_llm else {})}.items()})
+        # the way of each stream's first chunk, stage by stage (engine/request.py FIRST_CHUNK_STAGES):
+        # a benchmark divides each total's growth by the traced chunks' to get the stages' means
+        self.first_chunks = Metric("cosyserve_first_chunks_traced", "streams whose first chunk's stages are "
+                                   "counted in cosyserve_first_chunk_<stage>_seconds", name, kind="counter")
+        self.first_chunk_stages = {stage: Metric(f"cosyserve_first_chunk_{stage}_seconds",
+                                                 f"time of first chunks in stage {stage}", name, kind="counter")
+                                   for stage, _ in FIRST_CHUNK_STAGES}
         self.streams = Metric("cosyserve_engine_streams", "streaming requests in the engine", name)
         self.requests = Metric("cosyserve_engine_requests", "requests in the engine", name)
         # the token2wav kind's state: open streams, cached voices, and its state pages where it has them
         self.kind_gauges = {gauge: Metric(f"cosyserve_token2wav_{gauge}", text, name)
-                            for gauge, (text, _) in self.engine.core.kind.gauges().items()}
+                            for gauge, (text, _) in stats.gauges.items()}
         self._publish()
 
     def _publish(self) -> None:
-        core = self.engine.core
+        """The engine's latest stats to Triton's gauges and counters: only the values that changed
+        (each update is a round trip to the server; an idle engine costs none)."""
+        stats = self._counters.refresh()
+        gauges = [(self.streams, stats.streams), (self.requests, stats.requests)]
         if self.llm_requests is not None:
-            self.llm_requests.set(core.generating)
-        for gauge, (_, value) in core.kind.gauges().items():
-            self.kind_gauges[gauge].set(value)
+            gauges.append((self.llm_requests, stats.generating))
+        gauges += [(self.kind_gauges[name], value) for name, (_, value) in stats.gauges.items() if name in self.kind_gauges]
+        for metric, value in gauges:
+            if self._published.get(metric) != value:
+                metric.set(value)
+                self._published[metric] = value
         self.work.publish()
-        self.streams.set(core.active_streams)
-        self.requests.set(core.active_requests)
 
     # ----- Triton's thread -----
 
@@ -237,14 +289,10 @@ class EngineFrontDoor:
             request = TTSRequest(inputs.request_id, inputs.target_text, voice, inputs.limits, inputs.text_frontend,
                                  inputs.instruction)
             self._replies[reply.request_id] = reply
-            try:
-                self.engine.submit(request, streaming=reply.streaming, timeout_s=self.timeout_s,
-                                   emit=lambda pcm: self._outbox.put((reply, pcm)),
-                                   finish=lambda error: self._outbox.put((reply, error or _DONE)))
-            except CapacityError:
-                self.refused.increment()
-                raise
-            self.admitted.increment()
+            reply.submitted = True
+            self.engine.submit(request, streaming=reply.streaming, timeout_s=self.timeout_s, trace=reply.trace,
+                               emit=lambda pcm: self._outbox.put((reply, pcm)),
+                               finish=lambda error: self._outbox.put((reply, error or _DONE)))
         except Exception as exc:
             self._replies.pop(reply.request_id, None)
             self._outbox.put((reply, exc))
@@ -276,11 +324,18 @@ class EngineFrontDoor:
                 reply.pieces.append(item)
                 return
             reply.sender.send(pb_utils.InferenceResponse(output_tensors=[tensor("waveform", item)]))
+            reply.trace.setdefault("sent", time.monotonic())
             self.listeners.played(reply.playback, item.size / OUTPUT_SAMPLE_RATE)
             return
-        # the last item: _DONE or the error
+        # the last item: _DONE or the error (a refusal for capacity comes from the engine this way too)
         self._replies.pop(reply.request_id, None)
         self.in_progress.increment(-1)
+        if isinstance(item, CapacityError):
+            self.refused.increment()
+        elif reply.submitted:
+            self.admitted.increment()
+        if item is _DONE and reply.streaming:
+            self._trace(reply.trace)
         if self.triton_llm is not None:
             self.triton_llm.release(reply.sender.is_cancelled)  # before the final flag closes the sender
         if item is _DONE:
@@ -293,6 +348,13 @@ class EngineFrontDoor:
         else:
             reply.sender.send(self._error_response(item, reply.streaming), flags=FINAL)
         self._publish()
+
+    def _trace(self, trace: dict) -> None:
+        stages = first_chunk_stages(trace)
+        if stages is not None:
+            self.first_chunks.increment()
+            for stage, seconds in stages.items():
+                self.first_chunk_stages[stage].increment(seconds)
 
     def _error_response(self, exc: BaseException, streaming: bool):
         response = error_response(exc)

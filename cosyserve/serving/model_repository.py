@@ -36,14 +36,14 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo"
 # Parameters that repositories filled with the keys of NVIDIA's runtime (which has none of them)
 # leave empty: llm_protocol / llm_url / llm_model of cosyvoice2 (by llm_model_name / a Triton LLM
 # model; the first model the server lists), spk2info (<model_dir>/spk2info.pt),
-# bls_warm_up (on), model_kind (cosyvoice2), voices_dir (<model_dir>/voices), request_timeout_s (no
+# text_warm_up (on), model_kind (cosyvoice2), voices_dir (<model_dir>/voices), request_timeout_s (no
 # limit), admission_min_buffer_s and max_streams (off) and
 # mps_thread_percentage / mps_priority (no cap, normal priority), frontend_backend (auto: torch on
 # CUDA, onnxruntime on the CPU); max_queue_size and
 # queue_timeout_microseconds 0 are no limit.
 DEFAULTS = {"max_queue_size": "0", "queue_timeout_microseconds": "0", "max_queue_delay_microseconds": "0",
             "llm_protocol": "", "llm_url": "", "engine_warm_up": "",
-            "bls_warm_up": "", "request_timeout_s": "", "admission_min_buffer_s": "", "max_streams": "",
+            "text_warm_up": "", "request_timeout_s": "", "admission_min_buffer_s": "", "max_streams": "",
             "mps_thread_percentage": "", "mps_priority": "", "frontend_backend": "",
             "model_kind": "", "voices_dir": "", "token2wav_incremental_stream": "", "spk2info": "", "llm_model": ""}
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
@@ -127,7 +127,7 @@ class EngineRepository:
     device: str = EngineSettings.device                        # DEVICE
     max_tokens: int = EngineSettings.max_tokens                # MAX_TOKENS
     min_tokens: int = EngineSettings.min_tokens                # MIN_TOKENS
-    bls_warm_up: str = parameter_value(EngineSettings.warm_up)  # BLS_WARM_UP (the text front-end)
+    text_warm_up: str = parameter_value(EngineSettings.warm_up)  # TEXT_WARM_UP (the text front-end)
     engine_warm_up: str = parameter_value(EngineSettings.engine_warm_up)  # ENGINE_WARM_UP
     request_timeout_s: float = EngineSettings.request_timeout_s  # REQUEST_TIMEOUT_S
     admission_min_buffer_s: float = EngineSettings.admission_min_buffer_s  # ADMISSION_MIN_BUFFER_S (0: off)
@@ -141,7 +141,7 @@ class EngineRepository:
         return {"model_dir": model_dir, "triton_max_batch_size": str(self.max_batch_size), "device": self.device,
                 "llm_tokenizer_dir": llm_dir, "streaming_strategy": self.streaming_strategy, "llm_url": self.llm_url,
                 "max_tokens": str(self.max_tokens), "min_tokens": str(self.min_tokens),
-                "bls_warm_up": self.bls_warm_up, "engine_warm_up": self.engine_warm_up,
+                "text_warm_up": self.text_warm_up, "engine_warm_up": self.engine_warm_up,
                 "request_timeout_s": parameter_value(self.request_timeout_s),
                 "admission_min_buffer_s": parameter_value(self.admission_min_buffer_s),
                 "max_streams": _max_streams(self.max_streams), "decoupled_mode": str(self.decoupled),

@@ -37,12 +37,12 @@ class ListenerMetrics:
     chunk sent and plays the chunks back to back (:class:`~cosyserve.clients.Playback`)."""
 
     def __init__(self, model_name: str):
-        self.buffer_s = Metric("cosyserve_bls_stream_buffer_seconds", "audio a stream's listener still had "
+        self.buffer_s = Metric("cosyserve_stream_buffer_seconds", "audio a stream's listener still had "
                                "buffered when its next chunk was sent (negative: playback had stalled)",
                                model_name, kind="histogram", buckets=BUFFER_BUCKETS)
-        self.underruns = Metric("cosyserve_bls_stream_underruns", "chunks sent after the audio before them had "
+        self.underruns = Metric("cosyserve_stream_underruns", "chunks sent after the audio before them had "
                                 "finished playing", model_name, kind="counter")
-        self.stall_s = Metric("cosyserve_bls_stream_stall_seconds", "playback stalls of those underruns, in seconds",
+        self.stall_s = Metric("cosyserve_stream_stall_seconds", "playback stalls of those underruns, in seconds",
                               model_name, kind="counter")
 
     def played(self, playback: Playback, seconds: float) -> None:

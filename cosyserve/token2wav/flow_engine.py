@@ -58,6 +58,7 @@ from ..models.flow.cache import FrameBuffer, copy_states
 from ..models.flow.cfm import N_TIMESTEPS
 from ..models.flow.fused import FusedEstimator, StepRows, StepState, context_slots, conv_views
 from ..models.flow.packed_encoder import EncoderWindow, encode_windows
+from ..runtime import host_to_device
 from .graphs import FlowCounters
 
 # Voices whose prefix is kept when nothing else limits them (pages are freed earlier under pressure).
@@ -640,11 +641,11 @@ class FlowEngine:
             cond = self.flow.prompt_condition(voice.prompt_feat, w.frame_start, w.frames)
             fused.fill_input(inp, (j, pairs + j), w.x, w.mu, voice.spks, cond)
         steps = [w.step for w in windows]
-        buffers.commit.copy_(torch.tensor([w.frame_commit - w.frame_start for w in windows] + idle, dtype=torch.long)
-                             .repeat(2))
+        buffers.commit.copy_(host_to_device([w.frame_commit - w.frame_start for w in windows] + idle, self.device,
+                                             torch.long).repeat(2))
         # Every index is built once per call and moved in one copy each: all windows' context moves
         # in one gather + one scatter, and their new blocks back in one of each.
-        rows = torch.tensor(list(range(count)) + list(range(pairs, pairs + count)), device=self.device)
+        rows = host_to_device(list(range(count)) + list(range(pairs, pairs + count)), self.device, torch.long)
         context_pages, context_steps, context_keys, new_pages, new_steps, new_keys = [], [], [], [], [], []
         for j, w in enumerate(windows):
             cfg_rows = (j * buffers.key_stride, (pairs + j) * buffers.key_stride)
@@ -658,7 +659,7 @@ class FlowEngine:
                     new_steps.append(w.step)
                     new_keys += [row + buffers.slots + q * page for row in cfg_rows]
         context_pages, context_steps, context_keys, new_pages, new_steps, new_keys = (
-            torch.tensor(v, device=self.device, dtype=torch.long) if v else None
+            host_to_device(v, self.device, torch.long) if v else None
             for v in (context_pages, context_steps, _page_keys(context_keys, page), new_pages, new_steps,
                       _page_keys(new_keys, page)))
         kv, conv_all = buffers.kv_flat, buffers.state.conv_all
@@ -668,7 +669,7 @@ class FlowEngine:
             kv.index_copy_(1, context_keys, context.transpose(0, 1).reshape(layers, -1, width))
         conv = torch.stack([w.state.conv[w.step] for w in windows])  # (windows, 2, conv width)
         conv_all.index_copy_(0, rows, conv.transpose(0, 1).reshape(2 * count, -1))
-        row_steps = torch.tensor((steps + idle) * 2, device=self.device)
+        row_steps = host_to_device((steps + idle) * 2, self.device, torch.long)
         buffers.time_bias.copy_(self._time_bias[row_steps].transpose(0, 1))
         buffers.dt.copy_(self._dt[row_steps[:pairs]])
         x_out = buffers.step()

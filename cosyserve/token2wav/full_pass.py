@@ -18,6 +18,7 @@ import torch
 
 from ..models.flow import CosyVoice2Flow, fixed_noise
 from ..models.flow.fused import FusedEstimator
+from ..runtime import host_to_device
 from .flow_engine import GRAPH_PAIRS, EngineGraphs, StepBuffers
 
 # Rows of an eager packed pass are padded to a multiple of this many frames (masked, never returned).
@@ -143,7 +144,7 @@ class FullPass:
         buffers.inp.zero_()
         for j, job in enumerate(jobs):
             fused.fill_input(buffers.inp, (j, pairs + j), job.x, job.mu, job.spks, job.cond)
-        row_steps = torch.tensor(([job.step for job in jobs] + idle) * 2, device=fused.device)
+        row_steps = host_to_device(([job.step for job in jobs] + idle) * 2, fused.device, torch.long)
         buffers.time_bias.copy_(self._time_bias[row_steps].transpose(0, 1))
         buffers.dt.copy_(self._dt[row_steps[:pairs]])
         x_out = buffers.step()

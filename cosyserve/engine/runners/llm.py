@@ -1,16 +1,18 @@
-"""Speech tokens for the engine core: our LLM engine stepped by the core's loop, or any back end
-that generates on threads of its own (an OpenAI-compatible server, a Triton LLM model).
+"""Speech tokens for the engine core. Whatever generates them runs beside the loop, never inside
+it: each request's tokens arrive in a :class:`~cosyserve.llm.stream.TokenStream` that the loop
+drains without blocking.
 
-Either way each request's tokens arrive in a :class:`~cosyserve.llm.stream.TokenStream` that the
-loop drains without blocking. :class:`LoopLLM` owns an :class:`~cosyserve.llm.engine.llm_engine.LLMEngine`
-with no thread of its own: each :meth:`LoopLLM.step` is one engine step (admissions and a bounded
-prefill, then one decode step for every running request), so LLM and flow steps alternate on one
-thread and one CUDA context, with no process between them.
+* :class:`FreeRunningLLM`: our :class:`~cosyserve.llm.engine.llm_engine.LLMEngine` on a thread of
+  its own and, on a GPU, a high-priority CUDA stream: it decodes at its own pace whatever the
+  token2wav loop is doing, so a stream's first chunk waits for ~18 decode steps, not for ~18 loop
+  iterations, and a long flow step never holds its tokens back.
+* :class:`BackendLLM`: any :mod:`cosyserve.llm` back end that generates on threads of its own (an
+  OpenAI-compatible server), or the tokens a front door forwards from a Triton LLM model
+  (:class:`~cosyserve.engine.process.ForwardedTokens`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -21,48 +23,9 @@ from ...llm.stream import TokenStream
 from ...pipeline.tts import TokenLimits
 
 
-class LoopLLM:
-    """The in-process LLM engine, stepped by the caller. ``external`` False: tokens appear only
-    when :meth:`step` runs."""
-
-    external = False
-
-    def __init__(self, engine, sampling: SamplingParams = REFERENCE_SAMPLING) -> None:
-        self.engine = engine
-        self.sampling = sampling
-        device = engine.runner.device
-        # On a GPU the LLM's kernels go to a stream of their own, so that a decode step runs beside
-        # the flow step the loop launched just before it; reading the sampled tokens then waits for
-        # the LLM's work only.
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    @property
-    def has_work(self) -> bool:
-        return self.engine.has_work
-
-    def submit(self, prompt_ids: list[int], request_id: str, limits: TokenLimits) -> TokenStream:
-        params = dataclasses.replace(self.sampling, max_tokens=limits.max_tokens, min_tokens=limits.min_tokens)
-        return self.engine.submit(prompt_ids, params, request_id)
-
-    def step(self) -> int:
-        """One engine step; returns the requests it advanced."""
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            stats = self.engine.step()
-        return stats.prefilled + stats.decoded
-
-    def register_voices(self, text_tokenizer, registry) -> None:
-        register_voice_prefixes(self.engine, text_tokenizer, registry)
-
-    def close(self) -> None:
-        self.engine.close()
-
-
 class BackendLLM:
-    """A :mod:`cosyserve.llm` back end that generates on its own threads (``external``: the loop
-    polls its streams)."""
-
-    external = True
-    has_work = False
+    """A back end with ``generate_stream(prompt_ids, params, request_id)`` that generates on its own
+    threads; each request gets ``sampling`` with its token limits."""
 
     def __init__(self, backend, sampling: SamplingParams = REFERENCE_SAMPLING) -> None:
         self.backend = backend
@@ -72,11 +35,40 @@ class BackendLLM:
         params = dataclasses.replace(self.sampling, max_tokens=limits.max_tokens, min_tokens=limits.min_tokens)
         return self.backend.generate_stream(prompt_ids, params, request_id)
 
-    def step(self) -> int:
-        return 0
-
     def register_voices(self, text_tokenizer, registry) -> None:
         register_voice_prefixes(self.backend, text_tokenizer, registry)
 
+    @property
+    def generating(self) -> int | None:
+        """LLM requests under way, where the back end counts them here (None: it counts its own)."""
+        return None
+
+    def counters(self) -> dict[str, float]:
+        return {}
+
     def close(self) -> None:
         self.backend.close()
+
+
+class FreeRunningLLM(BackendLLM):
+    """The in-process LLM engine, stepping on its own thread from the start."""
+
+    def __init__(self, engine, sampling: SamplingParams = REFERENCE_SAMPLING) -> None:
+        super().__init__(engine, sampling)
+        device = engine.runner.device
+        # a high-priority stream (lower is higher): a decode step's few kernels are scheduled ahead
+        # of the flow's queued ones, so tokens keep coming while a large packed step runs
+        engine.start(torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None)
+
+    def submit(self, prompt_ids: list[int], request_id: str, limits: TokenLimits) -> TokenStream:
+        params = dataclasses.replace(self.sampling, max_tokens=limits.max_tokens, min_tokens=limits.min_tokens)
+        return self.backend.submit(prompt_ids, params, request_id)
+
+    @property
+    def generating(self) -> int:
+        return self.backend.num_active
+
+    def counters(self) -> dict[str, float]:
+        counters = self.backend.counters
+        return {"llm_busy_s": counters.busy_s, "llm_decode_steps": counters.decode_steps,
+                "llm_decode_rows": counters.decode_rows, "llm_prefills": counters.prefills}

@@ -155,10 +155,11 @@ class LLMEngine:
         with self._lock:
             return len(self._active)
 
-    def start(self) -> "LLMEngine":
-        """Run steps on a background thread whenever there is work."""
+    def start(self, cuda_stream: torch.cuda.Stream | None = None) -> "LLMEngine":
+        """Run steps on a background thread whenever there is work; its kernels go to
+        ``cuda_stream`` (None: the current stream)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+            self._thread = threading.Thread(target=self._loop, args=(cuda_stream,), name="llm-engine", daemon=True)
             self._thread.start()
         return self
 
@@ -202,7 +203,9 @@ class LLMEngine:
         counters.busy_s += time.perf_counter() - started
         return StepStats(prefilled, decoded)
 
-    def _loop(self) -> None:
+    def _loop(self, cuda_stream: torch.cuda.Stream | None) -> None:
+        if cuda_stream is not None:
+            torch.cuda.set_stream(cuda_stream)  # this thread's current stream from now on
         while True:
             with self._wakeup:
                 while not (self._closing or self._inbox or self._calls or self.scheduler.has_work):

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ...runtime import host_to_device
 from .cache import KeyValueCache
 from .cfm import CausalConditionalCFM
 from .estimator import CausalBlock1D, CausalConditionalDecoder, CausalResnetBlock1D, TransformerBlock, \
@@ -162,7 +163,7 @@ class StepState:
     def load_stream_states(self, rows: Sequence[int], states: dict, attention: Sequence, convs: Sequence) -> None:
         """Copy one request's eager stream state (a :class:`~.cache.StreamWindow`'s ``states`` of its
         CFG batch of 2) into ``rows`` = (conditional row, unconditional row)."""
-        index = torch.tensor(list(rows), device=self.kv[0].device)
+        index = host_to_device(list(rows), self.kv[0].device, torch.long)
         for layer, kv in zip(attention, self.kv):
             if layer not in states:  # no context yet
                 continue
@@ -360,8 +361,8 @@ class FusedEstimator:
         if slots < max(context):
             raise ValueError(f"{slots} context slots cannot hold {max(context)} cached frames")
         device = self.device
-        valid_t = torch.tensor(list(valid), device=device, dtype=torch.int32)
-        ctx = torch.tensor(list(context), device=device)[:, None]
+        valid_t = host_to_device(list(valid), device, torch.int32)
+        ctx = host_to_device(list(context), device, torch.long)[:, None]
         new = torch.arange(frames, device=device)[None, :]
         slot = torch.arange(slots, device=device)[None, :]
         query_pos = ctx + new

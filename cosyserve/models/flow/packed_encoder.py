@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
+from ...runtime import host_to_device
 from .config import UP_STRIDE
 from .encoder import RelAttentionState, UpsampleConformerEncoder, relative_position_rows
 
@@ -57,9 +58,9 @@ def encode_windows(encoder: UpsampleConformerEncoder, windows: list[EncoderWindo
                    streaming: bool = True) -> list[torch.Tensor]:
     """Each window's encoder output (2 (n - lookahead), D), as the single-window path gives it."""
     device = windows[0].embedded.device
-    lengths = torch.tensor([w.embedded.size(0) for w in windows], device=device)
-    starts = torch.tensor([w.start for w in windows], device=device)
-    valid_end = starts + lengths - torch.tensor([w.lookahead for w in windows], device=device)
+    lengths = host_to_device([w.embedded.size(0) for w in windows], device, torch.long)
+    starts = host_to_device([w.start for w in windows], device, torch.long)
+    valid_end = starts + lengths - host_to_device([w.lookahead for w in windows], device, torch.long)
     x = encoder.embed(pad_sequence([w.embedded for w in windows], batch_first=True))
     real = torch.arange(x.size(1), device=device)[None, :] < lengths[:, None]
     x = x * real.unsqueeze(-1).to(x.dtype)  # zeros after each window, as a window alone sees them

@@ -1,0 +1,53 @@
+"""Where the GPU's time goes while the engine serves: ``torch.profiler`` (CUDA activity only) around
+a piece of load, summarised as the figures the engine's issues are judged by: kernels launched, the
+share of them under 10 us, the GPU busy share (the union of kernel and copy intervals over the wall
+clock) and the kernels that took the most time."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+SHORT_US = 10.0
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def kernel_profile(run: Callable[[], Any], top: int = 12) -> tuple[Any, dict]:
+    """``run()``'s result and the summary of the device work recorded while it ran."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        result = run()
+        wall_us = (time.perf_counter() - began) * 1e6
+    intervals, names = [], defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        start, end = event.time_range.start, event.time_range.end
+        intervals.append((start, end))
+        entry = names[event.name]
+        entry[0] += 1
+        entry[1] += end - start
+    durations = [end - start for start, end in intervals]
+    busy = busy_us(intervals)
+    ranked = sorted(names.items(), key=lambda item: -item[1][1])[:top]
+    return result, {
+        "kernels": len(intervals), "wall_s": wall_us / 1e6, "gpu_busy_share": busy / wall_us if wall_us else None,
+        "short_kernel_share": sum(d < SHORT_US for d in durations) / len(durations) if durations else None,
+        "median_kernel_us": sorted(durations)[len(durations) // 2] if durations else None,
+        "top": [{"name": name[:90], "calls": calls, "ms": round(total / 1e3, 2),
+                 "share_of_busy": round(total / busy, 4) if busy else None} for name, (calls, total) in ranked]}
