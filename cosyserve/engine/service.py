@@ -206,7 +206,7 @@ def load_engine(model: str, model_dir: str | Path, llm_dir: str | Path, device: 
     onnxruntime on the CPU). ``warm_up``: capture and compile every shape class of the flow, then
     voice a few requests through the whole loop, before returning (a GPU server's ready state: its
     first request is then as fast as the hundredth)."""
-    from ..llm.engine.llm_engine import LLMEngine
+    from ..llm.engine.llm_engine import LLMEngine, Pacing
 
     if model not in MODEL_KINDS:
         raise ValueError(f"unknown model kind {model!r}; choose one of {sorted(MODEL_KINDS)}")
@@ -216,7 +216,7 @@ def load_engine(model: str, model_dir: str | Path, llm_dir: str | Path, device: 
                                                  spk2info=spk2info)
     # the LLM first: the flow's state is sized from the memory it leaves
     if llm_backend is None:
-        llm = FreeRunningLLM(LLMEngine(llm_dir, device, **(llm_options or {})), spec.sampling)
+        llm = FreeRunningLLM(LLMEngine(llm_dir, device, **{"pacing": Pacing(), **(llm_options or {})}), spec.sampling)
     else:
         llm = BackendLLM(llm_backend, spec.sampling)
     llm.register_voices(prompter.text_tokenizer, voices.registry)

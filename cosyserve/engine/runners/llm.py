@@ -2,10 +2,14 @@
 it: each request's tokens arrive in a :class:`~cosyserve.llm.stream.TokenStream` that the loop
 drains without blocking.
 
-* :class:`FreeRunningLLM`: our :class:`~cosyserve.llm.engine.llm_engine.LLMEngine` on a thread of
-  its own and, on a GPU, a high-priority CUDA stream: it decodes at its own pace whatever the
-  token2wav loop is doing, so a stream's first chunk waits for ~18 decode steps, not for ~18 loop
-  iterations, and a long flow step never holds its tokens back.
+* :class:`FreeRunningLLM`: our :class:`~cosyserve.llm.engine.llm_engine.LLMEngine` on a thread and
+  a CUDA stream of its own: it decodes at its own pace whatever the token2wav loop is doing, so a
+  stream's first chunk waits for ~18 decode steps, not for ~18 loop iterations, and a long flow step
+  never holds its tokens back. Paced (:class:`~cosyserve.llm.engine.llm_engine.Pacing`): a request's
+  first 20 tokens at once, then 4x real time, so the GPU is not spent on tokens nobody needs yet
+  while a first chunk waits for its flow (measured on an H200: unpaced, on a high-priority stream,
+  one stream's first chunk took 235 ms, ~180 of them its flow waiting behind the rest of the reply's
+  decode steps).
 * :class:`BackendLLM`: any :mod:`cosyserve.llm` back end that generates on threads of its own (an
   OpenAI-compatible server), or the tokens a front door forwards from a Triton LLM model
   (:class:`~cosyserve.engine.process.ForwardedTokens`).
@@ -51,14 +55,14 @@ class BackendLLM:
 
 
 class FreeRunningLLM(BackendLLM):
-    """The in-process LLM engine, stepping on its own thread from the start."""
+    """The in-process LLM engine, stepping on its own thread from the start (paced: ``engine.pacing``)."""
 
     def __init__(self, engine, sampling: SamplingParams = REFERENCE_SAMPLING) -> None:
         super().__init__(engine, sampling)
         device = engine.runner.device
-        # a high-priority stream (lower is higher): a decode step's few kernels are scheduled ahead
-        # of the flow's queued ones, so tokens keep coming while a large packed step runs
-        engine.start(torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None)
+        # a stream of its own at the flow's priority: its decode steps interleave with the flow's
+        # kernels (at a higher priority they starved a first chunk's flow until the reply was decoded)
+        engine.start(torch.cuda.Stream(device) if device.type == "cuda" else None)
 
     def submit(self, prompt_ids: list[int], request_id: str, limits: TokenLimits) -> TokenStream:
         params = dataclasses.replace(self.sampling, max_tokens=limits.max_tokens, min_tokens=limits.min_tokens)

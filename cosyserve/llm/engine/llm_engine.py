@@ -33,6 +33,32 @@ from .sequence import Sequence
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Pacing:
+    """How far a request's tokens may run ahead of real time when the engine steps on its own thread:
+    its first ``burst`` tokens at once, then ``tokens_per_s``. While every running request is ahead
+    of that, the thread waits instead of decoding (a new request wakes it).
+
+    A TTS reader consumes speech tokens at 25 a second; an LLM that generates every request's tokens
+    as fast as it can spends the GPU on tokens nobody needs yet, in small decode batches, while the
+    chunk that a listener waits for shares the GPU with them."""
+
+    burst: int = 20
+    tokens_per_s: float = 100.0
+
+    def delay(self, seqs: list[Sequence], now: float) -> float:
+        """Seconds until one of ``seqs`` may take a token (0: now)."""
+        wait = float("inf")
+        for seq in seqs:
+            if seq.started_at is None:
+                return 0.0
+            ahead = len(seq.output) + 1 - self.burst
+            if ahead <= 0:
+                return 0.0
+            wait = min(wait, seq.started_at + ahead / self.tokens_per_s - now)
+        return max(wait, 0.0)
+
+
 @dataclass
 class StepStats:
     prefilled: int  # requests admitted and prefilled in this step
@@ -66,6 +92,7 @@ class LLMEngine:
         max_prefill_tokens: int = 8192,
         prefix_cache_size: int = 64,
         use_cuda_graphs: bool | None = None,
+        pacing: Pacing | None = None,
     ):
         device = torch.device(device)
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -75,6 +102,7 @@ class LLMEngine:
         self.prefixes = PrefixCache(prefix_cache_size)
         self.scheduler = Scheduler(max_slots, max_prefill_tokens, self.prefixes)
         self.counters = EngineCounters()
+        self.pacing = pacing  # applies to the engine's own thread (start); None: as fast as it can
         # Shared with submitting threads, guarded by _lock.
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -208,8 +236,16 @@ class LLMEngine:
             torch.cuda.set_stream(cuda_stream)  # this thread's current stream from now on
         while True:
             with self._wakeup:
-                while not (self._closing or self._inbox or self._calls or self.scheduler.has_work):
-                    self._wakeup.wait()
+                while not self._closing:
+                    if self._inbox or self._calls or self.scheduler.waiting:
+                        break
+                    if not self.scheduler.running:
+                        self._wakeup.wait()
+                        continue
+                    delay = self.pacing.delay(self.scheduler.running, time.monotonic()) if self.pacing else 0.0
+                    if delay <= 0:
+                        break
+                    self._wakeup.wait(delay)
                 if self._closing:
                     return
             try:
@@ -239,7 +275,9 @@ class LLMEngine:
         admitted = self.scheduler.admit()
         if not admitted:
             return 0
+        now = time.monotonic()
         for a in admitted:
+            a.seq.started_at = now
             if a.prefix is not None:
                 self.runner.load_prefix(a.seq.slot, a.prefix.kv, a.cached)
         seqs = [a.seq for a in admitted]

@@ -24,6 +24,7 @@ class Sequence:
     slot: int = -1
     cancelled: bool = False
     finished: bool = False
+    started_at: float | None = None  # when it was prefilled (its first token), on the monotonic clock
 
     @property
     def position(self) -> int:
