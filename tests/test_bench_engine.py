@@ -22,3 +22,10 @@ def test_levels_report_latency_underruns_and_the_loops_profile(tiny_bundle, tmp_
         assert level["flow_ms_per_iteration"] > 0 and level["llm_busy_s"] > 0
     assert report["levels"][-1]["peak_in_flight"] >= 1
     assert "| 4 req/s |" in capsys.readouterr().out
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    from cosyserve.bench.kernels import busy_us
+
+    assert busy_us([]) == 0.0
+    assert busy_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20.0  # overlaps count once, gaps not at all

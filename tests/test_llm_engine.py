@@ -277,3 +277,43 @@ def test_engine_counts_its_steps(llm_dir):
     # prefill yields each request's first token, then 5 decode steps advance both requests
     assert (c.prefills, c.decode_steps, c.decode_rows) == (2, 5, 10)
     assert 0 < c.prefill_s < c.busy_s
+
+
+def test_pacing_lets_a_reply_burst_then_follow_real_time():
+    """The engine's own thread decodes while some running request is behind its budget (its first
+    ``burst`` tokens at once, then ``tokens_per_s``), and otherwise waits until the earliest one is."""
+    from types import SimpleNamespace
+
+    from cosyserve.llm.engine.llm_engine import Pacing
+
+    pacing = Pacing(burst=20, tokens_per_s=100.0)
+    fresh = SimpleNamespace(started_at=None, output=[])
+    assert pacing.delay([fresh], now=5.0) == 0.0  # not prefilled yet
+    early = SimpleNamespace(started_at=10.0, output=[0] * 18)
+    assert pacing.delay([early], now=10.0) == 0.0  # inside its burst
+    ahead = SimpleNamespace(started_at=10.0, output=[0] * 40)  # its 41st token is due 0.21 s in
+    assert pacing.delay([ahead], now=10.0) == pytest.approx(0.21)
+    assert pacing.delay([ahead], now=10.3) == 0.0
+    behind = SimpleNamespace(started_at=9.0, output=[0] * 40)
+    assert pacing.delay([ahead, behind], now=10.0) == 0.0  # one request behind: a step for all
+    later = SimpleNamespace(started_at=10.0, output=[0] * 60)
+    assert pacing.delay([ahead, later], now=10.0) == pytest.approx(0.21)  # the earliest due
+
+
+def test_a_paced_engine_thread_bursts_then_keeps_to_the_rate(llm_dir):
+    """On its own thread with Pacing(burst=4, 40 tokens/s), 16 tokens take at least (16 - 4) / 40 =
+    0.3 s (unpaced, the tiny model gives them in a few ms); a request submitted meanwhile is served too."""
+    from cosyserve.llm.engine.llm_engine import Pacing
+
+    engine = LLMEngine(llm_dir, max_slots=2, max_model_len=256, pacing=Pacing(burst=4, tokens_per_s=40.0)).start()
+    try:
+        began = time.monotonic()
+        paced = engine.submit(PROMPTS[1], SamplingParams(ignore_eos=True, max_tokens=16, min_tokens=16))
+        first_four = [next(paced) for _ in range(4)]
+        assert len(first_four) == 4
+        newcomer = engine.submit(PROMPTS[0], SamplingParams(ignore_eos=True, max_tokens=2, min_tokens=2))
+        assert len(list(newcomer)) == 2
+        assert len(list(paced)) == 12
+        assert time.monotonic() - began >= (16 - 4) / 40.0 - 0.01
+    finally:
+        engine.close()

@@ -40,6 +40,7 @@ from ..clients import Playback
 from ..engine.client import EngineClient
 from ..engine.process import EngineSpec
 from ..engine.request import FIRST_CHUNK_STAGES, first_chunk_stages
+from ..engine.wire import STATS_PERIOD_S
 from ..engine.runners.llm import BackendLLM
 from ..engine.service import MODEL_KINDS, TTSEngine, load_frontend
 from ..errors import CapacityError
@@ -225,6 +226,7 @@ class EngineFrontDoor:
                       } if self.own_llm else {}
         self._counters = _StatsCounters(self.engine)
         self._published: dict[Metric, float] = {}  # gauge -> the value last set
+        self._published_at = 0.0
         self.work = WorkMetrics(name, {metric: (text, self._counters, field) for metric, (text, field) in {
             **llm_tokens,
             **{f"cosyserve_engine_{stage}_seconds_total": (f"the loop's time: {text}", f"{stage}_s")
@@ -347,7 +349,6 @@ class EngineFrontDoor:
                                   flags=FINAL)
         else:
             reply.sender.send(self._error_response(item, reply.streaming), flags=FINAL)
-        self._publish()
 
     def _trace(self, trace: dict) -> None:
         stages = first_chunk_stages(trace)
@@ -366,7 +367,9 @@ class EngineFrontDoor:
         for reply in list(self._replies.values()):
             if reply.sender.is_cancelled():
                 self.engine.cancel(reply.request_id)
-        self._publish()
+        if time.monotonic() - self._published_at >= STATS_PERIOD_S:  # the engine's stats are no fresher
+            self._published_at = time.monotonic()
+            self._publish()
 
     def close(self) -> None:
         self.prepare.shutdown(wait=True)
