@@ -46,7 +46,7 @@ from cosyserve import data
 from cosyserve.errors import CosyServeError, InvalidInputError
 from cosyserve.data import FixedLength
 from cosyserve.frontend.torch_models import FRONTEND_BACKENDS
-from cosyserve.pipeline.offline import (BACKENDS, DTYPES, MODELS, OfflineConfig, OfflineTTS, Timers, build_report,
+from cosyserve.offline import (BACKENDS, DTYPES, MODELS, OfflineConfig, OfflineTTS, Timers, build_report,
                                         format_report_md, synthesize_items, write_reports)
 from cosyserve.token2wav.cosyvoice2 import DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions
 

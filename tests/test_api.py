@@ -6,7 +6,7 @@ NUM_TOKENS x 960 samples at 24 kHz (lossy codecs add their encoder delay and pad
 Speech tokens are reproducible (seeded sampling) but the vocoder's source noise is drawn per
 request, so two syntheses of the same tokens are compared by correlation, not bit for bit. The
 random-weight vocoder's output hardly depends on the tokens, so which prompt the LLM got
-(instruct, cross-lingual) is checked in test_pipeline.py, not by listening here.
+(instruct, cross-lingual) is checked in test_front_end.py, not by listening here.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cosyserve.pipeline.tts import MAX_TEXT_CHARS
+from cosyserve.engine.front_end import MAX_TEXT_CHARS
 from cosyserve.serving.tritonserver import terminate_with_parent
 from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, fill_to_capacity, free_ports, repository_spec, server_env,
                              wait_http, wait_until_idle)

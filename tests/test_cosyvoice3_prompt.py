@@ -109,7 +109,7 @@ def test_cosyvoice3_requests_get_each_modes_prompt(cv3_tokenizer):
 
     import torch
 
-    from cosyserve.pipeline.tts import SegmentPrompter, TokenLimits, TTSRequest, Voice
+    from cosyserve.engine.front_end import SegmentPrompter, TokenLimits, TTSRequest, Voice
 
     sos, task, speech0 = 158485, 158487, 151924
     features = SimpleNamespace(speech_tokens=torch.tensor(SPEECH, dtype=torch.int32))

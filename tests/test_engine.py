@@ -20,7 +20,7 @@ from cosyserve.engine.scheduler import Scheduler
 from cosyserve.engine.service import load_engine
 from cosyserve.errors import CapacityError, InvalidInputError, RequestCancelledError, RequestTimeoutError
 from cosyserve.llm.stream import Finished, TokenStream
-from cosyserve.pipeline.tts import TokenLimits, TTSRequest
+from cosyserve.engine.front_end import TokenLimits, TTSRequest
 from cosyserve.schedule import plan_chunks
 from cosyserve.token2wav.cosyvoice2 import load_token2wav
 
@@ -206,7 +206,7 @@ def test_admission_refuses_past_max_streams_and_bad_text_fails_alone(model_dirs)
         assert sum(p.size for p in first) > 0
 
 
-LONG_TEXT = "一二三四五六七八九十。" * 20  # three segments (tests/test_pipeline.py)
+LONG_TEXT = "一二三四五六七八九十。" * 20  # three segments (tests/test_front_end.py)
 
 
 def test_long_text_segments_stream_in_order_with_the_next_llm_one_segment_ahead(model_dirs):

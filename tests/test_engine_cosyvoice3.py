@@ -24,7 +24,7 @@ from cosyserve.llm.stream import Finished, TokenStream
 from cosyserve.models.cosyvoice3.config import CausalHiftConfig, Cv3FlowConfig
 from cosyserve.models.cosyvoice3.flow import CosyVoice3Flow, Cv3FlowStream
 from cosyserve.models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream
-from cosyserve.pipeline.tts import SegmentPrompt, TokenLimits
+from cosyserve.engine.front_end import SegmentPrompt, TokenLimits
 from cosyserve.schedule import ChunkScheduler
 
 torch.set_num_threads(2)

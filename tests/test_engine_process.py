@@ -24,7 +24,7 @@ from cosyserve.engine.service import TTSEngine, load_frontend
 from cosyserve.engine.wire import EngineProcessError
 from cosyserve.errors import CapacityError, RequestCancelledError
 from cosyserve.llm.stream import Finished, TokenStream
-from cosyserve.pipeline.tts import TokenLimits, TTSRequest
+from cosyserve.engine.front_end import TokenLimits, TTSRequest
 
 TOKENS = 30  # speech tokens per reply (min = max): 30 x 960 samples
 

@@ -26,7 +26,7 @@ from cosyserve.frontend.prompt import PromptFeatures, Voice
 from cosyserve.llm.stream import Finished, TokenStream
 from cosyserve.models.step_audio2.flow import StepAudio2Flow
 from cosyserve.models.hift import HiftConfig, HiFTGenerator
-from cosyserve.pipeline.tts import SegmentPrompt, TokenLimits
+from cosyserve.engine.front_end import SegmentPrompt, TokenLimits
 from cosyserve.token2wav.step_audio2 import (OfflineRequest, StepAudio2Models, StepAudio2Stream, VoicePrompt,
                                              build_voice_state, offline_waveforms)
 
@@ -303,7 +303,7 @@ def test_load_engine_serves_step_audio2_on_the_tiny_bundle(tmp_path):
     from cosyserve.llm.prompt import COSYVOICE2
     from cosyserve.llm.sampling import REFERENCE_SAMPLING
     from cosyserve.runtime import COSYVOICE2_DIR, LLM_DIR, SPK2INFO, STEP_AUDIO2_DIR
-    from cosyserve.pipeline.tts import TTSRequest
+    from cosyserve.engine.front_end import TTSRequest
 
     spec = MODEL_KINDS["step_audio2"]
     assert spec.layout is COSYVOICE2 and spec.sampling == REFERENCE_SAMPLING and spec.registered_voices

@@ -15,8 +15,8 @@ import torch
 from cosyserve.errors import InvalidInputError
 from cosyserve.frontend.prompt import PromptFeatures
 from cosyserve.data import FixedLength
-from cosyserve.pipeline.offline import estimate_seconds, share_tokens, spoken_characters
-from cosyserve.pipeline.tts import Voice
+from cosyserve.offline import estimate_seconds, share_tokens, spoken_characters
+from cosyserve.engine.front_end import Voice
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

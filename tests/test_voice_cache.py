@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyserve.pipeline.tts import VoiceResolver
+from cosyserve.engine.front_end import VoiceResolver
 
 RATE = 16000
 

@@ -31,7 +31,7 @@ from tritonclient.utils import InferenceServerException
 
 from ..errors import InvalidInputError
 from ..frontend.voice_store import VOICES_DIR, UnknownVoiceError, VoiceStore
-from ..pipeline.tts import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS
+from ..engine.front_end import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS
 from ..runtime import SPK2INFO
 from ..schedule import OUTPUT_SAMPLE_RATE, SAMPLES_PER_TOKEN
 from .encoding import MEDIA_TYPES, make_encoder

@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from ..pipeline.tts import MAX_TEXT_CHARS
+from ..engine.front_end import MAX_TEXT_CHARS
 from .app import MAX_UPLOAD_BYTES, Settings, create_app
 from .router import split_urls
 

@@ -12,7 +12,7 @@ from ..audio.io import prompt_audio_from_array
 from ..errors import InvalidInputError
 from ..frontend.speakers import SpeakerRegistry
 from ..frontend.voice_store import StoredVoice, UnknownVoiceError, VoiceStore
-from ..pipeline.tts import DEFAULT_SPEAKER
+from ..engine.front_end import DEFAULT_SPEAKER
 
 # OpenAI's voice names: clients hard-code them, so they select the default speaker here.
 OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse",

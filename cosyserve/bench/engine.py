@@ -28,7 +28,7 @@ from ..clients import Playback
 from ..engine.scheduler import DEFAULT_MAX_STEP_FRAMES, DEFAULT_MAX_STEP_JOBS, Scheduler
 from ..data import load_reference_audio
 from ..engine.service import BUNDLE_DIRS, TTSEngine, load_engine, warm_up_clip
-from ..pipeline.tts import TokenLimits, TTSRequest
+from ..engine.front_end import TokenLimits, TTSRequest
 from ..serving.settings import EngineSettings
 from ..runtime import resolve_device
 from .kernels import kernel_profile

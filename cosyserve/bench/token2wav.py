@@ -16,7 +16,7 @@ windows; captured by the kind's warm-up before the runs), ``+rerun`` (CosyVoice3
 re-run streaming flow (full attention over every token so far, each chunk) instead of the
 incremental one, ``+batchN`` N utterances voiced together. The first run of each variant is an
 untimed warm-up; HiFT's noise is a function of the seed and the call's length
-(:class:`~cosyserve.pipeline.offline.SeededSineNoise`), so the last timed run's audio is compared
+(:class:`~cosyserve.offline.SeededSineNoise`), so the last timed run's audio is compared
 with the first variant's (rel-L2: 0 for a variant against itself).
 """
 
@@ -41,7 +41,7 @@ from ..errors import InvalidInputError
 from ..frontend.prompt import PromptFeatures, build_prompt_features
 from ..frontend.speakers import SpeakerRegistry
 from ..frontend.torch_models import load_frontend_models
-from ..pipeline.offline import SeededSineNoise
+from ..offline import SeededSineNoise
 from ..runtime import SPK2INFO, resolve_device
 from ..schedule import OUTPUT_SAMPLE_RATE, Chunk
 from ..speech_tokens import speech_token_ids

@@ -31,7 +31,7 @@ import numpy as np
 import zmq
 
 from ..errors import CapacityError
-from ..pipeline.tts import TokenLimits
+from .front_end import TokenLimits
 from . import wire
 from .request import EngineRequest
 

@@ -37,7 +37,7 @@ import zmq
 from ..errors import InvalidInputError
 from ..frontend.prompt import Voice
 from ..llm.stream import Finished, TokenStream
-from ..pipeline.tts import SegmentPrompt, TokenLimits
+from .front_end import SegmentPrompt, TokenLimits
 from . import wire
 from .request import EngineRequest
 from .scheduler import Scheduler

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..frontend.prompt import Voice
 from ..llm.stream import TokenStream
-from ..pipeline.tts import SegmentPrompt, TokenLimits
+from .front_end import SegmentPrompt, TokenLimits
 
 # When a stream's first chunk is due, counted from its arrival (seconds).
 FIRST_CHUNK_BUDGET_S = 0.15

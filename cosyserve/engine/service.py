@@ -1,6 +1,6 @@
 """Text-to-speech over the engine core: requests in, PCM out, for every front door.
 
-:class:`TTSEngine` turns a :class:`~cosyserve.pipeline.tts.TTSRequest` (text, resolved voice,
+:class:`TTSEngine` turns a :class:`~cosyserve.engine.front_end.TTSRequest` (text, resolved voice,
 limits) into an :class:`~.request.EngineRequest`: the text front-end and the prompt ids run on the
 caller's thread (a front door's worker, never the loop), then the core takes it: the
 :class:`~.core.EngineCore` in this process, or an engine process through its
@@ -33,7 +33,7 @@ from ..frontend.torch_models import load_frontend_models
 from ..frontend.voice_store import COSYVOICE3_FEATURES_FILE, FEATURES_FILE, VoiceStore
 from ..llm.prompt import COSYVOICE2, COSYVOICE3, PromptLayout
 from ..llm.sampling import COSYVOICE3_SAMPLING, REFERENCE_SAMPLING, SamplingParams
-from ..pipeline.tts import DEFAULT_SPEAKER, SegmentPrompter, TokenLimits, TTSRequest, Voice, VoiceResolver
+from .front_end import DEFAULT_SPEAKER, SegmentPrompter, TokenLimits, TTSRequest, Voice, VoiceResolver
 from ..runtime import COSYVOICE2_DIR, COSYVOICE3_DIR, COSYVOICE3_LLM_DIR, LLM_DIR, SPK2INFO, STEP_AUDIO2_DIR
 from ..token2wav.step_audio2 import STEP_AUDIO2_TOKENIZER_ONNX
 from ..token2wav.cosyvoice2 import Token2WavOptions, default_flow_dtype, load_token2wav

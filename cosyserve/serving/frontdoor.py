@@ -48,7 +48,7 @@ from ..frontend.voice_store import VOICES_DIR
 from ..llm.prompt import PromptLayout
 from ..llm.stream import Finished, TokenStream
 from ..llm.trtllm.request import TritonLLMInputs, resolve_protocol
-from ..pipeline.tts import TokenLimits, TTSRequest
+from ..engine.front_end import TokenLimits, TTSRequest
 from ..schedule import OUTPUT_SAMPLE_RATE
 from .protocol import ListenerMetrics, bls_request, parse_tts_inputs
 from .offline_proxy import tagged_error

@@ -20,7 +20,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..clients import Playback
-from ..pipeline.tts import TokenLimits, validate_text
+from ..engine.front_end import TokenLimits, validate_text
 from .triton_utils import Metric, optional_input, optional_scalar, optional_text, reference_wav
 
 # Audio buffered ahead of the listener's playback when a chunk is sent (seconds; below 0: it stalled).

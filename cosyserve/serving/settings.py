@@ -20,7 +20,7 @@ import torch
 
 from ..engine.scheduler import DEFAULT_MAX_STEP_FRAMES, DEFAULT_MAX_STEP_JOBS
 from ..runtime import STREAM_IDLE_TIMEOUT_S, resolve_device, resolve_device_dtype
-from ..pipeline.tts import DEFAULT_FEATURE_CACHE_SIZE, DEFAULT_MAX_TOKENS, MAX_TEXT_CHARS
+from ..engine.front_end import DEFAULT_FEATURE_CACHE_SIZE, DEFAULT_MAX_TOKENS, MAX_TEXT_CHARS
 from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, default_flow_dtype,
                                     streaming_vocoder_frames)
 

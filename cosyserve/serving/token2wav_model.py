@@ -31,7 +31,7 @@ import triton_python_backend_utils as pb_utils
 from ..errors import InvalidInputError
 from ..frontend.prompt import PromptFeatures
 from ..frontend.speakers import SpeakerRegistry
-from ..pipeline.tts import DEFAULT_SPEAKER, Voice
+from ..engine.front_end import DEFAULT_SPEAKER, Voice
 from ..runtime import SPK2INFO
 from ..token2wav.cosyvoice2 import load_token2wav
 from ..token2wav.sessions import LocalToken2Wav, Token2WavCall

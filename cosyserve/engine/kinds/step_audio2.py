@@ -71,7 +71,7 @@ def aligned_features(features: PromptFeatures) -> PromptFeatures:
 def load_step_audio2_frontend(model_dir: str | Path, device: str | torch.device = "cpu",
                               backend: str | None = None):
     """(speech tokenizer, speaker encoder) of a Step-Audio-2-mini ``token2wav`` directory, for a
-    :class:`~cosyserve.pipeline.tts.VoiceResolver` of this kind (default ``mel_fmax``)."""
+    :class:`~cosyserve.engine.front_end.VoiceResolver` of this kind (default ``mel_fmax``)."""
     model_dir = Path(model_dir)
     return load_frontend_models(model_dir / STEP_AUDIO2_TOKENIZER_ONNX, model_dir / STEP_AUDIO2_SPEAKER_ONNX, device, backend)
 

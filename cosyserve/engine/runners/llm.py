@@ -24,7 +24,7 @@ import torch
 from ...llm.prompt import register_voice_prefixes
 from ...llm.sampling import REFERENCE_SAMPLING, SamplingParams
 from ...llm.stream import TokenStream
-from ...pipeline.tts import TokenLimits
+from ..front_end import TokenLimits
 
 
 class BackendLLM:

@@ -1,4 +1,4 @@
-"""What a request is before the engine runs it (cosyserve.pipeline.tts): its segments' LLM prompts
+"""What a request is before the engine runs it (cosyserve.engine.front_end): its segments' LLM prompts
 (SegmentPrompter: text front-end and prompt layout), its voice (VoiceResolver over registered,
 stored and uploaded voices) and its text and token limits. How the engine runs the segments is
 tests/test_engine.py's.
@@ -14,7 +14,7 @@ import torch
 
 from cosyserve.errors import InvalidInputError
 from cosyserve.llm.prompt import SOS_ID, SPEECH_TOKEN_OFFSET, TASK_ID
-from cosyserve.pipeline.tts import SegmentPrompter, TokenLimits, TTSRequest, Voice, validate_text
+from cosyserve.engine.front_end import SegmentPrompter, TokenLimits, TTSRequest, Voice, validate_text
 
 VOICE = Voice("提示文本。", SimpleNamespace(speech_tokens=torch.tensor([5, 6, 7], dtype=torch.int32)))
 LONG_TEXT = "一二三四五六七八九十。" * 20  # three segments of 77, 77 and 66 characters
@@ -97,7 +97,7 @@ def test_stored_voices_are_resolved_by_id_and_their_features_computed_once(tiny_
     from cosyserve.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
     from cosyserve.frontend.speakers import SpeakerRegistry
     from cosyserve.frontend.voice_store import UnknownVoiceError, VoiceStore
-    from cosyserve.pipeline.tts import VoiceResolver
+    from cosyserve.engine.front_end import VoiceResolver
 
     model_dir = tiny_bundle / "CosyVoice2-0.5B"
     calls = []

@@ -3,14 +3,15 @@
 The model kind (``OfflineConfig.model``, a key of :data:`~cosyserve.engine.service.MODEL_KINDS`)
 is a parameter: :func:`~cosyserve.engine.service.load_engine` loads its stack from the bundle's
 directories (:data:`~cosyserve.engine.service.BUNDLE_DIRS`) and everything else is one path. The LLM is the engine's own
-(``torch``: our LLM engine stepped in the loop) or a :mod:`cosyserve.llm` back end generating on
-its own threads (``hf``, ``trtllm``, ``openai``).
+(``torch``: our LLM engine, free-running beside the loop) or a :mod:`cosyserve.llm` back end
+generating on its own threads (``hf``, ``trtllm``, ``openai``). The engine runs in this process:
+an offline run has no front door to share it with.
 
 Per batch of ``batch_size`` utterances: the voices are resolved (speech tokenizer + speaker
 encoder on each prompt, or one registered speaker for all) and the text normalised and split into
 segments as the server does (:mod:`cosyserve.text`); that is the front-end time. Then every
 segment goes to the engine at once as an offline request of its own (its own token limits), and
-the engine interleaves their LLM steps, packs their flow passes (at most ``token2wav_batch_size``
+the LLM batches their decode steps, the engine packs their flow passes (at most ``token2wav_batch_size``
 flow jobs per Euler step) and vocodes them together; that is the engine time, up to the last
 segment's waveform. An item's wav is its segments' concatenation. RTF = (front-end + engine time)
 / seconds of audio; writing files is not timed. The engine's own counters
@@ -46,20 +47,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data import FixedLength, Utterance, load_reference_audio
-from ..engine.core import EngineCounters
-from ..engine.request import EngineRequest
-from ..engine.scheduler import Scheduler
-from ..engine.service import BUNDLE_DIRS, MODEL_KINDS, TTSEngine, load_engine
-from ..errors import InvalidInputError
-from ..llm.backends import create_backend
-from ..llm.base import BackendUnavailableError
-from ..llm.prompt import MAX_SPEECH_TOKENS
-from ..models.hift.config import HiftConfig
-from ..runtime import resolve_device
-from ..schedule import TOKEN_RATE
-from ..token2wav.cosyvoice2 import Token2WavOptions
-from .tts import SegmentPrompt, TokenLimits, TTSRequest, Voice
+from .data import FixedLength, Utterance, load_reference_audio
+from .engine.core import EngineCounters
+from .engine.request import EngineRequest
+from .engine.scheduler import Scheduler
+from .engine.service import BUNDLE_DIRS, MODEL_KINDS, TTSEngine, load_engine
+from .errors import InvalidInputError
+from .llm.backends import create_backend
+from .llm.base import BackendUnavailableError
+from .llm.prompt import MAX_SPEECH_TOKENS
+from .models.hift.config import HiftConfig
+from .runtime import resolve_device
+from .schedule import TOKEN_RATE
+from .token2wav.cosyvoice2 import Token2WavOptions
+from .engine.front_end import SegmentPrompt, TokenLimits, TTSRequest, Voice
 
 BACKENDS = ("torch", "hf", "trtllm", "vllm", "openai")
 MODELS = tuple(MODEL_KINDS)
