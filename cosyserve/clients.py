@@ -57,7 +57,7 @@ def build_inputs(
     ``waveform=None`` sends no reference (the server must know ``speaker_id`` already, or use
     its cached default speaker). ``max_tokens``/``min_tokens`` override the server's speech-token
     limits for this request (both equal: exactly that many tokens). ``instruction`` asks for
-    instruct mode (the BLS's optional ``instruction`` input).
+    instruct mode (the front door's optional ``instruction`` input).
     """
     if not target_text:
         raise InvalidInputError("target text is empty")

@@ -23,7 +23,7 @@ class RequestCancelledError(CosyServeError):
 
 
 class RequestTimeoutError(RequestCancelledError):
-    """A request ran past its time limit (the ``request_timeout_s`` of the BLS) and was stopped."""
+    """A request ran past its time limit (the front door's ``request_timeout_s``) and was stopped."""
 
 
 class CapacityError(CosyServeError, RuntimeError):
@@ -31,7 +31,7 @@ class CapacityError(CosyServeError, RuntimeError):
 
 
 # How a refusal for capacity reads in an error message, lower-cased, whoever raised it: Triton past a
-# model's instances + queue, or past BLS_MAX_QUEUE_MS in its queue; the BLS's admission by playback
+# model's instances + queue, or past BLS_MAX_QUEUE_MS in its queue; the engine's admission by playback
 # (ADMISSION_MIN_BUFFER_S); the token2wav engine's state memory. A client may retry such a request
 # later or elsewhere; any other error is the request's own.
 OVERLOAD_MARKERS = ("exceeds maximum queue size", "resource exhausted", "too many requests",

@@ -50,7 +50,7 @@ class Settings:
     triton_url: str  # gRPC host:port, or several comma-separated (TritonRouter spreads streams over them)
     model_dir: Path  # the CosyVoice2 directory: spk2info.pt (built-in voices)
     tokenizer_dir: Path  # the LLM's tokenizer: input tokens of the usage report
-    voices_dir: Path | None = None  # default <model_dir>/voices, where the BLS looks too
+    voices_dir: Path | None = None  # default <model_dir>/voices, where the Triton front door looks too
     model: str = "cosyvoice2"  # the streaming Triton model
     # more streaming models: name -> their Triton servers (as triton_url); no built-in voices
     extra_models: dict[str, str] = field(default_factory=dict)

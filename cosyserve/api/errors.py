@@ -47,12 +47,12 @@ _UNAVAILABLE = ("statuscode.unavailable", "unknown model", "is not ready", "fail
 def triton_error(exc: InferenceServerException) -> APIError:
     """Triton's error as an APIError with its original message.
 
-    Errors inside a gRPC stream carry only their message: the BLS's per-request errors are the
+    Errors inside a gRPC stream carry only their message: the front door's per-request errors are the
     caller's (400, or 404 for an unknown voice) unless Triton marked them internal.
     """
     message = exc.message() or str(exc)
     lowered = f"{exc.status() or ''} {message}".lower()
-    if "request timed out after" in lowered:  # the BLS's request_timeout_s (REQUEST_TIMEOUT_S)
+    if "request timed out after" in lowered:  # the front door's request_timeout_s (REQUEST_TIMEOUT_S)
         return APIError(504, message, code="timeout")
     if lowered.strip().startswith("statuscode.cancelled"):
         return APIError(499, message, code="cancelled")

@@ -44,9 +44,9 @@ def parser() -> argparse.ArgumentParser:
                         help="one more streaming Triton model that requests select with 'model': its name and its "
                              "servers (as --triton-url), e.g. cosyvoice3=127.0.0.1:18001; repeatable")
     parser.add_argument("--model-dir", required=True, type=Path,
-                        help="the CosyVoice2 directory the BLS serves (spk2info.pt, voices/)")
+                        help="the CosyVoice2 directory the Triton server serves (spk2info.pt, voices/)")
     parser.add_argument("--tokenizer-dir", required=True, type=Path, help="the LLM tokenizer (usage counts)")
-    parser.add_argument("--voices-dir", type=Path, help="voice store (default <model-dir>/voices, as the BLS)")
+    parser.add_argument("--voices-dir", type=Path, help="voice store (default <model-dir>/voices, as the Triton front door)")
     parser.add_argument("--api-key-file", default=os.environ.get("API_KEY_FILE"),
                         help="file of accepted API keys, one per line; also API_KEYS=k1,k2 (none: no auth)")
     parser.add_argument("--max-input-chars", type=int, default=MAX_TEXT_CHARS)

@@ -5,7 +5,7 @@ optional input for instruct mode).
 Each synthesis is one gRPC stream on the shared channel that carries one request; the server
 ends the stream after the request's last response. Closing the returned generator early (the
 HTTP client went away) cancels the stream, which Triton turns into a cancelled request that
-the BLS notices between chunks.
+the front door notices within its cancellation poll.
 """
 
 from __future__ import annotations

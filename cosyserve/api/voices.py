@@ -1,5 +1,5 @@
 """The voices the API offers: the built-in ones of spk2info.pt and those uploaded into the
-:class:`~cosyserve.frontend.voice_store.VoiceStore` that the Triton BLS reads by id."""
+:class:`~cosyserve.frontend.voice_store.VoiceStore` that the Triton front door reads by id."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class VoiceCatalog:
         self.store = store
 
     def speaker_id(self, voice: str) -> str:
-        """The BLS's ``speaker_id`` for a request's voice; raises UnknownVoiceError."""
+        """The front door's ``speaker_id`` for a request's voice; raises UnknownVoiceError."""
         if voice in OPENAI_VOICE_NAMES and self.builtin:
             return DEFAULT_SPEAKER
         if voice in self.builtin or voice in self.store:

@@ -105,7 +105,7 @@ def prompt_audio_from_array(wav: np.ndarray | torch.Tensor, sample_rate: int) ->
     """Validate a waveform (``(N,)`` or ``(channels, N)``, any rate >= 16 kHz) and resample it.
 
     The 24 kHz copy is resampled from the source rate directly, so a 16 kHz source follows the
-    Triton BLS path (16 k -> 24 k) and a file follows ``cli/frontend.py`` (source -> 24 k).
+    Triton front door's path (16 k -> 24 k) and a file follows ``cli/frontend.py`` (source -> 24 k).
     """
     wav = validate_waveform(wav, sample_rate)
     sample_rate = int(sample_rate)

@@ -103,7 +103,7 @@ class BadInput:
     text_frontend: bool = True
 
 
-# Every kind of bad input the soak sends, in turn. 10k characters: the BLS accepts texts of up to
+# Every kind of bad input the soak sends, in turn. 10k characters: the front door accepts texts of up to
 # max_text_chars (100000) and splits them into segments; sent without the text front-end they are
 # one segment, past the segment limit.
 BAD_INPUTS = (
@@ -345,7 +345,7 @@ class SoakClient:
 def plan(config: SoakConfig) -> list[str]:
     """The kind of each request, in a seeded order: ``cancel``, ``bad``, else ``valid``. One bad
     input of each kind comes during the warm-up, so that what the large ones allocate once (a 60 s
-    clip is 3.8 MB on the wire, and ~10 MB more in tritonserver and in the BLS that checks it) is not
+    clip is 3.8 MB on the wire, and ~10 MB more in tritonserver and in the front door that checks it) is not
     counted as growth."""
     rng = random.Random(config.seed)
     cancels = round(config.requests * config.cancel_fraction)

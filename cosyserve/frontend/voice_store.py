@@ -10,7 +10,7 @@ hidden temporary directory, fsynced, then renamed into place)::
                       needs them (features.cosyvoice3.pt for CosyVoice3: a voice serves both models,
                       each with features of its own front-end)
 
-The API process writes voice.json and audio.wav; the Triton BLS reads them by voice id and
+The API process writes voice.json and audio.wav; the Triton front door reads them by voice id and
 computes the features (speech tokens, mel, speaker embedding) once, then every instance reads
 them. Deleting renames the directory away first, so a voice disappears at once.
 Ids are made here (``voice_`` + 32 hex digits) and every id given from outside is checked

@@ -11,7 +11,7 @@ CosyVoice3 (``cosyvoice3_llm_layout.md`` §2-3, :data:`COSYVOICE3`): 278 more te
 158486, ``<|task_id|>`` 158487, ``<|fill|>`` 158488 and 196 reserved classes; 158685 entries,
 padded to 158720.
 
-Prompt (the Triton BLS and ``offline_inference.py`` build the same ids)::
+Prompt (the Triton front door and ``offline_inference.py`` build the same ids)::
 
     CosyVoice2 zero-shot       <|sos|>{prompt_text}{target_text}<|task_id|> + prompt speech ids
                cross-lingual   <|sos|>{target_text}<|task_id|>

@@ -6,7 +6,7 @@
   ``prompt_spk_embedding`` FP16 [-1] (192 values, the raw CAM++ x-vector).
 
 Audio is validated like any prompt (finite, not silent, 0.5-30 s). Each model keeps its
-results for the last ``clip_cache_size`` distinct clips (parameter, default 256): every BLS
+results for the last ``clip_cache_size`` distinct clips (parameter, default 256): every caller
 instance asks these shared models, so a voice reused across requests is computed once. The
 clips of one ``execute`` (Triton's dynamic batching) that miss the cache run as one batch.
 ``frontend_backend`` (parameter): ``torch`` (the PyTorch models, batched on the model's device;
