@@ -7,7 +7,7 @@
 
 Audio is validated like any prompt (finite, not silent, 0.5-30 s). Each model keeps its
 results for the last ``clip_cache_size`` distinct clips (parameter, default 256): every caller
-instance asks these shared models, so a voice reused across requests is computed once. The
+asks these shared models, so a voice reused across requests is computed once. The
 clips of one ``execute`` (Triton's dynamic batching) that miss the cache run as one batch.
 ``frontend_backend`` (parameter): ``torch`` (the PyTorch models, batched on the model's device;
 the default on CUDA) or ``onnxruntime`` (the released graphs, one clip at a time; the default on
