@@ -28,7 +28,7 @@ from tritonclient.utils import InferenceServerException
 
 import tritonclient.grpc as grpcclient
 from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, consecutive_free_ports, free_ports, grpc_input,
-                             metrics, serve_repo, server_env, stream_tts, token_limits, wait_until_idle)
+                             metrics, serve_repo, server_env, stream_tts, token_limits, wait_for, wait_until_idle)
 
 pytest.importorskip("pytriton")
 
@@ -188,8 +188,10 @@ def test_cancelled_streams_release_their_llm_requests_and_flow_state(idle_server
     for stream in streams:
         result, error = stream.next()
         assert error is None and result.as_numpy("waveform").size > 0
-    during = metrics(idle_server.metrics_port)
-    assert during[OPEN_STREAMS] == 3 and during["cosyserve_llm_active_requests"] >= 1
+    def generating_and_voiced() -> bool:  # the engine's gauges reach Triton a stats period after they change
+        during = metrics(idle_server.metrics_port)
+        return during[OPEN_STREAMS] == 3 and during["cosyserve_llm_active_requests"] >= 1
+    wait_for(generating_and_voiced, "three streams voiced, their LLM generating", timeout_s=5)
     for stream in streams:
         stream.close(cancel=True)
     after = wait_until_idle(idle_server.metrics_port)
