@@ -226,6 +226,22 @@ def metrics(port: int) -> dict[str, float]:
     return read_metrics(port, host="127.0.0.1")
 
 
+def settled_metrics(port: int, prefix: str = "cosyserve_token2wav_", timeout_s: float = 5.0) -> dict[str, float]:
+    """The metrics once two reads 0.3 s apart agree on every ``prefix`` metric: the engine's gauges
+    reach Triton's metrics up to two stats periods after they change (the engine sends its stats
+    every 0.25 s, the front door publishes them at most as often)."""
+    def gauges(values: dict[str, float]) -> dict[str, float]:
+        return {name: value for name, value in values.items() if name.startswith(prefix)}
+    deadline = time.monotonic() + timeout_s
+    last = metrics(port)
+    while True:
+        time.sleep(0.3)
+        values = metrics(port)
+        if gauges(values) == gauges(last) or time.monotonic() > deadline:
+            return values
+        last = values
+
+
 def pending_requests(port: int) -> float:
     """Requests waiting in Triton's queues, over every model (``nv_inference_pending_request_count``)."""
     page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
