@@ -423,11 +423,12 @@ def fill_to_capacity(server, model: str, instances: int, queued: int, num_tokens
         for stream in group:
             stream.send(model, [grpc_input("target_text", "你好"), *token_limits(num_tokens)])
 
-    def in_progress() -> float:  # taken by the engine (admitted), or by a BLS instance
-        values = metrics(server.metrics_port)
+    def in_progress(values: dict[str, float] | None = None) -> float:  # taken by the engine (admitted)
+        values = metrics(server.metrics_port) if values is None else values
         return values.get("cosyserve_engine_requests", values.get("cosyserve_requests_in_progress", 0))
 
-    before = in_progress()  # the model's twin (offline / streaming) may be busy too
+    # the model's twin (offline / streaming) may be busy too: counted once the engine's gauge has settled
+    before = in_progress(settled_metrics(server.metrics_port, "cosyserve_engine_requests"))
     send(streams[:instances])
     wait_for(lambda: in_progress() == before + instances, f"{instances} requests running")
     send(streams[instances:])
