@@ -114,11 +114,6 @@ class EngineClient:
         counters = {name: value + self._base_counters.get(name, 0) for name, value in stats.counters.items()}
         return wire.EngineStats(stats.requests, stats.streams, stats.generating, counters, stats.gauges)
 
-    @property
-    def active_requests(self) -> int:
-        with self._lock:
-            return len(self._requests)
-
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> "EngineClient":
         deadline = time.monotonic() + timeout_s
         while not self._ready.wait(0.2):

@@ -34,10 +34,11 @@ class BackendLLM:
     def __init__(self, backend, sampling: SamplingParams = REFERENCE_SAMPLING) -> None:
         self.backend = backend
         self.sampling = sampling
+        self._generate = backend.generate_stream  # (prompt_ids, params, request_id) -> TokenStream
 
     def submit(self, prompt_ids: list[int], request_id: str, limits: TokenLimits) -> TokenStream:
         params = dataclasses.replace(self.sampling, max_tokens=limits.max_tokens, min_tokens=limits.min_tokens)
-        return self.backend.generate_stream(prompt_ids, params, request_id)
+        return self._generate(prompt_ids, params, request_id)
 
     def register_voices(self, text_tokenizer, registry) -> None:
         register_voice_prefixes(self.backend, text_tokenizer, registry)
@@ -58,15 +59,13 @@ class FreeRunningLLM(BackendLLM):
     """The in-process LLM engine, stepping on its own thread from the start (paced: ``engine.pacing``)."""
 
     def __init__(self, engine, sampling: SamplingParams = REFERENCE_SAMPLING) -> None:
-        super().__init__(engine, sampling)
+        self.backend = engine
+        self.sampling = sampling
+        self._generate = engine.submit
         device = engine.runner.device
         # a stream of its own at the flow's priority: its decode steps interleave with the flow's
         # kernels (at a higher priority they starved a first chunk's flow until the reply was decoded)
         engine.start(torch.cuda.Stream(device) if device.type == "cuda" else None)
-
-    def submit(self, prompt_ids: list[int], request_id: str, limits: TokenLimits) -> TokenStream:
-        params = dataclasses.replace(self.sampling, max_tokens=limits.max_tokens, min_tokens=limits.min_tokens)
-        return self.backend.submit(prompt_ids, params, request_id)
 
     @property
     def generating(self) -> int:
