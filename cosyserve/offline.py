@@ -11,11 +11,11 @@ Per batch of ``batch_size`` utterances: the voices are resolved (speech tokenize
 encoder on each prompt, or one registered speaker for all) and the text normalised and split into
 segments as the server does (:mod:`cosyserve.text`); that is the front-end time. Then every
 segment goes to the engine at once as an offline request of its own (its own token limits), and
-the LLM batches their decode steps, the engine packs their flow passes (at most ``token2wav_batch_size``
-flow jobs per Euler step) and vocodes them together; that is the engine time, up to the last
+the LLM batches their decode steps, the engine batches their flow passes (at most ``token2wav_batch_size``
+flow jobs per batch) and vocodes them together; that is the engine time, up to the last
 segment's waveform. An item's wav is its segments' concatenation. RTF = (front-end + engine time)
 / seconds of audio; writing files is not timed. The engine's own counters
-(:class:`~cosyserve.engine.core.EngineCounters`: time of its loop in flow starts, Euler steps,
+(:class:`~cosyserve.engine.core.EngineCounters`: time of its loop in flow starts, flow batches,
 vocoder, host work, idle; ``llm_busy_s``: our LLM engine's busy time on its own thread, beside the
 loop) say where the engine time went.
 
@@ -113,7 +113,7 @@ class OfflineConfig:
     dtype: str | None = None  # flow dtype; None: the kind's default (CosyVoice2 fp16 on CUDA, fp32 on the CPU)
     llm_dtype: str | None = None  # default bfloat16 on CUDA, float32 on CPU
     batch_size: int = 16  # utterances submitted to the engine together
-    token2wav_batch_size: int = 8  # flow jobs per packed Euler step (the engine's max_step_jobs)
+    token2wav_batch_size: int = 8  # flow jobs per batch (the engine's max_batch_jobs)
     token2wav_options: Token2WavOptions = field(default_factory=Token2WavOptions)
     fixed_length: FixedLength | None = None
     speaker_id: str | None = None  # use this registered voice for every utterance instead of its prompt
@@ -217,7 +217,7 @@ class OfflineTTS:
                 config.model, model_dir, llm_dir, self.device,
                 kind_options=KIND_OPTIONS[config.model](dtype, config.token2wav_options), llm_backend=llm_backend,
                 llm_options=llm_options,
-                scheduler=Scheduler(max_step_jobs=config.token2wav_batch_size),
+                scheduler=Scheduler(max_batch_jobs=config.token2wav_batch_size),
                 sine_noise=SeededSineNoise(config.seed, self.device), frontend_backend=config.frontend_backend,
                 spk2info=spk2info)
         except BaseException:
@@ -386,11 +386,11 @@ def format_report_md(report: dict, per_item: bool = True) -> str:
         f"| engine RTF | {num(report['engine_rtf'])} |",
         f"| speech tokens / engine s | {num(report['tokens_per_s'], 1)} |",
         "", "Where the engine's loop spent its time (seconds; llm_busy_s: the LLM's, on its own thread):", "",
-        "| llm_busy_s | start_s | flow_s | vocoder_s | host_s | idle_s | iterations | flow steps | jobs per step |",
+        "| llm_busy_s | start_s | flow_s | vocoder_s | host_s | idle_s | iterations | flow batches | jobs per batch |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         "| " + " | ".join(num(engine[k], 3) for k in ("llm_busy_s", "start_s", "flow_s", "vocoder_s", "host_s", "idle_s"))
-        + f" | {engine['iterations']} | {engine['flow_steps']} | "
-        + num(engine["flow_step_jobs"] / engine["flow_steps"] if engine["flow_steps"] else None, 2) + " |",
+        + f" | {engine['iterations']} | {engine['flow_batches']} | "
+        + num(engine["flow_batch_jobs"] / engine["flow_batches"] if engine["flow_batches"] else None, 2) + " |",
     ]
     if per_item:
         lines += ["", "| id | speech tokens | audio s |", "|---|---:|---:|"]

@@ -97,15 +97,19 @@ def engine_section(data: dict) -> list[str]:
              f"first request after load {cell(data.get('first_request_ms'))} ms", ""]
     rows = [[lv.get("level"), lv.get("requests"), lv.get("failed"), lv.get("first_p50_ms"), lv.get("first_p95_ms"),
              lv.get("underrun_requests"), lv.get("stall_s"), lv.get("peak_in_flight"), lv.get("busy_ms_per_iteration"),
-             lv.get("flow_ms_per_iteration"), lv.get("vocoder_ms_per_iteration"), lv.get("jobs_per_flow_step"),
-             lv.get("prefill_ms"), lv.get("chunk_tokens_ms"), lv.get("chunk_start_ms"), lv.get("flow_ms"), lv.get("vocoder_ms"), lv.get("wall_s")]
+             lv.get("flow_ms_per_iteration"), lv.get("vocoder_ms_per_iteration"), lv.get("jobs_per_flow_batch"),
+             lv.get("prefill_ms"), lv.get("chunk_tokens_ms"), lv.get("chunk_start_ms"), lv.get("launch_ms"), lv.get("gpu_ms"), lv.get("wall_s")]
             for lv in data.get("levels", [])]
     lines += table(["level", "requests", "failed", "first p50 ms", "first p95 ms", "underrun req", "stall s",
-                    "peak in flight", "busy ms/it", "flow ms/it", "vocoder ms/it", "jobs/flow step",
-                    "1st: prefill ms", "1st: chunk tokens ms", "1st: chunk start ms", "1st: flow ms", "1st: vocoder ms", "wall s"], rows)
+                    "peak in flight", "busy ms/it", "flow ms/it", "vocoder ms/it", "jobs/flow batch",
+                    "1st: prefill ms", "1st: chunk tokens ms", "1st: chunk start ms", "1st: launch ms", "1st: gpu ms", "wall s"], rows)
     if data.get("kernel_profile"):
         from cosyserve.bench.engine import kernel_table
         lines += ["", kernel_table(data["kernel_profile"])]
+    if data.get("host_syncs"):
+        syncs = data["host_syncs"]
+        lines += ["", f"host syncs at {syncs['rate']:g} req/s (torch's sync debug mode): {syncs['syncs']}", ""]
+        lines += table(["source line", "syncs"], [[entry["line"], entry["count"]] for entry in syncs["top"]])
     return lines
 
 

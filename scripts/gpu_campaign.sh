@@ -74,6 +74,7 @@ ENGINE_RATES=${ENGINE_RATES:-8 12 16 20}
 ENGINE_SECONDS_PER_RATE=${ENGINE_SECONDS_PER_RATE:-10}
 ENGINE_PROFILE_RATE=${ENGINE_PROFILE_RATE:-8}       # a last level under torch.profiler (0: none)
 ENGINE_PROFILE_SECONDS=${ENGINE_PROFILE_SECONDS:-3}
+ENGINE_SYNC_DEBUG_RATE=${ENGINE_SYNC_DEBUG_RATE:-8}  # then one under torch's sync debug mode (0: none)
 ENGINE_EXTRA_ARGS=${ENGINE_EXTRA_ARGS:-}
 ENGINE_TIMEOUT=${ENGINE_TIMEOUT:-200}
 
@@ -283,7 +284,7 @@ if wanted 3; then
     --models-dir "$MODELS_DIR" --model "$ENGINE_MODEL" --device "$ENGINE_DEVICE" --tokens "$TOKENS" \
     --concurrency $ENGINE_CONCURRENCY --requests-per-sender "$ENGINE_REQUESTS_PER_SENDER" --rates $ENGINE_RATES \
     --seconds-per-rate "$ENGINE_SECONDS_PER_RATE" --profile-rate "$ENGINE_PROFILE_RATE" \
-    --profile-seconds "$ENGINE_PROFILE_SECONDS" $ENGINE_EXTRA_ARGS
+    --profile-seconds "$ENGINE_PROFILE_SECONDS" --sync-debug-rate "$ENGINE_SYNC_DEBUG_RATE" $ENGINE_EXTRA_ARGS
 fi
 
 server_ready() { "$PY" - "$GRPC_PORT" <<'EOF' > /dev/null 2>&1

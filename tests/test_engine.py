@@ -149,7 +149,7 @@ def test_concurrent_streams_equal_the_reference(model_dirs, reference, final):
             else:  # only the last chunk's frames differ (streaming masks over the final block)
                 assert rel(np.concatenate(got[:-1]), np.concatenate(expected[:-1])) < REL_L2
                 assert sum(p.size for p in got) == 960 * len(tokens)
-        assert engine.core.counters.flow_step_jobs > engine.core.counters.flow_steps  # jobs shared steps
+        assert engine.core.counters.flow_batch_jobs > engine.core.counters.flow_batches  # chunks shared batches
 
 
 def test_offline_equals_the_reference(model_dirs, reference):
@@ -260,10 +260,10 @@ def test_an_llm_that_produces_nothing_or_non_speech_tokens_fails_its_request(mod
 
 
 @pytest.mark.parametrize("captured_shapes", [False, True])
-def test_full_passes_packed_at_different_steps_equal_the_reference(captured_shapes):
+def test_full_passes_solved_in_batches_equal_the_reference(captured_shapes):
     """Offline / final passes (full attention) and a stream's re-run (streaming masks) started as one
-    encoder batch, stepped packed with each job at its own step, in eager shapes or in the padded
-    shapes of the CUDA graphs (run eagerly here): each equals CosyVoice2Flow.inference."""
+    encoder batch, solved as batches in eager shapes or in the padded shapes of the CUDA graphs
+    (run eagerly here): each equals CosyVoice2Flow.inference."""
     from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
     from cosyserve.token2wav.flow_engine import EngineGraphs, FlowEngine
     from cosyserve.token2wav.full_pass import FullPass, PassInput
@@ -280,10 +280,10 @@ def test_full_passes_packed_at_different_steps_equal_the_reference(captured_shap
     full = FullPass(flow, fused, 10, EngineGraphs(fused, replay=False) if captured_shapes else None)
     finals = full.start([PassInput(t, *v) for t, v in zip(tokens[:2], voices[:2])])
     (rerun,) = full.start([PassInput(tokens[2], *voices[2], skip_frames=4)], streaming=True)
-    full.step(finals[:1])  # the first final one step ahead of the second
-    while not rerun.done:
-        full.step([job for job in finals if not job.done])
-        full.step([rerun])
+    assert not any(job.done for job in finals + [rerun])
+    full.solve(finals)
+    full.solve([rerun])
+    assert all(job.done for job in finals + [rerun])
     for job, t, v in zip(finals, tokens, voices):
         assert rel(job.target_mel().numpy(), flow.inference(t, *v, streaming=False, finalize=True).numpy()) < REL_L2
     expected = flow.inference(tokens[2], *voices[2], streaming=True, finalize=False)[:, :, 4:]

@@ -125,7 +125,7 @@ def drive(kind: StepAudio2Kind, streams: list[Stream], offline: list[tuple] = ()
         items = [(s.voicing, kind.mel(s.job), s.job.finalize) for s in finished]
         ended = [j for j in offline_jobs if j.done and not getattr(j, "vocoded", False)]
         items += [(None, kind.mel(j), True) for j in ended]
-        for piece, s in zip(kind.vocode(items), finished + ended):
+        for piece, s in zip((p.cpu().numpy() for p in kind.vocode(items)), finished + ended):
             if isinstance(s, Stream):
                 s.pcm.append(piece)
                 if s.job.finalize:
@@ -174,7 +174,7 @@ def test_offline_equals_the_one_request_computation_also_packed_with_streams(kin
                                     sine_noise=zero_sine_noise)
         assert piece.size == SAMPLES_PER_TOKEN * len(tokens)
         assert_audio_equal(piece, want.numpy())
-    (alone,) = kind._run([None], [kind.start_offline(*requests[0])])
+    alone = kind._run([None], [kind.start_offline(*requests[0])])[0].cpu().numpy()
     assert_audio_equal(alone, pcm[0])
 
 
@@ -227,7 +227,7 @@ def test_second_voice_evicts_the_first_whose_streams_still_finish(reference):
     s.voicing = kind.open(first)
     chunk = s.schedule.next_chunk(50)
     s.chunks.append((chunk.token_offset, chunk.num_tokens, False))
-    s.pcm += kind._run([s.voicing], kind.start_chunks([(s.voicing, s.tokens[:chunk.num_tokens], 0, False)]))
+    s.pcm += [p.cpu().numpy() for p in kind._run([s.voicing], kind.start_chunks([(s.voicing, s.tokens[:chunk.num_tokens], 0, False)]))]
     other = kind.open(second)  # evicts the first voice
     assert kind.cached_voices == [aligned_features(second).key()]
     s.start = 1

@@ -5,7 +5,7 @@ against :class:`~cosyserve.engine.service.TTSEngine`, with the loop's own per-st
 Per level: first-chunk latency (arrival to the first PCM piece handed out by the loop), playback
 underruns of each stream (a listener that starts with the first piece, :class:`~cosyserve.clients.Playback`),
 and where the loop's time went (:class:`~cosyserve.engine.core.EngineCounters` deltas: chunk
-starts, packed Euler steps, vocoder, host, idle; ms per iteration; and the free-running LLM's busy
+starts, flow batches, vocoder, host, idle (the loop's launches, not the GPU's time); ms per iteration; and the free-running LLM's busy
 seconds and rows per decode step). Every reply is exactly
 ``--tokens`` speech tokens (min = max), so timing depends on shapes, not on random weights' output.
 """
@@ -25,13 +25,13 @@ import torch
 
 from ..audio.features import TOKENIZER_SAMPLE_RATE
 from ..clients import Playback
-from ..engine.scheduler import DEFAULT_MAX_STEP_FRAMES, DEFAULT_MAX_STEP_JOBS, Scheduler
+from ..engine.scheduler import DEFAULT_MAX_BATCH_FRAMES, DEFAULT_MAX_BATCH_JOBS, Scheduler
 from ..data import load_reference_audio
 from ..engine.service import BUNDLE_DIRS, TTSEngine, load_engine, warm_up_clip
 from ..engine.front_end import TokenLimits, TTSRequest
 from ..serving.settings import EngineSettings
 from ..runtime import resolve_device
-from .kernels import kernel_profile
+from .kernels import host_syncs, kernel_profile
 from .openloop import poisson_arrivals, run_open_loop
 
 TEXT = "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。"
@@ -48,8 +48,8 @@ class Outcome:
 
 # The engine's stages of a first chunk (engine/request.py FIRST_CHUNK_STAGES), from the submit on.
 ENGINE_STAGES = (("prefill", "received", "first_token"), ("chunk_tokens", "first_token", "chunk_planned"),
-                 ("chunk_start", "chunk_planned", "chunk_started"), ("flow", "chunk_started", "flow_done"),
-                 ("vocoder", "flow_done", "emitted"))
+                 ("chunk_start", "chunk_planned", "chunk_started"), ("launch", "chunk_started", "launched"),
+                 ("gpu", "launched", "emitted"))
 
 
 def one_request(engine: TTSEngine, voice, tokens: int, request_id: str) -> Outcome:
@@ -107,7 +107,7 @@ def _profile(before: dict, after: dict) -> dict:
             **{f"{k[:-2]}_ms_per_iteration": 1e3 * delta[k] / iterations
                for k in ("start_s", "flow_s", "vocoder_s", "host_s")},
             "idle_share": delta["idle_s"] / max(busy + delta["idle_s"], 1e-9),
-            "jobs_per_flow_step": delta["flow_step_jobs"] / max(delta["flow_steps"], 1),
+            "jobs_per_flow_batch": delta["flow_batch_jobs"] / max(delta["flow_batches"], 1),
             "llm_busy_s": delta.get("llm_busy_s"),
             "llm_rows_per_decode_step": (delta["llm_decode_rows"] / max(delta["llm_decode_steps"], 1)
                                          if "llm_decode_steps" in delta else None)}
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> dict:
     loading = time.perf_counter()
     engine = load_engine(args.model, models / model_dir, models / llm_dir, device,
                          kind_options=kind_options(args, models, device), llm_options={"max_slots": args.max_slots},
-                         scheduler=Scheduler(max_step_frames=args.max_step_frames, max_step_jobs=args.max_step_jobs),
+                         scheduler=Scheduler(max_batch_frames=args.max_batch_frames, max_batch_jobs=args.max_batch_jobs),
                          sync_stages=args.sync_stages, warm_up=not args.cold,
                          spk2info=models / spk2info if spk2info else None)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
@@ -192,6 +192,17 @@ def run(args: argparse.Namespace) -> dict:
                 return run_.results, {"peak_in_flight": run_.peak_in_flight}
             _measure(report, engine, f"{args.profile_rate:g} req/s profiled", profiled)
             print(kernel_table(report["kernel_profile"]), flush=True)
+        if args.sync_debug_rate:
+            def sync_debugged():
+                arrivals = poisson_arrivals(args.sync_debug_rate, args.seed, duration_s=args.profile_seconds)
+                run_, syncs = host_syncs(lambda: run_open_loop(
+                    arrivals, lambda i: one_request(engine, voice, args.tokens, f"y-{next(counter)}")))
+                report["host_syncs"] = {"rate": args.sync_debug_rate, **syncs}
+                return run_.results, {"peak_in_flight": run_.peak_in_flight}
+            _measure(report, engine, f"{args.sync_debug_rate:g} req/s sync debug", sync_debugged)
+            print(f"host syncs at {args.sync_debug_rate:g} req/s: {report['host_syncs']['syncs']}", flush=True)
+            for entry in report["host_syncs"]["top"]:
+                print(f"  {entry['count']:6d}  {entry['line']}", flush=True)
     finally:
         engine.close()
     return report
@@ -234,7 +245,7 @@ def _measure(report: dict, engine: TTSEngine, label: str, run) -> None:
 COLUMNS = ("level", "requests", "failed", "first_p50_ms", "first_p95_ms", "underrun_requests", "stall_s",
            *(f"{stage}_ms" for stage, _, _ in ENGINE_STAGES),
            "busy_ms_per_iteration", "start_ms_per_iteration", "flow_ms_per_iteration",
-           "vocoder_ms_per_iteration", "host_ms_per_iteration", "idle_share", "jobs_per_flow_step", "llm_busy_s",
+           "vocoder_ms_per_iteration", "host_ms_per_iteration", "idle_share", "jobs_per_flow_batch", "llm_busy_s",
            "llm_rows_per_decode_step")
 
 
@@ -273,14 +284,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds-per-rate", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-slots", type=int, default=64, help="LLM requests decoded at once")
-    p.add_argument("--max-step-frames", type=int, default=DEFAULT_MAX_STEP_FRAMES)
-    p.add_argument("--max-step-jobs", type=int, default=DEFAULT_MAX_STEP_JOBS)
+    p.add_argument("--max-batch-frames", type=int, default=DEFAULT_MAX_BATCH_FRAMES)
+    p.add_argument("--max-batch-jobs", type=int, default=DEFAULT_MAX_BATCH_JOBS)
     p.add_argument("--state-pool-gb", type=float, default=0.0, help="0: a third of the free GPU memory")
     p.add_argument("--sync-stages", action="store_true", help="wait for the GPU after each stage (a true split)")
     p.add_argument("--cold", action="store_true", help="no warm-up at load (graphs and kernels on first use)")
     p.add_argument("--profile-rate", type=float, default=0.0, help="last, an open-loop level at this rate under "
                    "torch.profiler (CUDA): kernels per iteration and per second of audio, GPU busy share")
     p.add_argument("--profile-seconds", type=float, default=4.0)
+    p.add_argument("--sync-debug-rate", type=float, default=0.0, help="last, an open-loop level at this rate "
+                   "(for --profile-seconds) under torch's sync debug mode (CUDA): the host's waits for the GPU by "
+                   "source line")
     p.add_argument("--switch-interval-ms", type=float, nargs="*", default=[],
                    help="the interpreter's thread switch intervals to run every level under, one after the other "
                    "(default: the engine's own, set when its loop starts)")

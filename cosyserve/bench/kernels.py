@@ -1,12 +1,15 @@
 """Where the GPU's time goes while the engine serves: ``torch.profiler`` (CUDA activity only) around
 a piece of load, summarised as the figures the engine's issues are judged by: kernels launched, the
 share of them under 10 us, the GPU busy share (the union of kernel and copy intervals over the wall
-clock) and the kernels that took the most time."""
+clock) and the kernels that took the most time. And where the host waits for the GPU: torch's
+sync debug mode around a piece of load, its warnings counted by source line."""
 
 from __future__ import annotations
 
+import os
 import time
-from collections import defaultdict
+import warnings
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -51,3 +54,24 @@ def kernel_profile(run: Callable[[], Any], top: int = 12) -> tuple[Any, dict]:
         "median_kernel_us": sorted(durations)[len(durations) // 2] if durations else None,
         "top": [{"name": name[:90], "calls": calls, "ms": round(total / 1e3, 2),
                  "share_of_busy": round(total / busy, 4) if busy else None} for name, (calls, total) in ranked]}
+
+
+def host_syncs(run: Callable[[], Any], top: int = 15) -> tuple[Any, dict]:
+    """``run()``'s result and the host-device synchronisations torch saw while it ran (every thread:
+    the LLM's waits for its sampled tokens count too), by the source line that made them."""
+    import torch
+
+    lines: Counter[str] = Counter()
+
+    def count(message, category, filename, lineno, file=None, line=None) -> None:
+        lines[f"{os.path.relpath(filename)}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = count
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, {"syncs": sum(lines.values()), "top": [{"line": line, "count": n} for line, n in lines.most_common(top)]}

@@ -173,7 +173,7 @@ class _Voicing:
 def synthesize(kind, features: PromptFeatures, utterances: Sequence[Sequence[int]], mode: str = "offline",
                strategy: str = "exponential") -> list[Synthesis]:
     """``utterances`` voiced together by ``kind``, as the engine's loop voices requests whose tokens
-    are all there: their jobs packed per Euler step, the finished ones vocoded together."""
+    are all there: their jobs solved as one batch, then vocoded together."""
     if mode not in MODES:
         raise InvalidInputError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     items = [_Voicing([int(t) for t in torch.as_tensor(u).reshape(-1).tolist()]) for u in utterances]
@@ -187,13 +187,12 @@ def synthesize(kind, features: PromptFeatures, utterances: Sequence[Sequence[int
         if mode == "streaming":
             _start_next(kind, items)
         while any(item.job is not None for item in items):
+            finished = [item for item in items if item.job is not None]
             with torch.profiler.record_function(FLOW_SECTION):
-                kind.step([item.job for item in items if item.job is not None])
-            finished = [item for item in items if item.job is not None and item.job.done]
-            if not finished:
-                continue
+                kind.solve([item.job for item in finished])
             with torch.profiler.record_function(VOCODER_SECTION):
-                pieces = kind.vocode([(item.voicing, kind.mel(item.job), item.job.finalize) for item in finished])
+                pieces = [pcm.cpu().numpy() for pcm in
+                          kind.vocode([(item.voicing, kind.mel(item.job), item.job.finalize) for item in finished])]
             synchronize(torch.device(getattr(kind, "device", "cpu")))
             now = time.perf_counter()
             for item, pcm in zip(finished, pieces):

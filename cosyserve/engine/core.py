@@ -2,26 +2,29 @@
 
 Each iteration (:meth:`EngineCore.step`), read top to bottom:
 
-1. take new requests and cancellations; end requests past their timeout;
-2. per request, take the tokens that arrived and plan its next chunk when its chunk schedule
+1. hand out the PCM of earlier batches that has reached the host;
+2. take new requests and cancellations; end requests past their timeout;
+3. per request, take the tokens that arrived and plan its next chunk when its chunk schedule
    allows (one chunk in flight per stream: chunks run in order);
-3. start the waiting chunks the :class:`~.scheduler.Scheduler` picks (earliest deadline first,
-   within the step's frame budget): the kind runs their encoder and takes their state pages;
-4. one packed Euler step of every flow job under way, whatever its step (the kind's
-   :meth:`step`: chunks of different streams and at different steps in one estimator call);
-5. jobs that took their last step are vocoded together and their PCM handed to the requests'
-   ``emit``; finished segments hand over to the next, finished requests call ``finish``.
+4. the :class:`~.scheduler.Scheduler` picks a batch of the waiting chunks (earliest deadline
+   first, within a batch's budget); the kind starts them (their encoder, their state pages);
+5. the kind solves the batch: all 10 Euler steps of every chunk, each step one packed call
+   (:meth:`solve`), then vocodes it in one batched call; the PCM is copied to the host
+   asynchronously.
+
+Nothing in an iteration waits for the GPU: the host plans and launches the next batch while the
+GPU runs the last one, and a batch's PCM goes to the requests' ``emit`` once its copy is done (at
+most :data:`MAX_BATCHES_IN_FLIGHT` batches are launched and not yet handed out). Finished segments
+hand over to the next, finished requests call ``finish``.
 
 Speech tokens come from an LLM that runs beside the loop (:mod:`.runners.llm`: our LLM engine on a
 thread and a CUDA stream of its own, or an external back end): the loop only drains each request's
 token stream, so the LLM's pace is its own, never one decode step per loop iteration.
 
-Nothing blocks on one request: a new request's first chunk joins the step after its tokens are
-there, and a long pass (the reference's final chunk, an offline request) takes one step per
-iteration like every other job. Requests come from any thread (:meth:`submit`, :meth:`cancel`);
-everything else happens on the loop's thread, which is also where ``emit`` and ``finish`` are
-called (keep them quick: hand the data to another thread). In a server the core runs in a process
-of its own (:mod:`.process`), fed by the front doors over IPC.
+Requests come from any thread (:meth:`submit`, :meth:`cancel`); everything else happens on the
+loop's thread, which is also where ``emit`` and ``finish`` are called (keep them quick: hand the
+data to another thread). In a server the core runs in a process of its own (:mod:`.process`), fed
+by the front doors over IPC.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ import logging
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutError
 from ..llm.prompt import NUM_SPEECH_TOKENS
 from ..speech_tokens import speech_token_ids
-from .device import synchronize
+from .device import HostCopy, synchronize
+from .kinds.protocol import Kind
 from .request import EngineRequest, RequestState, SegmentState
 from .scheduler import Candidate, Scheduler
 from .wire import EngineStats
@@ -50,21 +55,26 @@ TOKEN_POLL_S = 0.001
 # waits up to this long for the other to let go of it: at 5 ms, each decode step or Euler step
 # could stall behind the other thread's Python.
 SWITCH_INTERVAL_S = 0.0005
+# Batches launched whose PCM is not handed out yet: the loop launches a batch while the GPU runs
+# the one before; a third waits for the oldest (a chunk that arrives meanwhile is not queued behind
+# more than one batch).
+MAX_BATCHES_IN_FLIGHT = 2
 
 
 @dataclass
 class EngineCounters:
-    """Running totals of the loop's time per stage (wall clock on the loop thread; with
-    ``sync_stages`` each stage waits for its GPU work, so the split is the GPU's too)."""
+    """Running totals of the loop's time per stage (wall clock on the loop thread: launching the
+    GPU's work, not running it; with ``sync_stages`` each stage waits for its GPU work, so the
+    split is the GPU's too)."""
 
     iterations: int = 0
     start_s: float = 0.0  # encoder and planning of chunks that start
-    flow_s: float = 0.0  # packed Euler steps
-    vocoder_s: float = 0.0  # HiFT and emitting PCM
-    host_s: float = 0.0  # the rest of a busy iteration: requests, tokens, scheduling
-    idle_s: float = 0.0  # waiting for work
-    flow_steps: int = 0
-    flow_step_jobs: int = 0  # jobs advanced, summed over packed steps
+    flow_s: float = 0.0  # batches' Euler steps
+    vocoder_s: float = 0.0  # HiFT and the PCM's copy to the host
+    host_s: float = 0.0  # the rest of a busy iteration: requests, tokens, scheduling, emitting PCM
+    idle_s: float = 0.0  # waiting for work, or for the GPU when nothing else is left
+    flow_batches: int = 0
+    flow_batch_jobs: int = 0  # jobs solved, summed over batches
     chunks: int = 0  # chunk (or offline) jobs finished
     tokens: int = 0  # speech tokens received from the LLM
     requests_finished: int = 0
@@ -72,11 +82,12 @@ class EngineCounters:
 
 
 class EngineCore:
-    """One per GPU: ``kind`` (the token2wav kind: :class:`~.kinds.cosyvoice2.CosyVoice2Kind`),
+    """One per GPU: ``kind`` (the token2wav kind, :class:`~.kinds.protocol.Kind`:
+    :class:`~.kinds.cosyvoice2.CosyVoice2Kind` and the others),
     ``llm`` (:class:`~.runners.llm.FreeRunningLLM` or :class:`~.runners.llm.BackendLLM`), the chunk
     ``strategy`` of the kind's schedule, and the ``scheduler``."""
 
-    def __init__(self, kind, llm, *, strategy: str = "exponential", scheduler: Scheduler | None = None,
+    def __init__(self, kind: Kind, llm, *, strategy: str = "exponential", scheduler: Scheduler | None = None,
                  sync_stages: bool = False) -> None:
         kind.chunk_schedule(strategy)  # an unknown strategy fails here, not per request
         self.kind = kind
@@ -90,7 +101,7 @@ class EngineCore:
         self._inbox: list[RequestState] = []
         self._cancels: list[tuple[str, BaseException]] = []
         self._states: dict[str, RequestState] = {}  # admitted, not ended; guarded by _lock
-        self._jobs: list[tuple[SegmentState, RequestState]] = []  # flow jobs under way (loop thread)
+        self._in_flight: deque[_Batch] = deque()  # launched, PCM not handed out (loop thread)
         self._thread: threading.Thread | None = None
         self._closing = False
 
@@ -158,7 +169,7 @@ class EngineCore:
             states = list(self._states.values())
         for state in states:
             self._end(state, RequestCancelledError("the engine was closed"))
-        self._jobs.clear()
+        self._in_flight.clear()
         self.llm.close()
 
     # ----- the loop -----
@@ -167,11 +178,14 @@ class EngineCore:
         while True:
             waited = time.perf_counter()
             with self._wakeup:
-                if not (self._closing or self._inbox or self._cancels or self._busy()):
+                idle = not (self._closing or self._inbox or self._cancels or self._busy())
+                if idle and not self._in_flight:
                     # requests waiting only for their LLM's tokens: look again shortly
                     self._wakeup.wait(TOKEN_POLL_S if self._states else None)
                 if self._closing:
                     return
+            if idle and self._in_flight:  # nothing to launch: the oldest batch's PCM is next
+                self._hand_out(wait=True)
             self.counters.idle_s += time.perf_counter() - waited
             try:
                 self.step()
@@ -179,16 +193,16 @@ class EngineCore:
                 log.exception("engine step failed")
 
     def _busy(self) -> bool:
-        """Work that needs no new event: jobs under way or waiting to start."""
-        return bool(self._jobs) or any(
-            seg.pending is not None for state in self._states.values() for seg in state.segments())
+        """Work that needs no new event: chunks waiting to start."""
+        return any(seg.pending is not None for state in self._states.values() for seg in state.segments())
 
     def step(self) -> None:
-        """One iteration (see the module docstring); the host waits for the flow's work only when
-        the vocoder reads the mels."""
+        """One iteration (see the module docstring): launches a batch, waits for the GPU only
+        when :data:`MAX_BATCHES_IN_FLIGHT` batches are out."""
         c = self.counters
         c.iterations += 1
         began = time.perf_counter()
+        self._hand_out(wait=len(self._in_flight) >= MAX_BATCHES_IN_FLIGHT)
         self._take_events()
         candidates = []
         for state in self._live():
@@ -196,15 +210,16 @@ class EngineCore:
                 candidates += self._plan(state)
             except Exception as exc:
                 self._end(state, exc)
-        picked = self.scheduler.pick(candidates, sum(seg.job.frames for seg, _ in self._jobs), len(self._jobs))
+        picked = self.scheduler.pick(candidates)
         start_begin = time.perf_counter()
-        self._start_jobs(picked)
+        batch = self._start_jobs(picked)
         self._sync()
         flow_begin = time.perf_counter()
-        if self._jobs:
-            self._flow_step()
+        if batch:
+            self._solve(batch)
         vocoder_begin = time.perf_counter()
-        self._finish_jobs()
+        if batch:
+            self._vocode(batch)
         end = time.perf_counter()
         c.start_s += flow_begin - start_begin
         c.flow_s += vocoder_begin - flow_begin
@@ -266,7 +281,7 @@ class EngineCore:
         seg = state.current
         if state.ahead is None and state.segments_left and (seg.chunks or seg.llm_done):
             self._next_segment(state)
-        if seg.job is not None or seg.done:
+        if seg.job is not None or seg.emitting or seg.done:
             return []
         if seg.pending is None:
             if seg.schedule is not None:
@@ -284,8 +299,9 @@ class EngineCore:
         frames = 2 * (len(seg.received) if chunk is _OFFLINE else chunk.num_tokens - chunk.token_offset) + 50
         return [Candidate(state, seg, chunk, frames)]
 
-    def _start_jobs(self, picked: list[Candidate]) -> None:
-        chunks, owners = [], []
+    def _start_jobs(self, picked: list[Candidate]) -> list[tuple[SegmentState, RequestState]]:
+        """Start the picked chunks' flow jobs; the (segment, request) of each that started."""
+        batch, chunks, owners = [], [], []
         for candidate in picked:
             seg, state, chunk = candidate.segment, candidate.state, candidate.chunk
             seg.pending = None
@@ -293,7 +309,7 @@ class EngineCore:
                 if chunk is _OFFLINE:
                     seg.job = self.kind.start_offline(state.request.voice.features, seg.received)
                     state.request.stamp("chunk_started")
-                    self._jobs.append((seg, state))
+                    batch.append((seg, state))
                     continue
                 if seg.flow is None:
                     seg.flow = self.kind.open(state.request.voice.features)
@@ -302,7 +318,7 @@ class EngineCore:
             except Exception as exc:
                 self._end(state, exc)
         if not chunks:
-            return
+            return batch
         try:
             started = list(zip(owners, self.kind.start_chunks(chunks)))
         except Exception:
@@ -316,42 +332,64 @@ class EngineCore:
         for (seg, state), job in started:
             seg.job = job
             state.request.stamp("chunk_started")
-            self._jobs.append((seg, state))
+            batch.append((seg, state))
+        return batch
 
-    def _flow_step(self) -> None:
-        """One packed Euler step of every job under way, launched."""
-        jobs = [seg.job for seg, _ in self._jobs]
+    def _solve(self, batch: list[tuple[SegmentState, RequestState]]) -> None:
+        """Every Euler step of the batch's jobs, launched."""
+        jobs = [seg.job for seg, _ in batch]
         try:
-            self.kind.step(jobs)
+            self.kind.solve(jobs)
         except Exception as exc:
             self.kind.abort(jobs)
-            for seg, state in list(self._jobs):
+            for seg, state in batch:
+                seg.job = None
                 self._end(state, exc)
+            batch.clear()
             raise
         self._sync()
-        self.counters.flow_steps += 1
-        self.counters.flow_step_jobs += len(jobs)
+        self.counters.flow_batches += 1
+        self.counters.flow_batch_jobs += len(jobs)
 
-    def _finish_jobs(self) -> None:
-        done = [(seg, state) for seg, state in self._jobs if seg.job.done]
-        if not done:
-            return
-        self._jobs = [(seg, state) for seg, state in self._jobs if not seg.job.done]
+    def _vocode(self, batch: list[tuple[SegmentState, RequestState]]) -> None:
+        """HiFT of the solved batch, launched, and its PCM's copy to the host; the batch joins
+        those in flight."""
         items = []
-        for seg, state in done:
-            state.request.stamp("flow_done")
-            finalize = seg.job.finalize
-            items.append((seg.flow if seg.schedule is not None else None, self.kind.mel(seg.job), finalize))
+        for seg, state in batch:
+            items.append((seg.flow if seg.schedule is not None else None, self.kind.mel(seg.job), seg.job.finalize))
+        finals = [seg.job.finalize for seg, _ in batch]
+        for seg, state in batch:
+            seg.job = None
+            seg.emitting = True
+            state.request.stamp("launched")
         try:
-            pieces = self.kind.vocode(items)
+            pcm = HostCopy(self.kind.vocode(items))
         except Exception as exc:
-            for seg, state in done:
+            for seg, state in batch:
+                seg.emitting = False
                 self._end(state, exc)
             raise
+        self._in_flight.append(_Batch(batch, finals, pcm))
+
+    def _hand_out(self, wait: bool) -> None:
+        """Emit the PCM of the batches whose copy is done, oldest first; with ``wait``, wait for
+        the oldest."""
+        while self._in_flight and (wait or self._in_flight[0].pcm.ready()):
+            wait = False
+            batch = self._in_flight.popleft()
+            try:
+                pieces = batch.pcm.arrays()
+            except Exception as exc:  # the GPU's work for the batch failed
+                for seg, state in batch.owners:
+                    seg.emitting = False
+                    self._end(state, exc)
+                continue
+            self._emit(batch, pieces)
+
+    def _emit(self, batch: _Batch, pieces: list) -> None:
         now = time.monotonic()
-        for (seg, state), pcm in zip(done, pieces):
-            finalize = seg.job.finalize
-            seg.job = None
+        for (seg, state), finalize, pcm in zip(batch.owners, batch.finals, pieces):
+            seg.emitting = False
             self.counters.chunks += 1
             if state.ended:
                 continue
@@ -392,7 +430,6 @@ class EngineCore:
                 self.kind.abort([seg.job])
                 seg.job = None
             _close_voicing(seg)
-        self._jobs = [(seg, s) for seg, s in self._jobs if s is not state]
         with self._lock:
             self._states.pop(state.request_id, None)
         if error is None:
@@ -409,6 +446,16 @@ class EngineCore:
     def _sync(self) -> None:
         if self.sync_stages:
             synchronize(self.kind.device)
+
+
+@dataclass(eq=False)
+class _Batch:
+    """A launched batch: its (segment, request) owners, whether each chunk is its segment's last,
+    and their PCM on its way to the host."""
+
+    owners: list[tuple[SegmentState, RequestState]]
+    finals: list[bool]
+    pcm: HostCopy
 
 
 class _Offline:

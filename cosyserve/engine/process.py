@@ -65,8 +65,8 @@ class EngineSpec:
     strategy: str = "exponential"
     max_streams: int = 0
     min_buffer_s: float = 0.0
-    max_step_frames: int | None = None
-    max_step_jobs: int | None = None
+    max_batch_frames: int | None = None
+    max_batch_jobs: int | None = None
     voices_dir: str | None = None
     frontend_backend: str | None = None
     spk2info: str | None = None
@@ -299,8 +299,8 @@ def load(spec: EngineSpec, outbox: queue.SimpleQueue):
                                      **spec.llm_options)
     elif spec.llm != "engine":
         raise ValueError(f"unknown llm {spec.llm!r}: engine, openai or client")
-    scheduler_options = {k: v for k, v in (("max_step_frames", spec.max_step_frames),
-                                           ("max_step_jobs", spec.max_step_jobs)) if v is not None}
+    scheduler_options = {k: v for k, v in (("max_batch_frames", spec.max_batch_frames),
+                                           ("max_batch_jobs", spec.max_batch_jobs)) if v is not None}
     engine = load_engine(spec.model, spec.model_dir, spec.llm_dir, device, kind_options=spec.kind_options,
                          llm_backend=llm_backend, llm_options=spec.llm_options if spec.llm == "engine" else None,
                          strategy=spec.strategy,

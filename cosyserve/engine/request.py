@@ -41,12 +41,13 @@ FIRST_CHUNK_BUDGET_S = 0.15
 # before. Front door: ``arrival`` (it took the request), ``submitted`` (text front-end, voice and
 # prompts done); engine: ``received``, ``first_token`` (prefill, behind other LLM work),
 # ``chunk_planned`` (the rest of the chunk's tokens decoded and seen by the loop), ``chunk_started``
-# (waiting for a place in the flow step, the stream's state opened, the encoder), ``flow_done``
-# (Euler steps), ``emitted`` (HiFT); front door: ``pcm_received`` (IPC back), ``sent`` (handed to
-# the client's connection).
+# (waiting for a place in a batch, the stream's state opened, the encoder launched), ``launched``
+# (the batch's Euler steps and HiFT launched), ``emitted`` (the GPU's work for the chunk and what
+# was queued before it, the PCM on the host); front door: ``pcm_received`` (IPC back), ``sent``
+# (handed to the client's connection).
 FIRST_CHUNK_STAGES = (("prepare", "submitted"), ("ipc_in", "received"), ("prefill", "first_token"),
-                      ("chunk_tokens", "chunk_planned"), ("chunk_start", "chunk_started"), ("flow", "flow_done"),
-                      ("vocoder", "emitted"), ("ipc_out", "pcm_received"), ("send", "sent"))
+                      ("chunk_tokens", "chunk_planned"), ("chunk_start", "chunk_started"), ("launch", "launched"),
+                      ("gpu", "emitted"), ("ipc_out", "pcm_received"), ("send", "sent"))
 
 
 def first_chunk_stages(trace: dict[str, float]) -> dict[str, float] | None:
@@ -86,7 +87,8 @@ class SegmentState:
     llm_done: bool = False
     flow: Any = None  # the kind's stream state (flow and vocoder), opened at the first chunk
     pending: Any = None  # the next chunk's plan, waiting to start
-    job: Any = None  # the chunk's flow job under way
+    job: Any = None  # the chunk's flow job, until it is vocoded
+    emitting: bool = False  # a chunk's PCM is on its way to the host
     chunks: int = 0  # chunks emitted
     done: bool = False
 

@@ -1,4 +1,4 @@
-"""What the engine core admits and which chunk jobs join the next Euler step.
+"""What the engine core admits and which chunk jobs make its next batch.
 
 **Admission** (at submit, on the caller's thread): a new request is refused at once with a
 :class:`~cosyserve.errors.CapacityError` "overloaded: ..." (gRPC ``UNAVAILABLE``, API ``429``)
@@ -7,13 +7,13 @@ less than ``min_buffer_s`` seconds of audio buffered ahead of its listener (0: o
 then falling behind, and one more stream would make every stream stall. Offline requests obey
 both rules without being counted as streams.
 
-**Deadlines** (in the loop): every iteration advances every job under way by one Euler step, so a
-started chunk is never held up; what the scheduler decides is which *waiting* chunks start.
-Earliest deadline first (:attr:`~.request.RequestState.deadline`: a playing stream's chunk is due
-when its listener runs dry, a first chunk ``FIRST_CHUNK_BUDGET_S`` after arrival, offline work
-never), while the frames of the jobs under way stay within ``max_step_frames`` and their number within
-``max_step_jobs``: a bigger step would slow every stream's chunk. A job that does not fit waits for the next iteration; one job
-always starts when none is under way, however large.
+**Deadlines** (in the loop): each iteration solves one batch of chunks to the end (all Euler
+steps); the scheduler decides which waiting chunks make it. Earliest deadline first
+(:attr:`~.request.RequestState.deadline`: a playing stream's chunk is due when its listener runs
+dry, a first chunk ``FIRST_CHUNK_BUDGET_S`` after arrival, offline work never), while the batch's
+frames stay within ``max_batch_frames`` and its jobs within ``max_batch_jobs``: a bigger batch
+takes longer, and a chunk that arrives meanwhile waits for it. A chunk that does not fit waits for
+the next batch; the most urgent one always starts, however large.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from typing import Any
 from ..errors import CapacityError
 from .request import RequestState
 
-# Frames of estimator windows per packed step (both CFG rows of a window count once), and jobs:
-# past the largest captured step shape (16 windows) a step runs eagerly, several times slower.
-DEFAULT_MAX_STEP_FRAMES = 4096
-DEFAULT_MAX_STEP_JOBS = 16
+# Estimator frames of a batch (both CFG rows of a window count once; a full pass counts all its
+# frames), and its jobs: past the largest captured step shape (16 windows) a step runs eagerly,
+# several times slower.
+DEFAULT_MAX_BATCH_FRAMES = 2048
+DEFAULT_MAX_BATCH_JOBS = 16
 STREAM_CAP_RETRY_AFTER_MS = 500
 
 
@@ -40,16 +41,17 @@ class Candidate:
     state: RequestState
     segment: Any
     chunk: Any  # schedule.Chunk, or None for an offline segment
-    frames: int  # estimator frames it adds to a step (its window, or its whole pass)
+    frames: int  # estimator frames it adds to a batch (its window, or its whole pass)
 
 
 class Scheduler:
     def __init__(self, max_streams: int = 0, min_buffer_s: float = 0.0,
-                 max_step_frames: int = DEFAULT_MAX_STEP_FRAMES, max_step_jobs: int = DEFAULT_MAX_STEP_JOBS, clock: Callable[[], float] = time.monotonic):
+                 max_batch_frames: int = DEFAULT_MAX_BATCH_FRAMES, max_batch_jobs: int = DEFAULT_MAX_BATCH_JOBS,
+                 clock: Callable[[], float] = time.monotonic):
         self.max_streams = max_streams
         self.min_buffer_s = min_buffer_s
-        self.max_step_frames = max_step_frames
-        self.max_step_jobs = max_step_jobs
+        self.max_batch_frames = max_batch_frames
+        self.max_batch_jobs = max_batch_jobs
         self.clock = clock
 
     def admit(self, streaming: bool, states: Iterable[RequestState]) -> None:
@@ -70,11 +72,11 @@ class Scheduler:
                     f"{self.min_buffer_s:g} s it keeps for every stream (admission_min_buffer_s); retry after "
                     f"{max(100, round(1000 * (self.min_buffer_s - least)))} ms")
 
-    def pick(self, candidates: list[Candidate], frames_under_way: int, jobs_under_way: int) -> list[Candidate]:
-        """The candidates that start now, most urgent first (see the module docstring)."""
-        chosen, frames, jobs = [], frames_under_way, jobs_under_way
+    def pick(self, candidates: list[Candidate]) -> list[Candidate]:
+        """The next batch, most urgent first (see the module docstring)."""
+        chosen, frames, jobs = [], 0, 0
         for candidate in sorted(candidates, key=lambda c: c.state.deadline):
-            if jobs and (frames + candidate.frames > self.max_step_frames or jobs >= self.max_step_jobs):
+            if jobs and (frames + candidate.frames > self.max_batch_frames or jobs >= self.max_batch_jobs):
                 continue
             jobs += 1
             chosen.append(candidate)

@@ -184,8 +184,8 @@ class EngineFrontDoor:
             settings.model_kind, str(settings.model_dir), str(settings.llm_tokenizer_dir), str(device),
             kind_options=settings.kind_options(device), llm=llm, llm_options=llm_options,
             strategy=settings.streaming_strategy, max_streams=settings.max_streams,
-            min_buffer_s=settings.admission_min_buffer_s, max_step_frames=settings.max_step_frames,
-            max_step_jobs=settings.max_step_jobs, voices_dir=str(voices_dir), frontend_backend=frontend_backend,
+            min_buffer_s=settings.admission_min_buffer_s, max_batch_frames=settings.max_batch_frames,
+            max_batch_jobs=settings.max_batch_jobs, voices_dir=str(voices_dir), frontend_backend=frontend_backend,
             spk2info=str(settings.spk2info) if settings.spk2info else None,
             warm_up=settings.warm_up_engine(device), torch_threads=settings.torch_threads)
         # the engine process loads while the front end loads here (text, prompts, voices; a new clip's
@@ -234,8 +234,9 @@ class EngineFrontDoor:
                                    ("vocoder", "HiFT and emitting PCM"), ("host", "requests, tokens and scheduling"),
                                    ("idle", "waiting for work"))},
             "cosyserve_engine_iterations_total": ("iterations of the loop", "iterations"),
-            "cosyserve_engine_flow_steps_total": ("packed Euler steps", "flow_steps"),
-            "cosyserve_engine_flow_step_jobs_total": ("jobs advanced by packed Euler steps", "flow_step_jobs"),
+            "cosyserve_engine_flow_batches_total": ("flow batches solved (all Euler steps of their chunks)",
+                                                    "flow_batches"),
+            "cosyserve_engine_flow_batch_jobs_total": ("chunk jobs solved in flow batches", "flow_batch_jobs"),
             **({"cosyserve_engine_llm_busy_seconds_total": ("the LLM's time stepping (its own thread)", "llm_busy_s")}
                if self.own_llm else {})}.items()})
         # the way of each stream's first chunk, stage by stage (engine/request.py FIRST_CHUNK_STAGES):

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import torch
 
-from ..engine.scheduler import DEFAULT_MAX_STEP_FRAMES, DEFAULT_MAX_STEP_JOBS
+from ..engine.scheduler import DEFAULT_MAX_BATCH_FRAMES, DEFAULT_MAX_BATCH_JOBS
 from ..runtime import STREAM_IDLE_TIMEOUT_S, resolve_device, resolve_device_dtype
 from ..engine.front_end import DEFAULT_FEATURE_CACHE_SIZE, DEFAULT_MAX_TOKENS, MAX_TEXT_CHARS
 from ..token2wav.cosyvoice2 import (DEFAULT_PRECAPTURE_FRAMES, Token2WavOptions, default_flow_dtype,
@@ -186,7 +186,7 @@ class EngineSettings:
     DiT's block mask; false: the reference's full-attention re-run over all tokens every chunk);
     ``state_pool_gb`` (CosyVoice2's flow state pages; 0: a third of the GPU memory free after the
     LLM loads); ``max_voices`` (voice prompt states kept); ``frontend_backend`` (the speech tokenizer's and speaker encoder's: torch, onnxruntime,
-    auto); ``max_step_frames`` / ``max_step_jobs`` (a packed Euler step's budget);
+    auto); ``max_batch_frames`` / ``max_batch_jobs`` (a flow batch's budget);
     ``prepare_threads`` (threads that resolve voices and build prompts: a new clip's front-end
     runs there, never in the loop); ``engine_warm_up`` (auto: on with CUDA: the server reports
     ready only once every shape is captured and a few requests have run through the loop).
@@ -227,8 +227,8 @@ class EngineSettings:
     state_pool_gb: float = 0.0
     max_voices: int = 64
     frontend_backend: str = AUTO
-    max_step_frames: int = DEFAULT_MAX_STEP_FRAMES
-    max_step_jobs: int = DEFAULT_MAX_STEP_JOBS
+    max_batch_frames: int = DEFAULT_MAX_BATCH_FRAMES
+    max_batch_jobs: int = DEFAULT_MAX_BATCH_JOBS
     prepare_threads: int = 4
     engine_warm_up: bool | None = None
 

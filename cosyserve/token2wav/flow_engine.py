@@ -20,10 +20,11 @@ equals the full re-run with the earlier frames dropped, up to float rounding (th
 the open block and drops it again, as here).
 
 :class:`FlowEngine` runs the windows of several streams together: the encoder over all windows
-as one batch (:func:`~cosyserve.models.flow.packed_encoder.encode_windows`), then each of the 10
-guided Euler steps as one :class:`~cosyserve.models.flow.fused.FusedEstimator` step over all
-streams' rows, every row attending to its own context (CUDA graphs of the step per shape bucket on
-a GPU, :class:`EngineGraphs`).
+as one batch (:func:`~cosyserve.models.flow.packed_encoder.encode_windows`), then all 10 guided
+Euler steps of the batch (:meth:`FlowEngine.solve`), each one
+:class:`~cosyserve.models.flow.fused.FusedEstimator` step over all streams' rows, every row
+attending to its own context (CUDA graphs of the step per shape bucket on a GPU,
+:class:`EngineGraphs`). The host builds a batch's indices once; its steps are device work only.
 
 State lives in a :class:`PagePool`: one page holds one estimator block (50 frames) of K/V for
 every step, layer and CFG row (114.7 MB in fp16 for the released model). A stream's context is
@@ -199,9 +200,8 @@ class _Window:
     token_commit: int
     mu: torch.Tensor  # (1, 80, frames - frame_start)
     new_pages: list[int]
-    x: torch.Tensor  # (1, 80, width): the ODE state before Euler step ``step`` (the fixed noise at 0)
-    kept: torch.Tensor  # (steps, 2 CFG rows, conv width): conv context at frame_commit, per step taken
-    step: int = 0  # Euler steps taken
+    x: torch.Tensor  # (1, 80, width): the ODE state: the fixed noise, once solved the mel
+    kept: torch.Tensor | None = None  # once solved: (steps, 2 CFG rows, conv width) conv context at frame_commit
 
     @property
     def width(self) -> int:
@@ -209,7 +209,7 @@ class _Window:
 
     @property
     def done(self) -> bool:
-        return self.step == self.kept.size(0)
+        return self.kept is not None
 
 
 class StepBuffers:
@@ -387,11 +387,14 @@ class FlowEngine:
         with self._lock:
             return sum(len(voice.state.pages) for voice in self._voices.values())
 
-    def open(self, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor) -> EngineStream:
+    def open(self, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
+             key: str | None = None) -> EngineStream:
         """A stream of this voice (prompt_tokens (1, P) long, prompt_feat (1, 2P, 80), embedding
-        (1, 192)), starting from the voice's cached prefix, computed here on first use."""
+        (1, 192)), starting from the voice's cached prefix, computed here on first use. ``key``: the
+        voice's :func:`~cosyserve.frontend.prompt.voice_key`, if the caller has it (computing it
+        reads device tensors back)."""
         self.flow.check_prompt(prompt_tokens, prompt_feat, embedding, batch=1)
-        key = voice_key(prompt_tokens, prompt_feat, embedding)
+        key = key or voice_key(prompt_tokens, prompt_feat, embedding)
         with self._lock:
             voice = self._voices.get(key)
             if voice is None:
@@ -420,8 +423,7 @@ class FlowEngine:
                 ends = list(range(lookahead + PREFIX_PIECE_TOKENS, tokens.size(1), PREFIX_PIECE_TOKENS))
                 for end in ends + [tokens.size(1)]:
                     (window,) = self._windows([(stream, tokens[:, :end], False)])
-                    while not window.done:
-                        self._step_windows([window])
+                    self._solve_windows([window])
                     self._commit(window)
             voice.state = stream._state
             stream._state = None  # its pages now belong to the voice
@@ -489,15 +491,13 @@ class FlowEngine:
         closed; an error in the packed run closes every stream of the run.
         """
         windows = self.start(chunks)
-        while not windows[0].done:
-            self.step(windows)
+        self.solve(windows)
         return [self.finish(w) for w in windows]
 
     def start(self, chunks: list[tuple[EngineStream, torch.Tensor, bool]]) -> list[_Window]:
-        """The chunks' windows (encoder run, state pages taken), ready for :meth:`step`; chunks as
-        for :meth:`run`. Each window then takes one Euler step per :meth:`step` call it is part of,
-        whatever the others' steps, and is voiced by :meth:`finish` once :attr:`_Window.done`.
-        On an error the chunks' streams are closed."""
+        """The chunks' windows (encoder run, state pages taken), ready for :meth:`solve`; chunks as
+        for :meth:`run`. Once solved, each is voiced by :meth:`finish`. On an error the chunks'
+        streams are closed."""
         with self._lock, torch.inference_mode():
             try:
                 return self._windows([(stream, torch.cat([stream.voice.prompt_tokens,
@@ -508,12 +508,13 @@ class FlowEngine:
                     stream.close()
                 raise
 
-    def step(self, windows: list[_Window]) -> None:
-        """One guided Euler step of every window, packed into one estimator call; each window is
-        at its own step. An error closes every stream of the call (their pages freed)."""
+    def solve(self, windows: list[_Window]) -> None:
+        """Every guided Euler step of every window (started, none solved yet), each step packed
+        into one estimator call; launched, not waited for. An error closes every stream of the call
+        (their pages freed)."""
         with self._lock, torch.inference_mode():
             try:
-                self._step_windows(windows)
+                self._solve_windows(windows)
             except BaseException:
                 self.abort(windows)
                 raise
@@ -557,7 +558,7 @@ class FlowEngine:
                 f"{tokens.size(1)} tokens give no frames beyond the {stream.frames_returned} already returned"
                 + ("" if finalize else f" (the last {lookahead} tokens are look-ahead only)"))
         stream._target = tokens
-        return tokens.to(self.device)
+        return host_to_device(tokens, self.device)
 
     def _commits(self, total_tokens: int) -> tuple[int, int]:
         """Tokens and frames (prompt included) in complete encoder and estimator blocks once a
@@ -593,8 +594,7 @@ class FlowEngine:
                 windows.append(_Window(stream, state, finalize, frames, frame_start, frame_commit,
                                        token_commit, mu[:, :, frame_start:],
                                        self._allocate((frame_commit - frame_start) // self.pool.page_frames),
-                                       fixed_noise(frames, self.device, self.dtype)[:, :, frame_start:],
-                                       torch.empty_like(state.conv)))
+                                       fixed_noise(frames, self.device, self.dtype)[:, :, frame_start:]))
         except BaseException:
             for window in windows:
                 self.pool.release(window.new_pages)
@@ -613,24 +613,24 @@ class FlowEngine:
                     "retry later")
         return allocated
 
-    def _step_windows(self, windows: list[_Window]) -> None:
-        """One guided Euler step of every window, each at its own step, packed into one estimator
-        call: each window's context is gathered from its pages at its step, the blocks it completes
-        are written back to its new pages at that step, and its x advances."""
+    def _solve_windows(self, windows: list[_Window]) -> None:
+        """Every guided Euler step of every window (all at step 0), packed into one estimator call
+        per step. What the steps share is built once: the rows' layout and mask, the input (later
+        steps update x in place), the page and key indices of the windows' context and of the blocks
+        they complete. Each step then gathers the context at its step from the pages, runs (or
+        replays) the fused step and writes the completed blocks back: a few device ops per step,
+        no host work per window or page, no host sync."""
         fused, pool, page = self.fused, self.pool, self.pool.page_frames
-        count = len(windows)
+        count, steps = len(windows), self.n_timesteps
         widths = [w.width for w in windows]
         contexts = [w.frame_start for w in windows]
         buffers = self.graphs.get(count, max(widths), max(contexts)) if self.graphs is not None else None
         if buffers is None:
             buffers = StepBuffers(fused, count, max(widths), context_slots(max(contexts), max(widths)))
         pairs, frames = buffers.pairs, buffers.frames
-        # counted as Euler loops (the sampler's unit): a window counts at its first step
-        starting = [w.width for w in windows if w.step == 0]
         counters = self.counters
-        counters.calls, counters.rows = counters.calls + bool(starting), counters.rows + len(starting)
-        counters.frames, counters.padded_frames = (counters.frames + sum(starting),
-                                                   counters.padded_frames + len(starting) * frames)
+        counters.calls, counters.rows = counters.calls + 1, counters.rows + count
+        counters.frames, counters.padded_frames = counters.frames + sum(widths), counters.padded_frames + count * frames
         idle = [0] * (pairs - count)  # padding pairs of a captured shape: no frames, no context
         buffers.set_rows(fused.rows((widths + idle) * 2, (contexts + idle) * 2, frames, streaming=True,
                                     slots=buffers.slots))
@@ -640,47 +640,41 @@ class FlowEngine:
             voice = w.stream.voice
             cond = self.flow.prompt_condition(voice.prompt_feat, w.frame_start, w.frames)
             fused.fill_input(inp, (j, pairs + j), w.x, w.mu, voice.spks, cond)
-        steps = [w.step for w in windows]
         buffers.commit.copy_(host_to_device([w.frame_commit - w.frame_start for w in windows] + idle, self.device,
-                                             torch.long).repeat(2))
-        # Every index is built once per call and moved in one copy each: all windows' context moves
-        # in one gather + one scatter, and their new blocks back in one of each.
-        rows = host_to_device(list(range(count)) + list(range(pairs, pairs + count)), self.device, torch.long)
-        context_pages, context_steps, context_keys, new_pages, new_steps, new_keys = [], [], [], [], [], []
-        for j, w in enumerate(windows):
-            cfg_rows = (j * buffers.key_stride, (pairs + j) * buffers.key_stride)
-            for q, number in enumerate(w.state.pages):
-                context_pages.append(number)
-                context_steps.append(w.step)
-                context_keys += [row + q * page for row in cfg_rows]
-            if not w.finalize:
-                for q, number in enumerate(w.new_pages):
-                    new_pages.append(number)
-                    new_steps.append(w.step)
-                    new_keys += [row + buffers.slots + q * page for row in cfg_rows]
-        context_pages, context_steps, context_keys, new_pages, new_steps, new_keys = (
-            host_to_device(v, self.device, torch.long) if v else None
-            for v in (context_pages, context_steps, _page_keys(context_keys, page), new_pages, new_steps,
-                      _page_keys(new_keys, page)))
+                                            torch.long).repeat(2))
+        # Key indices of the windows' context pages (each page at both CFG rows) and of the pages
+        # they complete, in kv_flat's (row * key_stride + slot) numbering.
+        rows = np.concatenate([np.arange(count), np.arange(pairs, pairs + count)])
+        context_pages = [number for w in windows for number in w.state.pages]
+        new_pages = [number for w in windows if not w.finalize for number in w.new_pages]
+        context_keys = _page_keys([len(w.state.pages) for w in windows], pairs, buffers.key_stride, 0, page)
+        new_keys = _page_keys([0 if w.finalize else len(w.new_pages) for w in windows], pairs, buffers.key_stride,
+                              buffers.slots, page)
+        rows = host_to_device(rows, self.device, torch.long)
+        context_pages, context_keys, new_pages, new_keys = (
+            host_to_device(v, self.device, torch.long) if len(v) else None
+            for v in (context_pages, context_keys, new_pages, new_keys))
         kv, conv_all = buffers.kv_flat, buffers.state.conv_all
         layers, width = kv.size(0), kv.size(2)
-        if context_pages is not None:
-            context = pool.data[context_pages, context_steps]  # (pages, layers, 2, page, width)
-            kv.index_copy_(1, context_keys, context.transpose(0, 1).reshape(layers, -1, width))
-        conv = torch.stack([w.state.conv[w.step] for w in windows])  # (windows, 2, conv width)
-        conv_all.index_copy_(0, rows, conv.transpose(0, 1).reshape(2 * count, -1))
-        row_steps = host_to_device((steps + idle) * 2, self.device, torch.long)
-        buffers.time_bias.copy_(self._time_bias[row_steps].transpose(0, 1))
-        buffers.dt.copy_(self._dt[row_steps[:pairs]])
-        x_out = buffers.step()
-        kept = buffers.kept.index_select(0, rows).unflatten(0, (2, count)).transpose(0, 1)
-        if new_pages is not None:
-            blocks = kv.index_select(1, new_keys).unflatten(1, (len(new_pages), 2, page))
-            pool.data[new_pages, new_steps] = blocks.transpose(0, 1)
+        # conv context of every window at every step, (steps, rows of the call, conv width)
+        conv = torch.stack([w.state.conv for w in windows], dim=2).flatten(1, 2)
+        kept = torch.empty_like(conv)
+        for step in range(steps):
+            if context_pages is not None:
+                context = pool.data[context_pages, step]  # (pages, layers, 2, page, width)
+                kv.index_copy_(1, context_keys, context.transpose(0, 1).reshape(layers, -1, width))
+            conv_all.index_copy_(0, rows, conv[step])
+            buffers.time_bias.copy_(self._time_bias[step][:, None, :].expand_as(buffers.time_bias))
+            buffers.dt.copy_(self._dt[step].expand_as(buffers.dt))
+            x_out = buffers.step()
+            kept[step] = buffers.kept.index_select(0, rows)
+            if new_pages is not None:
+                blocks = kv.index_select(1, new_keys).unflatten(1, (len(new_pages), 2, page))
+                pool.data[new_pages, step] = blocks.transpose(0, 1)
+        kept = kept.unflatten(1, (2, count))
         for j, w in enumerate(windows):
-            w.kept[w.step].copy_(kept[j])
+            w.kept = kept[:, :, j]
             w.x = x_out[j, :w.width].T[None].clone()  # x_out is the shape's workspace
-            w.step += 1
 
     def _commit(self, w: _Window) -> None:
         """A done window's complete blocks and conv context become its stream's state."""
@@ -695,9 +689,14 @@ class FlowEngine:
         w.state.token_commit, w.state.frame_commit = w.token_commit, w.frame_commit
 
 
-def _page_keys(starts: list[int], page: int) -> list[int]:
-    """Key indices of whole pages: each start, then the page's frames after it."""
-    return [start + f for start in starts for f in range(page)]
+def _page_keys(pages: list[int], pairs: int, key_stride: int, offset: int, page: int) -> np.ndarray:
+    """Keys (in :attr:`StepBuffers.kv_flat`'s ``row * key_stride + slot`` numbering) of ``pages[j]``
+    whole pages per window j, from slot ``offset`` of the window's rows on: page by page (window by
+    window), in each its conditional row's frames (row j), then its unconditional row's (pairs + j)."""
+    window = np.repeat(np.arange(len(pages)), pages)
+    index = np.concatenate([np.arange(n) for n in pages]) if pages else np.zeros(0, dtype=np.int64)
+    first = np.stack([window, pairs + window], axis=1) * key_stride + offset + index[:, None] * page
+    return (first[:, :, None] + np.arange(page)).reshape(-1)
 
 
 def _floor_to(value: int, multiple: int) -> int:

@@ -3,9 +3,8 @@
 The reference voices an offline request, and the last chunk of a stream, with one flow pass
 over prompt + all tokens under full attention (``CosyVoice2Flow.inference(streaming=False)``):
 nothing of a stream's incremental state can be reused for it. Here such a pass is a
-:class:`FullPassJob` whose 10 guided Euler steps are taken one per :meth:`FullPass.step` call,
-packed with the other passes under way (each at its own step, rows padded to the longest), so
-that a long pass never holds up the windows of playing streams for more than one step. Its mel
+:class:`FullPassJob`; :meth:`FullPass.solve` takes the 10 guided Euler steps of a batch of them,
+each step one estimator call over every pass (rows padded to the longest). Its mel
 equals the reference's up to float rounding (the same fused step computes it,
 :class:`~cosyserve.models.flow.fused.FusedEstimator`).
 """
@@ -18,7 +17,6 @@ import torch
 
 from ..models.flow import CosyVoice2Flow, fixed_noise
 from ..models.flow.fused import FusedEstimator
-from ..runtime import host_to_device
 from .flow_engine import GRAPH_PAIRS, EngineGraphs, StepBuffers
 
 # Rows of an eager packed pass are padded to a multiple of this many frames (masked, never returned).
@@ -48,11 +46,10 @@ class FullPassJob:
     spks: torch.Tensor  # (1, 80)
     cond: torch.Tensor
     prompt_frames: int
-    x: torch.Tensor  # the ODE state before step ``step`` (the fixed noise at 0)
-    steps: int
+    x: torch.Tensor  # the ODE state: the fixed noise, once solved the mel
     streaming: bool  # block-causal attention (the re-run of a non-final chunk) or full (offline, final)
     skip_frames: int = 0  # leading target frames already voiced (a stream's chunks before)
-    step: int = 0
+    solved: bool = False
 
     @property
     def frames(self) -> int:
@@ -60,7 +57,7 @@ class FullPassJob:
 
     @property
     def done(self) -> bool:
-        return self.step == self.steps
+        return self.solved
 
     def target_mel(self) -> torch.Tensor:
         """The target frames not voiced before, (1, 80, f) float32."""
@@ -68,7 +65,7 @@ class FullPassJob:
 
 
 class FullPass:
-    """Packs the Euler steps of :class:`FullPassJob` s over one flow's fused estimator.
+    """Solves batches of :class:`FullPassJob` s over one flow's fused estimator.
 
     With ``graphs`` (the window steps' :class:`~.flow_engine.EngineGraphs`), a step of up to
     ``GRAPH_PAIRS[-1]`` jobs of up to ``GRAPH_FRAMES[-1]`` frames replays a CUDA graph of its
@@ -114,27 +111,27 @@ class FullPass:
         weight = self.fused.dtype
         return [FullPassJob(c.mu[b:b + 1, :, :frames].to(weight), c.spks[b:b + 1].to(weight),
                             c.cond[b:b + 1, :, :frames].to(weight), c.prompt_frames[b],
-                            fixed_noise(frames, self.fused.device, weight), self.n_timesteps, streaming,
-                            passes[b].skip_frames)
+                            fixed_noise(frames, self.fused.device, weight), streaming, passes[b].skip_frames)
                 for b, frames in enumerate(c.frames)]
 
     @torch.inference_mode()
     def warm_up(self, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
                 rows: tuple[int, ...] = (1, 2, 16), tokens: tuple[int, ...] = (20, 250)) -> None:
-        """One step of passes of every size class the kernels are tuned for (few and short rows,
+        """Passes of every size class the kernels are tuned for (few and short rows,
         many and long ones) in both attention kinds, so that their compilation happens now and not
         under a request."""
         for count in rows:
             for n in tokens:
                 for streaming in (True, False):
                     target = torch.zeros(1, n, dtype=torch.long)
-                    self.step(self.start([PassInput(target, prompt_tokens, prompt_feat, embedding)] * count,
-                                         streaming))
+                    self.solve(self.start([PassInput(target, prompt_tokens, prompt_feat, embedding)] * count,
+                                          streaming))
 
     @torch.inference_mode()
-    def step(self, jobs: list[FullPassJob]) -> None:
-        """One guided Euler step of every job (each at its own step), in one estimator call; the
-        jobs share their attention kind (:attr:`FullPassJob.streaming`)."""
+    def solve(self, jobs: list[FullPassJob]) -> None:
+        """Every guided Euler step of every job (none solved yet), each step one estimator call over
+        all of them (the input is filled once; each step updates x in place); launched, not waited
+        for. The jobs share their attention kind (:attr:`FullPassJob.streaming`)."""
         fused, count = self.fused, len(jobs)
         buffers = self._buffers(count, max(job.frames for job in jobs))
         pairs, frames = buffers.pairs, buffers.frames
@@ -144,10 +141,10 @@ class FullPass:
         buffers.inp.zero_()
         for j, job in enumerate(jobs):
             fused.fill_input(buffers.inp, (j, pairs + j), job.x, job.mu, job.spks, job.cond)
-        row_steps = host_to_device(([job.step for job in jobs] + idle) * 2, fused.device, torch.long)
-        buffers.time_bias.copy_(self._time_bias[row_steps].transpose(0, 1))
-        buffers.dt.copy_(self._dt[row_steps[:pairs]])
-        x_out = buffers.step()
+        for step in range(self.n_timesteps):
+            buffers.time_bias.copy_(self._time_bias[step][:, None, :].expand_as(buffers.time_bias))
+            buffers.dt.copy_(self._dt[step].expand_as(buffers.dt))
+            x_out = buffers.step()
         for j, job in enumerate(jobs):
             job.x = x_out[j, :job.frames].T[None].clone()
-            job.step += 1
+            job.solved = True

@@ -17,10 +17,8 @@ one launch.
   (dynamic shapes, one compilation per attention kind): fewer, fused kernels per step.
 * :class:`HiftRunner`: HiFT with injected source noise. HiFT is not causal (centred
   convolutions, reflect padding), so its graphs are keyed by the exact frame count (rows, which
-  never interact, are padded to a power of two). Everything up to the complex spectrum is
-  captured (excitation and network, two graphs so the cached excitation can be pasted between
-  them), not the inverse STFT: ``torch.istft`` checks its window on the host, a device sync that
-  a graph cannot contain.
+  never interact, are padded to a power of two). Two graphs so the cached excitation can be
+  pasted between them: the excitation, then the network and its inverse STFT.
 
 Shapes not captured in advance are captured the second time they are seen (``capture_after``); a
 one-off shape runs eagerly, since capturing costs about three runs. A runner whose shapes were
@@ -289,8 +287,8 @@ class HiftRunner:
 
     Without ``cuda_graphs`` and ``pad`` it is :meth:`HiFTGenerator.inference`. With graphs, rows
     are padded to a power of two and two graphs per shape replay the work: the excitation (F0 and
-    harmonic source, float32) and the network up to the complex spectrum (in the network's dtype);
-    only pasting the cached excitation between them and the inverse STFT run eagerly. ``pad``
+    harmonic source, float32) and the network with its inverse STFT (in the network's dtype up to
+    the spectrum); only pasting the cached excitation between them runs eagerly. ``pad``
     alone runs that decomposition eagerly (tests).
     """
 
@@ -301,20 +299,20 @@ class HiftRunner:
         self._network: TensorFn | None = None
         # compile: the network goes through torch.compile (one compilation per shape), fusing the
         # element-wise work between the convolutions.
-        spectrum = torch.compile(self._spectrum, dynamic=False) if compile else self._spectrum
+        speech = torch.compile(self._speech, dynamic=False) if compile else self._speech
         if cuda_graphs:
             self._excitation = GraphCache(self._source, max_graphs=max_graphs)
-            self._network = GraphCache(spectrum, max_graphs=max_graphs)
+            self._network = GraphCache(speech, max_graphs=max_graphs)
         elif pad or compile:
-            self._excitation, self._network = self._source, spectrum
+            self._excitation, self._network = self._source, speech
 
     def _source(self, mel: torch.Tensor, sine_noise: torch.Tensor) -> tuple[torch.Tensor]:
         hift = self.hift
         phases = torch.zeros(mel.size(0), hift.m_source.num_harmonics, device=mel.device)
         return (hift.compute_source(hift.predict_f0(mel), SourceNoise(phases, sine_noise)),)
 
-    def _spectrum(self, mel: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.hift.complex_spectrum(self.hift.predict_spectrum(mel, source)),)
+    def _speech(self, mel: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.hift.spectrum_to_wave(self.hift.predict_spectrum(mel, source)),)
 
     @property
     def num_graphs(self) -> int:
@@ -352,5 +350,5 @@ class HiftRunner:
         (source,) = self._excitation(mel, _pad_rows(sine_noise.to(device, torch.float32), rows))
         if cache_source is not None and cache_source.shape[-1] > 0:
             source[:batch, :, :cache_source.shape[-1]] = cache_source.to(source.device, source.dtype)
-        (spectrum,) = self._network(mel, source)
-        return hift.inverse_stft(spectrum[:batch]), source[:batch]
+        (speech,) = self._network(mel, source)
+        return speech[:batch], source[:batch]

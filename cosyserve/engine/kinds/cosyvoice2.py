@@ -3,8 +3,8 @@ full passes, packed per Euler step) and HiFT with overlapping streaming chunks.
 
 What the engine asks of a kind (CosyVoice3's, :mod:`.cosyvoice3`, answers the same): a chunk
 schedule, the voices it keeps and gauges of its state, flow jobs for a stream's chunks and for
-offline requests, one packed Euler step over any set of its jobs (:meth:`CosyVoice2Kind.step`),
-the mel of a done job, and batched vocoding. Everything else (requests, LLM, scheduling,
+offline requests, all Euler steps of a batch of them (:meth:`CosyVoice2Kind.solve`), the mel of
+a solved job, and batched vocoding. Everything else (requests, LLM, scheduling,
 admission) is the engine's and the same for every kind.
 
 Chunks of a stream run through the :class:`~cosyserve.token2wav.flow_engine.FlowEngine`: each
@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ...errors import CapacityError
+from ...lru import LruCache
 from ...frontend.prompt import PromptFeatures
 from ...schedule import ChunkScheduler
 from ...token2wav.cosyvoice2 import CosyVoice2Token2Wav
@@ -48,7 +48,7 @@ class FlowJob:
 
     @property
     def frames(self) -> int:
-        """Estimator frames it adds to a packed step."""
+        """Estimator frames it adds to a batch."""
         return self.window.width if self.window is not None else self.full.frames
 
 
@@ -85,6 +85,9 @@ class CosyVoice2Kind:
         self.sample_rate = model.sample_rate
         self.sine_noise = sine_noise
         self.fallbacks = 0  # streams that re-ran their chunks because the page pool was full
+        # validated prompts on the device, by voice: a stream of a known voice copies nothing to
+        # the device and reads nothing back (a blocking copy waits for every kernel queued before it)
+        self._prompts: LruCache[str, Any] = LruCache(max(self.flow_engine.max_voices, 1))
 
     def chunk_schedule(self, strategy: str) -> ChunkScheduler:
         return ChunkScheduler(strategy)
@@ -110,11 +113,20 @@ class CosyVoice2Kind:
 
     # ----- streams -----
 
+    def _prompt(self, features: PromptFeatures) -> tuple[str, Any]:
+        """The voice's key and validated prompt (CosyVoice2Token2Wav's, on the device)."""
+        key = features.key()
+        prompt = self._prompts.get(key)
+        if prompt is None:
+            prompt = self.model._prompt(features.speech_tokens, features.speech_feat, features.embedding)
+            self._prompts.put(key, prompt)
+        return key, prompt
+
     def open(self, features: PromptFeatures) -> Voicing:
         """A stream's token2wav state; the voice's prompt state is computed here on first use."""
-        prompt = self.model._prompt(features.speech_tokens, features.speech_feat, features.embedding)
+        key, prompt = self._prompt(features)
         try:
-            flow = self.flow_engine.open(prompt.tokens, prompt.feat, prompt.embedding)
+            flow = self.flow_engine.open(prompt.tokens, prompt.feat, prompt.embedding, key=key)
         except CapacityError:
             flow = None
             self.fallbacks += 1
@@ -131,7 +143,7 @@ class CosyVoice2Kind:
             with torch.inference_mode():
                 self.flow_engine.graphs.capture_all()
             self.full.capture_all()
-        p = self.model._prompt(features.speech_tokens, features.speech_feat, features.embedding)
+        _, p = self._prompt(features)
         self.full.warm_up(p.tokens, p.feat, p.embedding)
 
     # ----- flow jobs -----
@@ -162,7 +174,7 @@ class CosyVoice2Kind:
         return jobs
 
     def start_offline(self, features: PromptFeatures, tokens: list[int]) -> FlowJob:
-        prompt = self.model._prompt(features.speech_tokens, features.speech_feat, features.embedding)
+        _, prompt = self._prompt(features)
         (full,) = self.full.start([self._pass_input(prompt, tokens)])
         return FlowJob(True, full=full)
 
@@ -170,15 +182,16 @@ class CosyVoice2Kind:
     def _pass_input(prompt, tokens: list[int], skip_frames: int = 0) -> PassInput:
         return PassInput(_tensor(tokens), prompt.tokens, prompt.feat, prompt.embedding, skip_frames)
 
-    def step(self, jobs: list[FlowJob]) -> None:
-        """One Euler step of every job: windows packed in one call, full passes in one per attention kind."""
+    def solve(self, jobs: list[FlowJob]) -> None:
+        """Every Euler step of every job (started together), launched: the windows packed into one
+        call per step, the full passes into one per step and attention kind."""
         windows = [job.window for job in jobs if job.window is not None]
         if windows:
-            self.flow_engine.step(windows)
+            self.flow_engine.solve(windows)
         for streaming in (True, False):
             passes = [job.full for job in jobs if job.full is not None and job.full.streaming == streaming]
             if passes:
-                self.full.step(passes)
+                self.full.solve(passes)
 
     def mel(self, job: FlowJob) -> torch.Tensor:
         """A done job's new target mel (1, 80, f) float32."""
@@ -190,9 +203,9 @@ class CosyVoice2Kind:
 
     # ----- vocoder -----
 
-    def vocode(self, items: list[tuple[Voicing | None, torch.Tensor, bool]]) -> list[np.ndarray]:
-        """PCM (float32) of each (stream's voicing, or None for an offline request; mel; final chunk),
-        HiFT batched by shape."""
+    def vocode(self, items: list[tuple[Voicing | None, torch.Tensor, bool]]) -> list[torch.Tensor]:
+        """PCM (1-D float32, on the device, launched) of each (stream's voicing, or None for an
+        offline request; mel; final chunk), HiFT batched by shape."""
         hift = self.model.hift
         calls = [v.vocoder.prepare(mel, finalize=final) if v is not None else
                  VocoderCall(mel, None, True, hift.hop_length, True) for v, mel, final in items]
@@ -207,7 +220,7 @@ class CosyVoice2Kind:
             else:
                 raw, source = output if output is not None else (None, None)
                 audio = voicing.vocoder.complete(call, raw, source).audio[0]
-            pcm.append(audio.detach().to("cpu", torch.float32).numpy())
+            pcm.append(audio.detach().to(torch.float32))
         return pcm
 
 

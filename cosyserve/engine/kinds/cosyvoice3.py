@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ...errors import InvalidInputError
@@ -78,7 +77,7 @@ class Cv3Job:
 
     @property
     def frames(self) -> int:
-        """Estimator frames it adds to a packed step."""
+        """Estimator frames it adds to a batch."""
         return 0 if self.window is None else self.window.width
 
 
@@ -239,18 +238,19 @@ class CosyVoice3Kind:
             while True:
                 chunk = schedule.next_chunk(tokens) or schedule.final_chunk(tokens)
                 (job,) = self.start_chunks([(voicing, ids[:chunk.num_tokens], chunk.token_offset, chunk.finalize)])
-                self._run([job])
+                self.solve([job])
                 self.vocode([(voicing, self.mel(job), chunk.finalize)])
                 if chunk.finalize:
                     break
         finally:
             voicing.close()
         job = self.start_offline(features, ids)
-        self._run([job])
+        self.solve([job])
         self.vocode([(None, self.mel(job), True)])
         synchronize(self.device)
 
-    def _run(self, jobs: list[Cv3Job]) -> None:
+    def solve(self, jobs: list[Cv3Job]) -> None:
+        """Every Euler step of every job (started together), launched."""
         while not all(job.done for job in jobs):
             self.step(jobs)
 
@@ -379,8 +379,9 @@ class CosyVoice3Kind:
     # ----- vocoder -----
 
     @torch.inference_mode()
-    def vocode(self, items: list[tuple[Cv3Voicing | None, torch.Tensor, bool]]) -> list[np.ndarray]:
-        """PCM (float32) of each (stream's voicing, or None for an offline request; mel; final chunk):
+    def vocode(self, items: list[tuple[Cv3Voicing | None, torch.Tensor, bool]]) -> list[torch.Tensor]:
+        """PCM (1-D float32 on the device, launched) of each (stream's voicing, or None for an
+        offline request; mel; final chunk):
         each stream's F0 and excitation on its own, the decoder batched over streams whose windows
         have one shape."""
         streams = [(i, voicing.vocoder, voicing.vocoder.prepare(mel, final))
@@ -392,7 +393,7 @@ class CosyVoice3Kind:
         for i, (voicing, mel, _) in enumerate(items):
             if voicing is None:
                 speech[i] = self.hift.inference(mel, finalize=True)[0] if mel.shape[2] else mel.new_zeros(1, 0)
-        return [s.detach().to("cpu", torch.float32).reshape(-1).numpy() for s in speech]
+        return [s.detach().to(torch.float32).reshape(-1) for s in speech]
 
 
 def _free_device_memory(device: torch.device) -> int:

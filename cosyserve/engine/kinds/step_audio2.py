@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -131,7 +130,7 @@ class StepAudio2Job:
 
     @property
     def frames(self) -> int:
-        """Estimator frames it adds to a packed step."""
+        """Estimator frames it adds to a batch."""
         return 0 if self.x is None else self.x.shape[2]
 
     @property
@@ -230,9 +229,8 @@ class StepAudio2Kind:
         finally:
             voicing.close()
 
-    def _run(self, voicings, jobs) -> list[np.ndarray]:
-        while not all(job.done for job in jobs):
-            self.step(jobs)
+    def _run(self, voicings, jobs) -> list[torch.Tensor]:
+        self.solve(jobs)
         return self.vocode([(v, self.mel(job), job.finalize) for v, job in zip(voicings, jobs)])
 
     # ----- flow jobs -----
@@ -296,6 +294,11 @@ class StepAudio2Kind:
                              total_steps=self.n_steps, t=self._t_span[0], dt=self._t_span[1] - self._t_span[0],
                              **kwargs)
 
+    def solve(self, jobs: list[StepAudio2Job]) -> None:
+        """Every Euler step of every job (started together), launched."""
+        while not all(job.done for job in jobs):
+            self.step(jobs)
+
     @torch.inference_mode()
     def step(self, jobs: list[StepAudio2Job]) -> None:
         """One Euler step of every unfinished job; jobs of one length class share an estimator call."""
@@ -357,9 +360,9 @@ class StepAudio2Kind:
 
     # ----- vocoder -----
 
-    def vocode(self, items: list[tuple[StepAudio2Voicing | None, torch.Tensor, bool]]) -> list[np.ndarray]:
-        """PCM (float32) of each (stream's voicing, or None for an offline request; mel; final chunk),
-        HiFT calls of equal shape batched."""
+    def vocode(self, items: list[tuple[StepAudio2Voicing | None, torch.Tensor, bool]]) -> list[torch.Tensor]:
+        """PCM (1-D float32 on the device, launched) of each (stream's voicing, or None for an
+        offline request; mel; final chunk), HiFT calls of equal shape batched."""
         hift = self.models.hift
         calls = [v.vocoder.prepare(mel, finalize=final) if v is not None else
                  VocoderCall(mel, None, True, hift.hop_length, mel.shape[2] > 0) for v, mel, final in items]
@@ -370,11 +373,11 @@ class StepAudio2Kind:
         pcm = []
         for (voicing, _, _), call, output in zip(items, calls, outputs):
             if voicing is None:
-                audio = output[0][0] if output is not None else torch.zeros(0)
+                audio = output[0][0] if output is not None else torch.zeros(0, device=device)
             else:
                 raw, source = output if output is not None else (None, None)
                 audio = voicing.vocoder.complete(call, raw, source).audio[0]
-            pcm.append(audio.detach().to("cpu", torch.float32).numpy())
+            pcm.append(audio.detach().to(torch.float32))
         return pcm
 
 

@@ -21,6 +21,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ...config import load_hyperpyyaml
 from ...errors import InvalidInputError, ModelLoadError
+from ...runtime import host_to_device
 from ...speech_tokens import speech_token_ids
 from .cache import StreamWindow
 from .cfm import N_TIMESTEPS, NOISE_FRAMES, CausalConditionalCFM
@@ -118,18 +119,18 @@ class CosyVoice2Flow(nn.Module):
     def _conditions(self, rows: list[tuple[torch.Tensor, ...]], *, streaming: bool, finalize: bool) -> FlowConditions:
         weight = self.spk_embed_affine_layer.weight
         device, dtype = weight.device, weight.dtype
-        sequences = [torch.cat([prompt_token, token], dim=1)[0].to(device=device, dtype=torch.long)
+        sequences = [host_to_device(torch.cat([prompt_token, token], dim=1)[0].long(), device)
                      for token, prompt_token, _, _ in rows]
         lengths = [seq.size(0) for seq in sequences]
         padded = len(set(lengths)) > 1
         encoder_out = self.encode(pad_sequence(sequences, batch_first=True),
-                                  torch.tensor(lengths, device=device) if padded else None,
+                                  host_to_device(lengths, device) if padded else None,
                                   streaming=streaming, finalize=finalize)
         mu = self.project(encoder_out)
         lookahead = 0 if finalize else self.cfg.pre_lookahead_len
         frames = [self.cfg.token_mel_ratio * (length - lookahead) for length in lengths]
         total = mu.size(2)
-        mask = (torch.arange(total, device=device)[None, :] < torch.tensor(frames, device=device)[:, None])
+        mask = (torch.arange(total, device=device)[None, :] < host_to_device(frames, device)[:, None])
         cond = torch.cat([self.prompt_condition(feat.to(device=device, dtype=dtype), 0, total)
                           for _, _, feat, _ in rows])
         spks = self.speaker_vector(torch.cat([emb for _, _, _, emb in rows]).to(device=device, dtype=dtype))

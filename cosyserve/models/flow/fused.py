@@ -377,7 +377,9 @@ class FusedEstimator:
         # Every query sees its own frame, so padding queries never have an empty softmax.
         visible[:, torch.arange(frames), slots + torch.arange(frames)] = True
         bias = None
-        if not bool(visible.all()):
+        # decided on the host (reading ``visible`` would wait for the device): keys are hidden by
+        # blocks, by empty context slots or by padding frames
+        if streaming or slots > 0 or any(v < frames for v in valid):
             bias = torch.zeros(visible.shape, device=device, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
             bias = bias.unsqueeze(1)
         return StepRows(frames, valid_t, tuple(context), slots, streaming, bias)

@@ -173,11 +173,20 @@ class HiFTGenerator(nn.Module):
         return torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
 
     def inverse_stft(self, complex_spec: torch.Tensor) -> torch.Tensor:
-        """Complex spectrum → waveform clamped to ±audio_limit (torch.istft checks its window on
-        the host: no CUDA graph can hold this part)."""
-        n_fft = self.cfg.istft_n_fft
-        wave = torch.istft(complex_spec, n_fft, self.cfg.istft_hop_len, n_fft, window=self.stft_window.float())
-        return wave.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
+        """Complex spectrum (B, n_fft/2 + 1, frames) → waveform (B, hop·(frames−1)) clamped to
+        ±audio_limit: ``torch.istft`` (centred, window-normalised) computed as inverse FFT,
+        windowing and overlap-add, without its check of the window envelope on the host (a device
+        sync per call; the Hann envelope at this hop never vanishes inside the output)."""
+        n_fft, hop = self.cfg.istft_n_fft, self.cfg.istft_hop_len
+        window = self.stft_window.float()
+        frames = torch.fft.irfft(complex_spec, n=n_fft, dim=1) * window[:, None]  # (B, n_fft, frames)
+        count = frames.size(2)
+        length = n_fft + hop * (count - 1)
+        fold = dict(output_size=(1, length), kernel_size=(1, n_fft), stride=(1, hop))
+        wave = F.fold(frames, **fold)[:, 0, 0]
+        envelope = F.fold(window.square()[None, :, None].expand(1, -1, count), **fold)[:, 0, 0]
+        trim = slice(n_fft // 2, length - n_fft // 2)
+        return (wave[:, trim] / envelope[:, trim]).clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """mel (B, 80, T) + excitation (B, 1, hop·T) → speech (B, hop·T) float32."""

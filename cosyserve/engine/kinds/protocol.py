@@ -1,0 +1,93 @@
+"""What the engine core asks of a token2wav kind (CosyVoice2's, CosyVoice3's, Step-Audio2's).
+
+A kind owns its modules, its voices' cached state and its streams' state; the core owns requests,
+the LLM, scheduling and admission, the same for every kind. Per loop iteration the core starts a
+batch of chunk jobs (:meth:`Kind.start_chunks`, :meth:`Kind.start_offline`), solves them together
+(:meth:`Kind.solve`: every Euler step, launched on the device, not waited for), reads their mels
+(:meth:`Kind.mel`) and vocodes them in one call (:meth:`Kind.vocode`: PCM on the device; the core
+copies it to the host). A job that will not be solved is given back with :meth:`Kind.abort`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ...frontend.prompt import PromptFeatures
+
+
+class Job(Protocol):
+    """A chunk's (or an offline request's) flow work."""
+
+    finalize: bool  # the stream's last chunk (offline: always)
+
+    @property
+    def done(self) -> bool:
+        """Solved: its mel can be read."""
+
+    @property
+    def frames(self) -> int:
+        """Estimator frames it adds to a batch (the scheduler's budget)."""
+
+
+class Voicing(Protocol):
+    """A stream's token2wav state (flow and vocoder), opened at its first chunk."""
+
+    def close(self) -> None:
+        """Release what the stream holds (idempotent)."""
+
+
+class ChunkSchedule(Protocol):
+    """When a stream's next chunk may start (:mod:`cosyserve.schedule`)."""
+
+    def next_chunk(self, available: int): ...
+
+    def final_chunk(self, available: int): ...
+
+
+class Kind(Protocol):
+    name: str
+    sample_rate: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def max_voices(self) -> int:
+        """Voices whose prompt state is kept."""
+
+    def chunk_schedule(self, strategy: str) -> ChunkSchedule:
+        """A new stream's chunk schedule (InvalidInputError for an unknown strategy)."""
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        """The kind's state as gauges ``cosyserve_token2wav_<name>``: name -> (help, value)."""
+
+    def open(self, features: PromptFeatures) -> Voicing:
+        """A stream of this voice."""
+
+    def warm_voice(self, features: PromptFeatures) -> None:
+        """Compute and keep a registered voice's state (at load)."""
+
+    def warm_up(self, features: PromptFeatures) -> None:
+        """Run every stage once, capturing graphs and compiling kernels (at load)."""
+
+    def start_chunks(self, chunks: list[tuple[Voicing, list[int], int, bool]]) -> list[Job]:
+        """Jobs of streams' chunks: (voicing, tokens so far, tokens already voiced, finalize); their
+        encoders launched. An error fails every chunk of the call (the core then starts them one by one)."""
+
+    def start_offline(self, features: PromptFeatures, tokens: list[int]) -> Job:
+        """An offline request's job: every token in one pass."""
+
+    def solve(self, jobs: list[Job]) -> None:
+        """Every Euler step of every job (started, none solved), launched."""
+
+    def mel(self, job: Job) -> torch.Tensor:
+        """A solved job's new mel (1, 80, frames) float32; a stream's state moves on to after it."""
+
+    def abort(self, jobs: list[Job]) -> None:
+        """Release what unsolved jobs hold; their streams cannot go on."""
+
+    def vocode(self, items: list[tuple[Voicing | None, torch.Tensor, bool]]) -> list[torch.Tensor]:
+        """PCM (1-D float32 on the device, launched) of each (stream's voicing, or None for an
+        offline request; mel; final chunk), in one batched call."""

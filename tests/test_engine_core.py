@@ -1,0 +1,257 @@
+"""The engine core's loop against a fake kind and a fake LLM (no model): batches, the PCM's way out
+(at most MAX_BATCHES_IN_FLIGHT batches launched and not handed out), and failures and cancellations
+that end only their own requests."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from cosyserve.engine import core as core_module
+from cosyserve.engine.core import MAX_BATCHES_IN_FLIGHT, EngineCore
+from cosyserve.engine.front_end import SegmentPrompt, TokenLimits
+from cosyserve.engine.request import EngineRequest
+from cosyserve.engine.scheduler import Scheduler
+from cosyserve.errors import RequestCancelledError
+from cosyserve.llm.stream import Finished, TokenStream
+from cosyserve.schedule import SAMPLES_PER_TOKEN, ChunkScheduler, plan_chunks
+
+BAD_TOKEN = 6560  # a chunk holding it fails in the fake kind's solve
+
+
+@dataclass(eq=False)
+class FakeJob:
+    finalize: bool
+    tokens: int  # tokens it voices
+    bad: bool
+    done: bool = False
+
+    @property
+    def frames(self) -> int:
+        return 2 * self.tokens
+
+
+@dataclass(eq=False)
+class FakeVoicing:
+    closed: bool = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class FakeKind:
+    """PCM of a chunk: 960 samples per token it voices, each equal to the chunk's index in its stream."""
+
+    name: str = "fake"
+    sample_rate: int = 24000
+    device: torch.device = torch.device("cpu")
+    max_voices: int = 0
+    batches: list[int] = field(default_factory=list)  # jobs per solved batch
+    aborted: int = 0
+
+    def chunk_schedule(self, strategy: str) -> ChunkScheduler:
+        return ChunkScheduler(strategy)
+
+    def gauges(self) -> dict:
+        return {}
+
+    def open(self, features) -> FakeVoicing:
+        return FakeVoicing()
+
+    def start_chunks(self, chunks) -> list[FakeJob]:
+        return [FakeJob(final, len(tokens) - offset if final else len(tokens) - offset - 3, BAD_TOKEN in tokens)
+                for _, tokens, offset, final in chunks]
+
+    def start_offline(self, features, tokens) -> FakeJob:
+        return FakeJob(True, len(tokens), BAD_TOKEN in tokens)
+
+    def solve(self, jobs: list[FakeJob]) -> None:
+        assert not any(job.done for job in jobs)
+        if any(job.bad for job in jobs):
+            raise RuntimeError("bad chunk")
+        self.batches.append(len(jobs))
+        for job in jobs:
+            job.done = True
+
+    def mel(self, job: FakeJob) -> torch.Tensor:
+        return torch.zeros(1, 80, job.frames)
+
+    def abort(self, jobs) -> None:
+        self.aborted += len(jobs)
+
+    def vocode(self, items) -> list[torch.Tensor]:
+        return [torch.full((mel.size(2) * 480,), float(mel.size(2))) for _, mel, _ in items]
+
+
+class FakeLLM:
+    """Every request's tokens are there at once (``tokens`` of them, id 1; BAD_TOKEN for ids [0])."""
+
+    generating = None
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    def submit(self, prompt_ids, request_id, limits) -> TokenStream:
+        stream = TokenStream(request_id, on_close=lambda: None)
+        token = BAD_TOKEN if prompt_ids == [0] else 1
+        for _ in range(self.tokens):
+            stream.put(token)
+        stream.put(Finished("length"))
+        return stream
+
+    def counters(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Listener:
+    pieces: list[np.ndarray] = field(default_factory=list)
+    ended: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+
+def submit(core: EngineCore, request_id: str, *, bad: bool = False, streaming: bool = True) -> Listener:
+    listener = Listener()
+    segments = iter([SegmentPrompt(request_id, "text", [0] if bad else [1])])
+    core.submit(EngineRequest(request_id, segments, SimpleNamespace(features=None), TokenLimits(200, 0), streaming,
+                              listener.pieces.append, listener.ended.put))
+    return listener
+
+
+class HeldCopy:
+    """HostCopy whose copy is never done until the loop waits for it (how a busy GPU looks)."""
+
+    made: list["HeldCopy"] = []
+
+    def __init__(self, tensors) -> None:
+        self.tensors = tensors
+        self.taken = False
+        HeldCopy.made.append(self)
+
+    def ready(self) -> bool:
+        return False
+
+    def arrays(self) -> list[np.ndarray]:
+        self.taken = True
+        return [t.numpy() for t in self.tensors]
+
+
+def test_streams_are_voiced_in_batches_and_in_order():
+    tokens = 150
+    kind = FakeKind()
+    core = EngineCore(kind, FakeLLM(tokens)).start()
+    try:
+        listeners = [submit(core, f"r{k}") for k in range(6)] + [submit(core, "offline", streaming=False)]
+        for listener in listeners:
+            assert listener.ended.get(timeout=30) is None
+    finally:
+        core.close()
+    chunks = plan_chunks(tokens)
+    for listener in listeners[:-1]:
+        voiced = [2 * (c.num_tokens - c.token_offset - (0 if c.finalize else 3)) for c in chunks]
+        assert [p.size for p in listener.pieces] == [480 * f for f in voiced]
+        assert [p[0] for p in listener.pieces] == voiced  # in the stream's order
+    assert sum(p.size for p in listeners[-1].pieces) == tokens * SAMPLES_PER_TOKEN
+    assert max(kind.batches) > 1 and sum(kind.batches) == 6 * len(chunks) + 1
+    assert core.counters.flow_batches == len(kind.batches) and core.counters.chunks == sum(kind.batches)
+
+
+def test_at_most_two_batches_are_out_before_the_loop_waits_for_the_oldest(monkeypatch):
+    monkeypatch.setattr(core_module, "HostCopy", HeldCopy)
+    HeldCopy.made = []
+    core = EngineCore(FakeKind(), FakeLLM(30), scheduler=Scheduler(max_batch_jobs=1))  # not started: stepped here
+    listeners = [submit(core, f"r{k}") for k in range(MAX_BATCHES_IN_FLIGHT + 1)]
+    for k in range(MAX_BATCHES_IN_FLIGHT):
+        core.step()
+        assert len(HeldCopy.made) == k + 1 and not any(c.taken for c in HeldCopy.made)
+    assert not any(listener.pieces for listener in listeners)
+    core.step()  # a third batch: the first one's PCM is handed out first
+    assert len(HeldCopy.made) == MAX_BATCHES_IN_FLIGHT + 1 and HeldCopy.made[0].taken
+    assert len(listeners[0].pieces) == 1 and not listeners[1].pieces
+    core.close()
+
+
+def test_a_failed_batch_ends_its_requests_and_the_others_go_on():
+    kind = FakeKind()
+    core = EngineCore(kind, FakeLLM(60), scheduler=Scheduler(max_batch_jobs=1)).start()
+    try:
+        bad = submit(core, "bad", bad=True)
+        good = [submit(core, f"good{k}") for k in range(3)]
+        error = bad.ended.get(timeout=30)
+        assert isinstance(error, RuntimeError) and "bad chunk" in str(error) and not bad.pieces
+        for listener in good:
+            assert listener.ended.get(timeout=30) is None
+            assert sum(p.size for p in listener.pieces) == 60 * SAMPLES_PER_TOKEN
+    finally:
+        core.close()
+    assert kind.aborted == 1 and core.counters.requests_failed == 1
+
+
+def test_a_request_cancelled_while_its_pcm_is_out_gets_none_of_it(monkeypatch):
+    monkeypatch.setattr(core_module, "HostCopy", HeldCopy)
+    HeldCopy.made = []
+    kind = FakeKind()
+    core = EngineCore(kind, FakeLLM(30))
+    listener = submit(core, "r0")
+    core.step()
+    assert len(HeldCopy.made) == 1
+    core.cancel("r0")
+    core.step()
+    assert isinstance(listener.ended.get(timeout=1), RequestCancelledError)
+    core._hand_out(wait=True)
+    assert not listener.pieces and kind.aborted == 0  # the job was solved: nothing to give back
+    core.close()
+
+
+def test_the_loop_hands_out_pcm_while_requests_only_wait_for_tokens():
+    """A batch out and nothing else to do: the loop waits for the batch, not for new work."""
+    kind = FakeKind()
+    gate = threading.Event()
+
+    class SlowLLM(FakeLLM):
+        def submit(self, prompt_ids, request_id, limits):
+            stream = TokenStream(request_id, on_close=lambda: None)
+            for _ in range(18):
+                stream.put(1)
+
+            def rest():
+                gate.wait(30)
+                for _ in range(12):
+                    stream.put(1)
+                stream.put(Finished("length"))
+            threading.Thread(target=rest, daemon=True).start()
+            return stream
+
+    core = EngineCore(kind, SlowLLM(30)).start()
+    try:
+        listener = submit(core, "r0")
+        for _ in range(300):
+            if listener.pieces:
+                break
+            threading.Event().wait(0.01)
+        assert len(listener.pieces) == 1  # the first chunk, while the rest of the tokens have not come
+        gate.set()
+        assert listener.ended.get(timeout=30) is None
+    finally:
+        core.close()
+    assert sum(p.size for p in listener.pieces) == 30 * SAMPLES_PER_TOKEN
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 5], [1]])
+def test_host_copy_hands_back_each_tensor_flat(sizes):
+    from cosyserve.engine.device import HostCopy
+
+    tensors = [torch.arange(n, dtype=torch.float32).reshape(1, -1) + 10 * i for i, n in enumerate(sizes)]
+    copy = HostCopy(tensors)
+    assert copy.ready()
+    for array, tensor in zip(copy.arrays(), tensors, strict=True):
+        np.testing.assert_array_equal(array, tensor.reshape(-1).numpy())
