@@ -3,7 +3,8 @@
 Each iteration (:meth:`EngineCore.step`), read top to bottom:
 
 1. hand out the PCM of earlier batches that has reached the host;
-2. take new requests and cancellations; end requests past their timeout;
+2. take new requests (their LLM request started at submit) and cancellations; end requests past
+   their timeout;
 3. per request, take the tokens that arrived and plan its next chunk when its chunk schedule
    allows (one chunk in flight per stream: chunks run in order);
 4. the :class:`~.scheduler.Scheduler` picks a batch of the waiting chunks (earliest deadline
@@ -99,6 +100,7 @@ class EngineCore:
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: list[RequestState] = []
+        self._starting: set[str] = set()  # request ids in submit, their LLM request starting
         self._cancels: list[tuple[str, BaseException]] = []
         self._states: dict[str, RequestState] = {}  # admitted, not ended; guarded by _lock
         self._in_flight: deque[_Batch] = deque()  # launched, PCM not handed out (loop thread)
@@ -108,18 +110,33 @@ class EngineCore:
     # ----- any thread -----
 
     def submit(self, request: EngineRequest) -> None:
-        """Admit ``request`` (CapacityError: refused now) and queue it for the loop."""
+        """Admit ``request`` (CapacityError: refused now), start its first segment's LLM request
+        here (not at the loop's next iteration, which may be a batch away) and queue it for the loop.
+        An error of the segment (its text, its prompt) ends the request from the loop, as any error."""
+        request_id = request.request_id
         with self._lock:
             if self._closing:
                 raise RuntimeError("the engine is closed")
-            if request.request_id in self._states:
-                raise InvalidInputError(f"request id {request.request_id!r} is already in use")
+            if request_id in self._states or request_id in self._starting:
+                raise InvalidInputError(f"request id {request_id!r} is already in use")
             self.scheduler.admit(request.streaming, self._states.values())
-            request.stamp("received")
-            state = RequestState(request)
-            self._states[request.request_id] = state
-            self._inbox.append(state)
-            self._wakeup.notify()
+            self._starting.add(request_id)
+        request.stamp("received")
+        state = RequestState(request)
+        try:
+            self._next_segment(state)
+        except Exception as exc:
+            state.start_error = exc
+        with self._lock:
+            self._starting.discard(request_id)
+            if not self._closing:
+                self._states[request_id] = state
+                self._inbox.append(state)
+                self._wakeup.notify()
+                return
+        for seg in state.segments():
+            seg.tokens.close()
+        raise RuntimeError("the engine is closed")
 
     def cancel(self, request_id: str, error: BaseException | None = None) -> None:
         """End a request (its ``finish`` gets ``error``, by default RequestCancelledError);
@@ -233,10 +250,8 @@ class EngineCore:
             new, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
         for state in new:
-            try:
-                self._next_segment(state)
-            except Exception as exc:
-                self._end(state, exc)
+            if state.start_error is not None:
+                self._end(state, state.start_error)
         for request_id, error in cancels:
             state = self._states.get(request_id)
             if state is not None:

@@ -103,6 +103,7 @@ class RequestState:
     seconds_emitted: float = 0.0
     admitted: float = field(default_factory=time.monotonic)
     ended: bool = False
+    start_error: BaseException | None = None  # its first segment could not start (ended by the loop)
 
     @property
     def request_id(self) -> str:
