@@ -53,6 +53,7 @@ class FakeKind:
     sample_rate: int = 24000
     device: torch.device = torch.device("cpu")
     max_voices: int = 0
+    final_full_pass: bool = True  # final chunks (and offline requests) are passes: never batched with windows
     batches: list[int] = field(default_factory=list)  # jobs per solved batch
     aborted: int = 0
 
@@ -76,6 +77,7 @@ class FakeKind:
         assert not any(job.done for job in jobs)
         if any(job.bad for job in jobs):
             raise RuntimeError("bad chunk")
+        assert len({job.finalize for job in jobs}) == 1, "a batch of passes and windows"
         self.batches.append(len(jobs))
         for job in jobs:
             job.done = True

@@ -312,7 +312,8 @@ class EngineCore:
         state.request.stamp("chunk_planned")
         chunk = seg.pending
         frames = 2 * (len(seg.received) if chunk is _OFFLINE else chunk.num_tokens - chunk.token_offset) + 50
-        return [Candidate(state, seg, chunk, frames)]
+        full_pass = chunk is _OFFLINE or (chunk.finalize and self.kind.final_full_pass)
+        return [Candidate(state, seg, chunk, frames, full_pass)]
 
     def _start_jobs(self, picked: list[Candidate]) -> list[tuple[SegmentState, RequestState]]:
         """Start the picked chunks' flow jobs; the (segment, request) of each that started."""

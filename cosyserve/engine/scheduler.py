@@ -12,8 +12,12 @@ steps); the scheduler decides which waiting chunks make it. Earliest deadline fi
 (:attr:`~.request.RequestState.deadline`: a playing stream's chunk is due when its listener runs
 dry, a first chunk ``FIRST_CHUNK_BUDGET_S`` after arrival, offline work never), while the batch's
 frames stay within ``max_batch_frames`` and its jobs within ``max_batch_jobs``: a bigger batch
-takes longer, and a chunk that arrives meanwhile waits for it. A chunk that does not fit waits for
-the next batch; the most urgent one always starts, however large.
+takes longer, and a chunk that arrives meanwhile waits for it. Full passes (offline requests, and
+a kind's final chunks where it voices them as a pass over everything: CosyVoice2's reference
+final) and windows never share a batch: each kind is a call of its own at every Euler step, so a
+batch of both would take the time of two, and the window of a stream's first chunk would wait for
+it. A chunk that does not fit waits for the next batch; the most urgent one always starts,
+however large.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Candidate:
     segment: Any
     chunk: Any  # schedule.Chunk, or None for an offline segment
     frames: int  # estimator frames it adds to a batch (its window, or its whole pass)
+    full_pass: bool = False  # a pass over everything (batched only with others), not a window
 
 
 class Scheduler:
@@ -76,7 +81,8 @@ class Scheduler:
         """The next batch, most urgent first (see the module docstring)."""
         chosen, frames, jobs = [], 0, 0
         for candidate in sorted(candidates, key=lambda c: c.state.deadline):
-            if jobs and (frames + candidate.frames > self.max_batch_frames or jobs >= self.max_batch_jobs):
+            if jobs and (frames + candidate.frames > self.max_batch_frames or jobs >= self.max_batch_jobs
+                         or candidate.full_pass != chosen[0].full_pass):
                 continue
             jobs += 1
             chosen.append(candidate)

@@ -82,6 +82,7 @@ class CosyVoice2Kind:
         self.full = FullPass(model.flow, self.flow_engine.fused, self.flow_engine.n_timesteps,
                              self.flow_engine.graphs)
         self.final = model.options.final
+        self.final_full_pass = self.final == "reference"
         self.sample_rate = model.sample_rate
         self.sine_noise = sine_noise
         self.fallbacks = 0  # streams that re-ran their chunks because the page pool was full

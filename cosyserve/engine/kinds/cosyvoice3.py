@@ -108,6 +108,7 @@ class CosyVoice3Kind:
     holds ~360 MB in bfloat16)."""
 
     name = "cosyvoice3"
+    final_full_pass = False  # a final chunk is one more window (offline requests are passes)
     sample_rate = OUTPUT_SAMPLE_RATE
 
     def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFTGenerator, device: torch.device | str = "cpu",

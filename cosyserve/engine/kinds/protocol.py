@@ -49,6 +49,7 @@ class ChunkSchedule(Protocol):
 class Kind(Protocol):
     name: str
     sample_rate: int
+    final_full_pass: bool  # a stream's final chunk is a pass over everything (batched with passes, not windows)
 
     @property
     def device(self) -> torch.device: ...

@@ -149,6 +149,7 @@ class StepAudio2Kind:
     HiFT runner of the batched calls (default eager)."""
 
     name = "step_audio2"
+    final_full_pass = False  # a final chunk is its last tokens' window
     sample_rate = 24000
 
     def __init__(self, models: StepAudio2Models, *, max_voices: int = DEFAULT_MAX_VOICES,

@@ -375,8 +375,8 @@ class FusedEstimator:
             if self.left_chunks >= 0:
                 visible &= key_block >= query_block - self.left_chunks
         # Every query sees its own frame, so padding queries never have an empty softmax.
-        own = torch.arange(frames, device=device)  # on the device: CPU indices would be copied there blocking
-        visible[:, own, slots + own] = True
+        # (an OR with a mask made on the device: assigning a Python True copies it there, blocking)
+        visible[:, :, slots:] |= torch.eye(frames, dtype=torch.bool, device=device)
         bias = None
         # decided on the host (reading ``visible`` would wait for the device): keys are hidden by
         # blocks, by empty context slots or by padding frames
