@@ -6,8 +6,8 @@ The kind is driven as the engine's loop drives it (:mod:`cosyserve.engine.core`)
 a group of ``batch`` utterances starts together (offline: one :meth:`start_offline` job each;
 streaming: each utterance a stream, :meth:`open`, its chunks from the kind's own
 :meth:`chunk_schedule` over all its tokens, each chunk started with :meth:`start_chunks` when the
-stream's previous one has been vocoded), every job under way takes one packed Euler step per
-:meth:`step`, and the jobs that took their last step are vocoded together (:meth:`vocode`). Every
+stream's previous one has been vocoded), the jobs started together are solved together
+(:meth:`solve`) and vocoded together (:meth:`vocode`). Every
 token yields 960 samples, in both modes.
 
 A *variant* is ``dtype[+graphs][+rerun][+batchN]``: the flow dtype (``fp32``, ``fp16``, ``bf16``),

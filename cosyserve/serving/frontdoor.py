@@ -230,9 +230,10 @@ class EngineFrontDoor:
         self.work = WorkMetrics(name, {metric: (text, self._counters, field) for metric, (text, field) in {
             **llm_tokens,
             **{f"cosyserve_engine_{stage}_seconds_total": (f"the loop's time: {text}", f"{stage}_s")
-               for stage, text in (("start", "chunks starting (encoder)"), ("flow", "packed Euler steps"),
-                                   ("vocoder", "HiFT and emitting PCM"), ("host", "requests, tokens and scheduling"),
-                                   ("idle", "waiting for work"))},
+               for stage, text in (("start", "chunks starting (encoder)"), ("flow", "launching batches' Euler steps"),
+                                   ("vocoder", "launching HiFT and the PCM's copy"),
+                                   ("host", "requests, tokens, scheduling and emitting PCM"),
+                                   ("idle", "waiting for work, or for the GPU when nothing else is left"))},
             "cosyserve_engine_iterations_total": ("iterations of the loop", "iterations"),
             "cosyserve_engine_flow_batches_total": ("flow batches solved (all Euler steps of their chunks)",
                                                     "flow_batches"),

@@ -1,5 +1,6 @@
 """CosyVoice2's token2wav as a kind of the engine: the UNet flow (incremental windows and
-full passes, packed per Euler step) and HiFT with overlapping streaming chunks.
+full passes, a batch's chunks packed into one call per Euler step) and HiFT with overlapping
+streaming chunks.
 
 What the engine asks of a kind (CosyVoice3's, :mod:`.cosyvoice3`, answers the same): a chunk
 schedule, the voices it keeps and gauges of its state, flow jobs for a stream's chunks and for

@@ -1,8 +1,8 @@
 """Step-Audio2's token2wav (the Step-Audio-2-mini flow with a DiT estimator, and HiFT) as a kind
 of the engine: the same audio as :class:`~cosyserve.token2wav.step_audio2.StepAudio2Stream` and
-:func:`~cosyserve.token2wav.step_audio2.offline_waveforms`, with every flow job under way advanced by
-one Euler step per :meth:`StepAudio2Kind.step`, all jobs packed into as few estimator calls as
-their lengths allow.
+:func:`~cosyserve.token2wav.step_audio2.offline_waveforms`, a batch of flow jobs solved together
+(:meth:`StepAudio2Kind.solve`: its Euler steps, each as few estimator calls as the jobs' lengths
+allow).
 
 Voices. The kind takes :class:`~cosyserve.frontend.prompt.PromptFeatures` with *raw* speech tokens
 (0..6560, S3 tokenizer v2 at 25 Hz), the 24 kHz prompt log-mel (fmax 8 kHz, time-major) and the
