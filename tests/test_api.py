@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -373,6 +374,128 @@ def test_run_sh_stop_ends_the_api_started_in_the_background(server, models_dir, 
     finally:
         if is_running(pid):
             os.kill(pid, signal.SIGTERM)
+
+
+# ----- the text-in WebSockets (ElevenLabs' stream-input and multi-stream-input) -----
+
+def socket_url(api, voice: str = "001", multi: bool = False, **query) -> str:
+    from urllib.parse import urlencode
+
+    path = "multi-stream-input" if multi else "stream-input"
+    return f"ws://127.0.0.1:{api.port}/v1/text-to-speech/{voice}/{path}?" + urlencode(
+        {"model_id": "cosyvoice2", "output_format": "pcm_24000", **query})
+
+
+class SocketReader:
+    """A client socket's messages as they come (with their arrival times) on a thread of its own,
+    until the server closes it; ``close_code`` then."""
+
+    def __init__(self, ws) -> None:
+        import threading
+
+        self.ws, self.messages, self.close_code = ws, [], None
+
+        def read() -> None:
+            from websockets.exceptions import ConnectionClosed
+
+            try:
+                while True:
+                    self.messages.append((time.monotonic(), json.loads(ws.recv())))
+            except ConnectionClosed as exc:
+                self.close_code = exc.rcvd.code if exc.rcvd is not None else None
+        self.thread = threading.Thread(target=read, daemon=True)
+        self.thread.start()
+
+    def wait(self, timeout_s: float = 120) -> list[dict]:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "the server did not close the socket"
+        return [message for _, message in self.messages]
+
+    def samples(self, context: str | None = None) -> int:
+        return sum(len(base64.b64decode(m["audio"])) // 2 for _, m in self.messages
+                   if m.get("audio") and m.get("contextId") == context)
+
+
+def test_text_in_socket_speaks_each_sentence_as_it_arrives(api, idle_server):
+    from websockets.sync.client import connect
+
+    text = "The first sentence is short. The second one is a little longer than the first. A third one ends it."
+    with connect(socket_url(api), additional_headers={"xi-api-key": API_KEY}) as ws:
+        reader = SocketReader(ws)
+        ws.send(json.dumps({"text": " ", "voice_settings": {"stability": 0.5, "similarity_boost": 0.8}}))
+        for word in text.split(" "):
+            ws.send(json.dumps({"text": word + " "}))
+            time.sleep(0.4)  # an LLM's pace: 2.5 words a second
+        last_word_sent = time.monotonic()
+        ws.send(json.dumps({"text": ""}))
+        messages = reader.wait()
+    audio_times = [at for at, m in reader.messages if m.get("audio")]
+    assert audio_times and audio_times[0] < last_word_sent  # the first sentence spoke before the text was all there
+    assert messages[-1] == {"isFinal": True} and reader.close_code == 1000
+    assert reader.samples() == 3 * SAMPLES  # three sentences, three requests of NUM_TOKENS tokens each
+
+
+def test_four_sockets_at_once_and_a_multi_context_one(api, idle_server):
+    from websockets.sync.client import connect
+
+    sockets = [connect(socket_url(api, xi_api_key=API_KEY)) for _ in range(3)]
+    multi = connect(socket_url(api, multi=True, xi_api_key=API_KEY))
+    try:
+        readers = [SocketReader(ws) for ws in sockets + [multi]]
+        for ws in sockets:
+            ws.send(json.dumps({"text": " "}))
+            ws.send(json.dumps({"text": "你好，世界。今天天气很好。"}))
+            ws.send(json.dumps({"text": ""}))
+        multi.send(json.dumps({"text": "One context. ", "context_id": "a"}))
+        multi.send(json.dumps({"text": "Another context.", "context_id": "b", "flush": True}))
+        multi.send(json.dumps({"close_socket": True}))
+        for reader in readers:
+            reader.wait()
+    finally:
+        for ws in sockets + [multi]:
+            ws.close()
+    for reader in readers[:3]:
+        assert reader.close_code == 1000 and reader.samples() == 2 * SAMPLES  # two sentences each
+    assert readers[3].close_code == 1000
+    assert readers[3].samples("a") == SAMPLES and readers[3].samples("b") == SAMPLES
+    finals = [m for _, m in readers[3].messages if m.get("isFinal")]
+    assert sorted(m["contextId"] for m in finals) == ["a", "b"]
+
+
+def test_a_closed_socket_stops_its_requests(api, idle_server):
+    from websockets.sync.client import connect
+
+    with connect(socket_url(api, xi_api_key=API_KEY)) as ws:
+        reader = SocketReader(ws)
+        ws.send(json.dumps({"text": "Sentence one is here. Sentence two is here. Sentence three is here. "}))
+        deadline = time.monotonic() + 60
+        while not any(m.get("audio") for _, m in reader.messages):
+            assert time.monotonic() < deadline, "no audio"
+            time.sleep(0.05)
+    # closed with two sentences unspoken: idle_server checks that no LLM request, engine request or
+    # token2wav stream is left
+
+
+@pytest.mark.parametrize("voice, query, first, words", [
+    ("nobody", {}, {"text": " "}, "unknown"),
+    ("001", {"model_id": "cosyvoice9"}, {"text": " "}, "not served"),
+    ("001", {"output_format": "opus_48000_64"}, {"text": " "}, "output_format"),
+    ("001", {"inactivity_timeout": "0"}, {"text": " "}, "inactivity_timeout"),
+    ("001", {}, {"text": " "}, "missing API key"),
+    ("001", {}, {"text": " ", "xi_api_key": "wrong"}, "invalid API key"),
+])
+def test_text_in_socket_refusals(api, idle_server, voice, query, first, words):
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    with connect(socket_url(api, voice, **query)) as ws:
+        reader = SocketReader(ws)
+        try:
+            ws.send(json.dumps(first))
+        except ConnectionClosed:  # refused at once, from the connection's own query
+            pass
+        messages = reader.wait(30)
+    assert reader.close_code == 1008 and words in messages[-1]["message"], messages
 
 
 CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser")

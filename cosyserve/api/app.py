@@ -3,8 +3,9 @@
 the request's ``model``: :func:`model_for`).
 
 Endpoints (docs/api.md): ``POST /v1/audio/speech``, ``POST/GET /v1/audio/voices``,
-``GET/DELETE /v1/audio/voices/{id}``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``
-and the playground page at ``/``.
+``GET/DELETE /v1/audio/voices/{id}``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
+the playground page at ``/``, and ElevenLabs' text-in WebSockets
+``/v1/text-to-speech/{voice_id}/stream-input`` and ``.../multi-stream-input`` (:mod:`.text_stream`).
 
 A speech request waits for its first audio chunk before answering, so that everything Triton
 rejects (bad text, unknown voice, overload) is still an HTTP error with OpenAI's envelope;
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Literal, Sequence
 
-from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile, WebSocket
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -34,9 +35,11 @@ from ..frontend.voice_store import VOICES_DIR, UnknownVoiceError, VoiceStore
 from ..engine.front_end import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS
 from ..runtime import SPK2INFO
 from ..schedule import OUTPUT_SAMPLE_RATE, SAMPLES_PER_TOKEN
-from .encoding import MEDIA_TYPES, make_encoder
+from .encoding import MEDIA_TYPES, make_encoder, output_format_encoder
 from .errors import RETRY_AFTER_S, APIError, install_handlers, triton_error
 from .router import TritonRouter
+from .text_stream import (CLOSE_INTERNAL, CLOSE_POLICY, CLOSE_TRY_LATER, DEFAULT_INACTIVITY_TIMEOUT_S,
+                          MAX_INACTIVITY_TIMEOUT_S, ProtocolError, SpeechSocket, error_message)
 from .triton import Synthesis
 from .voices import VoiceCatalog, prompt_wav16
 
@@ -96,9 +99,29 @@ class Metrics:
                                      registry=self.registry)
 
 
-def _bearer_key(request: Request) -> str | None:
+def _bearer_key(request: Request | WebSocket) -> str | None:
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+
+
+def _socket_key(websocket: WebSocket) -> str | None:
+    """A WebSocket's API key: ElevenLabs' ``xi-api-key`` header, a Bearer header, or the query's
+    ``xi_api_key`` / ``authorization`` (browsers cannot set headers on a WebSocket)."""
+    query = websocket.query_params
+    key = (websocket.headers.get("xi-api-key") or _bearer_key(websocket) or query.get("xi_api_key")
+           or query.get("authorization"))
+    if key and key.lower().startswith("bearer "):
+        key = key[7:]
+    return key.strip() if key and key.strip() else None
+
+
+def _socket_error(exc: BaseException) -> tuple[str, str, int]:
+    """A failed speech request of a socket: (message, code, the socket's close code)."""
+    if isinstance(exc, InferenceServerException):
+        error = triton_error(exc)
+        close = CLOSE_TRY_LATER if error.status in (429, 503) else CLOSE_POLICY if error.status < 500 else CLOSE_INTERNAL
+        return error.message, error.code or "error", close
+    return f"internal error: {exc}", "internal_error", CLOSE_INTERNAL
 
 
 class BodyLimit:
@@ -274,6 +297,52 @@ def create_app(settings: Settings) -> FastAPI:
             return StreamingResponse(_sse_events(encoded, input_tokens), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         return StreamingResponse(_bytes_only(encoded), media_type=MEDIA_TYPES[fmt], headers=headers)
+
+    async def speech_socket(websocket: WebSocket, voice_id: str, multi: bool) -> None:
+        """ElevenLabs' text-in WebSocket (:mod:`.text_stream`): the connection's checks, then the
+        session. A bad connection is accepted, told why in an error message and closed."""
+        await websocket.accept()
+        query = websocket.query_params
+        try:
+            model = model_for(query.get("model_id") or settings.model, served, settings.model)
+            speaker_id = catalogs[model].speaker_id(voice_id)
+            output_format = query.get("output_format") or "mp3_44100_128"
+            output_format_encoder(output_format)
+            try:
+                timeout = float(query.get("inactivity_timeout") or DEFAULT_INACTIVITY_TIMEOUT_S)
+            except ValueError:
+                timeout = -1.0
+            if not 0 < timeout <= MAX_INACTIVITY_TIMEOUT_S:
+                raise InvalidInputError(f"inactivity_timeout must be a number of seconds in (0, {MAX_INACTIVITY_TIMEOUT_S}]")
+            key = _socket_key(websocket)
+            if settings.api_keys and key is not None:
+                check_key(key)
+        except (APIError, UnknownVoiceError, InvalidInputError, ProtocolError) as exc:
+            message = exc.message if isinstance(exc, APIError) else str(exc)
+            await websocket.send_text(error_message(message, "invalid_request"))
+            await websocket.close(CLOSE_POLICY, message[:120])
+            return
+        session = SpeechSocket(websocket, speaker_id, timeout, multi=multi,
+                               stream=state["routers"][model].stream,
+                               encoder=lambda: output_format_encoder(output_format),
+                               check_key=check_key if settings.api_keys and key is None else None,
+                               error_of=_socket_error)
+        await session.run()
+
+    def check_key(key: str | None) -> None:
+        if key is None:
+            raise ProtocolError("missing API key: send the header 'xi-api-key' (or 'Authorization: Bearer <key>'), "
+                                "the query parameter xi_api_key, or xi_api_key in the first message")
+        if not any(secrets.compare_digest(key, allowed) for allowed in settings.api_keys):
+            raise ProtocolError("invalid API key")
+
+    @app.websocket("/v1/text-to-speech/{voice_id}/stream-input")
+    async def stream_input(websocket: WebSocket, voice_id: str) -> None:
+        await speech_socket(websocket, voice_id, multi=False)
+
+    @app.websocket("/v1/text-to-speech/{voice_id}/multi-stream-input")
+    async def multi_stream_input(websocket: WebSocket, voice_id: str) -> None:
+        await speech_socket(websocket, voice_id, multi=True)
 
     @app.post("/v1/audio/voices", dependencies=v1)
     async def create_voice(name: str = Form(...), audio_sample: UploadFile = File(...),
