@@ -15,7 +15,8 @@
 #   3  engine in-process: bench_engine.py -> $OUT/engine.json
 #   4  Triton: run.sh 2 3 (no API), client_grpc.py at GRPC_LEVELS -> $OUT/triton_grpc.json
 #   5  API: python -m cosyserve.api next to that Triton (run.sh's command), bench_api.py at each of
-#      API_RATES with the texts of each of API_LANGS in turn -> $OUT/api.json
+#      API_RATES with the texts of each of API_LANGS in turn -> $OUT/api.json; then the text-in
+#      WebSocket, bench_text_socket.py at SOCKET_LEVELS sockets at once -> $OUT/sockets.json
 #   6  stop: bash run.sh stop (the API and Triton; also done on exit whenever stage 4 or 5 ran)
 #   7  report: scripts/campaign_report.py -> $OUT/report.md (printed)
 #
@@ -96,6 +97,9 @@ API_RATES=${API_RATES:-10 15 20}
 API_SECONDS_PER_RATE=${API_SECONDS_PER_RATE:-10}   # bench_api.py sends at least 10 requests a rate
 API_REQUESTS_PER_RATE=${API_REQUESTS_PER_RATE:-}    # instead of seconds: this many a rate
 API_REQUEST_TIMEOUT=${API_REQUEST_TIMEOUT:-30}   # a request still unfinished then counts as failed
+SOCKET_LEVELS=${SOCKET_LEVELS:-1 16}          # text-in sockets at once (empty: none)
+SOCKET_CHARS_PER_S=${SOCKET_CHARS_PER_S:-20}  # how fast each socket's text is sent
+SOCKET_TIMEOUT=${SOCKET_TIMEOUT:-90}
 API_RATE_TIMEOUT=${API_RATE_TIMEOUT:-$((API_SECONDS_PER_RATE + API_REQUEST_TIMEOUT + 20))}  # one rate, one language
 API_TEXTS_EN=${API_TEXTS_EN:-"Hello! Thanks for calling. How can I help you today?
 The quick brown fox jumps over the lazy dog near the quiet river bank.
@@ -187,7 +191,7 @@ WHEELS=(
   inflect==7.6.0 jaraco.functools==4.6.0 more-itertools==11.2.1 typeguard==4.6.1
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
   typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2 uvicorn==0.54.0
-  python-multipart==0.0.34 pyzmq==27.3.0 sh==2.4.0 importlib-metadata==8.9.0
+  python-multipart==0.0.34 pyzmq==27.3.0 sh==2.4.0 importlib-metadata==8.9.0 websockets==15.0.1
 )
 if wanted -1; then
   log "Stage -1: downloading ${#WHEELS[@]} wheels into $WHEEL_DIR"
@@ -363,6 +367,12 @@ if wanted 5; then
         done
       done
       [ ${#lang_files[@]} -eq 0 ] || "$PY" "$repo_root/scripts/campaign_report.py" merge "$OUT/api.json" "${lang_files[@]}"
+      if [ -n "$SOCKET_LEVELS" ]; then
+        # shellcheck disable=SC2086
+        step api_sockets "$SOCKET_TIMEOUT" "$PY" "$repo_root/scripts/bench_text_socket.py" \
+          --url "http://127.0.0.1:$API_PORT" --sockets $SOCKET_LEVELS --chars-per-s "$SOCKET_CHARS_PER_S" \
+          --json "$OUT/sockets.json" || tail_log "$API_LOG"
+      fi
     else
       tail_log "$API_LOG"
     fi

@@ -476,6 +476,24 @@ def test_a_closed_socket_stops_its_requests(api, idle_server):
     # token2wav stream is left
 
 
+def test_the_text_socket_benchmark_measures_sockets_at_once(api, idle_server, tmp_path):
+    from cosyserve.bench.text_socket import first_piece_words
+
+    text = "First piece of the text. Second piece of it."
+    assert first_piece_words(text) == 5
+    out = tmp_path / "sockets.json"
+    done = subprocess.run([sys.executable, "scripts/bench_text_socket.py", "--url", api.url, "--api-key", API_KEY,
+                           "--sockets", "1", "2", "--chars-per-s", "100", "--text", text, "--json", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    levels = json.loads(out.read_text())["levels"]
+    assert [level["sockets"] for level in levels] == [1, 2]
+    for level in levels:
+        assert level["failed"] == 0 and level["first_audio_p50_ms"] is not None
+        assert level["audio_s_mean"] == pytest.approx(2 * NUM_TOKENS / 25)  # two pieces of NUM_TOKENS tokens
+    assert "| 2 | 0 |" in done.stdout
+
+
 @pytest.mark.parametrize("voice, query, first, words", [
     ("nobody", {}, {"text": " "}, "unknown"),
     ("001", {"model_id": "cosyvoice9"}, {"text": " "}, "not served"),
