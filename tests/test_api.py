@@ -521,8 +521,8 @@ CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
 
 def test_playground_plays_audio_in_a_real_browser(api, tmp_path):
     """The page at / in headless Chromium (Debian's, driven by Playwright): upload a voice,
-    synthesise with it, the PCM chunks reach Web Audio, no console errors; a screenshot is left
-    in the test's tmp dir."""
+    synthesise with it, the PCM chunks reach Web Audio; then stream text into the text-in
+    WebSocket with it; no console errors; a screenshot is left in the test's tmp dir."""
     sync_api = pytest.importorskip("playwright.sync_api")
     executable = next((path for path in CHROMIUM if Path(path).exists()), None)
     if executable is None:
@@ -549,10 +549,17 @@ def test_playground_plays_audio_in_a_real_browser(api, tmp_path):
             page.click("#speak")
             page.wait_for_function("window.playground.done", timeout=120_000)
             state = page.evaluate("window.playground")
+            # the same voice over the text-in WebSocket, two sentences typed at 50 characters a second
+            page.fill("#text", "The first sentence arrives. The second one follows it.")
+            page.fill("#pace", "50")
+            page.click("#stream")
+            page.wait_for_function("window.playground.done", timeout=120_000)
+            streamed = page.evaluate("window.playground")
             page.screenshot(path=str(tmp_path / "playground.png"))
         finally:
             browser.close()
     assert state["samplesScheduled"] == SAMPLES and state["chunks"] >= 1, state
     assert state["timeToFirstAudio"] > 0 and state["rtf"] > 0, state
+    assert streamed["samplesScheduled"] == 2 * SAMPLES and streamed["timeToFirstAudio"] > 0, streamed
     assert not errors, errors
     assert (tmp_path / "playground.png").stat().st_size > 0
