@@ -249,3 +249,11 @@ def test_a_piece_refused_as_overloaded_is_asked_again():
         messages = received(ws)
     assert messages[-2:] == [{"isFinal": True}, {"close": 1000}]
     assert pcm(messages).size == len("Refused three times, then spoken.") * SAMPLES_PER_CHAR
+
+
+def test_close_reasons_fit_a_close_frame():
+    from cosyserve.api.text_stream import close_reason
+
+    assert close_reason("short") == "short"
+    reason = close_reason("未知的声音" * 40)  # 3 bytes a character
+    assert len(reason.encode()) <= 123 and reason.startswith("未知的声音")

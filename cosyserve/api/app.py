@@ -39,7 +39,7 @@ from .encoding import MEDIA_TYPES, make_encoder, output_format_encoder
 from .errors import RETRY_AFTER_S, APIError, install_handlers, triton_error
 from .router import TritonRouter
 from .text_stream import (CLOSE_INTERNAL, CLOSE_POLICY, CLOSE_TRY_LATER, DEFAULT_INACTIVITY_TIMEOUT_S,
-                          MAX_INACTIVITY_TIMEOUT_S, ProtocolError, SpeechSocket, error_message)
+                          MAX_INACTIVITY_TIMEOUT_S, ProtocolError, SpeechSocket, close_reason, error_message)
 from .triton import Synthesis
 from .voices import VoiceCatalog, prompt_wav16
 
@@ -320,7 +320,7 @@ def create_app(settings: Settings) -> FastAPI:
         except (APIError, UnknownVoiceError, InvalidInputError, ProtocolError) as exc:
             message = exc.message if isinstance(exc, APIError) else str(exc)
             await websocket.send_text(error_message(message, "invalid_request"))
-            await websocket.close(CLOSE_POLICY, message[:120])
+            await websocket.close(CLOSE_POLICY, close_reason(message))
             return
         session = SpeechSocket(websocket, speaker_id, timeout, multi=multi,
                                stream=state["routers"][model].stream,

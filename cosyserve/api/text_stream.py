@@ -232,6 +232,11 @@ def parse_message(raw: str | bytes | None) -> dict:
     return message
 
 
+def close_reason(message: str) -> str:
+    """``message`` cut to what a close frame carries (123 bytes of UTF-8)."""
+    return message.encode()[:120].decode(errors="ignore")
+
+
 def audio_message(data: bytes, context_id: str | None) -> str:
     message = {"audio": base64.b64encode(data).decode("ascii"), "isFinal": None, "normalizedAlignment": None,
                "alignment": None}
@@ -367,9 +372,12 @@ class SpeechSocket:
         async def failed(exc: BaseException) -> None:
             message, code, close_code = self._error_of(exc)
             self._contexts.pop(context, None)
-            await self._send_text(error_message(message, code, label))
+            try:
+                await self._send_text(error_message(message, code, label))
+            except Exception:  # the client is gone (a failed send may be what ended the utterance)
+                pass
             if not self.multi or (self._ended and not self._contexts):
-                self._close_code, self._close_reason = close_code, message[:120]
+                self._close_code, self._close_reason = close_code, close_reason(message)
                 self._finished.set()
 
         utterance = self._contexts[context] = Utterance(self._stream, self.speaker_id, send, failed)
@@ -382,7 +390,7 @@ class SpeechSocket:
     async def _close_with_error(self, message: str, code: str, close_code: int) -> None:
         try:
             await self._send_text(error_message(message, code))
-            await self.websocket.close(close_code, message[:120])
+            await self.websocket.close(close_code, close_reason(message))
         except Exception:  # the client is gone already
             pass
 
