@@ -265,7 +265,8 @@ def test_full_passes_solved_in_batches_equal_the_reference(captured_shapes):
     encoder batch, solved as batches in eager shapes or in the padded shapes of the CUDA graphs
     (run eagerly here): each equals CosyVoice2Flow.inference."""
     from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
-    from cosyserve.token2wav.flow_engine import EngineGraphs, FlowEngine
+    from cosyserve.token2wav.flow_engine import FlowEngine
+    from cosyserve.token2wav.step_graphs import EngineGraphs
     from cosyserve.token2wav.full_pass import FullPass, PassInput
 
     cfg = FlowConfig.tiny()

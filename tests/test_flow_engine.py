@@ -11,7 +11,8 @@ from cosyserve.errors import CapacityError, InvalidInputError
 from cosyserve.frontend.prompt import voice_key
 from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
 from cosyserve.schedule import plan_chunks
-from cosyserve.token2wav.flow_engine import EngineGraphs, FlowEngine
+from cosyserve.token2wav.flow_engine import FlowEngine
+from cosyserve.token2wav.step_graphs import EngineGraphs
 
 torch.set_num_threads(1)
 

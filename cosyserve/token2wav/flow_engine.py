@@ -24,9 +24,9 @@ as one batch (:func:`~cosyserve.models.flow.packed_encoder.encode_windows`), the
 Euler steps of the batch (:meth:`FlowEngine.solve`), each one
 :class:`~cosyserve.models.flow.fused.FusedEstimator` step over all streams' rows, every row
 attending to its own context (CUDA graphs of the step per shape bucket on a GPU,
-:class:`EngineGraphs`). The host builds a batch's indices once; its steps are device work only.
+:class:`~.step_graphs.EngineGraphs`). The host builds a batch's indices once; its steps are device work only.
 
-State lives in a :class:`PagePool`: one page holds one estimator block (50 frames) of K/V for
+State lives in a :class:`~.page_pool.PagePool`: one page holds one estimator block (50 frames) of K/V for
 every step, layer and CFG row (114.7 MB in fp16 for the released model). A stream's context is
 its voice's pages followed by its own.
 
@@ -57,67 +57,18 @@ from ..frontend.prompt import voice_key
 from ..models.flow import CosyVoice2Flow, fixed_noise
 from ..models.flow.cache import FrameBuffer, copy_states
 from ..models.flow.cfm import N_TIMESTEPS
-from ..models.flow.fused import FusedEstimator, StepRows, StepState, context_slots, conv_views
+from ..models.flow.fused import FusedEstimator, context_slots
 from ..models.flow.packed_encoder import EncoderWindow, encode_windows
 from ..runtime import host_to_device
 from .graphs import FlowCounters
+from .page_pool import PagePool
+from .step_graphs import EngineGraphs, StepBuffers
 
 # Voices whose prefix is kept when nothing else limits them (pages are freed earlier under pressure).
 DEFAULT_MAX_VOICES = 64
 # A voice's prompt runs through the flow in pieces of this many tokens (windows of at most
 # 2 x 100 + 49 frames: inside the captured shapes, whatever the prompt's length).
 PREFIX_PIECE_TOKENS = 100
-
-
-class PagePool:
-    """Fixed pages of per-step estimator state, allocated once (no allocation while serving).
-
-    ``data`` (pages, steps, layers, 2 CFG rows, page_frames, 2 * inner). Pages are refcounted: a
-    voice prefix's pages are shared by its streams.
-    """
-
-    def __init__(self, pages: int, steps: int, layers: int, page_frames: int, width: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        self.page_frames = page_frames
-        # never read before written (a window writes every frame of its new pages at every step), so
-        # not zeroed: on the CPU the memory is then only taken as pages are used
-        self.data = torch.empty(pages, steps, layers, 2, page_frames, width, device=device, dtype=dtype)
-        self._free = list(range(pages - 1, -1, -1))
-        self._refs = np.zeros(pages, dtype=np.int64)
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def page_bytes(steps: int, layers: int, page_frames: int, width: int, dtype: torch.dtype) -> int:
-        return steps * layers * 2 * page_frames * width * torch.empty((), dtype=dtype).element_size()
-
-    @property
-    def pages(self) -> int:
-        return self.data.size(0)
-
-    @property
-    def free_pages(self) -> int:
-        with self._lock:
-            return len(self._free)
-
-    def allocate(self, count: int) -> list[int] | None:
-        """``count`` pages (refcount 1), or None when fewer are free."""
-        with self._lock:
-            if count > len(self._free):
-                return None
-            pages = [self._free.pop() for _ in range(count)]
-            self._refs[pages] = 1
-            return pages
-
-    def share(self, pages: list[int]) -> None:
-        with self._lock:
-            self._refs[pages] += 1
-
-    def release(self, pages: list[int]) -> None:
-        with self._lock:
-            for page in pages:
-                self._refs[page] -= 1
-                if self._refs[page] == 0:
-                    self._free.append(page)
 
 
 @dataclass
@@ -212,129 +163,6 @@ class _Window:
         return self.kept is not None
 
 
-class StepBuffers:
-    """What one packed Euler step reads and writes, for ``pairs`` streams of up to ``frames`` new
-    frames and ``slots`` context frames: the rows' layout, their context (:class:`StepState`), the
-    input, the step's time bias and dt, the commit points and the conv context kept at them.
-
-    Eager: allocated per run, :meth:`step` calls the fused step. Captured
-    (:meth:`capture`): allocated once per shape, :meth:`step` replays a CUDA graph of the same call;
-    ``kv`` then gives the context buffer, shared by every captured shape (one shape runs at a time).
-    """
-
-    def __init__(self, fused: FusedEstimator, pairs: int, frames: int, slots: int,
-                 kv: torch.Tensor | None = None) -> None:
-        self.fused, self.pairs, self.frames, self.slots = fused, pairs, frames, slots
-        rows = 2 * pairs
-        device, dtype = fused.device, fused.dtype
-        if kv is None:
-            self.state = fused.new_state(rows, slots, frames)
-        else:
-            kv_all = kv[:, :rows, :slots + frames]
-            conv_all = torch.zeros(rows, fused.conv_width, device=device, dtype=dtype)
-            self.state = StepState(kv_all, conv_all, list(kv_all.unbind(0)), conv_views(conv_all, fused.conv_shapes))
-        # keys of row r, slot k at r * key_stride + k of kv_flat (layers, rows * key_stride, values)
-        base = self.state.kv_all if kv is None else kv
-        self.key_stride = base.size(2)
-        self.kv_flat = base.view(base.size(0), base.size(1) * base.size(2), base.size(3))
-        self.valid = torch.zeros(rows, device=device, dtype=torch.int32)
-        self.attn_bias = torch.zeros(rows, 1, frames, slots + frames, device=device, dtype=dtype)
-        self.rows = StepRows(frames, self.valid, (0,) * rows, slots, True, self.attn_bias)
-        self.inp = fused.input_buffer(rows, frames)
-        self.time_bias = torch.zeros(len(fused.resnets), rows, fused.width, device=device, dtype=dtype)
-        self.dt = torch.zeros(pairs, device=device, dtype=dtype)
-        self.commit = torch.zeros(rows, device=device, dtype=torch.long)
-        self.kept = torch.zeros(rows, fused.conv_width, device=device, dtype=dtype)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.x_out: torch.Tensor | None = None
-
-    def set_rows(self, rows: StepRows) -> None:
-        """Take over a packing's valid frames and attention mask (same shape)."""
-        self.valid.copy_(rows.valid)
-        if rows.attn_bias is None:
-            self.attn_bias.zero_()
-        else:
-            self.attn_bias.copy_(rows.attn_bias)
-
-    def _call(self) -> torch.Tensor:
-        x_out, _ = self.fused.step(self.rows, self.state, self.inp, self.time_bias, self.dt,
-                                   keep_context=(self.commit, self.kept))
-        return x_out
-
-    def capture(self, pool) -> None:
-        """Run the step once (Triton compiles its kernels), then capture it."""
-        self._call()
-        torch.cuda.synchronize(self.fused.device)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.x_out = self._call()
-
-    def step(self) -> torch.Tensor:
-        """One guided Euler step of every row; x after it (pairs, frames, 80), a view."""
-        if self.graph is None:
-            return self._call()
-        self.graph.replay()
-        return self.x_out
-
-
-# Captured shapes of the engine's step: streams per run, new frames per window (a first chunk
-# with the prompt's open block is ~40-90 frames, later ones up to 2 x 100 tokens + 49), cached
-# frames (a 10 s prompt with 20 s of speech is 1,500). Bigger runs are eager.
-GRAPH_PAIRS = (1, 2, 4, 8, 16)
-GRAPH_FRAMES = (64, 128, 256)
-GRAPH_SLOTS = (256, 512, 768, 1024, 1536)
-
-
-class EngineGraphs:
-    """CUDA graphs of the engine's step for every shape of :data:`GRAPH_PAIRS` x :data:`GRAPH_FRAMES`
-    x :data:`GRAPH_SLOTS`, captured lazily or all at once by :meth:`capture_all`.
-
-    The context of every shape is a view of one buffer sized for the largest (layers x 32 rows x
-    1,792 frames x 1,024 values: 6.6 GB in fp16 for the released model): it is gathered from the
-    page pool before every step, as in the eager path. ``replay`` False keeps the shapes, buffers and
-    padding but runs each step eagerly (what tests on the CPU check of this path).
-    """
-
-    def __init__(self, fused: FusedEstimator, replay: bool = True) -> None:
-        self.fused = fused
-        self.replay = replay
-        rows, keys = 2 * GRAPH_PAIRS[-1], GRAPH_SLOTS[-1] + GRAPH_FRAMES[-1]
-        self.kv = torch.zeros(len(fused.attention_layers), rows, keys, 2 * fused.inner, device=fused.device,
-                              dtype=fused.dtype)
-        self.pool = torch.cuda.graph_pool_handle() if replay else None
-        if fused.kernels == "triton":  # the largest shape's scratch first: the captures then never grow it
-            from ..models.flow.fused_triton import reserve_row_scratch
-            reserve_row_scratch(fused.device, rows * GRAPH_FRAMES[-1], fused.width)
-        self._buffers: dict[tuple[int, int, int], StepBuffers] = {}
-
-    @property
-    def captured(self) -> int:
-        return len(self._buffers)
-
-    def get(self, pairs: int, frames: int, context: int) -> StepBuffers | None:
-        """The captured step for a run of this size (captured now if new), or None past the shapes."""
-        key = tuple(_bucket(value, sizes) for value, sizes in
-                    ((pairs, GRAPH_PAIRS), (frames, GRAPH_FRAMES), (context, GRAPH_SLOTS)))
-        if None in key:
-            return None
-        if key not in self._buffers:
-            buffers = StepBuffers(self.fused, *key, kv=self.kv)
-            if self.replay:
-                buffers.capture(self.pool)
-            self._buffers[key] = buffers
-        return self._buffers[key]
-
-    def capture_all(self) -> None:
-        for pairs in GRAPH_PAIRS:
-            for frames in GRAPH_FRAMES:
-                for slots in GRAPH_SLOTS:
-                    self.get(pairs, frames, slots)
-
-
-def _bucket(value: int, sizes: tuple[int, ...]) -> int | None:
-    return next((size for size in sizes if value <= size), None)
-
-
 class FlowEngine:
     """Incremental streaming flow over packed rows (see the module docstring). Thread-safe.
 
@@ -342,7 +170,7 @@ class FlowEngine:
     of :attr:`page_bytes` each. ``max_voices``: voice
     prefixes kept (least recently used dropped first; under page pressure unused ones go early).
     ``kernels``: the :class:`FusedEstimator` kernels ("auto": Triton on CUDA in fp16/bf16).
-    ``cuda_graphs``: replay the step from CUDA graphs (:class:`EngineGraphs`; captured at
+    ``cuda_graphs``: replay the step from CUDA graphs (:class:`~.step_graphs.EngineGraphs`; captured at
     construction with ``precapture``, else when a shape is first used). ``counters``: where runs,
     windows and their frames (computed, and with the padding of a captured shape) are counted.
     """

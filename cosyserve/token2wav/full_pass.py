@@ -17,7 +17,7 @@ import torch
 
 from ..models.flow import CosyVoice2Flow, fixed_noise
 from ..models.flow.fused import FusedEstimator
-from .flow_engine import GRAPH_PAIRS, EngineGraphs, StepBuffers
+from .step_graphs import GRAPH_PAIRS, EngineGraphs, StepBuffers
 
 # Rows of an eager packed pass are padded to a multiple of this many frames (masked, never returned).
 FRAME_ALIGN = 16
@@ -67,7 +67,7 @@ class FullPassJob:
 class FullPass:
     """Solves batches of :class:`FullPassJob` s over one flow's fused estimator.
 
-    With ``graphs`` (the window steps' :class:`~.flow_engine.EngineGraphs`), a step of up to
+    With ``graphs`` (the window steps' :class:`~.step_graphs.EngineGraphs`), a step of up to
     ``GRAPH_PAIRS[-1]`` jobs of up to ``GRAPH_FRAMES[-1]`` frames replays a CUDA graph of its
     padded shape (captured when first used, or all at once by :meth:`capture_all`): an eager step
     costs ~300 kernel launches of host time. The graphs use the window graphs' key/value buffer

@@ -1,0 +1,132 @@
+"""What one packed Euler step of the incremental flow reads and writes (:class:`StepBuffers`), and
+its CUDA graphs, one per shape bucket (:class:`EngineGraphs`); used by :mod:`.flow_engine`'s windows
+and :mod:`.full_pass`'s passes."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.flow.fused import FusedEstimator, StepRows, StepState, conv_views
+
+
+class StepBuffers:
+    """What one packed Euler step reads and writes, for ``pairs`` streams of up to ``frames`` new
+    frames and ``slots`` context frames: the rows' layout, their context (:class:`StepState`), the
+    input, the step's time bias and dt, the commit points and the conv context kept at them.
+
+    Eager: allocated per run, :meth:`step` calls the fused step. Captured
+    (:meth:`capture`): allocated once per shape, :meth:`step` replays a CUDA graph of the same call;
+    ``kv`` then gives the context buffer, shared by every captured shape (one shape runs at a time).
+    """
+
+    def __init__(self, fused: FusedEstimator, pairs: int, frames: int, slots: int,
+                 kv: torch.Tensor | None = None) -> None:
+        self.fused, self.pairs, self.frames, self.slots = fused, pairs, frames, slots
+        rows = 2 * pairs
+        device, dtype = fused.device, fused.dtype
+        if kv is None:
+            self.state = fused.new_state(rows, slots, frames)
+        else:
+            kv_all = kv[:, :rows, :slots + frames]
+            conv_all = torch.zeros(rows, fused.conv_width, device=device, dtype=dtype)
+            self.state = StepState(kv_all, conv_all, list(kv_all.unbind(0)), conv_views(conv_all, fused.conv_shapes))
+        # keys of row r, slot k at r * key_stride + k of kv_flat (layers, rows * key_stride, values)
+        base = self.state.kv_all if kv is None else kv
+        self.key_stride = base.size(2)
+        self.kv_flat = base.view(base.size(0), base.size(1) * base.size(2), base.size(3))
+        self.valid = torch.zeros(rows, device=device, dtype=torch.int32)
+        self.attn_bias = torch.zeros(rows, 1, frames, slots + frames, device=device, dtype=dtype)
+        self.rows = StepRows(frames, self.valid, (0,) * rows, slots, True, self.attn_bias)
+        self.inp = fused.input_buffer(rows, frames)
+        self.time_bias = torch.zeros(len(fused.resnets), rows, fused.width, device=device, dtype=dtype)
+        self.dt = torch.zeros(pairs, device=device, dtype=dtype)
+        self.commit = torch.zeros(rows, device=device, dtype=torch.long)
+        self.kept = torch.zeros(rows, fused.conv_width, device=device, dtype=dtype)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.x_out: torch.Tensor | None = None
+
+    def set_rows(self, rows: StepRows) -> None:
+        """Take over a packing's valid frames and attention mask (same shape)."""
+        self.valid.copy_(rows.valid)
+        if rows.attn_bias is None:
+            self.attn_bias.zero_()
+        else:
+            self.attn_bias.copy_(rows.attn_bias)
+
+    def _call(self) -> torch.Tensor:
+        x_out, _ = self.fused.step(self.rows, self.state, self.inp, self.time_bias, self.dt,
+                                   keep_context=(self.commit, self.kept))
+        return x_out
+
+    def capture(self, pool) -> None:
+        """Run the step once (Triton compiles its kernels), then capture it."""
+        self._call()
+        torch.cuda.synchronize(self.fused.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.x_out = self._call()
+
+    def step(self) -> torch.Tensor:
+        """One guided Euler step of every row; x after it (pairs, frames, 80), a view."""
+        if self.graph is None:
+            return self._call()
+        self.graph.replay()
+        return self.x_out
+
+
+# Captured shapes of the engine's step: streams per run, new frames per window (a first chunk
+# with the prompt's open block is ~40-90 frames, later ones up to 2 x 100 tokens + 49), cached
+# frames (a 10 s prompt with 20 s of speech is 1,500). Bigger runs are eager.
+GRAPH_PAIRS = (1, 2, 4, 8, 16)
+GRAPH_FRAMES = (64, 128, 256)
+GRAPH_SLOTS = (256, 512, 768, 1024, 1536)
+
+
+class EngineGraphs:
+    """CUDA graphs of the engine's step for every shape of :data:`GRAPH_PAIRS` x :data:`GRAPH_FRAMES`
+    x :data:`GRAPH_SLOTS`, captured lazily or all at once by :meth:`capture_all`.
+
+    The context of every shape is a view of one buffer sized for the largest (layers x 32 rows x
+    1,792 frames x 1,024 values: 6.6 GB in fp16 for the released model): it is gathered from the
+    page pool before every step, as in the eager path. ``replay`` False keeps the shapes, buffers and
+    padding but runs each step eagerly (what tests on the CPU check of this path).
+    """
+
+    def __init__(self, fused: FusedEstimator, replay: bool = True) -> None:
+        self.fused = fused
+        self.replay = replay
+        rows, keys = 2 * GRAPH_PAIRS[-1], GRAPH_SLOTS[-1] + GRAPH_FRAMES[-1]
+        self.kv = torch.zeros(len(fused.attention_layers), rows, keys, 2 * fused.inner, device=fused.device,
+                              dtype=fused.dtype)
+        self.pool = torch.cuda.graph_pool_handle() if replay else None
+        if fused.kernels == "triton":  # the largest shape's scratch first: the captures then never grow it
+            from ..models.flow.fused_triton import reserve_row_scratch
+            reserve_row_scratch(fused.device, rows * GRAPH_FRAMES[-1], fused.width)
+        self._buffers: dict[tuple[int, int, int], StepBuffers] = {}
+
+    @property
+    def captured(self) -> int:
+        return len(self._buffers)
+
+    def get(self, pairs: int, frames: int, context: int) -> StepBuffers | None:
+        """The captured step for a run of this size (captured now if new), or None past the shapes."""
+        key = tuple(_bucket(value, sizes) for value, sizes in
+                    ((pairs, GRAPH_PAIRS), (frames, GRAPH_FRAMES), (context, GRAPH_SLOTS)))
+        if None in key:
+            return None
+        if key not in self._buffers:
+            buffers = StepBuffers(self.fused, *key, kv=self.kv)
+            if self.replay:
+                buffers.capture(self.pool)
+            self._buffers[key] = buffers
+        return self._buffers[key]
+
+    def capture_all(self) -> None:
+        for pairs in GRAPH_PAIRS:
+            for frames in GRAPH_FRAMES:
+                for slots in GRAPH_SLOTS:
+                    self.get(pairs, frames, slots)
+
+
+def _bucket(value: int, sizes: tuple[int, ...]) -> int | None:
+    return next((size for size in sizes if value <= size), None)
