@@ -257,3 +257,16 @@ def test_host_copy_hands_back_each_tensor_flat(sizes):
     assert copy.ready()
     for array, tensor in zip(copy.arrays(), tensors, strict=True):
         np.testing.assert_array_equal(array, tensor.reshape(-1).numpy())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_copy_from_the_gpu_is_ready_after_its_event():
+    from cosyserve.engine.device import HostCopy
+
+    tensors = [torch.randn(n, device="cuda") for n in (4800, 0, 12000)]
+    torch.cuda._sleep(50_000_000)  # the copy queues behind ~tens of ms of GPU work
+    copy = HostCopy(tensors)
+    arrays = copy.arrays()  # waits for the copy
+    assert copy.ready()
+    for array, tensor in zip(arrays, tensors, strict=True):
+        np.testing.assert_array_equal(array, tensor.cpu().numpy())

@@ -7,7 +7,6 @@ HiFT (the reference's computation); streams that open, abort and finish leave no
 
 from __future__ import annotations
 
-import copy
 import threading
 
 import numpy as np
@@ -35,13 +34,18 @@ SMALL_GRID = dict(job_buckets=(1, 2, 4), past_buckets=(0, 50, 100, 200), width_b
                   past_budget=400, width_budget=512)
 
 
-@pytest.fixture(scope="module")
-def models():
+def tiny_models() -> tuple[CosyVoice3Flow, CausalHiFTGenerator]:
+    """The tiny flow and HiFT, seeded: each call builds the same weights anew."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         flow = CosyVoice3Flow(Cv3FlowConfig.tiny())
         hift = CausalHiFTGenerator(CausalHiftConfig.tiny()).f0_in_float64().fold_weight_norm()
     return flow.eval().requires_grad_(False), hift.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_models()
 
 
 def random_features(prompt_tokens: int, seed: int) -> PromptFeatures:
@@ -208,9 +212,9 @@ def test_a_failed_capture_runs_that_shape_eagerly(models, features, caplog):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_graphs_replay_the_eager_steps(models, features):
+def test_graphs_replay_the_eager_steps(features):
     """Every shape of the grid captured at load; the streams' steps replay them (none captured under load)."""
-    flow, hift = (copy.deepcopy(m).to("cuda") for m in models)
+    flow, hift = (m.to("cuda") for m in tiny_models())  # built anew: HiFT holds a lock, which deepcopy cannot copy
     eager = CosyVoice3Kind(flow, hift, "cuda", max_voices=1, padded=True, **SMALL_GRID)  # the same shapes
     graphed = CosyVoice3Kind(flow, hift, "cuda", max_voices=1, cuda_graphs=True, **SMALL_GRID)
     assert graphed.sampler.capture_all() == len(graphed.sampler.grid())
