@@ -28,6 +28,8 @@ SAMPLES_PER_CHAR = 240  # the fake voice: 10 ms of audio per character
      "end"),
     (["你好，世界。今天", "天气很好！"], ["你好，世界。", "今天天气很好！"], None),
     (["It costs 3.5 dollars. "], ["It costs 3.5 dollars."], None),
+    (["Whole sentences.", "Sent without a space!", "And a clause"], ["Whole sentences.", "Sent without a space!"],
+     "And a clause"),
     (["word " * 80], ["word " * 59 + "word"], "word " * 20),
 ])
 def test_text_is_cut_at_sentence_ends_long_clauses_and_spaces(feeds, pieces, rest):
@@ -155,7 +157,29 @@ def test_contexts_of_one_socket_speak_apart_and_close_socket_ends_them_all():
     assert messages[-1] == {"close": 1000}
 
 
-def test_close_context_stops_it_at_once_and_the_others_go_on():
+def test_close_context_voices_what_was_sent_then_answers_final():
+    """Pipecat's end of a turn: the sentences, a flush, close_context; the audio ends, then isFinal."""
+    voice = FakeVoice()
+    with TestClient(app_for(voice, multi=True)).websocket_connect("/ws") as ws:
+        ws.send_text(json.dumps({"text": ""}))  # a keep-alive before any context: opens none
+        ws.send_text(json.dumps({"text": " ", "context_id": "turn1", "voice_settings": {"speed": 1.0}}))
+        ws.send_text(json.dumps({"text": "Hello there.", "context_id": "turn1"}))
+        ws.send_text(json.dumps({"text": "How can I help", "context_id": "turn1"}))
+        ws.send_text(json.dumps({"context_id": "turn1", "flush": True}))
+        ws.send_text(json.dumps({"context_id": "turn1", "close_context": True}))
+        messages = [json.loads(ws.receive_text())]
+        while not messages[-1].get("isFinal"):
+            messages.append(json.loads(ws.receive_text()))
+        ws.send_text(json.dumps({"close_socket": True}))
+        messages += received(ws)
+    assert voice.started == ["Hello there.", "How can I help"]
+    assert pcm(messages, "turn1").size == len("Hello there.How can I help") * SAMPLES_PER_CHAR
+    finals = [m for m in messages if m.get("isFinal")]
+    assert finals == [{"isFinal": True, "contextId": "turn1"}]  # none for a "default" context
+    assert messages.index(finals[0]) > max(i for i, m in enumerate(messages) if m.get("audio"))
+
+
+def test_a_new_context_cancels_a_closed_one_still_voicing():
     voice = FakeVoice(delay_s=0.05)
     with TestClient(app_for(voice, multi=True)).websocket_connect("/ws") as ws:
         ws.send_text(json.dumps({"text": "A long sentence that is interrupted soon. " * 3, "context_id": "old"}))

@@ -5,9 +5,11 @@
   ``{"text": ""}``, which ends the input; the server sends ``{"audio": "<base64>", "isFinal": null,
   ...}`` as audio is ready, ``{"isFinal": true}`` after the last of it, and closes the socket.
 * ``/v1/text-to-speech/{voice_id}/multi-stream-input``: several utterances (contexts) on one socket:
-  each message names its ``context_id`` (a default context when it does not); ``flush``,
-  ``{"context_id", "close_context": true}`` and ``{"close_socket": true}``; the replies carry
-  ``contextId``.
+  each message names its ``context_id`` (a default context when it does not); ``flush``;
+  ``{"context_id", "close_context": true}`` voices what was cut or flushed, then answers
+  ``isFinal`` for the context; ``{"close_socket": true}`` does that for every context and closes
+  the socket; the replies carry ``contextId``. A new context cancels the closed ones still voicing
+  (an agent interrupted by its listener closes its context and opens another).
 
 Text is cut into pieces at sentence ends and, once a piece is long enough, at clause ends (and at
 ``flush``, and at the end); each piece is a speech request of its own to Triton, started as soon as
@@ -19,8 +21,8 @@ retry one piece of its utterance. Closing a context, or the socket, cancels its 
 
 Differences from ElevenLabs': no alignment yet (``alignment`` and ``normalizedAlignment`` are
 null); ``voice_settings``, ``generation_config`` and ``pronunciation_dictionary_locators`` are
-accepted and ignored; ``close_context`` stops the context at once (its audio not yet sent is
-dropped), which is what an agent interrupting it wants.
+accepted and ignored; text is voiced by sentence (or long clause) as soon as it is complete,
+not after ElevenLabs' ``chunk_length_schedule`` of characters.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ DEFAULT_CONTEXT = "default"
 
 _SENTENCE_END = re.compile(r"[.!?;](?=\s)|[。！？；…]|\n")
 _CLAUSE_END = re.compile(r"[,:](?=\s)|[，、：]")
+_MESSAGE_END = re.compile(r"[.!?]$")
 
 # WebSocket close codes: RFC 6455's, and 4000-4999 for the application's own.
 CLOSE_NORMAL, CLOSE_UNSUPPORTED, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_INTERNAL, CLOSE_TRY_LATER = (
@@ -68,13 +71,17 @@ class TextSplitter:
         self._buffer = ""
 
     def feed(self, text: str) -> list[str]:
-        """The pieces that ``text`` completes."""
+        """The pieces that ``text`` completes. A message that ends with a sentence's end mark ends
+        its sentence too (clients that send whole sentences send no space after them)."""
         self._buffer += text
         pieces = []
         while (cut := self._cut()) is not None:
             piece, self._buffer = self._buffer[:cut], self._buffer[cut:]
             if piece.strip():
                 pieces.append(piece.strip())
+        if _MESSAGE_END.search(self._buffer) and self._buffer.strip():
+            pieces.append(self._buffer.strip())
+            self._buffer = ""
         return pieces
 
     def flush(self) -> str | None:
@@ -131,6 +138,11 @@ class Utterance:
         self._speaker = asyncio.create_task(self._speak())
 
     @property
+    def done(self) -> bool:
+        """Its last message is sent (or it failed, or was cancelled)."""
+        return self._speaker.done()
+
+    @property
     def speaking(self) -> bool:
         """Whether audio is still to come for text already cut into pieces."""
         return self._unsent > 0 and not self._speaker.done()
@@ -143,11 +155,11 @@ class Utterance:
         for piece in pieces:
             self._start(piece)
 
-    def end(self) -> None:
-        """No more text: voice what is buffered; the send of None follows the last audio."""
+    def end(self, voice_buffered: bool = True) -> None:
+        """No more text: voice what is buffered (or drop it); the send of None follows the last audio."""
         if not self.ended:
             self.ended = True
-            if (rest := self.splitter.flush()) is not None:
+            if (rest := self.splitter.flush()) is not None and voice_buffered:
                 self._start(rest)
             self._pieces.put_nowait(None)
 
@@ -342,22 +354,42 @@ class SpeechSocket:
                 self._finished.set()
             return
         if message.get("close_context"):
-            utterance = self._contexts.pop(context, None)
-            if utterance is not None:
-                await utterance.cancel()
-                await self._send_text(final_message(context))
+            utterance = self._contexts.get(context)
+            if utterance is not None and not utterance.ended:
+                utterance.end(voice_buffered=False)  # what was cut or flushed is voiced, then isFinal
             return
         text, flush = message.get("text"), message.get("flush", False)
         if text is None and not flush:
             raise ProtocolError("a message needs 'text', 'flush', 'close_context' or 'close_socket'")
         if self._ended:
             raise ProtocolError("text after close_socket")
-        utterance = self._contexts.get(context) or self._open(context)
+        utterance = self._contexts.get(context)
+        if utterance is None or utterance.ended:  # a new context (a closed one's id starts a new one)
+            if not text and not flush:
+                return  # a keep-alive: nothing to keep
+            await self._interrupt()
+            utterance = self._open(context)
         utterance.add(text or "", flush=flush)  # "" alone keeps the context alive
+
+    async def _interrupt(self) -> None:
+        """A new context: the closed ones still voicing are cancelled, each answered isFinal (an
+        agent closes its context and opens another when its listener barges in)."""
+        for context, utterance in list(self._contexts.items()):
+            if utterance.ended and not utterance.done:
+                del self._contexts[context]
+                await utterance.cancel()
+                await self._send_text(final_message(context))
 
     def _open(self, context: str | None) -> Utterance:
         encoder = self._encoder()
         label = context if self.multi else None
+        utterance: Utterance | None = None
+
+        def forget() -> None:  # this utterance's context only (its id may have been opened again)
+            if self._contexts.get(context) is utterance:
+                del self._contexts[context]
+            if not self.multi or (self._ended and not self._contexts):
+                self._finished.set()
 
         async def send(chunk: np.ndarray | None) -> None:
             data = encoder.encode(chunk) if chunk is not None else encoder.finish()
@@ -365,20 +397,17 @@ class SpeechSocket:
                 await self._send_text(audio_message(data, label))
             if chunk is None:
                 await self._send_text(final_message(label))
-                self._contexts.pop(context, None)
-                if not self.multi or (self._ended and not self._contexts):
-                    self._finished.set()
+                forget()
 
         async def failed(exc: BaseException) -> None:
             message, code, close_code = self._error_of(exc)
-            self._contexts.pop(context, None)
             try:
                 await self._send_text(error_message(message, code, label))
             except Exception:  # the client is gone (a failed send may be what ended the utterance)
                 pass
-            if not self.multi or (self._ended and not self._contexts):
+            if not self.multi or (self._ended and len(self._contexts) <= 1):
                 self._close_code, self._close_reason = close_code, close_reason(message)
-                self._finished.set()
+            forget()
 
         utterance = self._contexts[context] = Utterance(self._stream, self.speaker_id, send, failed)
         return utterance
