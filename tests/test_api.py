@@ -494,6 +494,46 @@ def test_the_text_socket_benchmark_measures_sockets_at_once(api, idle_server, tm
     assert "| 2 | 0 |" in done.stdout
 
 
+def test_pipecat_elevenlabs_service_speaks_through_the_socket(api, idle_server):
+    """Pipecat's own ElevenLabsTTSService (the multi-context socket), pointed at this server: two
+    sentences in, their audio out as TTSAudioRawFrames at 24 kHz, the turn ended by Pipecat."""
+    pytest.importorskip("pipecat")
+    import asyncio
+
+    from pipecat.frames.frames import EndFrame, TTSAudioRawFrame, TTSSpeakFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.runner import PipelineRunner
+    from pipecat.pipeline.task import PipelineTask
+    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
+
+    class Collector(FrameProcessor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.audio = bytearray()
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            if isinstance(frame, TTSAudioRawFrame):
+                assert frame.sample_rate == 24000
+                self.audio += frame.audio
+            await self.push_frame(frame, direction)
+
+    async def run() -> bytes:
+        tts = ElevenLabsTTSService(api_key=API_KEY, url=f"ws://127.0.0.1:{api.port}", sample_rate=24000,
+                                   settings=ElevenLabsTTSService.Settings(voice="001", model="cosyvoice2"))
+        collector = Collector()
+        task = PipelineTask(Pipeline([tts, collector]))
+        await task.queue_frames([TTSSpeakFrame("Hello there. How are you today?"), EndFrame()])
+        await asyncio.wait_for(PipelineRunner(handle_sigint=False).run(task), 120)
+        return bytes(collector.audio)
+
+    audio = asyncio.run(run())
+    # whole sentences of NUM_TOKENS tokens each: both (as measured here), or the first alone where
+    # Pipecat's end of the pipeline comes before the second sentence's audio
+    assert len(audio) // 2 in (SAMPLES, 2 * SAMPLES)
+
+
 @pytest.mark.parametrize("voice, query, first, words", [
     ("nobody", {}, {"text": " "}, "unknown"),
     ("001", {"model_id": "cosyvoice9"}, {"text": " "}, "not served"),
