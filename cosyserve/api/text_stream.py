@@ -127,7 +127,7 @@ class Utterance:
     def __init__(self, stream: Callable[[Synthesis], AsyncIterator[np.ndarray]], speaker_id: str | None,
                  send: Callable[[np.ndarray | None], Awaitable[None]],
                  failed: Callable[[BaseException], Awaitable[None]], ahead: int = PIECES_AHEAD):
-        self.splitter = TextSplitter()
+        self._splitter = TextSplitter()
         self._stream, self._speaker_id = stream, speaker_id
         self._send, self._failed = send, failed
         self._running = asyncio.Semaphore(ahead)
@@ -149,8 +149,8 @@ class Utterance:
 
     def add(self, text: str, flush: bool = False) -> None:
         """Text of the utterance (``flush``: voice everything buffered now)."""
-        pieces = self.splitter.feed(text)
-        if flush and (rest := self.splitter.flush()) is not None:
+        pieces = self._splitter.feed(text)
+        if flush and (rest := self._splitter.flush()) is not None:
             pieces.append(rest)
         for piece in pieces:
             self._start(piece)
@@ -159,12 +159,9 @@ class Utterance:
         """No more text: voice what is buffered (or drop it); the send of None follows the last audio."""
         if not self.ended:
             self.ended = True
-            if (rest := self.splitter.flush()) is not None and voice_buffered:
+            if (rest := self._splitter.flush()) is not None and voice_buffered:
                 self._start(rest)
             self._pieces.put_nowait(None)
-
-    async def finished(self) -> None:
-        await asyncio.shield(self._speaker)
 
     async def cancel(self) -> None:
         """Stop at once: every request under way is cancelled, nothing more is sent."""
