@@ -122,7 +122,17 @@ def test_a_stream_speaks_its_pieces_in_order_while_later_ones_are_requested():
     bounds = np.cumsum([0] + sizes)
     for number in range(3):  # each piece's audio whole and in order
         assert np.all(np.abs(audio[bounds[number]:bounds[number + 1]] - round(number / 100 * 32767)) <= 1)
-    assert all(m["isFinal"] is None and m["alignment"] is None for m in messages[:-2])
+    audio = [m for m in messages if m.get("audio")]
+    aligned = [m for m in messages if m.get("audio") == ""]
+    assert all(m["isFinal"] is None and m["alignment"] is None for m in audio)
+    # each piece's estimated alignment after its audio: its characters, spread over its audio
+    assert ["".join(m["alignment"]["chars"]) for m in aligned] == [piece + " " for piece in voice.started]
+    for m, piece in zip(aligned, voice.started):
+        times = m["normalizedAlignment"]
+        assert times == m["alignment"] and len(times["charStartTimesMs"]) == len(piece) + 1
+        assert times["charStartTimesMs"][0] == 0
+        assert sum(times["charDurationsMs"]) == round(1000 * len(piece) * SAMPLES_PER_CHAR / 24000)
+        assert all(b >= a for a, b in zip(times["charStartTimesMs"], times["charStartTimesMs"][1:]))
     assert voice.most_running >= 2 and sorted(voice.closed) == sorted(voice.started)
 
 
@@ -253,10 +263,13 @@ def test_utterance_cancel_ends_every_request():
         async def send(chunk):
             sent.append(chunk)
 
+        async def spoken(text, samples):
+            pass
+
         async def failed(exc):
             raise AssertionError(exc)
 
-        utterance = Utterance(voice.stream, None, send, failed)
+        utterance = Utterance(voice.stream, None, send, spoken, failed)
         utterance.add("One sentence here. Another one there. A third one too. ")
         await asyncio.sleep(0.08)
         await utterance.cancel()

@@ -19,8 +19,9 @@ utterance run at once. A piece the server refuses as overloaded (before any of i
 again every :data:`OVERLOAD_RETRY_S` for up to :data:`OVERLOAD_WAIT_S`: a socket's client cannot
 retry one piece of its utterance. Closing a context, or the socket, cancels its requests under way.
 
-Differences from ElevenLabs': no alignment yet (``alignment`` and ``normalizedAlignment`` are
-null); ``voice_settings``, ``generation_config`` and ``pronunciation_dictionary_locators`` are
+Differences from ElevenLabs': the alignment is estimated and comes per piece (an audio message
+without audio after each piece's last audio, its characters sharing the piece's audio evenly: the
+model gives no timing per character); ``voice_settings``, ``generation_config`` and ``pronunciation_dictionary_locators`` are
 accepted and ignored; text is voiced by sentence (or long clause) as soon as it is complete,
 not after ElevenLabs' ``chunk_length_schedule`` of characters.
 """
@@ -38,6 +39,7 @@ import numpy as np
 
 from ..engine.front_end import MAX_SEGMENT_CHARS
 from ..errors import is_overload
+from ..schedule import OUTPUT_SAMPLE_RATE
 from .triton import Synthesis
 
 # A piece is cut at a clause end (a comma, a colon...) once it holds this many characters; at a
@@ -121,15 +123,17 @@ class _Piece:
 class Utterance:
     """One context's speech: its pieces' requests (at most ``ahead`` running) and the task that
     sends their audio in order. ``stream(synthesis)`` is the speech request (Triton's chunks);
-    ``send(chunk or None at the end)`` takes the audio out; ``failed(exc)`` hears of a request
-    that failed (the utterance then stops)."""
+    ``send(chunk or None at the end)`` takes the audio out; ``spoken(text, samples)`` hears of each
+    piece once its audio is all sent; ``failed(exc)`` of a request that failed (the utterance then
+    stops)."""
 
     def __init__(self, stream: Callable[[Synthesis], AsyncIterator[np.ndarray]], speaker_id: str | None,
                  send: Callable[[np.ndarray | None], Awaitable[None]],
+                 spoken: Callable[[str, int], Awaitable[None]],
                  failed: Callable[[BaseException], Awaitable[None]], ahead: int = PIECES_AHEAD):
         self._splitter = TextSplitter()
         self._stream, self._speaker_id = stream, speaker_id
-        self._send, self._failed = send, failed
+        self._send, self._spoken, self._failed = send, spoken, failed
         self._running = asyncio.Semaphore(ahead)
         self._pieces: asyncio.Queue[_Piece | None] = asyncio.Queue()
         self._all: list[_Piece] = []
@@ -202,10 +206,13 @@ class Utterance:
     async def _speak(self) -> None:
         try:
             while (piece := await self._pieces.get()) is not None:
+                samples = 0
                 while (item := await piece.audio.get()) is not None:
                     if isinstance(item, BaseException):
                         raise item
+                    samples += item.size
                     await self._send(item)
+                await self._spoken(piece.text, samples)
                 self._unsent -= 1
             await self._send(None)
         except asyncio.CancelledError:
@@ -249,6 +256,27 @@ def close_reason(message: str) -> str:
 def audio_message(data: bytes, context_id: str | None) -> str:
     message = {"audio": base64.b64encode(data).decode("ascii"), "isFinal": None, "normalizedAlignment": None,
                "alignment": None}
+    if context_id is not None:
+        message["contextId"] = context_id
+    return json.dumps(message)
+
+
+def alignment(text: str, samples: int) -> dict:
+    """ElevenLabs' character alignment of a piece voiced in ``samples`` samples, *estimated*: the
+    model gives no timing per character, so the piece's characters (and the space after it, which
+    ends its last word for clients that split words at spaces) share its audio evenly."""
+    chars = list(text) + [" "]
+    total_ms = 1000.0 * samples / OUTPUT_SAMPLE_RATE
+    starts = [round(total_ms * i / len(chars)) for i in range(len(chars))]
+    ends = starts[1:] + [round(total_ms)]
+    return {"chars": chars, "charStartTimesMs": starts, "charDurationsMs": [e - s for s, e in zip(starts, ends)]}
+
+
+def alignment_message(text: str, samples: int, context_id: str | None) -> str:
+    """After a piece's last audio: an audio message without audio that carries the piece's
+    alignment, its times counted from the piece's first sample (clients add the alignments up)."""
+    aligned = alignment(text, samples)
+    message = {"audio": "", "isFinal": None, "normalizedAlignment": aligned, "alignment": aligned}
     if context_id is not None:
         message["contextId"] = context_id
     return json.dumps(message)
@@ -396,6 +424,9 @@ class SpeechSocket:
                 await self._send_text(final_message(label))
                 forget()
 
+        async def spoken(text: str, samples: int) -> None:
+            await self._send_text(alignment_message(text, samples, label))
+
         async def failed(exc: BaseException) -> None:
             message, code, close_code = self._error_of(exc)
             try:
@@ -406,7 +437,7 @@ class SpeechSocket:
                 self._close_code, self._close_reason = close_code, close_reason(message)
             forget()
 
-        utterance = self._contexts[context] = Utterance(self._stream, self.speaker_id, send, failed)
+        utterance = self._contexts[context] = Utterance(self._stream, self.speaker_id, send, spoken, failed)
         return utterance
 
     async def _send_text(self, text: str) -> None:
