@@ -39,7 +39,8 @@ from .encoding import MEDIA_TYPES, make_encoder, output_format_encoder
 from .errors import RETRY_AFTER_S, APIError, install_handlers, triton_error
 from .router import TritonRouter
 from .text_stream import (CLOSE_INTERNAL, CLOSE_POLICY, CLOSE_TRY_LATER, DEFAULT_INACTIVITY_TIMEOUT_S,
-                          MAX_INACTIVITY_TIMEOUT_S, ProtocolError, SpeechSocket, close_reason, error_message)
+                          MAX_INACTIVITY_TIMEOUT_S, ProtocolError, SpeechSocket, api_key, close_reason,
+                          error_message)
 from .triton import Synthesis
 from .voices import VoiceCatalog, prompt_wav16
 
@@ -108,11 +109,8 @@ def _socket_key(websocket: WebSocket) -> str | None:
     """A WebSocket's API key: ElevenLabs' ``xi-api-key`` header, a Bearer header, or the query's
     ``xi_api_key`` / ``authorization`` (browsers cannot set headers on a WebSocket)."""
     query = websocket.query_params
-    key = (websocket.headers.get("xi-api-key") or _bearer_key(websocket) or query.get("xi_api_key")
-           or query.get("authorization"))
-    if key and key.lower().startswith("bearer "):
-        key = key[7:]
-    return key.strip() if key and key.strip() else None
+    return api_key(websocket.headers.get("xi-api-key") or _bearer_key(websocket) or query.get("xi_api_key")
+                   or query.get("authorization"))
 
 
 def _socket_error(exc: BaseException) -> tuple[str, str, int]:

@@ -253,12 +253,14 @@ def close_reason(message: str) -> str:
     return message.encode()[:120].decode(errors="ignore")
 
 
+def _reply(payload: dict, context_id: str | None) -> str:
+    """A server message as JSON; a multi-context socket's names its context."""
+    return json.dumps(payload if context_id is None else {**payload, "contextId": context_id})
+
+
 def audio_message(data: bytes, context_id: str | None) -> str:
-    message = {"audio": base64.b64encode(data).decode("ascii"), "isFinal": None, "normalizedAlignment": None,
-               "alignment": None}
-    if context_id is not None:
-        message["contextId"] = context_id
-    return json.dumps(message)
+    return _reply({"audio": base64.b64encode(data).decode("ascii"), "isFinal": None, "normalizedAlignment": None,
+                   "alignment": None}, context_id)
 
 
 def alignment(text: str, samples: int) -> dict:
@@ -276,21 +278,24 @@ def alignment_message(text: str, samples: int, context_id: str | None) -> str:
     """After a piece's last audio: an audio message without audio that carries the piece's
     alignment, its times counted from the piece's first sample (clients add the alignments up)."""
     aligned = alignment(text, samples)
-    message = {"audio": "", "isFinal": None, "normalizedAlignment": aligned, "alignment": aligned}
-    if context_id is not None:
-        message["contextId"] = context_id
-    return json.dumps(message)
+    return _reply({"audio": "", "isFinal": None, "normalizedAlignment": aligned, "alignment": aligned}, context_id)
 
 
 def final_message(context_id: str | None) -> str:
-    return json.dumps({"isFinal": True} if context_id is None else {"isFinal": True, "contextId": context_id})
+    return _reply({"isFinal": True}, context_id)
 
 
 def error_message(message: str, code: str, context_id: str | None = None) -> str:
-    payload = {"error": code, "message": message}
-    if context_id is not None:
-        payload["contextId"] = context_id
-    return json.dumps(payload)
+    return _reply({"error": code, "message": message}, context_id)
+
+
+def api_key(value: object) -> str | None:
+    """An API key as a client sends it (``Bearer`` prefix or not), or None if there is none."""
+    if not isinstance(value, str):
+        return None
+    if value.lower().startswith("bearer "):
+        value = value[7:]
+    return value.strip() or None
 
 
 class SpeechSocket:
@@ -454,7 +459,4 @@ class SpeechSocket:
 
 def _message_key(message: dict) -> str | None:
     """The API key a first message carries (``xi_api_key``, ``xi-api-key`` or ``authorization``)."""
-    key = message.get("xi_api_key") or message.get("xi-api-key") or message.get("authorization")
-    if isinstance(key, str) and key.lower().startswith("bearer "):
-        key = key[7:]
-    return key.strip() if isinstance(key, str) and key.strip() else None
+    return api_key(message.get("xi_api_key") or message.get("xi-api-key") or message.get("authorization"))

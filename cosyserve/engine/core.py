@@ -370,10 +370,9 @@ class EngineCore:
     def _vocode(self, batch: list[tuple[SegmentState, RequestState]]) -> None:
         """HiFT of the solved batch, launched, and its PCM's copy to the host; the batch joins
         those in flight."""
-        items = []
-        for seg, state in batch:
-            items.append((seg.flow if seg.schedule is not None else None, self.kind.mel(seg.job), seg.job.finalize))
         finals = [seg.job.finalize for seg, _ in batch]
+        items = [(seg.flow if seg.schedule is not None else None, self.kind.mel(seg.job), final)
+                 for (seg, _), final in zip(batch, finals)]
         for seg, state in batch:
             seg.job = None
             seg.emitting = True

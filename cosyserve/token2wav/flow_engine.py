@@ -492,9 +492,7 @@ class FlowEngine:
                 context = pool.data[context_pages, step]  # (pages, layers, 2, page, width)
                 kv.index_copy_(1, context_keys, context.transpose(0, 1).reshape(layers, -1, width))
             conv_all.index_copy_(0, rows, conv[step])
-            buffers.time_bias.copy_(self._time_bias[step][:, None, :].expand_as(buffers.time_bias))
-            buffers.dt.copy_(self._dt[step].expand_as(buffers.dt))
-            x_out = buffers.step()
+            x_out = buffers.step(self._time_bias[step], self._dt[step])
             kept[step] = buffers.kept.index_select(0, rows)
             if new_pages is not None:
                 blocks = kv.index_select(1, new_keys).unflatten(1, (len(new_pages), 2, page))

@@ -142,9 +142,7 @@ class FullPass:
         for j, job in enumerate(jobs):
             fused.fill_input(buffers.inp, (j, pairs + j), job.x, job.mu, job.spks, job.cond)
         for step in range(self.n_timesteps):
-            buffers.time_bias.copy_(self._time_bias[step][:, None, :].expand_as(buffers.time_bias))
-            buffers.dt.copy_(self._dt[step].expand_as(buffers.dt))
-            x_out = buffers.step()
+            x_out = buffers.step(self._time_bias[step], self._dt[step])
         for j, job in enumerate(jobs):
             job.x = x_out[j, :job.frames].T[None].clone()
             job.solved = True

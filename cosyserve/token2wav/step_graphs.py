@@ -66,8 +66,11 @@ class StepBuffers:
         with torch.cuda.graph(self.graph, pool=pool):
             self.x_out = self._call()
 
-    def step(self) -> torch.Tensor:
-        """One guided Euler step of every row; x after it (pairs, frames, 80), a view."""
+    def step(self, time_bias: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """One guided Euler step of every row, all at the step of ``time_bias`` (resnets, width) and
+        ``dt`` (a 0-d tensor); x after it (pairs, frames, 80), a view."""
+        self.time_bias.copy_(time_bias[:, None, :].expand_as(self.time_bias))
+        self.dt.copy_(dt.expand_as(self.dt))
         if self.graph is None:
             return self._call()
         self.graph.replay()
