@@ -51,13 +51,15 @@ def build_inputs(
     max_tokens: int | None = None,
     min_tokens: int | None = None,
     instruction: str | None = None,
+    prepare_voice: bool = False,
 ) -> list:
     """The request's input tensors for ``protocol`` (``tritonclient.http`` or ``tritonclient.grpc``).
 
     ``waveform=None`` sends no reference (the server must know ``speaker_id`` already, or use
     its cached default speaker). ``max_tokens``/``min_tokens`` override the server's speech-token
     limits for this request (both equal: exactly that many tokens). ``instruction`` asks for
-    instruct mode (the front door's optional ``instruction`` input).
+    instruct mode (the front door's optional ``instruction`` input). ``prepare_voice``: the request
+    only has the server compute and keep the voice's state (no audio; ``target_text`` is not read).
     """
     if not target_text:
         raise InvalidInputError("target text is empty")
@@ -76,6 +78,8 @@ def build_inputs(
         tensors.append(("speaker_id", _bytes_tensor(speaker_id), "BYTES"))
     if instruction is not None:
         tensors.append(("instruction", _bytes_tensor(instruction), "BYTES"))
+    if prepare_voice:
+        tensors.append(("prepare_voice", np.array([[True]]), "BOOL"))
     for name, value, least in (("max_tokens", max_tokens, 1), ("min_tokens", min_tokens, 0)):
         if value is not None:
             if value < least:

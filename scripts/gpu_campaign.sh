@@ -12,11 +12,14 @@
 #      when $VENV/bin/python is missing, so VENV=.venv on a development machine skips it)
 #   1  environment: nvidia-smi, torch/numpy/package versions, git HEAD
 #   2  bundle: MODEL_SOURCE=real|tiny random-weight bundle in MODELS_DIR (run.sh 0 0; once: kept if there)
-#   3  engine in-process: bench_engine.py -> $OUT/engine.json
+#   3  engine in-process: bench_frontend.py (new voices' front end: tokenizer, CAM++, the whole voice)
+#      -> $OUT/frontend.md, then bench_engine.py (with new clips, alone and while streams play)
+#      -> $OUT/engine.json
 #   4  Triton: run.sh 2 3 (no API), client_grpc.py at GRPC_LEVELS -> $OUT/triton_grpc.json
 #   5  API: python -m cosyserve.api next to that Triton (run.sh's command), bench_api.py at each of
 #      API_RATES with the texts of each of API_LANGS in turn -> $OUT/api.json; then the text-in
-#      WebSocket, bench_text_socket.py at SOCKET_LEVELS sockets at once -> $OUT/sockets.json
+#      WebSocket, bench_text_socket.py at SOCKET_LEVELS sockets at once -> $OUT/sockets.json; first (idle
+#      server) bench_voice_upload.py: UPLOAD_ROUNDS voices uploaded and spoken at once -> $OUT/voice_upload.json
 #   6  stop: bash run.sh stop (the API and Triton; also done on exit whenever stage 4 or 5 ran)
 #   7  report: scripts/campaign_report.py -> $OUT/report.md (printed)
 #
@@ -67,7 +70,8 @@ MIN_TOKENS=${MIN_TOKENS:-$TOKENS}
 MAX_TOKENS=${MAX_TOKENS:-$TOKENS}
 
 # stage 3: engine in-process
-ENGINE_MODEL=${ENGINE_MODEL:-cosyvoice2}
+ENGINE_MODEL=${ENGINE_MODEL:-cosyvoice2}            # its report: engine.json
+ENGINE_MODELS=${ENGINE_MODELS:-$ENGINE_MODEL}        # each in turn; the others' reports: engine_<model>.json
 ENGINE_DEVICE=${ENGINE_DEVICE:-auto}
 ENGINE_CONCURRENCY=${ENGINE_CONCURRENCY:-1 16}
 ENGINE_REQUESTS_PER_SENDER=${ENGINE_REQUESTS_PER_SENDER:-2}
@@ -76,8 +80,12 @@ ENGINE_SECONDS_PER_RATE=${ENGINE_SECONDS_PER_RATE:-10}
 ENGINE_PROFILE_RATE=${ENGINE_PROFILE_RATE:-8}       # a last level under torch.profiler (0: none)
 ENGINE_PROFILE_SECONDS=${ENGINE_PROFILE_SECONDS:-3}
 ENGINE_SYNC_DEBUG_RATE=${ENGINE_SYNC_DEBUG_RATE:-8}  # then one under torch's sync debug mode (0: none)
+ENGINE_NEW_CLIPS=${ENGINE_NEW_CLIPS-1 8}           # never-seen 3-8 s clips arriving together (empty: none)
+ENGINE_NEW_CLIPS_WHILE_PLAYING=${ENGINE_NEW_CLIPS_WHILE_PLAYING-16}  # those again while this many streams play
 ENGINE_EXTRA_ARGS=${ENGINE_EXTRA_ARGS:-}
 ENGINE_TIMEOUT=${ENGINE_TIMEOUT:-200}
+FRONTEND_BATCHES=${FRONTEND_BATCHES-1,8}           # bench_frontend.py's batch sizes (empty: not run)
+FRONTEND_TIMEOUT=${FRONTEND_TIMEOUT:-120}
 
 # stage 4: Triton (run.sh's variables pass through: DEVICE, CUDA_MPS, ports, ...) and client_grpc.py
 GRPC_PORT=${GRPC_PORT:-8001}
@@ -98,6 +106,9 @@ API_SECONDS_PER_RATE=${API_SECONDS_PER_RATE:-10}   # bench_api.py sends at least
 API_REQUESTS_PER_RATE=${API_REQUESTS_PER_RATE:-}    # instead of seconds: this many a rate
 API_REQUEST_TIMEOUT=${API_REQUEST_TIMEOUT:-30}   # a request still unfinished then counts as failed
 SOCKET_LEVELS=${SOCKET_LEVELS:-1 16}          # text-in sockets at once (empty: none)
+UPLOAD_ROUNDS=${UPLOAD_ROUNDS:-5}             # voices uploaded and spoken at once (bench_voice_upload.py; 0: none)
+UPLOAD_SECONDS=${UPLOAD_SECONDS:-10}          # each upload's WAV
+UPLOAD_TIMEOUT=${UPLOAD_TIMEOUT:-60}
 SOCKET_CHARS_PER_S=${SOCKET_CHARS_PER_S:-20}  # how fast each socket's text is sent
 SOCKET_TIMEOUT=${SOCKET_TIMEOUT:-90}
 API_RATE_TIMEOUT=${API_RATE_TIMEOUT:-$((API_SECONDS_PER_RATE + API_REQUEST_TIMEOUT + 20))}  # one rate, one language
@@ -281,14 +292,32 @@ fi
 
 # --- 3: engine in-process -------------------------------------------------------------------------------
 if wanted 3; then
-  rm -f "$OUT/engine.json"
+  rm -f "$OUT/engine.json" "$OUT/frontend.md"
+  if [ -n "$FRONTEND_BATCHES" ]; then
+    step frontend "$FRONTEND_TIMEOUT" "$PY" "$repo_root/scripts/bench_frontend.py" \
+      --model-dir "$MODELS_DIR/CosyVoice2-0.5B" --backends torch --batches "$FRONTEND_BATCHES" --out "$OUT/frontend.md"
+    case " $ENGINE_MODELS " in *" cosyvoice3 "*)  # CosyVoice3's own speech tokenizer (v3)
+      step frontend_v3 "$FRONTEND_TIMEOUT" "$PY" "$repo_root/scripts/bench_frontend.py" \
+        --model-dir "$MODELS_DIR/Fun-CosyVoice3-0.5B-2512" --tokenizer speech_tokenizer_v3.onnx --backends torch \
+        --batches "$FRONTEND_BATCHES" --out "$OUT/frontend_v3.md" ;;
+    esac
+  fi
+  new_clip_args=()
+  [ -z "$ENGINE_NEW_CLIPS" ] || new_clip_args=(--new-clips $ENGINE_NEW_CLIPS)
+  [ -z "$ENGINE_NEW_CLIPS" ] || [ -z "$ENGINE_NEW_CLIPS_WHILE_PLAYING" ] || \
+    new_clip_args+=(--new-clips-while-playing $ENGINE_NEW_CLIPS_WHILE_PLAYING)
+  for model in $ENGINE_MODELS; do
+  json=$OUT/engine.json
+  [ "$model" = "$ENGINE_MODEL" ] || json=$OUT/engine_$model.json
   # shellcheck disable=SC2086
   # bench_engine.py in-process through campaign_report.py: the JSON is rewritten after every level
-  step engine "$ENGINE_TIMEOUT" "$PY" "$repo_root/scripts/campaign_report.py" engine "$OUT/engine.json" -- \
-    --models-dir "$MODELS_DIR" --model "$ENGINE_MODEL" --device "$ENGINE_DEVICE" --tokens "$TOKENS" \
+  step "engine_$model" "$ENGINE_TIMEOUT" "$PY" "$repo_root/scripts/campaign_report.py" engine "$json" -- \
+    --models-dir "$MODELS_DIR" --model "$model" --device "$ENGINE_DEVICE" --tokens "$TOKENS" \
     --concurrency $ENGINE_CONCURRENCY --requests-per-sender "$ENGINE_REQUESTS_PER_SENDER" --rates $ENGINE_RATES \
     --seconds-per-rate "$ENGINE_SECONDS_PER_RATE" --profile-rate "$ENGINE_PROFILE_RATE" \
-    --profile-seconds "$ENGINE_PROFILE_SECONDS" --sync-debug-rate "$ENGINE_SYNC_DEBUG_RATE" $ENGINE_EXTRA_ARGS
+    --profile-seconds "$ENGINE_PROFILE_SECONDS" --sync-debug-rate "$ENGINE_SYNC_DEBUG_RATE" \
+    "${new_clip_args[@]}" $ENGINE_EXTRA_ARGS
+  done
 fi
 
 server_ready() { "$PY" - "$GRPC_PORT" <<'EOF' > /dev/null 2>&1
@@ -344,6 +373,11 @@ if wanted 5; then
          --log "$API_LOG" --timeout "$((API_START_TIMEOUT - 10))" -- --port "$API_PORT" \
          --triton-url "127.0.0.1:$GRPC_PORT" --model-dir "$MODELS_DIR/CosyVoice2-0.5B" \
          --tokenizer-dir "$MODELS_DIR/cosyvoice2_llm"; then
+      if [ "$UPLOAD_ROUNDS" -gt 0 ]; then  # on the idle server, before the load
+        step api_voice_upload "$UPLOAD_TIMEOUT" "$PY" "$repo_root/scripts/bench_voice_upload.py" \
+          --url "http://127.0.0.1:$API_PORT" --rounds "$UPLOAD_ROUNDS" --seconds "$UPLOAD_SECONDS" \
+          --json "$OUT/voice_upload.json" || tail_log "$API_LOG"
+      fi
       count=(--seconds-per-rate "$API_SECONDS_PER_RATE")
       [ -z "$API_REQUESTS_PER_RATE" ] || count=(--requests-per-rate "$API_REQUESTS_PER_RATE")
       for lang in $API_LANGS; do

@@ -202,6 +202,8 @@ def test_voices_crud_zero_shot_and_cross_lingual(api, client):
         voice = response.json()
         assert voice["object"] == "audio.voice" and voice["name"] == "my voice" and voice["id"].startswith("voice_")
         assert voice["kind"] == ("zero_shot" if transcript else "cross_lingual")
+        # prepared by the upload: its features computed by the front door and kept with the voice
+        assert (api_voice_dir(api, voice["id"]) / "features.pt").exists()
         created.append(voice)
     listed = {v["id"]: v for v in http(api, "GET", "/v1/audio/voices").json()["data"]}
     assert "001" in listed and all(v["id"] in listed for v in created)
@@ -209,8 +211,6 @@ def test_voices_crud_zero_shot_and_cross_lingual(api, client):
     audio = [client.audio.speech.create(model="tts-1", voice=v["id"], input=TEXT, response_format="pcm").content
              for v in created]
     assert all(len(a) == 2 * SAMPLES for a in audio)
-    voice_dir = api_voice_dir(api, created[0]["id"])
-    assert (voice_dir / "features.pt").exists()  # computed once by the BLS, kept with the voice
     again = client.audio.speech.create(model="tts-1", voice=created[0]["id"], input=TEXT, response_format="pcm")
     assert correlation(again.content, audio[0]) > SAME_TOKENS
     assert http(api, "DELETE", f"/v1/audio/voices/{created[1]['id']}").json()["deleted"] is True

@@ -56,6 +56,8 @@ class FakeKind:
     final_full_pass: bool = True  # final chunks (and offline requests) are passes: never batched with windows
     batches: list[int] = field(default_factory=list)  # jobs per solved batch
     aborted: int = 0
+    prepared: list[list] = field(default_factory=list)  # the voices of each prepare_voices call that succeeded
+    events: list[str] = field(default_factory=list)  # prepare (voices) and solve (batches), in order
 
     def chunk_schedule(self, strategy: str) -> ChunkScheduler:
         return ChunkScheduler(strategy)
@@ -63,7 +65,15 @@ class FakeKind:
     def gauges(self) -> dict:
         return {}
 
+    def prepare_voices(self, voices) -> None:
+        if "bad voice" in voices:
+            raise ValueError("bad voice")
+        self.prepared.append(list(voices))
+        self.events.append("prepare")
+
     def open(self, features) -> FakeVoicing:
+        if features == "bad voice":
+            raise ValueError("bad voice")
         return FakeVoicing()
 
     def start_chunks(self, chunks) -> list[FakeJob]:
@@ -79,6 +89,7 @@ class FakeKind:
             raise RuntimeError("bad chunk")
         assert len({job.finalize for job in jobs}) == 1, "a batch of passes and windows"
         self.batches.append(len(jobs))
+        self.events.append("solve")
         for job in jobs:
             job.done = True
 
@@ -121,10 +132,11 @@ class Listener:
     ended: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
 
-def submit(core: EngineCore, request_id: str, *, bad: bool = False, streaming: bool = True) -> Listener:
+def submit(core: EngineCore, request_id: str, *, bad: bool = False, streaming: bool = True,
+           voice: object = None) -> Listener:
     listener = Listener()
     segments = iter([SegmentPrompt(request_id, "text", [0] if bad else [1])])
-    core.submit(EngineRequest(request_id, segments, SimpleNamespace(features=None), TokenLimits(200, 0), streaming,
+    core.submit(EngineRequest(request_id, segments, SimpleNamespace(features=voice), TokenLimits(200, 0), streaming,
                               listener.pieces.append, listener.ended.put))
     return listener
 
@@ -179,6 +191,32 @@ def test_at_most_two_batches_are_out_before_the_loop_waits_for_the_oldest(monkey
     core.step()  # a third batch: the first one's PCM is handed out first
     assert len(HeldCopy.made) == MAX_BATCHES_IN_FLIGHT + 1 and HeldCopy.made[0].taken
     assert len(listeners[0].pieces) == 1 and not listeners[1].pieces
+    core.close()
+
+
+def test_new_voices_arriving_together_are_prepared_in_one_call_before_their_chunks():
+    kind = FakeKind()
+    core = EngineCore(kind, FakeLLM(30))  # not started: stepped here
+    listeners = [submit(core, f"r{k}", voice=f"voice {k}") for k in range(3)]
+    listeners.append(submit(core, "bad", voice="bad voice"))
+    listeners.append(submit(core, "offline", streaming=False, voice="offline voice"))
+    core.step()
+    # one call for all, then (one of them refused) each alone; offline requests keep no voice state
+    assert kind.prepared == [["voice 0"], ["voice 1"], ["voice 2"]] and core.counters.voice_s > 0
+    assert kind.events[:4] == ["prepare"] * 3 + ["solve"]  # at arrival, before the chunks they serve
+    for _ in range(50):
+        core.step()
+    error = listeners[3].ended.get(timeout=5)
+    assert isinstance(error, ValueError) and "bad voice" in str(error)
+    for listener in listeners[:3] + listeners[4:]:
+        assert listener.ended.get(timeout=5) is None
+    core.close()
+    kind.prepared.clear()
+    core = EngineCore(kind, FakeLLM(30))
+    for k in range(3):
+        submit(core, f"again{k}", voice=f"voice {k}")
+    core.step()
+    assert kind.prepared == [["voice 0", "voice 1", "voice 2"]]
     core.close()
 
 

@@ -172,7 +172,7 @@ def test_streams_start_after_the_voices_shared_prefix(models, features):
     not warmed takes its prefix from its first stream's first window, which its later streams use."""
     flow, hift = models
     kind = CosyVoice3Kind(flow, hift, max_voices=2, padded=True, **SMALL_GRID)
-    kind.warm_voice(features)
+    kind.prepare_voices([features])
     prefix = kind.voice_prefix(features)
     assert prefix is not None and prefix.frames == 50
     got = drive(kind, features)

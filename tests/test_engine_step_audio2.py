@@ -235,7 +235,7 @@ def test_second_voice_evicts_the_first_whose_streams_still_finish(reference):
     for piece, want in zip(s.pcm, reference_pieces(reference, s), strict=True):
         assert_audio_equal(piece, want.numpy())
     assert kind.open_streams == 0
-    kind.warm_voice(first)
+    kind.prepare_voices([first])
     assert kind.cached_voices == [aligned_features(first).key()]
 
 

@@ -320,3 +320,26 @@ def test_a_long_prompt_is_cached_in_pieces(flow):
         got = engine.run([(stream, tokens[:, :count], finalize)])[0]
         assert _rel(got, ref.expected(count, finalize)) < REL_L2, count
         ref.done += got.size(2)
+
+
+def test_voices_prepared_together_equal_each_prepared_alone(flow):
+    """New voices of several lengths (one, two and three prompt pieces, and one too short for a
+    prefix) prepared in one call: the k-th pieces of all of them share a packed solve, and each
+    voice's streams then give the chunks of the full re-run; a voice kept already costs nothing."""
+    engine = _engine(flow)
+    lengths = (60, 150, 230, 20)
+    voices = [_voice(n, seed=20 + n) for n in lengths]
+    engine.prepare([(*voice, f"v{n}") for voice, n in zip(voices, lengths)])
+    assert engine.counters.calls == 3 and engine.cached_voices == 4 and engine.open_streams == 0
+    engine.prepare([(*voices[0], "v60")])
+    assert engine.counters.calls == 3
+    tokens = _tokens(60, seed=7)
+    for voice, n in zip(voices, lengths):
+        stream = engine.open(*voice, key=f"v{n}")
+        assert stream.voice.frames == 50 * max(0, (n - 3) // 25) and engine.counters.calls >= 3
+        ref = Reference(flow, voice, tokens, [])
+        for count, finalize in triton_schedule(60):
+            got = engine.run([(stream, tokens[:, :count], finalize)])[0]
+            assert _rel(got, ref.expected(count, finalize)) < REL_L2, (n, count)
+            ref.done += got.size(2)
+    assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages

@@ -13,18 +13,18 @@ class CountingTokenizer:
     def __init__(self):
         self.calls = 0
 
-    def tokenize(self, wav16):
-        self.calls += 1
-        return torch.arange(wav16.numel() * 25 // RATE, dtype=torch.int32) % 6561
+    def tokenize_batch(self, wavs16):
+        self.calls += len(wavs16)
+        return [torch.arange(wav16.numel() * 25 // RATE, dtype=torch.int32) % 6561 for wav16 in wavs16]
 
 
 class CountingEncoder:
     def __init__(self):
         self.calls = 0
 
-    def embed(self, wav16):
-        self.calls += 1
-        return torch.full((192,), float(wav16[0]))
+    def embed_batch(self, wavs16):
+        self.calls += len(wavs16)
+        return [torch.full((192,), float(wav16[0])) for wav16 in wavs16]
 
 
 class OneSpeaker:

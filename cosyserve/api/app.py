@@ -14,8 +14,10 @@ from then on the encoded audio is sent as it is produced.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,10 @@ from .voices import VoiceCatalog, prompt_wav16
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
+# How long an upload waits for the servers to prepare its voice (seconds); past it, the first request does.
+PREPARE_VOICE_TIMEOUT_S = 5.0
+
+log = logging.getLogger(__name__)
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # the form fields besides the audio file
 
 
@@ -361,7 +367,20 @@ def create_app(settings: Settings) -> FastAPI:
             voice = await run_in_threadpool(store.create, name, wav16, transcript)
         except InvalidInputError as exc:
             raise APIError(400, str(exc), param="name") from None
+        await prepare_voice(voice.id)
         return catalog.get(voice.id)
+
+    async def prepare_voice(voice_id: str) -> None:
+        """Each served model's server computes the new voice's features and engine state now, so its
+        first request is as fast as a registered voice's; one that cannot (down, slow) does it on that
+        first request instead: the upload stands either way."""
+        routers = state["routers"].values()
+        outcomes = await asyncio.gather(*(asyncio.wait_for(router.prepare_voice(voice_id), PREPARE_VOICE_TIMEOUT_S)
+                                          for router in routers), return_exceptions=True)
+        for router, outcome in zip(routers, outcomes):
+            if isinstance(outcome, BaseException):
+                log.warning("voice %s: %s could not prepare it now (%s: %s); its first request will",
+                            voice_id, router.model, type(outcome).__name__, outcome)
 
     @app.get("/v1/audio/voices", dependencies=v1)
     async def list_voices() -> dict:

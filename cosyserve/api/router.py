@@ -219,6 +219,15 @@ class TritonRouter:
         assert last_error is not None
         raise last_error
 
+    async def prepare_voice(self, voice_id: str) -> None:
+        """Have the server this voice's streams go to first compute and keep its state (a voice just
+        uploaded); raises its InferenceServerException."""
+        await self.refresh()
+        candidates = self.order(voice_id)
+        if candidates:
+            async for _ in candidates[0].tts.stream(Synthesis(".", voice_id, prepare_voice=True)):
+                pass
+
     def _passed_over(self, backend: Backend, exc: InferenceServerException) -> str | None:
         """Pass ``backend`` over for a while if ``exc`` says it is overloaded or unavailable; returns
         which ("overloaded", "unavailable"), or None for an error of the request itself."""

@@ -28,6 +28,7 @@ class Synthesis:
     text: str
     speaker_id: str | None = None
     instruction: str | None = None
+    prepare_voice: bool = False  # only compute and keep the voice's state: no audio comes back
 
 
 class TritonTTS:
@@ -46,7 +47,7 @@ class TritonTTS:
         """The waveform chunks (float32, 24 kHz) in order; raises InferenceServerException with
         Triton's message when the request fails."""
         inputs = build_inputs(grpcclient, None, "", synthesis.text, speaker_id=synthesis.speaker_id,
-                              instruction=synthesis.instruction)
+                              instruction=synthesis.instruction, prepare_voice=synthesis.prepare_voice)
 
         async def one_request():
             yield {"model_name": self.model, "inputs": inputs, "request_id": f"api-{uuid.uuid4().hex[:12]}",

@@ -276,14 +276,15 @@ def whisper_log_mel(wav16: torch.Tensor, n_mels: int = 128, lengths: torch.Tenso
     Centred STFT (reflect padding, periodic Hann 400, hop 160) with its last frame dropped,
     power spectrum, Slaney mel filters (sr 16 kHz, n_fft 400), log10 after clamping at 1e-10,
     floor at (max - 8) over the WHOLE tensor (all batch items), then (x + 4) / 4.
-    ``lengths``: ``wav16`` is a zero-padded batch ``(B, N)`` of clips of ``lengths`` samples; each
-    clip is reflect-padded at its own end and floored at its own maximum, so clip b's first
-    ``lengths[b] // 160`` frames equal the clip's log-mel alone (later frames are padding).
+    ``lengths``: ``wav16`` is a zero-padded batch ``(B, N)`` of clips of ``lengths`` samples (each
+    longer than 200, unchecked here); each clip is reflect-padded at its own end and floored at its
+    own maximum, so clip b's first ``lengths[b] // 160`` frames equal the clip's log-mel alone
+    (later frames are padding).
     """
     wav16 = wav16.to(torch.float32)
-    shortest = wav16.shape[-1] if lengths is None else int(lengths.min())
-    if shortest <= WHISPER_N_FFT // 2:
-        raise ValueError(f"waveform of {shortest} samples is too short for the log-mel "
+    # (a batch's clips are checked by its caller: reading device lengths back would wait for the GPU)
+    if lengths is None and wav16.shape[-1] <= WHISPER_N_FFT // 2:
+        raise ValueError(f"waveform of {wav16.shape[-1]} samples is too short for the log-mel "
                          f"(needs > {WHISPER_N_FFT // 2})")
     lead_shape = wav16.shape[:-1]
     flat = wav16.reshape(-1, wav16.shape[-1])

@@ -44,6 +44,7 @@ class Outcome:
     stall_s: float
     error: str | None
     stages_ms: dict[str, float] | None = None  # the first chunk's way through the engine
+    voice_ms: float | None = None  # a new clip's front-end (its voice resolved before the submit)
 
 
 # The engine's stages of a first chunk (engine/request.py FIRST_CHUNK_STAGES), from the submit on.
@@ -52,9 +53,10 @@ ENGINE_STAGES = (("prefill", "received", "first_token"), ("chunk_tokens", "first
                  ("gpu", "launched", "emitted"))
 
 
-def one_request(engine: TTSEngine, voice, tokens: int, request_id: str) -> Outcome:
+def one_request(engine: TTSEngine, voice, tokens: int, request_id: str, on_first=None) -> Outcome:
     """Stream one request; times are taken as the loop hands each piece out. ``voice``: a resolved
-    voice, or a callable that resolves one (a new clip: its front-end time is then counted too)."""
+    voice, or a callable that resolves one (a new clip: its front-end time is then counted too).
+    ``on_first``: called on another thread once the first piece is out."""
     arrival = time.perf_counter()
     playback, first = Playback(), None
     done = threading.Event()
@@ -65,15 +67,19 @@ def one_request(engine: TTSEngine, voice, tokens: int, request_id: str) -> Outco
         now = time.perf_counter()
         if first is None and pcm.size:
             first = now
+            if on_first is not None:
+                threading.Thread(target=on_first, daemon=True).start()
         playback.arrive(now, pcm.size / engine.sample_rate)
 
     def finish(exc) -> None:
         error.append(exc)
         done.set()
     trace: dict[str, float] = {}
+    voice_ms = None
     try:
         if callable(voice):
             voice = voice()
+            voice_ms = 1e3 * (time.perf_counter() - arrival)
         engine.submit(TTSRequest(request_id, TEXT, voice, TokenLimits(tokens, tokens)), streaming=True, emit=emit,
                       finish=finish, trace=trace)
     except Exception as exc:  # refused, or a bad clip
@@ -83,7 +89,7 @@ def one_request(engine: TTSEngine, voice, tokens: int, request_id: str) -> Outco
     stages = ({stage: 1e3 * (trace[end] - trace[begin]) for stage, begin, end in ENGINE_STAGES}
               if all(stamp in trace for _, begin, end in ENGINE_STAGES for stamp in (begin, end)) else None)
     return Outcome(None if first is None else 1e3 * (first - arrival), playback.underruns, playback.stall_s,
-                   None if failed is None else f"{type(failed).__name__}: {failed}", stages)
+                   None if failed is None else f"{type(failed).__name__}: {failed}", stages, voice_ms)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -102,10 +108,10 @@ def _profile(before: dict, after: dict) -> dict:
     counter snapshots; the LLM's busy share is of the wall clock on its own thread."""
     delta = {name: after[name] - before.get(name, 0) for name in after}
     iterations = max(delta["iterations"], 1)
-    busy = sum(delta[k] for k in ("start_s", "flow_s", "vocoder_s", "host_s"))
+    busy = sum(delta.get(k, 0.0) for k in ("voice_s", "start_s", "flow_s", "vocoder_s", "host_s"))
     return {"iterations": delta["iterations"], "busy_ms_per_iteration": 1e3 * busy / iterations,
             **{f"{k[:-2]}_ms_per_iteration": 1e3 * delta[k] / iterations
-               for k in ("start_s", "flow_s", "vocoder_s", "host_s")},
+               for k in ("voice_s", "start_s", "flow_s", "vocoder_s", "host_s") if k in delta},
             "idle_share": delta["idle_s"] / max(busy + delta["idle_s"], 1e-9),
             "jobs_per_flow_batch": delta["flow_batch_jobs"] / max(delta["flow_batches"], 1),
             "llm_busy_s": delta.get("llm_busy_s"),
@@ -120,6 +126,7 @@ def level(engine: TTSEngine, outcomes: list[Outcome], label: str, wall_s: float,
             "underrun_requests": sum(o.underruns > 0 for o in outcomes),
             "stall_s": sum(o.stall_s for o in outcomes), "wall_s": wall_s,
             "errors": sorted({o.error for o in outcomes if o.error})[:3],
+            "voice_ms": _mean([o.voice_ms for o in outcomes if o.voice_ms is not None]),
             **{f"{stage}_ms": _mean([o.stages_ms[stage] for o in outcomes if o.stages_ms]) for stage, _, _ in ENGINE_STAGES},
             **_profile(before, engine.stats().counters)}
 
@@ -171,6 +178,10 @@ def run(args: argparse.Namespace) -> dict:
                 clips = [new_clip() for _ in range(count)]
                 _measure(report, engine, f"{count} new clips together{tag}", lambda: (_in_threads(
                     count, lambda i: one_request(engine, clips[i], args.tokens, f"n-{next(counter)}")), {}))
+                for playing in args.new_clips_while_playing:
+                    clips = [new_clip() for _ in range(count)]
+                    _measure_while_playing(report, engine, voice, args.tokens, playing, clips, counter,
+                                           f"{count} new clips while {playing} play{tag}")
             for rate in args.rates:
                 def open_loop():
                     arrivals = poisson_arrivals(rate, args.seed, duration_s=args.seconds_per_rate)
@@ -217,7 +228,7 @@ def registered_voice(engine: TTSEngine, args: argparse.Namespace):
         return voice, voice.prompt_text
     wav = load_reference_audio(args.reference_audio) if args.reference_audio else warm_up_clip()
     voice = engine.voices.resolve(wav, args.reference_text)
-    engine.core.kind.warm_voice(voice.features)
+    engine.core.kind.prepare_voices([voice.features])
     return voice, args.reference_text
 
 
@@ -232,6 +243,39 @@ def _in_threads(count: int, work) -> list:
     return results
 
 
+def _measure_while_playing(report: dict, engine: TTSEngine, voice, tokens: int, playing: int, clips: list,
+                           counter, label: str) -> None:
+    """``playing`` streams of the registered voice start together; once every one has emitted its
+    first chunk, the new ``clips`` arrive together. The level is the new clips' requests; the
+    playing streams' underruns are reported beside it (``playing_underrun_requests``)."""
+    started = threading.Barrier(playing + 1)
+    playing_outcomes: list = [None] * playing
+
+    def play(i: int) -> None:
+        def on_first() -> None:
+            try:
+                started.wait(timeout=60)
+            except threading.BrokenBarrierError:  # a playing stream failed before its first chunk
+                pass
+        playing_outcomes[i] = one_request(engine, voice, tokens, f"w-{next(counter)}", on_first=on_first)
+    threads = [threading.Thread(target=play, args=(i,)) for i in range(playing)]
+    for thread in threads:
+        thread.start()
+    try:
+        started.wait(timeout=60)
+    except threading.BrokenBarrierError:
+        pass
+
+    def run():
+        outcomes = _in_threads(len(clips), lambda i: one_request(engine, clips[i], tokens, f"n-{next(counter)}"))
+        for thread in threads:
+            thread.join()
+        done = [o for o in playing_outcomes if o is not None]
+        return outcomes, {"playing": playing, "playing_underrun_requests": sum(o.underruns > 0 for o in done),
+                          "playing_failed": sum(o.error is not None for o in done)}
+    _measure(report, engine, label, run)
+
+
 def _measure(report: dict, engine: TTSEngine, label: str, run) -> None:
     """One level: ``run()`` -> (outcomes, extra fields), with the loop's counters around it; the
     level is added to ``report`` and printed as it is measured."""
@@ -243,10 +287,10 @@ def _measure(report: dict, engine: TTSEngine, label: str, run) -> None:
 
 
 COLUMNS = ("level", "requests", "failed", "first_p50_ms", "first_p95_ms", "underrun_requests", "stall_s",
-           *(f"{stage}_ms" for stage, _, _ in ENGINE_STAGES),
-           "busy_ms_per_iteration", "start_ms_per_iteration", "flow_ms_per_iteration",
+           "voice_ms", *(f"{stage}_ms" for stage, _, _ in ENGINE_STAGES),
+           "busy_ms_per_iteration", "voice_ms_per_iteration", "start_ms_per_iteration", "flow_ms_per_iteration",
            "vocoder_ms_per_iteration", "host_ms_per_iteration", "idle_share", "jobs_per_flow_batch", "llm_busy_s",
-           "llm_rows_per_decode_step")
+           "llm_rows_per_decode_step", "playing_underrun_requests")
 
 
 def table(report: dict, levels: list[dict] | None = None) -> str:
@@ -280,6 +324,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requests-per-sender", type=int, default=4)
     p.add_argument("--new-clips", type=int, nargs="*", default=[],
                    help="levels of N never-seen 3-8 s clips arriving together (their front-end counted)")
+    p.add_argument("--new-clips-while-playing", type=int, nargs="*", default=[],
+                   help="each --new-clips level again while this many streams of the registered voice play "
+                        "(their underruns reported as playing_underrun_requests)")
     p.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop Poisson arrival rates (req/s)")
     p.add_argument("--seconds-per-rate", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)

@@ -4,7 +4,8 @@ device and batch size.
 
 Each round draws ``batch`` fresh synthetic clips of 3-8 s (no cache anywhere on this path) and
 times ``tokenize_batch``, ``embed_batch`` and :func:`~cosyserve.frontend.prompt.build_prompt_features_batch`
-on three separate draws; a row is the median over the rounds. Outputs are CPU tensors, so every
+(the prompt mel on the models' device) on three separate draws; a row is the median over the rounds.
+On CUDA the PyTorch back end is timed twice: eager, and replaying its CUDA graphs (what the servers run). Outputs are CPU tensors, so every
 call has waited for the device. Each PyTorch row also checks its clips against onnxruntime:
 clips whose tokens are all equal, largest embedding rel-L2.
 """
@@ -25,7 +26,8 @@ from ..audio.io import PromptAudio, prompt_audio_from_array
 from ..bundle import synthetic_prompt_wave
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..frontend.prompt import COSYVOICE2_MEL_FMAX, build_prompt_features_batch
-from ..frontend.torch_models import ONNXRUNTIME, TORCH, load_speaker_encoder, load_speech_tokenizer
+from ..frontend.torch_models import (ONNXRUNTIME, TORCH, TorchSpeakerEncoder, TorchSpeechTokenizer,
+                                     load_speaker_encoder, load_speech_tokenizer)
 from .report import fmt, table
 
 COLUMNS = ["back end", "device", "batch", "rounds", "tokenizer ms", "CAM++ ms", "voice ms", "voice ms per clip",
@@ -82,7 +84,9 @@ def measure(tokenizer, encoder, backend: str, device: str, batch: int, rounds: i
         voices = clips.draw(batch)
         times = {"tokenizer": _ms(lambda: tokenizer.tokenize_batch(wavs[0])),
                  "campplus": _ms(lambda: encoder.embed_batch(wavs[1])),
-                 "voice": _ms(lambda: build_prompt_features_batch(voices, tokenizer, encoder, mel_fmax))}
+                 "voice": _ms(lambda: build_prompt_features_batch(
+                     voices, tokenizer, encoder, mel_fmax, device=getattr(tokenizer, "device", None),
+                     stream=getattr(tokenizer, "stream", None)))}
         if round_index >= warmup:
             for name, value in times.items():
                 timings[name].append(value)
@@ -100,6 +104,23 @@ def check_against_onnxruntime(row: Row, tokenizer, encoder, reference_tokenizer:
                                zip(embeddings, (reference_encoder.embed(wav) for wav in wavs)))
 
 
+def _variants(device: str, backends: Sequence[str]) -> list[str]:
+    """The back ends to time on ``device``: on CUDA the PyTorch one twice, eager and with its graphs."""
+    cuda = torch.device(device).type == "cuda"
+    return [variant for backend in backends
+            for variant in ((f"{TORCH} eager", f"{TORCH} graphs") if backend == TORCH and cuda else (backend,))]
+
+
+def _load(variant: str, tokenizer_path: Path, speaker_path: Path, device: str):
+    if variant.startswith(TORCH):
+        graphs = variant.endswith("graphs")
+        models = TorchSpeechTokenizer(tokenizer_path, device, graphs), TorchSpeakerEncoder(speaker_path, device, graphs)
+        for model in models:
+            model.capture_all()  # at load, as the servers do (not timed)
+        return models
+    return load_speech_tokenizer(tokenizer_path, device, variant), load_speaker_encoder(speaker_path, device, variant)
+
+
 def run(model_dir: Path, tokenizer_file: str, devices: Sequence[str], backends: Sequence[str],
         batches: Sequence[int], rounds: int, warmup: int, min_s: float = 3.0, max_s: float = 8.0,
         mel_fmax: float | None = COSYVOICE2_MEL_FMAX, progress: Callable[[str], None] = print) -> list[Row]:
@@ -108,12 +129,13 @@ def run(model_dir: Path, tokenizer_file: str, devices: Sequence[str], backends: 
     clips = NewClips(min_s, max_s)
     rows = []
     for device in devices:
-        for backend in backends:
-            tokenizer = load_speech_tokenizer(tokenizer_path, device, backend)
-            encoder = load_speaker_encoder(speaker_path, device, backend)
+        for backend in _variants(device, backends):
+            loading = time.perf_counter()
+            tokenizer, encoder = _load(backend, tokenizer_path, speaker_path, device)
+            progress(f"{backend} on {device}: loaded (graphs captured) in {time.perf_counter() - loading:.1f} s")
             for batch in batches:
                 row = measure(tokenizer, encoder, backend, device, batch, rounds, warmup, clips, mel_fmax)
-                if backend == TORCH:
+                if backend.startswith(TORCH):
                     check_against_onnxruntime(row, tokenizer, encoder, *reference, clips)
                 progress(" | ".join(row.cells()))
                 rows.append(row)

@@ -31,6 +31,7 @@ import numpy as np
 import zmq
 
 from ..errors import CapacityError
+from ..frontend.prompt import PromptFeatures
 from .front_end import TokenLimits
 from . import wire
 from .request import EngineRequest
@@ -102,6 +103,11 @@ class EngineClient:
         self._send(wire.SUBMIT, request.request_id, segments, wire.pack_voice(request.voice.features),
                    request.limits.max_tokens, request.limits.min_tokens, request.streaming, request.timeout_s,
                    request.arrival, self.token_source is not None)
+
+    def prepare_voices(self, voices: list[PromptFeatures]) -> None:
+        """Have the engine compute and keep these voices' state now (not waited for)."""
+        if self._ready.is_set():  # a restarting engine computes them on their first request
+            self._send(wire.VOICES, [wire.pack_voice(features) for features in voices])
 
     def cancel(self, request_id: str, error: BaseException | None = None) -> None:
         with self._lock:

@@ -4,7 +4,9 @@ Each iteration (:meth:`EngineCore.step`), read top to bottom:
 
 1. hand out the PCM of earlier batches that has reached the host;
 2. take new requests (their LLM request started at submit) and cancellations; end requests past
-   their timeout;
+   their timeout; the kind computes the state of the new streams' voices it does not keep yet,
+   all of them together, launched while their LLM prefills (a new voice's first chunk then waits for
+   its tokens, not for its voice);
 3. per request, take the tokens that arrived and plan its next chunk when its chunk schedule
    allows (one chunk in flight per stream: chunks run in order);
 4. the :class:`~.scheduler.Scheduler` picks a batch of the waiting chunks (earliest deadline
@@ -70,6 +72,7 @@ class EngineCounters:
 
     iterations: int = 0
     start_s: float = 0.0  # encoder and planning of chunks that start
+    voice_s: float = 0.0  # new voices' state (their prompts' flow), launched as their requests arrive
     flow_s: float = 0.0  # batches' Euler steps
     vocoder_s: float = 0.0  # HiFT and the PCM's copy to the host
     host_s: float = 0.0  # the rest of a busy iteration: requests, tokens, scheduling, emitting PCM
@@ -102,6 +105,7 @@ class EngineCore:
         self._inbox: list[RequestState] = []
         self._starting: set[str] = set()  # request ids in submit, their LLM request starting
         self._cancels: list[tuple[str, BaseException]] = []
+        self._voices_inbox: list = []  # voices to prepare (prepare_voices), with the new requests'
         self._states: dict[str, RequestState] = {}  # admitted, not ended; guarded by _lock
         self._in_flight: deque[_Batch] = deque()  # launched, PCM not handed out (loop thread)
         self._thread: threading.Thread | None = None
@@ -137,6 +141,14 @@ class EngineCore:
         for seg in state.segments():
             seg.tokens.close()
         raise RuntimeError("the engine is closed")
+
+    def prepare_voices(self, voices: list) -> None:
+        """Have the loop compute and keep these voices' state (PromptFeatures) at its next iteration,
+        with those of the requests arriving meanwhile: a voice uploaded now costs its first request
+        nothing. Not waited for."""
+        with self._lock:
+            self._voices_inbox += voices
+            self._wakeup.notify()
 
     def cancel(self, request_id: str, error: BaseException | None = None) -> None:
         """End a request (its ``finish`` gets ``error``, by default RequestCancelledError);
@@ -195,7 +207,7 @@ class EngineCore:
         while True:
             waited = time.perf_counter()
             with self._wakeup:
-                idle = not (self._closing or self._inbox or self._cancels or self._busy())
+                idle = not (self._closing or self._inbox or self._cancels or self._voices_inbox or self._busy())
                 if idle and not self._in_flight:
                     # requests waiting only for their LLM's tokens: look again shortly
                     self._wakeup.wait(TOKEN_POLL_S if self._states else None)
@@ -218,7 +230,7 @@ class EngineCore:
         when :data:`MAX_BATCHES_IN_FLIGHT` batches are out."""
         c = self.counters
         c.iterations += 1
-        began = time.perf_counter()
+        began, voice_s = time.perf_counter(), c.voice_s
         self._hand_out(wait=len(self._in_flight) >= MAX_BATCHES_IN_FLIGHT)
         self._take_events()
         candidates = []
@@ -241,7 +253,7 @@ class EngineCore:
         c.start_s += flow_begin - start_begin
         c.flow_s += vocoder_begin - flow_begin
         c.vocoder_s += end - vocoder_begin
-        c.host_s += start_begin - began
+        c.host_s += start_begin - began - (c.voice_s - voice_s)
 
     # ----- stages -----
 
@@ -249,9 +261,12 @@ class EngineCore:
         with self._lock:
             new, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
+            voices, self._voices_inbox = self._voices_inbox, []
         for state in new:
             if state.start_error is not None:
                 self._end(state, state.start_error)
+        self._prepare_voices(voices + [state.request.voice.features for state in new
+                                       if not state.ended and state.request.streaming])
         for request_id, error in cancels:
             state = self._states.get(request_id)
             if state is not None:
@@ -260,6 +275,22 @@ class EngineCore:
         for state in self._live():
             if state.timed_out(now):
                 self._end(state, RequestTimeoutError(f"request timed out after {state.request.timeout_s:g} s"))
+
+    def _prepare_voices(self, voices: list) -> None:
+        """The kind's state of these voices, computed now (together); a voice it cannot take is left
+        to its requests' ``open``, which fails them with its error."""
+        if not voices:
+            return
+        began = time.perf_counter()
+        try:
+            self.kind.prepare_voices(voices)
+        except Exception:
+            for features in voices:  # each alone: the others are still computed
+                try:
+                    self.kind.prepare_voices([features])
+                except Exception:
+                    pass
+        self.counters.voice_s += time.perf_counter() - began
 
     def _live(self) -> list[RequestState]:
         with self._lock:

@@ -20,7 +20,8 @@ import numpy as np
 from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..clip_cache import ClipCache
 from ..errors import InvalidInputError
-from ..frontend.prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, Voice, build_prompt_features
+from ..frontend.featurizer import DEFAULT_WINDOW_S, PromptFeaturizer
+from ..frontend.prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, Voice
 from ..frontend.voice_store import VoiceStore, is_voice_id
 from ..llm.prompt import COSYVOICE2, MAX_SPEECH_TOKENS, PromptLayout, build_prompt_ids
 from ..text import MAX_SEGMENT_CHARS, MAX_TEXT_CHARS, TextFrontend
@@ -84,8 +85,9 @@ class VoiceResolver:
     registered speaker id, a voice id of ``store`` (voices uploaded through the HTTP API), or
     neither (the default speaker, "001" of spk2info.pt).
 
-    ``tokenizer``/``speaker_encoder`` only need ``tokenize(wav16)`` / ``embed(wav16)``, so the
-    ONNX wrappers (in-process) and BLS calls to the Triton front-end models both fit.
+    A new clip's features come from a :class:`~cosyserve.frontend.featurizer.PromptFeaturizer` over
+    ``tokenizer``/``speaker_encoder`` (``tokenize_batch``/``embed_batch``: the PyTorch or onnxruntime
+    models): clips resolved on several threads within ``batch_window_s`` share one call of each model.
 
     Voice agents send the same reference clip with every request: the prompt features of the
     last ``feature_cache_size`` distinct clips are kept, keyed by a hash of the validated
@@ -102,14 +104,14 @@ class VoiceResolver:
     def __init__(self, registry: Any, tokenizer: Any, speaker_encoder: Any, *,
                  default_speaker: str | None = DEFAULT_SPEAKER, max_text_chars: int = MAX_SEGMENT_CHARS,
                  feature_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE, store: VoiceStore | None = None,
-                 mel_fmax: float | None = COSYVOICE2_MEL_FMAX):
+                 mel_fmax: float | None = COSYVOICE2_MEL_FMAX, batch_window_s: float = DEFAULT_WINDOW_S):
         self.registry = registry
         self.store = store
         self.tokenizer = tokenizer
         self.speaker_encoder = speaker_encoder
+        self.featurizer = PromptFeaturizer(tokenizer, speaker_encoder, mel_fmax, window_s=batch_window_s)
         self.default_speaker = default_speaker
         self.max_text_chars = max_text_chars
-        self.mel_fmax = mel_fmax
         self._features: ClipCache[PromptFeatures] = ClipCache(feature_cache_size)
         if default_speaker is not None:
             registry.get(default_speaker)  # a missing default speaker is a start-up error
@@ -141,7 +143,7 @@ class VoiceResolver:
         features = self.store.load_features(voice_id)
         if features is None:
             audio = prompt_audio_from_array(self.store.audio16(voice_id), TOKENIZER_SAMPLE_RATE)
-            features = build_prompt_features(audio, self.tokenizer, self.speaker_encoder, self.mel_fmax)
+            features = self.featurizer.features(audio)
             self.store.save_features(voice_id, features)
         return Voice(stored.transcript or "", features, voice_id, cross_lingual=stored.transcript is None)
 
@@ -150,8 +152,7 @@ class VoiceResolver:
         return len(self._features)
 
     def _prompt_features(self, audio) -> PromptFeatures:
-        return self._features.get_or_compute(
-            audio.wav16, lambda: build_prompt_features(audio, self.tokenizer, self.speaker_encoder, self.mel_fmax))
+        return self._features.get_or_compute(audio.wav16, lambda: self.featurizer.features(audio))
 
 
 class SegmentPrompter:

@@ -204,6 +204,8 @@ class EngineServer:
             self._submit(client, *message[1:])
         elif kind == wire.CANCEL:
             self.core.cancel(message[1])
+        elif kind == wire.VOICES:
+            self.core.prepare_voices([wire.unpack_voice(voice) for voice in message[1]])
         elif kind == wire.TOKENS:
             self.forwarded.put(*message[1:])
         elif kind == wire.HELLO:

@@ -83,6 +83,12 @@ class TTSEngine:
     def cancel(self, request_id: str) -> None:
         self.core.cancel(request_id)
 
+    def prepare_voice(self, voice: Voice) -> None:
+        """Have the engine compute and keep ``voice``'s state now (a voice just uploaded), not on its
+        first request; not waited for. A cross-lingual voice's LLM prompt holds nothing of it, but
+        token2wav's state is the same."""
+        self.core.prepare_voices([voice.features])
+
     def stream(self, request: TTSRequest) -> Iterator[np.ndarray]:
         """The request's PCM pieces as they come (blocking); closing the iterator cancels it."""
         pieces: queue.SimpleQueue = queue.SimpleQueue()
@@ -221,8 +227,7 @@ def load_engine(model: str, model_dir: str | Path, llm_dir: str | Path, device: 
         llm = BackendLLM(llm_backend, spec.sampling)
     llm.register_voices(prompter.text_tokenizer, voices.registry)
     kind = spec.load_kind(Path(model_dir), device, kind_options or {}, sine_noise)
-    for voice in _kept_voices(voices, kind.max_voices):
-        kind.warm_voice(voice.features)
+    kind.prepare_voices([voice.features for voice in _kept_voices(voices, kind.max_voices)])
     if warm_up:
         kind.warm_up(warm_voice.features)
     core = EngineCore(kind, llm, strategy=strategy, scheduler=scheduler, sync_stages=sync_stages).start()
@@ -253,6 +258,7 @@ def load_frontend(model: str, model_dir: str | Path, llm_dir: str | Path, device
                                                       device, frontend_backend)
     voices = VoiceResolver(registry, tokenizer, speaker_encoder, store=store, mel_fmax=spec.mel_fmax,
                            default_speaker=DEFAULT_SPEAKER if spec.registered_voices else None)
+    voices.featurizer.warm_up()  # a new clip's graphs, captured now (on CUDA), not on the first clip of a shape
     prompter = SegmentPrompter(text_tokenizer, layout=spec.layout,
                                **({} if max_text_chars is None else {"max_text_chars": max_text_chars}))
     warm_voice = voices.resolve() if spec.registered_voices else voices.resolve(warm_up_clip(), WARM_UP_TEXT)

@@ -37,7 +37,7 @@ from ..errors import (CapacityError, CosyServeError, InvalidInputError, ModelLoa
                       RequestTimeoutError)
 from ..frontend.prompt import PromptFeatures
 
-HELLO, SUBMIT, CANCEL, TOKENS = "hello", "submit", "cancel", "tokens"
+HELLO, SUBMIT, CANCEL, TOKENS, VOICES = "hello", "submit", "cancel", "tokens", "voices"
 WELCOME, PCM, FINISH, STATS, LLM_START, LLM_STOP = "welcome", "pcm", "finish", "stats", "llm", "llm_stop"
 
 STATS_PERIOD_S = 0.25

@@ -9,6 +9,7 @@ frames per prompt token (25 tokens/s vs 50 mel frames/s), so both are cut to
 from __future__ import annotations
 
 import hashlib
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -87,8 +88,9 @@ def trim_to_token_rate(speech_tokens: torch.Tensor, speech_feat: torch.Tensor) -
 
 
 def _voice_features(prompt_audio: PromptAudio, tokens: torch.Tensor, embedding: torch.Tensor,
-                    mel_fmax: float | None) -> PromptFeatures:
-    tokens, feat = trim_to_token_rate(tokens, prompt_mel(prompt_audio.wav24, mel_fmax))
+                    mel_fmax: float | None, device: torch.device | None = None) -> PromptFeatures:
+    wav24 = prompt_audio.wav24 if device is None else prompt_audio.wav24.to(device, non_blocking=True)
+    tokens, feat = trim_to_token_rate(tokens, prompt_mel(wav24, mel_fmax).cpu())
     return PromptFeatures(speech_tokens=tokens.to(torch.int32), speech_feat=feat, embedding=embedding)
 
 
@@ -104,10 +106,14 @@ def build_prompt_features(prompt_audio: PromptAudio, tokenizer, speaker_encoder,
 def build_prompt_features_batch(prompt_audios: Sequence[PromptAudio],
                                 tokenizer: SpeechTokenizer | TorchSpeechTokenizer,
                                 speaker_encoder: SpeakerEncoder | TorchSpeakerEncoder,
-                                mel_fmax: float | None = COSYVOICE2_MEL_FMAX) -> list[PromptFeatures]:
+                                mel_fmax: float | None = COSYVOICE2_MEL_FMAX, *, device: torch.device | None = None,
+                                stream: torch.cuda.Stream | None = None) -> list[PromptFeatures]:
     """:func:`build_prompt_features` of several prompts, the tokenizer and the speaker encoder each
     called once for all of them (``tokenize_batch`` / ``embed_batch``: one batch on the device with
-    the PyTorch back end)."""
+    the PyTorch back end). ``device`` (and ``stream``, on CUDA): where the prompt mels are computed
+    (None: the CPU)."""
     wavs16 = [audio.wav16 for audio in prompt_audios]
-    return [_voice_features(audio, tokens, embedding, mel_fmax) for audio, tokens, embedding in
-            zip(prompt_audios, tokenizer.tokenize_batch(wavs16), speaker_encoder.embed_batch(wavs16))]
+    tokens, embeddings = tokenizer.tokenize_batch(wavs16), speaker_encoder.embed_batch(wavs16)
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        return [_voice_features(audio, audio_tokens, embedding, mel_fmax, device)
+                for audio, audio_tokens, embedding in zip(prompt_audios, tokens, embeddings)]

@@ -8,7 +8,10 @@
 
 Both have the interface of the onnxruntime wrappers (``tokenize``/``embed`` one clip,
 ``tokenize_batch``/``embed_batch`` several; CPU tensors out), check clips with the same
-functions, and give each clip of a batch what it gives the clip alone.
+functions, and give each clip of a batch what it gives the clip alone. On CUDA each runs on a
+stream of its own (never a process's default stream, which would wait for, and hold up, every
+other stream of the device), replaying CUDA graphs per shape bucket (:class:`~.graphs.ClipGraphs`;
+``cuda_graphs=False``: eager launches).
 :func:`load_frontend_models` picks the back end: PyTorch on CUDA, onnxruntime (the released
 graphs, the parity reference) on the CPU, unless told otherwise.
 """
@@ -25,6 +28,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..audio.features import WHISPER_HOP, campplus_features, kaldi_frame_count, whisper_log_mel
 from ..errors import InvalidInputError, ModelLoadError
 from .campplus import load_campplus
+from .graphs import GRAPH_BATCHES, ClipGraphs
 from .onnx_models import (
     WHISPER_N_MELS,
     SpeakerEncoder,
@@ -71,26 +75,57 @@ def _padded(wavs16: Sequence[torch.Tensor], device: torch.device) -> tuple[torch
 
 
 class _DeviceModel:
-    """A model loaded from its ONNX file onto ``device``, run on zero-padded batches of clips."""
+    """A model loaded from its ONNX file onto ``device``, run on zero-padded batches of clips:
+    ``forward(batch (B, N), lengths (B,))`` (a subclass's), at most :data:`~.graphs.GRAPH_BATCHES`'s
+    largest clips per call on CUDA (larger calls are split)."""
 
-    def __init__(self, path: str | Path, device: str | torch.device, loader):
+    def __init__(self, path: str | Path, device: str | torch.device, loader, cuda_graphs: bool = True):
         self.path = _existing(path)
         self.device = torch.device(device)
         self.model = loader(self.path).to(self.device)
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.graphs = ClipGraphs(self.device, self.forward, lambda: _float32_exact(self.device)) \
+            if cuda and cuda_graphs else None
+
+    def forward(self, batch: torch.Tensor, lengths: torch.Tensor):
+        raise NotImplementedError
 
     @torch.inference_mode()
-    def _run(self, wavs16: Sequence[torch.Tensor], check, forward):
-        """``forward(batch (B, N), lengths (B,))`` on the checked clips, on the device."""
-        batch, lengths = _padded([check(wav) for wav in wavs16], self.device)
-        with _float32_exact(self.device):
-            return forward(batch, lengths)
+    def capture_all(self) -> None:
+        """Capture every shape bucket's graph now (at load), not on a first call of that shape."""
+        if self.graphs is not None:
+            with torch.cuda.stream(self.stream):
+                self.graphs.capture_all()
+
+    @torch.inference_mode()
+    def _run(self, wavs16: Sequence[torch.Tensor], check, gather) -> list:
+        """The checked clips through :meth:`forward` on the device, ``gather(outputs, clips)`` of each
+        call (CPU results, one per clip, taken before the next call)."""
+        clips = [check(wav) for wav in wavs16]
+        if self.stream is None:
+            with _float32_exact(self.device):
+                return gather(self.forward(*_padded(clips, self.device)), len(clips))
+        results = []
+        with torch.cuda.stream(self.stream):
+            for start in range(0, len(clips), GRAPH_BATCHES[-1]):
+                part = clips[start:start + GRAPH_BATCHES[-1]]
+                replayed = self.graphs.run(part) if self.graphs is not None else None
+                if replayed is None:
+                    with _float32_exact(self.device):
+                        replayed = self.forward(*_padded(part, self.device)), len(part)
+                results += gather(replayed[0], len(part))
+        return results
 
 
 class TorchSpeechTokenizer(_DeviceModel):
     """``tokenize(wav16 (N,)) -> int32 (T',)``; ``tokenize_batch`` runs the clips together."""
 
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu"):
-        super().__init__(path, device, load_s3_tokenizer)
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu", cuda_graphs: bool = True):
+        super().__init__(path, device, load_s3_tokenizer, cuda_graphs)
+
+    def forward(self, batch: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model(whisper_log_mel(batch, WHISPER_N_MELS, lengths), lengths // WHISPER_HOP)
 
     def tokenize(self, wav16: torch.Tensor) -> torch.Tensor:
         return self.tokenize_batch([wav16])[0]
@@ -98,17 +133,21 @@ class TorchSpeechTokenizer(_DeviceModel):
     def tokenize_batch(self, wavs16: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if not wavs16:
             return []
-        codes, counts = self._run(wavs16, tokenizer_input, lambda batch, lengths: self.model(
-            whisper_log_mel(batch, WHISPER_N_MELS, lengths), lengths // WHISPER_HOP))
-        codes = codes.cpu()
-        return [checked_tokens(codes[i, :count].clone(), self.path) for i, count in enumerate(counts.tolist())]
+
+        def gather(outputs, clips: int) -> list[torch.Tensor]:
+            codes, counts = (tensor[:clips].cpu() for tensor in outputs)
+            return [checked_tokens(codes[i, :count].clone(), self.path) for i, count in enumerate(counts.tolist())]
+        return self._run(wavs16, tokenizer_input, gather)
 
 
 class TorchSpeakerEncoder(_DeviceModel):
     """``embed(wav16 (N,)) -> float32 (192,)`` raw CAM++ x-vector; ``embed_batch`` runs the clips together."""
 
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu"):
-        super().__init__(path, device, load_campplus)
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu", cuda_graphs: bool = True):
+        super().__init__(path, device, load_campplus, cuda_graphs)
+
+    def forward(self, batch: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.model(campplus_features(batch, lengths), kaldi_frame_count(lengths))
 
     def embed(self, wav16: torch.Tensor) -> torch.Tensor:
         return self.embed_batch([wav16])[0]
@@ -116,9 +155,10 @@ class TorchSpeakerEncoder(_DeviceModel):
     def embed_batch(self, wavs16: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if not wavs16:
             return []
-        embeddings = self._run(wavs16, speaker_input, lambda batch, lengths: self.model(
-            campplus_features(batch, lengths), kaldi_frame_count(lengths)))
-        return [checked_embedding(embedding.clone(), self.path) for embedding in embeddings.float().cpu()]
+
+        def gather(embeddings: torch.Tensor, clips: int) -> list[torch.Tensor]:
+            return [checked_embedding(embedding.clone(), self.path) for embedding in embeddings[:clips].float().cpu()]
+        return self._run(wavs16, speaker_input, gather)
 
 
 def frontend_backend(device: str | torch.device, backend: str | None = None) -> str:

@@ -230,7 +230,8 @@ class EngineFrontDoor:
         self.work = WorkMetrics(name, {metric: (text, self._counters, field) for metric, (text, field) in {
             **llm_tokens,
             **{f"cosyserve_engine_{stage}_seconds_total": (f"the loop's time: {text}", f"{stage}_s")
-               for stage, text in (("start", "chunks starting (encoder)"), ("flow", "launching batches' Euler steps"),
+               for stage, text in (("voice", "new voices' state, launched as their requests arrive"),
+                                   ("start", "chunks starting (encoder)"), ("flow", "launching batches' Euler steps"),
                                    ("vocoder", "launching HiFT and the PCM's copy"),
                                    ("host", "requests, tokens, scheduling and emitting PCM"),
                                    ("idle", "waiting for work, or for the GPU when nothing else is left"))},
@@ -290,6 +291,10 @@ class EngineFrontDoor:
     def _start(self, inputs, reply: _Reply) -> None:
         try:
             voice = self.engine.voices.resolve(inputs.reference_wav, inputs.reference_text, inputs.speaker_id)
+            if inputs.prepare_voice:  # features computed (and stored, for an uploaded voice); the engine's state next
+                self.engine.prepare_voice(voice)
+                self._outbox.put((reply, _DONE))
+                return
             request = TTSRequest(inputs.request_id, inputs.target_text, voice, inputs.limits, inputs.text_frontend,
                                  inputs.instruction)
             self._replies[reply.request_id] = reply

@@ -37,6 +37,8 @@ class _FrontendModel:
         # onnxruntime runs the model on its own thread; torch checks audio (and runs the torch back end)
         limit_torch_threads(settings.torch_threads)
         self.model = loader(settings.model_dir / onnx_file, settings.torch_device(), settings.frontend_backend)
+        if hasattr(self.model, "capture_all"):  # the PyTorch back end's graphs, before the model is ready
+            self.model.capture_all()
         self.cache: ClipCache[np.ndarray] = ClipCache(settings.clip_cache_size)
         self.cache_lookups = {outcome: Metric(f"cosyserve_clip_cache_{outcome}_total",
                                               f"reference clips found ({outcome}) in the model's clip cache",

@@ -68,6 +68,7 @@ class TTSInputs:
     limits: TokenLimits
     text_frontend: bool  # optional input ``text_frontend`` (default true): normalise and split the text
     instruction: str | None  # optional input ``instruction``: instruct mode
+    prepare_voice: bool = False  # optional input ``prepare_voice``: only compute and keep the voice's state
 
 
 def parse_tts_inputs(request, limits: TokenLimits, max_text_chars: int) -> TTSInputs:
@@ -75,7 +76,9 @@ def parse_tts_inputs(request, limits: TokenLimits, max_text_chars: int) -> TTSIn
     target_text = validate_text(optional_text(request, "target_text"), "target_text", max_text_chars)
     wav = reference_wav(request) if optional_input(request, "reference_wav") is not None else None
     text_frontend = optional_scalar(request, "text_frontend")
+    prepare_voice = optional_scalar(request, "prepare_voice")
     return TTSInputs(f"{request.request_id() or 'tts'}-{uuid.uuid4().hex[:12]}", target_text, wav,
                      optional_text(request, "reference_text"), optional_text(request, "speaker_id"),
                      limits.override(optional_scalar(request, "max_tokens"), optional_scalar(request, "min_tokens")),
-                     True if text_frontend is None else bool(text_frontend), optional_text(request, "instruction"))
+                     True if text_frontend is None else bool(text_frontend), optional_text(request, "instruction"),
+                     bool(prepare_voice))

@@ -62,7 +62,7 @@ from ..models.flow.packed_encoder import EncoderWindow, encode_windows
 from ..runtime import host_to_device
 from .graphs import FlowCounters
 from .page_pool import PagePool
-from .step_graphs import EngineGraphs, StepBuffers
+from .step_graphs import GRAPH_PAIRS, EngineGraphs, StepBuffers
 
 # Voices whose prefix is kept when nothing else limits them (pages are freed earlier under pressure).
 DEFAULT_MAX_VOICES = 64
@@ -218,48 +218,77 @@ class FlowEngine:
     def open(self, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
              key: str | None = None) -> EngineStream:
         """A stream of this voice (prompt_tokens (1, P) long, prompt_feat (1, 2P, 80), embedding
-        (1, 192)), starting from the voice's cached prefix, computed here on first use. ``key``: the
-        voice's :func:`~cosyserve.frontend.prompt.voice_key`, if the caller has it (computing it
-        reads device tensors back)."""
-        self.flow.check_prompt(prompt_tokens, prompt_feat, embedding, batch=1)
+        (1, 192)), starting from the voice's cached prefix, computed here on first use (better: by
+        :meth:`prepare`, as soon as the voice is known). ``key``: the voice's
+        :func:`~cosyserve.frontend.prompt.voice_key`, if the caller has it (computing it reads device
+        tensors back)."""
         key = key or voice_key(prompt_tokens, prompt_feat, embedding)
         with self._lock:
-            voice = self._voices.get(key)
-            if voice is None:
-                voice = self._prefix(key, prompt_tokens, prompt_feat, embedding)
-                self._voices[key] = voice
-                self._trim_voices(self.max_voices)
+            self.prepare([(prompt_tokens, prompt_feat, embedding, key)])
+            voice = self._voices[key]
             self._voices.move_to_end(key)
             voice.streams += 1
             self.open_streams += 1
             return EngineStream(self, voice)
 
-    @torch.inference_mode()
-    def _prefix(self, key: str, prompt_tokens, prompt_feat, embedding) -> VoicePrefix:
-        flow = self.flow
-        tokens = prompt_tokens.to(self.device, torch.long)
-        feat = prompt_feat.to(self.device, self.dtype)
-        spks = flow.speaker_vector(embedding.to(self.device, self.dtype))
+    def prepare(self, voices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]]) -> None:
+        """Compute and keep the prefixes of the voices not kept yet ((prompt_tokens, prompt_feat,
+        embedding, key) as for :meth:`open`): launched, not waited for. The voices' prompts run
+        together, each piece of every voice one window of a packed solve (a voice of P tokens is
+        ceil((P - 3) / 100) pieces: 1-2 for a 3-8 s clip), so that several new voices cost about
+        what one does. A bad prompt raises (no voice of the call is then kept)."""
+        with self._lock, torch.inference_mode():
+            new: dict[str, VoicePrefix] = {}
+            for prompt_tokens, prompt_feat, embedding, key in voices:
+                if key not in self._voices and key not in new:
+                    self.flow.check_prompt(prompt_tokens, prompt_feat, embedding, batch=1)
+                    new[key] = self._empty_prefix(key, prompt_tokens, prompt_feat, embedding)
+            if not new:
+                return
+            prefixes = list(new.values())
+            for group in range(0, len(prefixes), GRAPH_PAIRS[-1]):
+                self._compute_prefixes(prefixes[group:group + GRAPH_PAIRS[-1]])
+            for voice in prefixes:
+                self._voices[voice.key] = voice
+            self._trim_voices(max(self.max_voices, len(prefixes)))
+
+    def _empty_prefix(self, key: str, prompt_tokens, prompt_feat, embedding) -> VoicePrefix:
+        spks = self.flow.speaker_vector(embedding.to(self.device, self.dtype))
         conv = torch.zeros(self.n_timesteps, 2, self.fused.conv_width, device=self.device, dtype=self.dtype)
-        voice = VoicePrefix(key, tokens, feat, spks, _FlowState({}, FrameBuffer(dim=2), conv))
-        # The prompt alone, as non-final chunks without output: their complete blocks are the prefix.
-        # Pieces of PREFIX_PIECE_TOKENS keep every window inside the captured shapes.
-        stream = EngineStream(self, voice)
-        lookahead = flow.cfg.pre_lookahead_len
+        return VoicePrefix(key, prompt_tokens.to(self.device, torch.long), prompt_feat.to(self.device, self.dtype),
+                           spks, _FlowState({}, FrameBuffer(dim=2), conv))
+
+    def _compute_prefixes(self, voices: list[VoicePrefix]) -> None:
+        """Each voice's prompt alone, as non-final chunks without output: their complete blocks are
+        the prefix. Pieces of PREFIX_PIECE_TOKENS keep every window inside the captured shapes; the
+        k-th pieces of all voices are one packed solve."""
+        lookahead = self.flow.cfg.pre_lookahead_len
+        streams, pieces = [], []
+        for voice in voices:
+            total = voice.prompt_tokens.size(1)
+            streams.append(EngineStream(self, voice))
+            pieces.append(list(range(lookahead + PREFIX_PIECE_TOKENS, total, PREFIX_PIECE_TOKENS)) + [total]
+                          if total - lookahead >= self.flow.cfg.encoder.static_chunk_size else [])
+        windows: list[_Window] = []
         try:
-            if tokens.size(1) - lookahead >= flow.cfg.encoder.static_chunk_size:
-                ends = list(range(lookahead + PREFIX_PIECE_TOKENS, tokens.size(1), PREFIX_PIECE_TOKENS))
-                for end in ends + [tokens.size(1)]:
-                    (window,) = self._windows([(stream, tokens[:, :end], False)])
-                    self._solve_windows([window])
+            for k in range(max(len(ends) for ends in pieces)):
+                chunks = [(stream, stream.voice.prompt_tokens[:, :ends[k]], False)
+                          for stream, ends in zip(streams, pieces) if k < len(ends)]
+                windows = self._windows(chunks)
+                self._solve_windows(windows)
+                for window in windows:
                     self._commit(window)
+                windows = []
+        except BaseException:
+            for window in windows:
+                self.pool.release(window.new_pages)
+            for stream in streams:
+                self.pool.release(stream._state.pages)
+            raise
+        for voice, stream in zip(voices, streams):
             voice.state = stream._state
             stream._state = None  # its pages now belong to the voice
             stream.closed = True
-        except BaseException:
-            stream.close()
-            raise
-        return voice
 
     def _trim_voices(self, keep: int, free_pages: int = 0) -> int:
         """Drop least recently used voices without open streams down to ``keep`` voices, or (with

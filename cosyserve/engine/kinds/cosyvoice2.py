@@ -134,9 +134,10 @@ class CosyVoice2Kind:
             self.fallbacks += 1
         return Voicing(features, prompt, flow, HiftStream(self.model.hift, sine_noise=self.sine_noise))
 
-    def warm_voice(self, features: PromptFeatures) -> None:
-        """Compute and keep a registered voice's prompt state (at load, not on a first request)."""
-        self.open(features).close()
+    def prepare_voices(self, voices: list[PromptFeatures]) -> None:
+        """Compute and keep these voices' prompt state (launched; the new ones' prompts packed together)."""
+        prompts = [self._prompt(features) for features in voices]
+        self.flow_engine.prepare([(p.tokens, p.feat, p.embedding, key) for key, p in prompts])
 
     def warm_up(self, features: PromptFeatures) -> None:
         """Capture the window steps' and full passes' CUDA graphs (on a GPU) and compile the eager

@@ -6,7 +6,7 @@ A stream's chunk is, by ``incremental``:
 * ``True`` (default): a window job, the frames after the stream's committed 50-frame blocks
   (:meth:`~cosyserve.models.cosyvoice3.flow.Cv3FlowStream.push`'s computation, its state committed
   after the job's last step). Streams of one voice start after the voice's prefix (its prompt-only
-  blocks), kept for the last ``max_voices`` voices: computed at :meth:`CosyVoice3Kind.warm_voice`,
+  blocks), kept for the last ``max_voices`` voices: computed at :meth:`CosyVoice3Kind.prepare_voices`,
   or taken from the first window of a voice's first stream (those frames do not depend on the
   target tokens), so a new voice costs no extra pass and never holds up the loop;
 * ``False``: the reference's re-run, a full-attention pass over prompt + every token so far whose
@@ -215,18 +215,24 @@ class CosyVoice3Kind:
         self._open -= 1
 
     @torch.inference_mode()
-    def warm_voice(self, features: PromptFeatures) -> None:
-        """Compute and keep a voice's prefix now (at load, not under a first request)."""
-        prompt = self._prompt(features)
-        frames = prompt.prefix_frames
-        if not self.max_voices or not frames or prompt.key in self._prefixes:
+    def prepare_voices(self, voices: list[PromptFeatures]) -> None:
+        """Compute and keep the prefixes of the voices not kept yet, their Euler steps packed together."""
+        if not self.max_voices:
             return
-        mu, cond = token_conditions(self.flow, prompt.tokens, prompt.feat, finalize=False)
-        job = self.sampler.new_job(EMPTY_STATE, self._noise(0, frames), mu[:, :, :frames], cond[:, :, :frames],
-                                   prompt.spks, keep=frames)
-        while not job.done:
-            self.sampler.step([job])
-        self._prefixes.put(prompt.key, Cv3VoicePrefix(job.state_after(frames)))
+        jobs, kept = [], {}
+        for features in voices:
+            prompt = self._prompt(features)
+            frames = prompt.prefix_frames
+            if not frames or prompt.key in self._prefixes or prompt.key in kept:
+                continue
+            mu, cond = token_conditions(self.flow, prompt.tokens, prompt.feat, finalize=False)
+            jobs.append(self.sampler.new_job(EMPTY_STATE, self._noise(0, frames), mu[:, :, :frames],
+                                             cond[:, :, :frames], prompt.spks, keep=frames))
+            kept[prompt.key] = frames
+        while any(not job.done for job in jobs):
+            self.sampler.step([job for job in jobs if not job.done])
+        for job, (key, frames) in zip(jobs, kept.items()):
+            self._prefixes.put(key, Cv3VoicePrefix(job.state_after(frames)))
 
     def warm_up(self, features: PromptFeatures, tokens: int = 120) -> None:
         """Capture the sampler's graphs (CUDA graphs on) and run every stage once: a stream of

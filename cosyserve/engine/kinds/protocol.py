@@ -67,8 +67,10 @@ class Kind(Protocol):
     def open(self, features: PromptFeatures) -> Voicing:
         """A stream of this voice."""
 
-    def warm_voice(self, features: PromptFeatures) -> None:
-        """Compute and keep a registered voice's state (at load)."""
+    def prepare_voices(self, voices: list[PromptFeatures]) -> None:
+        """Compute and keep these voices' state (registered ones at load; a new voice as soon as its
+        request arrives, so that its first chunk does not wait for it), launched, not waited for;
+        voices kept already cost nothing. A bad voice raises (its requests then fail at ``open``)."""
 
     def warm_up(self, features: PromptFeatures) -> None:
         """Run every stage once, capturing graphs and compiling kernels (at load)."""

@@ -212,9 +212,10 @@ class StepAudio2Kind:
             self._open += 1
         return voicing
 
-    def warm_voice(self, features: PromptFeatures) -> None:
-        """Build and keep a registered voice's state (at load, not on a first request)."""
-        self._speaker(features)
+    def prepare_voices(self, voices: list[PromptFeatures]) -> None:
+        """Build and keep these voices' state (registered ones at load, a new one when its request arrives)."""
+        for features in voices:
+            self._speaker(features)
 
     def warm_up(self, features: PromptFeatures) -> None:
         """Run a short stream and an offline request of ``features``' voice through every stage."""
@@ -454,5 +455,5 @@ def load_step_audio2_kind(model_dir: str | Path, device: str | torch.device = "c
     kind = StepAudio2Kind(models, max_voices=max_voices, sine_noise=sine_noise)
     if registry is not None:
         for speaker_id in registry.ids()[:max_voices]:
-            kind.warm_voice(registry.get(speaker_id).features)
+            kind.prepare_voices([registry.get(speaker_id).features])
     return kind

@@ -1,0 +1,107 @@
+"""New clips -> prompt features, as a batched job: clips that arrive within a few milliseconds of
+each other share one speech tokenizer call and one CAM++ call.
+
+A server's voices are resolved on many threads at once (a front door's prepare threads, the API's
+workers); each new clip's models run here, on one thread of their own, so that a burst of new callers
+makes a few batched calls (:data:`DEFAULT_MAX_BATCH` clips each) rather than one call per caller, all
+of them contending for the device and the GIL. With the PyTorch back end on CUDA the models replay CUDA
+graphs on a stream of their own (:mod:`.torch_models`), never the engine's, and the prompt mel is
+computed on that device and stream too; on the CPU (onnxruntime) the same batching only saves the
+queueing.
+
+A clip is checked on its caller's thread before it joins a batch (a bad clip fails its own request
+and no other); a batch that still fails is run again clip by clip, so an error reaches only the
+request whose clip caused it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from ..audio.io import PromptAudio
+from .onnx_models import speaker_input, tokenizer_input
+from .prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, build_prompt_features_batch
+
+# How long the first clip of a batch waits for others (seconds), and the most clips per batch.
+DEFAULT_WINDOW_S = 0.002
+DEFAULT_MAX_BATCH = 8
+
+
+class PromptFeaturizer:
+    """``features(audio)`` (blocking, any thread) of new clips through ``tokenizer`` and
+    ``speaker_encoder`` (``tokenize_batch``/``embed_batch``; their ``device`` and ``stream``, where they
+    have them, also compute the prompt mel). ``window_s`` 0: each clip on its caller's thread, alone."""
+
+    def __init__(self, tokenizer, speaker_encoder, mel_fmax: float | None = COSYVOICE2_MEL_FMAX, *,
+                 window_s: float = DEFAULT_WINDOW_S, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        self.tokenizer = tokenizer
+        self.speaker_encoder = speaker_encoder
+        self.mel_fmax = mel_fmax
+        self.window_s = window_s
+        self.max_batch = max_batch
+        self.device = getattr(tokenizer, "device", torch.device("cpu"))
+        self.stream = getattr(tokenizer, "stream", None)
+        self.batches = 0  # calls of the models, and the clips they took
+        self.clips = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def features(self, audio: PromptAudio) -> PromptFeatures:
+        tokenizer_input(audio.wav16)
+        speaker_input(audio.wav16)
+        if self.window_s <= 0:
+            return self._compute([audio])[0]
+        answer: Future = Future()
+        self._queue.put((audio, answer))
+        self._ensure_thread()
+        return answer.result()
+
+    def warm_up(self) -> None:
+        """Capture the models' graphs (where they have them) at load, not on a first clip of each shape."""
+        for model in (self.tokenizer, self.speaker_encoder):
+            capture = getattr(model, "capture_all", None)
+            if capture is not None:
+                capture()
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="prompt-features", daemon=True)
+                self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            deadline = time.perf_counter() + self.window_s
+            while len(batch) < self.max_batch:
+                left = deadline - time.perf_counter()
+                try:
+                    batch.append(self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._answer(batch)
+
+    def _answer(self, batch: list[tuple[PromptAudio, Future]]) -> None:
+        try:
+            results = self._compute([audio for audio, _ in batch])
+        except Exception as exc:
+            if len(batch) > 1:  # find the clip at fault: each alone
+                for item in batch:
+                    self._answer([item])
+                return
+            batch[0][1].set_exception(exc)
+            return
+        for (_, answer), features in zip(batch, results):
+            answer.set_result(features)
+
+    def _compute(self, audios: list[PromptAudio]) -> list[PromptFeatures]:
+        self.batches += 1
+        self.clips += len(audios)
+        return build_prompt_features_batch(audios, self.tokenizer, self.speaker_encoder, self.mel_fmax,
+                                           device=self.device, stream=self.stream)
