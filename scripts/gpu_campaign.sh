@@ -75,7 +75,7 @@ ENGINE_MODELS=${ENGINE_MODELS:-$ENGINE_MODEL}        # each in turn; the others'
 ENGINE_DEVICE=${ENGINE_DEVICE:-auto}
 ENGINE_CONCURRENCY=${ENGINE_CONCURRENCY:-1 16}
 ENGINE_REQUESTS_PER_SENDER=${ENGINE_REQUESTS_PER_SENDER:-2}
-ENGINE_RATES=${ENGINE_RATES:-8 12 16 20}
+ENGINE_RATES=${ENGINE_RATES-8 12 16 20}            # (empty: no open-loop level)
 ENGINE_SECONDS_PER_RATE=${ENGINE_SECONDS_PER_RATE:-10}
 ENGINE_PROFILE_RATE=${ENGINE_PROFILE_RATE:-8}       # a last level under torch.profiler (0: none)
 ENGINE_PROFILE_SECONDS=${ENGINE_PROFILE_SECONDS:-3}
@@ -288,6 +288,11 @@ if wanted 2; then
   else
     step bundle "$BUNDLE_TIMEOUT" bash "$repo_root/run.sh" 0 0
   fi
+  case " $ENGINE_MODELS " in *" cosyvoice3 "*)  # its own bundle (run_cosyvoice3.sh's), next to CosyVoice2's
+    if [ ! -d "$MODELS_DIR/cosyvoice3_llm" ]; then
+      step bundle_cosyvoice3 "$BUNDLE_TIMEOUT" bash "$repo_root/run_cosyvoice3.sh" 0 0
+    fi ;;
+  esac
 fi
 
 # --- 3: engine in-process -------------------------------------------------------------------------------

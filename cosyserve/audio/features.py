@@ -120,8 +120,15 @@ def slaney_mel_filters(sample_rate: int, n_fft: int, n_mels: int, fmin: float = 
     Whisper/S3-tokenizer log-mel (whose stored filters were made by the same function).
     """
     fmax = sample_rate / 2.0 if fmax is None else float(fmax)
-    filters = _slaney_mel_filters_cpu(int(sample_rate), int(n_fft), int(n_mels), float(fmin), fmax)
-    return filters.to(device)
+    return _slaney_mel_filters_on(int(sample_rate), int(n_fft), int(n_mels), float(fmin), fmax, torch.device(device))
+
+
+@lru_cache(maxsize=16)
+def _slaney_mel_filters_on(sample_rate: int, n_fft: int, n_mels: int, fmin: float, fmax: float,
+                           device: torch.device) -> torch.Tensor:
+    """Kept per device: a copy from the host inside a CUDA graph capture is not allowed (and each
+    call would otherwise copy them again)."""
+    return _slaney_mel_filters_cpu(sample_rate, n_fft, n_mels, fmin, fmax).to(device)
 
 
 def _kaldi_mel(hz: torch.Tensor) -> torch.Tensor:
@@ -154,8 +161,14 @@ def kaldi_mel_banks(num_bins: int, padded_window: int, sample_rate: float, low_f
     high = high_freq + nyquist if high_freq <= 0 else high_freq
     if not 0.0 <= low_freq < high <= nyquist:
         raise ValueError(f"bad mel band edges low={low_freq} high={high} for sample rate {sample_rate}")
-    banks = _kaldi_mel_banks_cpu(int(num_bins), int(padded_window), float(sample_rate), float(low_freq), float(high))
-    return banks.to(device)
+    return _kaldi_mel_banks_on(int(num_bins), int(padded_window), float(sample_rate), float(low_freq), float(high),
+                               torch.device(device))
+
+
+@lru_cache(maxsize=16)
+def _kaldi_mel_banks_on(num_bins: int, padded_window: int, sample_rate: float, low_freq: float, high_freq: float,
+                        device: torch.device) -> torch.Tensor:
+    return _kaldi_mel_banks_cpu(num_bins, padded_window, sample_rate, low_freq, high_freq).to(device)
 
 
 @lru_cache(maxsize=8)
