@@ -31,7 +31,7 @@ from ..engine.service import BUNDLE_DIRS, TTSEngine, load_engine, warm_up_clip
 from ..engine.front_end import TokenLimits, TTSRequest
 from ..serving.settings import EngineSettings
 from ..runtime import resolve_device
-from .kernels import host_syncs, kernel_profile
+from .kernels import host_profile, host_syncs, kernel_profile
 from .openloop import poisson_arrivals, run_open_loop
 
 TEXT = "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。"
@@ -182,6 +182,19 @@ def run(args: argparse.Namespace) -> dict:
                     clips = [new_clip() for _ in range(count)]
                     _measure_while_playing(report, engine, voice, args.tokens, playing, clips, counter,
                                            f"{count} new clips while {playing} play{tag}")
+            if args.profile_new_clips:
+                clips = [new_clip() for _ in range(args.profile_new_clips)]
+                new_clips = lambda: _in_threads(len(clips), lambda i: one_request(engine, clips[i], args.tokens,
+                                                                                   f"h-{next(counter)}"))
+                if device.type == "cuda":
+                    _, syncs = host_syncs(new_clips)
+                    report["new_clip_host_syncs"] = syncs
+                    print(f"host syncs of {len(clips)} new clips: {syncs['syncs']}", flush=True)
+                    for entry in syncs["top"]:
+                        print(f"  {entry['count']:6d}  {entry['line']}", flush=True)
+                    clips = [new_clip() for _ in range(args.profile_new_clips)]
+                _, host_table = host_profile(new_clips)
+                print(f"host time of {len(clips)} new clips by operator:\n{host_table}", flush=True)
             for rate in args.rates:
                 def open_loop():
                     arrivals = poisson_arrivals(rate, args.seed, duration_s=args.seconds_per_rate)
@@ -327,6 +340,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--new-clips-while-playing", type=int, nargs="*", default=[],
                    help="each --new-clips level again while this many streams of the registered voice play "
                         "(their underruns reported as playing_underrun_requests)")
+    p.add_argument("--profile-new-clips", type=int, default=0, help="then this many new clips together under "
+                   "torch's sync debug mode (host syncs by source line), and as many under the CPU profiler "
+                   "(host time by operator and stack), printed")
     p.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop Poisson arrival rates (req/s)")
     p.add_argument("--seconds-per-rate", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)

@@ -56,6 +56,17 @@ def kernel_profile(run: Callable[[], Any], top: int = 12) -> tuple[Any, dict]:
                  "share_of_busy": round(total / busy, 4) if busy else None} for name, (calls, total) in ranked]}
 
 
+def host_profile(run: Callable[[], Any], top: int = 25) -> tuple[Any, str]:
+    """``run()``'s result and a table of the host's time by operator (every thread; self time,
+    each row with the Python stack that called it): where a path's host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        result = run()
+    return result, prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=top,
+                                                               max_name_column_width=60)
+
+
 def host_syncs(run: Callable[[], Any], top: int = 15) -> tuple[Any, dict]:
     """``run()``'s result and the host-device synchronisations torch saw while it ran (every thread:
     the LLM's waits for its sampled tokens count too), by the source line that made them."""

@@ -38,6 +38,7 @@ from ..models.flow import CosyVoice2Flow, load_flow
 from ..models.hift import HiFTGenerator, load_hift
 from .flow_engine import EngineStream, FlowEngine
 from .graphs import FlowSampler, HiftRunner
+from ..runtime import host_to_device
 from ..schedule import plan_chunks
 from ..speech_tokens import speech_token_ids
 from .vocoder_batch import source_noise, vocode_batch
@@ -386,7 +387,9 @@ class CosyVoice2Token2Wav:
         emb = _float_tensor(embedding, "embedding").reshape(1, -1)
         if emb.shape[1] != cfg.spk_embed_dim:
             raise InvalidInputError(f"embedding must hold {cfg.spk_embed_dim} values, got {emb.shape[1]}")
-        return _Prompt(tokens, feat.to(self.device, self.dtype), emb.to(self.device, self.dtype))
+        # copied without waiting for the device's queue (a new voice's prompt arrives while streams play)
+        return _Prompt(tokens, host_to_device(feat, self.device).to(self.dtype),
+                       host_to_device(emb, self.device).to(self.dtype))
 
 
 class Token2WavStream:

@@ -253,10 +253,11 @@ class FlowEngine:
             self._trim_voices(max(self.max_voices, len(prefixes)))
 
     def _empty_prefix(self, key: str, prompt_tokens, prompt_feat, embedding) -> VoicePrefix:
-        spks = self.flow.speaker_vector(embedding.to(self.device, self.dtype))
+        spks = self.flow.speaker_vector(host_to_device(embedding, self.device).to(self.dtype))
         conv = torch.zeros(self.n_timesteps, 2, self.fused.conv_width, device=self.device, dtype=self.dtype)
-        return VoicePrefix(key, prompt_tokens.to(self.device, torch.long), prompt_feat.to(self.device, self.dtype),
-                           spks, _FlowState({}, FrameBuffer(dim=2), conv))
+        return VoicePrefix(key, host_to_device(prompt_tokens, self.device).long(),
+                           host_to_device(prompt_feat, self.device).to(self.dtype), spks,
+                           _FlowState({}, FrameBuffer(dim=2), conv))
 
     def _compute_prefixes(self, voices: list[VoicePrefix]) -> None:
         """Each voice's prompt alone, as non-final chunks without output: their complete blocks are
