@@ -53,18 +53,17 @@ def _existing(path: str | Path) -> Path:
 
 
 @contextmanager
-def _float32_exact(device: torch.device, autotune: bool = False):
+def _float32_exact(device: torch.device):
     """No TF32 in the models' matmuls and convolutions on CUDA: the codes are rounded FSQ outputs and
     the parity target is onnxruntime's float32 (the process-wide flags are restored afterwards).
-    ``autotune``: cuDNN times its convolution algorithms for each new shape (a graph's capture: the
-    fastest ones are then replayed; eager calls of ever-new lengths would pay the timing each time)."""
+    (cuDNN's autotuning is left off: timing every convolution of every captured shape took minutes.)"""
     if device.type != "cuda":
         yield
         return
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
-        with torch.backends.cudnn.flags(enabled=True, benchmark=autotune, allow_tf32=False):
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
             yield
     finally:
         torch.set_float32_matmul_precision(precision)
@@ -87,7 +86,7 @@ class _DeviceModel:
         self.model = loader(self.path).to(self.device)
         cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if cuda else None
-        self.graphs = ClipGraphs(self.device, self.forward, lambda: _float32_exact(self.device, autotune=True)) \
+        self.graphs = ClipGraphs(self.device, self.forward, lambda: _float32_exact(self.device)) \
             if cuda and cuda_graphs else None
 
     def forward(self, batch: torch.Tensor, lengths: torch.Tensor):
