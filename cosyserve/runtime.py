@@ -47,7 +47,11 @@ def host_to_device(values, device: torch.device | str, dtype: torch.dtype | None
     ``torch.tensor(values, device=cuda)`` and a blocking ``copy_`` from the host wait until every
     kernel queued on the stream has run before they copy: in a loop that launches GPU work, each one
     stalls the host behind the GPU, and the GPU then idles while the host builds the next call. An
-    asynchronous copy from pageable memory is staged by the driver at once (the source may be freed
-    when this returns) and runs in stream order, with no wait."""
+    asynchronous copy from *pageable* memory may wait the same way (the driver stages it, and may
+    synchronise with the stream to do so: on an H200 a new voice's prompt pieces waited ~120 ms for
+    the GPU's queue that way), so the values go through pinned memory (torch's caching host
+    allocator: the block is reused only once its copy is done) and the copy runs in stream order."""
     tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    return tensor.to(device, non_blocking=True)
+    if torch.device(device).type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -33,6 +33,7 @@ from ...models.cosyvoice3.dit import WindowState
 from ...models.cosyvoice3.flow import CosyVoice3Flow, Cv3VoicePrefix, load_cosyvoice3_flow
 from ...models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, decode_calls, load_causal_hift
 from ...models.flow.cfm import N_TIMESTEPS, NOISE_FRAMES, fixed_noise
+from ...runtime import host_to_device
 from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
 from ...speech_tokens import speech_token_ids
 from ...token2wav.cosyvoice3_packed import EMPTY_STATE, PackedWindowSampler, WindowJob, token_conditions
@@ -173,9 +174,9 @@ class CosyVoice3Kind:
                                     f"{self.cfg.output_size}); got {tuple(feat.shape[1:])} for "
                                     f"{tokens.shape[1]} tokens")
         self.check_tokens(tokens[0].tolist())
-        spks = self.flow.speaker_vector(_to_device(features.embedding.reshape(1, -1), self.device).to(self.dtype))
+        spks = self.flow.speaker_vector(host_to_device(features.embedding.reshape(1, -1), self.device).to(self.dtype))
         key = features.key() if self.max_voices else ""
-        return Cv3Prompt(tokens, _to_device(tokens, self.device), _to_device(feat, self.device).to(self.dtype),
+        return Cv3Prompt(tokens, host_to_device(tokens, self.device), host_to_device(feat, self.device).to(self.dtype),
                          spks, self.flow.voice_prefix_frames(tokens.shape[1]), key)
 
     @torch.inference_mode()
@@ -268,7 +269,7 @@ class CosyVoice3Kind:
 
     def _conditions(self, prompt: Cv3Prompt, tokens: list[int], finalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.cat([prompt.host_tokens, torch.tensor([tokens], dtype=torch.long).reshape(1, -1)], dim=1)
-        return token_conditions(self.flow, _to_device(ids, self.device), prompt.feat, finalize)
+        return token_conditions(self.flow, host_to_device(ids, self.device), prompt.feat, finalize)
 
     def start_chunks(self, chunks: list[tuple[Cv3Voicing, list[int], int, bool]]) -> list[Cv3Job]:
         """Flow jobs of streams' chunks: (voicing, tokens so far, tokens already voiced, finalize).
@@ -410,12 +411,6 @@ def _free_device_memory(device: torch.device) -> int:
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device without waiting for the device's queued work (pinned, asynchronous)."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def load_cosyvoice3_kind(model_dir: str | Path, device: torch.device | str = "cpu", *,
