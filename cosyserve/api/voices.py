@@ -7,6 +7,7 @@ import io
 from pathlib import Path
 
 import numpy as np
+import soundfile as sf
 
 from ..audio.io import prompt_audio_from_array
 from ..errors import InvalidInputError
@@ -20,7 +21,19 @@ OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova"
 
 
 def decode_upload(data: bytes) -> tuple[np.ndarray, int]:
-    """An uploaded audio file (any format FFmpeg reads) -> mono float32 samples and their rate."""
+    """An uploaded audio file -> mono float32 samples and their rate: WAV, FLAC and Ogg through
+    libsndfile (soundfile: a 10 s WAV in about a millisecond), any other format FFmpeg reads through
+    PyAV."""
+    try:
+        wav, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, TypeError):
+        return _decode_with_ffmpeg(data)
+    if wav.size == 0:
+        raise InvalidInputError("audio_sample holds no audio")
+    return wav.mean(axis=1).astype(np.float32), int(rate)
+
+
+def _decode_with_ffmpeg(data: bytes) -> tuple[np.ndarray, int]:
     import av
 
     try:
