@@ -309,12 +309,13 @@ def test_bad_chunks_fail_clearly_and_close_the_stream(flow):
 
 
 def test_a_long_prompt_is_cached_in_pieces(flow):
-    """A 230-token prompt runs through the flow in three pieces (103, 203, 230 tokens): the cached
+    """A 330-token prompt runs through the flow in three pieces (128, 253, 330 tokens): the cached
     prefix equals one pass over the whole prompt, and the chunks after it equal the full re-run."""
     engine = _engine(flow)
-    voice, tokens = _voice(230, seed=11), _tokens(60, seed=12)
+    voice, tokens = _voice(330, seed=11), _tokens(60, seed=12)
     stream = engine.open(*voice)
-    assert stream.voice.frames == 50 * ((230 - 3) // 25) and engine.counters.calls == 3
+    assert stream.voice.frames == 50 * ((330 - 3) // 25) and engine.counters.calls == 3
+    assert engine.counters.frames == 250 + 250 + (2 * (330 - 3) - 500)  # windows of 250, 250 and the rest
     ref = Reference(flow, voice, tokens, [])
     for count, finalize in triton_schedule(60):
         got = engine.run([(stream, tokens[:, :count], finalize)])[0]
@@ -327,7 +328,7 @@ def test_voices_prepared_together_equal_each_prepared_alone(flow):
     prefix) prepared in one call: the k-th pieces of all of them share a packed solve, and each
     voice's streams then give the chunks of the full re-run; a voice kept already costs nothing."""
     engine = _engine(flow)
-    lengths = (60, 150, 230, 20)
+    lengths = (60, 150, 300, 20)
     voices = [_voice(n, seed=20 + n) for n in lengths]
     engine.prepare([(*voice, f"v{n}") for voice, n in zip(voices, lengths)])
     assert engine.counters.calls == 3 and engine.cached_voices == 4 and engine.open_streams == 0

@@ -13,6 +13,7 @@ seconds and rows per decode step). Every reply is exactly
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -186,6 +187,10 @@ def run(args: argparse.Namespace) -> dict:
                 clips = [new_clip() for _ in range(args.profile_new_clips)]
                 new_clips = lambda: _in_threads(len(clips), lambda i: one_request(engine, clips[i], args.tokens,
                                                                                    f"h-{next(counter)}"))
+                report["new_clip_preparation_ms"] = split = _preparation_split(engine, new_clips)
+                print(f"the loop's preparation of {len(clips)} new voices (ms): "
+                      + ", ".join(f"{name} {value:.1f}" for name, value in split.items()), flush=True)
+                clips = [new_clip() for _ in range(args.profile_new_clips)]
                 if device.type == "cuda":
                     _, syncs = host_syncs(new_clips)
                     report["new_clip_host_syncs"] = syncs
@@ -254,6 +259,20 @@ def _in_threads(count: int, work) -> list:
     for thread in threads:
         thread.join()
     return results
+
+
+def _preparation_split(engine: TTSEngine, run) -> dict[str, float]:
+    """``run()``'s new voices' preparation on the loop (ms): in all (``voice_s``), launching their
+    prompt pieces' encoder windows and solves (a CosyVoice2 kind's flow engine), and the rest."""
+    flow = getattr(engine.core.kind, "flow_engine", None)
+    before = engine.stats().counters["voice_s"], dataclasses.replace(flow.counters) if flow else None
+    run()
+    split = {"voice": 1e3 * (engine.stats().counters["voice_s"] - before[0])}
+    if flow is not None:
+        split["encoder windows"] = 1e3 * (flow.counters.prefix_encoder_s - before[1].prefix_encoder_s)
+        split["solves"] = 1e3 * (flow.counters.prefix_solve_s - before[1].prefix_solve_s)
+        split["rest"] = split["voice"] - split["encoder windows"] - split["solves"]
+    return split
 
 
 def _measure_while_playing(report: dict, engine: TTSEngine, voice, tokens: int, playing: int, clips: list,
@@ -340,9 +359,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--new-clips-while-playing", type=int, nargs="*", default=[],
                    help="each --new-clips level again while this many streams of the registered voice play "
                         "(their underruns reported as playing_underrun_requests)")
-    p.add_argument("--profile-new-clips", type=int, default=0, help="then this many new clips together under "
-                   "torch's sync debug mode (host syncs by source line), and as many under the CPU profiler "
-                   "(host time by operator and stack), printed")
+    p.add_argument("--profile-new-clips", type=int, default=0, help="then this many new clips together three "
+                   "times: the loop's time preparing their voices split (encoder windows, solves, the rest), "
+                   "under torch's sync debug mode (host syncs by source line), and under the CPU profiler (host "
+                   "time by operator), printed")
     p.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop Poisson arrival rates (req/s)")
     p.add_argument("--seconds-per-rate", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)

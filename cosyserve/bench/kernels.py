@@ -57,8 +57,8 @@ def kernel_profile(run: Callable[[], Any], top: int = 12) -> tuple[Any, dict]:
 
 
 def host_profile(run: Callable[[], Any], top: int = 25) -> tuple[Any, str]:
-    """``run()``'s result and a table of the host's time by operator (every thread; self time,
-    each row with the Python stack that called it): where a path's host time goes."""
+    """``run()``'s result and a table of the host's time by operator (self time; CUDA runtime calls of
+    every thread, torch operators and Python calls where the profiler sees the thread)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:

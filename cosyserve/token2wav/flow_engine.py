@@ -46,6 +46,7 @@ outside the engine.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -66,9 +67,10 @@ from .step_graphs import GRAPH_PAIRS, EngineGraphs, StepBuffers
 
 # Voices whose prefix is kept when nothing else limits them (pages are freed earlier under pressure).
 DEFAULT_MAX_VOICES = 64
-# A voice's prompt runs through the flow in pieces of this many tokens (windows of at most
-# 2 x 100 + 49 frames: inside the captured shapes, whatever the prompt's length).
-PREFIX_PIECE_TOKENS = 100
+# A voice's prompt runs through the flow in pieces of this many tokens: each piece ends on a block
+# boundary, so the next window starts on one and every window is at most 2 x 125 = 250 frames, inside
+# the captured shapes (GRAPH_FRAMES) whatever the prompt's length. A 3-5 s prompt is one piece.
+PREFIX_PIECE_TOKENS = 125
 
 
 @dataclass
@@ -275,8 +277,12 @@ class FlowEngine:
             for k in range(max(len(ends) for ends in pieces)):
                 chunks = [(stream, stream.voice.prompt_tokens[:, :ends[k]], False)
                           for stream, ends in zip(streams, pieces) if k < len(ends)]
+                began = time.perf_counter()
                 windows = self._windows(chunks)
+                encoded = time.perf_counter()
                 self._solve_windows(windows)
+                self.counters.prefix_encoder_s += encoded - began
+                self.counters.prefix_solve_s += time.perf_counter() - encoded
                 for window in windows:
                     self._commit(window)
                 windows = []
