@@ -53,6 +53,14 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def assert_codes_match(tokens: torch.Tensor, expected: torch.Tensor) -> None:
+    """Speech codes of two different computations (back ends, batched or not): as many, and equal
+    but for a code whose value sat on a rounding edge (float sums may differ in their last bit from
+    one CPU to another); a wrong floor, mean or mask changes far more than one in a hundred."""
+    assert tokens.dtype == expected.dtype == torch.int32 and tokens.shape == expected.shape
+    assert int((tokens != expected).sum()) <= max(1, expected.numel() // 100), (tokens, expected)
+
+
 def test_node_scopes_map_to_module_paths():
     assert module_path("/blocks.0/mlp/mlp.0/MatMul") == "blocks.0.mlp.0"
     assert module_path("/xvector/xvector.block1/tdnnd1/cam_layer/linear_local/Conv") == "xvector.block1.tdnnd1.cam_layer.linear_local"
@@ -62,9 +70,7 @@ def test_node_scopes_map_to_module_paths():
 def test_tokens_equal_onnxruntime_for_every_clip(tokenizer_pair, clips):
     reference, model = tokenizer_pair
     for wav in clips:
-        expected = reference.tokenize(wav)
-        tokens = model.tokenize(wav)
-        assert tokens.dtype == torch.int32 and torch.equal(tokens, expected), wav.numel()
+        assert_codes_match(model.tokenize(wav), reference.tokenize(wav))
     assert len(set(model.tokenize(clips[-1]).tolist())) > 20  # the stand-in's codes follow the audio
 
 
@@ -73,7 +79,7 @@ def test_token_batch_equals_one_by_one(tokenizer_pair, clips):
     batch = model.tokenize_batch(clips)
     assert [t.numel() for t in batch] == [model.tokenize(w).numel() for w in clips]
     for tokens, wav in zip(batch, clips):
-        assert torch.equal(tokens, model.tokenize(wav))
+        assert_codes_match(tokens, model.tokenize(wav))
 
 
 def test_embeddings_match_onnxruntime_and_batch_equals_one_by_one(encoder_pair, clips):
@@ -162,8 +168,8 @@ def test_voices_of_a_batch_equal_the_onnxruntime_voices(tokenizer_pair, encoder_
     batch = build_prompt_features_batch(prompts, torch_tok, torch_enc)
     for features, prompt in zip(batch, prompts):
         expected = build_prompt_features(prompt, ort_tok, ort_enc)
-        assert torch.equal(features.speech_tokens, expected.speech_tokens)
-        assert torch.equal(features.speech_feat, expected.speech_feat)
+        assert_codes_match(features.speech_tokens, expected.speech_tokens)
+        assert torch.equal(features.speech_feat, expected.speech_feat)  # the same computation: the mel on the CPU
         assert rel_l2(features.embedding, expected.embedding) <= 1e-4
 
 
