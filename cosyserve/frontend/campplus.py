@@ -97,20 +97,40 @@ class Fcm(nn.Module):
         return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
-def _clip_and_segment_mean(x: torch.Tensor, mask: torch.Tensor | None, lengths: torch.Tensor | None) -> torch.Tensor:
-    """Mean over the clip plus, per frame, the mean over its 100-frame segment (last one partial)."""
+@dataclass(frozen=True)
+class ClipFrames:
+    """Which frames of a zero-padded batch belong to each clip, for every CAM layer of one call
+    (computed once: each layer would otherwise rebuild it in a handful of small kernels)."""
+
+    mask: torch.Tensor  # (B, 1, T): 1 inside the clip, 0 after it
+    per_clip: torch.Tensor  # (B, 1, 1): 1 / the clip's frames
+    per_segment: torch.Tensor  # (B, 1, S): 1 / the clip's frames in each 100-frame segment (1 past its end)
+
+    @classmethod
+    def of(cls, lengths: torch.Tensor, frames: int, dtype: torch.dtype) -> "ClipFrames":
+        index = torch.arange(frames, device=lengths.device)
+        starts = index[::SEGMENT_FRAMES]
+        counts = (lengths[:, None] - starts[None, :]).clamp(1, SEGMENT_FRAMES)
+        return cls((index[None, :] < lengths[:, None]).to(dtype)[:, None, :],
+                   (1.0 / lengths.to(dtype))[:, None, None], (1.0 / counts.to(dtype))[:, None, :])
+
+
+def _segment_frames(segments: torch.Tensor, frames: int) -> torch.Tensor:
+    """(B, C, S) per-segment values -> (B, C, frames): each frame gets its segment's."""
+    return segments.unsqueeze(-1).expand(*segments.shape, SEGMENT_FRAMES).reshape(*segments.shape[:-1], -1)[..., :frames]
+
+
+def _clip_and_segment_mean(x: torch.Tensor, clips: ClipFrames | None) -> torch.Tensor:
+    """Mean over the clip plus, per frame, the mean over its 100-frame segment (last one partial);
+    with ``clips``, ``x`` is masked already and only each clip's frames count."""
     frames = x.shape[-1]
-    if mask is None:
+    if clips is None:
         segments = F.avg_pool1d(x, SEGMENT_FRAMES, SEGMENT_FRAMES, ceil_mode=True)
-        per_frame = segments.unsqueeze(-1).expand(*segments.shape, SEGMENT_FRAMES).reshape(*segments.shape[:-1], -1)
-        return x.mean(-1, keepdim=True) + per_frame[..., :frames]
-    x = x * mask
-    n_segments = -(-frames // SEGMENT_FRAMES)
-    sums = F.pad(x, (0, n_segments * SEGMENT_FRAMES - frames)).reshape(*x.shape[:2], n_segments, SEGMENT_FRAMES).sum(-1)
-    starts = torch.arange(n_segments, device=x.device) * SEGMENT_FRAMES
-    counts = (lengths[:, None] - starts[None, :]).clamp(1, SEGMENT_FRAMES)[:, None, :]
-    per_frame = (sums / counts).repeat_interleave(SEGMENT_FRAMES, dim=-1)[..., :frames]
-    return x.sum(-1, keepdim=True) / lengths[:, None, None] + per_frame
+        return x.mean(-1, keepdim=True) + _segment_frames(segments, frames)
+    # segment sums in one kernel (divisor 1), then each clip's own counts
+    sums = F.avg_pool2d(x[:, :, None, :], (1, SEGMENT_FRAMES), (1, SEGMENT_FRAMES), ceil_mode=True,
+                        divisor_override=1)[:, :, 0, :]
+    return x.sum(-1, keepdim=True) * clips.per_clip + _segment_frames(sums * clips.per_segment, frames)
 
 
 class CamLayer(nn.Module):
@@ -123,10 +143,10 @@ class CamLayer(nn.Module):
         self.linear2 = nn.Conv1d(bottleneck // 2, out_channels, 1)
         self.sigmoid = nn.Sigmoid()
 
-    def forward(self, x, mask, lengths):
-        local = self.linear_local(_masked(x, mask))
-        context = _clip_and_segment_mean(x, mask, lengths)
-        return local * self.sigmoid(self.linear2(self.relu(self.linear1(context))))
+    def forward(self, x, clips: ClipFrames | None):
+        x = _masked(x, None if clips is None else clips.mask)
+        context = _clip_and_segment_mean(x, clips)
+        return self.linear_local(x) * self.sigmoid(self.linear2(self.relu(self.linear1(context))))
 
 
 class DenseTdnnLayer(nn.Module):
@@ -137,8 +157,8 @@ class DenseTdnnLayer(nn.Module):
         self.nonlinear2 = _seq(batchnorm=nn.BatchNorm1d(size.bottleneck), relu=nn.ReLU())
         self.cam_layer = CamLayer(size.bottleneck, size.growth, kernel, dilation)
 
-    def forward(self, x, mask, lengths):
-        return self.cam_layer(self.nonlinear2(self.linear1(self.nonlinear1(x))), mask, lengths)
+    def forward(self, x, clips: ClipFrames | None):
+        return self.cam_layer(self.nonlinear2(self.linear1(self.nonlinear1(x))), clips)
 
 
 class DenseTdnnBlock(nn.ModuleList):
@@ -147,9 +167,9 @@ class DenseTdnnBlock(nn.ModuleList):
         for i in range(n_layers):
             self.add_module(f"tdnnd{i + 1}", DenseTdnnLayer(in_channels + i * size.growth, size, kernel, dilation))
 
-    def forward(self, x, mask, lengths):
+    def forward(self, x, clips: ClipFrames | None):
         for layer in self:
-            x = torch.cat([x, layer(x, mask, lengths)], dim=1)
+            x = torch.cat([x, layer(x, clips)], dim=1)
         return x
 
 
@@ -163,13 +183,13 @@ class TdnnLayer(nn.Module):
         return self.nonlinear(self.linear(_masked(x, mask)))
 
 
-def _stats(x: torch.Tensor, mask: torch.Tensor | None, lengths: torch.Tensor | None) -> torch.Tensor:
+def _stats(x: torch.Tensor, clips: ClipFrames | None, lengths: torch.Tensor | None) -> torch.Tensor:
     """Mean and unbiased standard deviation over each clip's frames."""
-    if mask is None:
+    if clips is None:
         return torch.cat([x.mean(-1), x.std(-1, unbiased=True)], dim=-1)
     count = lengths[:, None].to(x.dtype)
-    mean = (x * mask).sum(-1) / count
-    variance = ((x - mean[..., None]) ** 2 * mask).sum(-1) / (count - 1)
+    mean = (x * clips.mask).sum(-1) / count
+    variance = ((x - mean[..., None]) ** 2 * clips.mask).sum(-1) / (count - 1)
     return torch.cat([mean, variance.sqrt()], dim=-1)
 
 
@@ -201,13 +221,14 @@ class Xvector(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, lengths: torch.Tensor | None) -> torch.Tensor:
         x = self.tdnn(x, None if mask is None else mask[:, None, :])
+        clips = None
         if lengths is not None:
             lengths = (lengths - 1) // 2 + 1  # kernel 5, stride 2, padding 2
-            mask = (torch.arange(x.shape[-1], device=x.device)[None, :] < lengths[:, None]).to(x.dtype)[:, None, :]
+            clips = ClipFrames.of(lengths, x.shape[-1], x.dtype)
         for index in range(1, len(DENSE_BLOCKS) + 1):
-            x = getattr(self, f"block{index}")(x, mask, lengths)
+            x = getattr(self, f"block{index}")(x, clips)
             x = getattr(self, f"transit{index}")(x)
-        return self.dense(_stats(self.out_nonlinear(x), mask, lengths))
+        return self.dense(_stats(self.out_nonlinear(x), clips, lengths))
 
 
 class Campplus(nn.Module):
