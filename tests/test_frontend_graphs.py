@@ -33,6 +33,13 @@ def model_files(tmp_path_factory):
             write_campplus_onnx(root / "campplus.onnx", "tiny", seed=12))
 
 
+def assert_codes_match(tokens: torch.Tensor, expected: torch.Tensor) -> None:
+    """Codes of two different computations: as many, and equal but for one on a rounding edge in a
+    hundred (float sums may differ in their last bit by CPU or by kernel)."""
+    assert tokens.shape == expected.shape
+    assert int((tokens != expected).sum()) <= max(1, expected.numel() // 100), (tokens, expected)
+
+
 def bucket_call(clips: list[torch.Tensor], batch: int, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What :class:`ClipGraphs` feeds a graph: clips zero-padded to ``samples``, then silent padding
     clips as long as the bucket, up to ``batch``."""
@@ -63,8 +70,7 @@ def test_a_call_padded_to_its_bucket_gives_each_clip_what_it_gives_alone(model_f
     for i, c in enumerate(clips):
         alone = tokenizer.tokenize(c)
         assert int(counts[i]) == alone.numel()
-        # rounded FSQ codes: a padded call may round a value on a code's edge the other way
-        assert (codes[i, :alone.numel()] == alone).float().mean() >= 0.98
+        assert_codes_match(codes[i, :alone.numel()], alone)
         torch.testing.assert_close(embeddings[i], encoder.embed(c), rtol=1e-4, atol=1e-4)
 
 
@@ -76,7 +82,7 @@ def test_graph_replays_equal_the_eager_models_on_cuda(model_files):
     clips = [clip(seconds, seed) for seed, seconds in enumerate((0.7, 2.9, 4.4, 11.0, 3.3))]
     for batch in ([clips[0]], clips[:3], clips):
         for ours, reference in zip(graphed[0].tokenize_batch(batch), eager[0].tokenize_batch(batch)):
-            assert ours.numel() == reference.numel() and (ours == reference).float().mean() >= 0.98
+            assert_codes_match(ours, reference)
         for ours, reference in zip(graphed[1].embed_batch(batch), eager[1].embed_batch(batch)):
             torch.testing.assert_close(ours, reference, rtol=1e-3, atol=1e-4)
     assert graphed[0].graphs.captured == 3 and graphed[1].graphs.captured == 3
