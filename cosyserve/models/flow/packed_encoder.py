@@ -112,16 +112,18 @@ def _conformer(layers: nn.ModuleList, x: torch.Tensor, rate: _Rate, windows: lis
     hidden = ~visible.unsqueeze(1)  # (J, 1, T, K)
     lo, hi = -(length - 1), cached + length - 1
     distance = (query_pos[:, :, None] - key_pos[:, None, :]).clamp(lo, hi) - lo  # row index in the table
+    # the sinusoids of every relative position, the same for each layer (each projects them its own way)
+    positions = relative_position_rows(lo, hi, x.size(2), device, x.dtype)
     for layer in layers:
         attn = layer.self_attn
         h = layer.norm_mha(x)
-        x = x + _attention(attn, h, rate, windows, hidden, distance, lo, hi, cached)
+        x = x + _attention(attn, h, rate, windows, hidden, distance, positions, cached)
         x = x + layer.feed_forward(layer.norm_ff(x))
     return x
 
 
 def _attention(attn, x: torch.Tensor, rate: _Rate, windows: list[EncoderWindow], hidden: torch.Tensor,
-               distance: torch.Tensor, lo: int, hi: int, cached: int) -> torch.Tensor:
+               distance: torch.Tensor, positions: torch.Tensor, cached: int) -> torch.Tensor:
     rows, length, _ = x.shape
     heads, d_k = attn.heads, attn.d_k
     q = attn.linear_q(x).view(rows, length, heads, d_k)
@@ -138,8 +140,7 @@ def _attention(attn, x: torch.Tensor, rate: _Rate, windows: list[EncoderWindow],
             keys[j:j + 1, :, :state.keys.committed] = state.keys.committed_frames()
             values[j:j + 1, :, :state.values.committed] = state.values.committed_frames()
         state.extend(k[j:j + 1, :, :rate.lengths[j]], v[j:j + 1, :, :rate.lengths[j]], rate.commits[j])
-    table = attn.linear_pos(relative_position_rows(lo, hi, x.size(2), x.device, x.dtype))
-    table = table.view(1, hi - lo + 1, heads, d_k).transpose(1, 2)
+    table = attn.linear_pos(positions).view(1, positions.size(0), heads, d_k).transpose(1, 2)
     content = torch.matmul((q + attn.pos_bias_u).transpose(1, 2), keys.transpose(-2, -1))
     position = torch.matmul((q + attn.pos_bias_v).transpose(1, 2), table.transpose(-2, -1))
     position = position.gather(-1, distance[:, None].expand(rows, heads, length, -1))
