@@ -129,17 +129,20 @@ def _attention(attn, x: torch.Tensor, rate: _Rate, windows: list[EncoderWindow],
     q = attn.linear_q(x).view(rows, length, heads, d_k)
     k = attn.linear_k(x).view(rows, length, heads, d_k).transpose(1, 2)
     v = attn.linear_v(x).view(rows, length, heads, d_k).transpose(1, 2)
-    keys = x.new_zeros(rows, heads, cached + length, d_k)
-    values = torch.zeros_like(keys)
-    keys[:, :, cached:], values[:, :, cached:] = k, v
-    for j, w in enumerate(windows):
-        state = w.states.get(attn)
-        if state is None:
-            state = w.states[attn] = RelAttentionState()
-        if state.keys.committed:
-            keys[j:j + 1, :, :state.keys.committed] = state.keys.committed_frames()
-            values[j:j + 1, :, :state.values.committed] = state.values.committed_frames()
-        state.extend(k[j:j + 1, :, :rate.lengths[j]], v[j:j + 1, :, :rate.lengths[j]], rate.commits[j])
+    states = [w.states.get(attn) or w.states.setdefault(attn, RelAttentionState()) for w in windows]
+    if rows == 1 and states[0].keys.committed == cached:
+        # one window: its stream's own buffer is [committed ‖ window] once extended (no copy into a
+        # padded one: a stream alone, or a voice's prompt piece, launches six kernels a layer fewer)
+        keys, values = states[0].extend(k, v, rate.commits[0])
+    else:
+        keys = x.new_zeros(rows, heads, cached + length, d_k)
+        values = torch.zeros_like(keys)
+        keys[:, :, cached:], values[:, :, cached:] = k, v
+        for j, state in enumerate(states):
+            if state.keys.committed:
+                keys[j:j + 1, :, :state.keys.committed] = state.keys.committed_frames()
+                values[j:j + 1, :, :state.values.committed] = state.values.committed_frames()
+            state.extend(k[j:j + 1, :, :rate.lengths[j]], v[j:j + 1, :, :rate.lengths[j]], rate.commits[j])
     table = attn.linear_pos(positions).view(1, positions.size(0), heads, d_k).transpose(1, 2)
     content = torch.matmul((q + attn.pos_bias_u).transpose(1, 2), keys.transpose(-2, -1))
     position = torch.matmul((q + attn.pos_bias_v).transpose(1, 2), table.transpose(-2, -1))
