@@ -18,6 +18,7 @@ graphs, the parity reference) on the CPU, unless told otherwise.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
@@ -88,6 +89,7 @@ class _DeviceModel:
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.graphs = ClipGraphs(self.device, self.forward, lambda: _float32_exact(self.device)) \
             if cuda and cuda_graphs else None
+        self._lock = threading.Lock()  # one call at a time: the graphs' buffers are shared
 
     def forward(self, batch: torch.Tensor, lengths: torch.Tensor):
         raise NotImplementedError
@@ -96,7 +98,7 @@ class _DeviceModel:
     def capture_all(self) -> None:
         """Capture every shape bucket's graph now (at load), not on a first call of that shape."""
         if self.graphs is not None:
-            with torch.cuda.stream(self.stream):
+            with self._lock, torch.cuda.stream(self.stream):
                 self.graphs.capture_all()
 
     @torch.inference_mode()
@@ -108,7 +110,7 @@ class _DeviceModel:
             with _float32_exact(self.device):
                 return gather(self.forward(*_padded(clips, self.device)), len(clips))
         results = []
-        with torch.cuda.stream(self.stream):
+        with self._lock, torch.cuda.stream(self.stream):
             for start in range(0, len(clips), GRAPH_BATCHES[-1]):
                 part = clips[start:start + GRAPH_BATCHES[-1]]
                 replayed = self.graphs.run(part) if self.graphs is not None else None
