@@ -5,6 +5,8 @@ stream is kept.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .errors import InvalidInputError
@@ -55,3 +57,8 @@ def host_to_device(values, device: torch.device | str, dtype: torch.dtype | None
     if torch.device(device).type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def bucket(value: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of the ascending ``sizes`` that holds ``value`` (a captured shape), None past them."""
+    return next((size for size in sizes if value <= size), None)

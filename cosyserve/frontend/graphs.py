@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..audio.features import TOKENIZER_SAMPLE_RATE
+from ..runtime import bucket
 
 # Clips per call and seconds per clip of the captured shapes (a prompt clip is 0.5-30 s).
 GRAPH_BATCHES = (1, 2, 4, 8)
@@ -38,18 +39,15 @@ class _Shape:
     outputs: object
 
 
-def bucket(value: int, sizes: Sequence[int]) -> int | None:
-    return next((size for size in sizes if value <= size), None)
-
-
 class ClipGraphs:
     """``forward`` captured per (clips, samples) bucket on ``device``; :meth:`run` replays one.
-    ``capture``: a context every capture and eager run happens in (the models' float32 precision)."""
+    ``precision``: the context every capture happens in (the models' float32 precision; a graph keeps
+    the math modes it was captured with)."""
 
-    def __init__(self, device: torch.device, forward: Forward, capture: Callable = None) -> None:
+    def __init__(self, device: torch.device, forward: Forward, precision: Callable) -> None:
         self.device = device
         self.forward = forward
-        self.precision = capture
+        self.precision = precision
         self.pool = torch.cuda.graph_pool_handle()
         self._shapes: dict[tuple[int, int], _Shape] = {}
 
@@ -71,12 +69,13 @@ class ClipGraphs:
             return None
         entry = self._shapes.get(shape) or self._capture(shape)
         host = entry.host
-        host.zero_()
         samples = shape[1]
-        host[:, samples] = samples  # padding clips: silence, as long as the bucket
-        for i, wav in enumerate(wavs):
+        for i, wav in enumerate(wavs):  # each clip, zeros after it, its length
             host[i, :wav.numel()] = wav
+            host[i, wav.numel():samples] = 0
             host[i, samples] = wav.numel()
+        host[len(wavs):, :samples] = 0  # padding clips: silence, as long as the bucket
+        host[len(wavs):, samples] = samples
         on_device = host.to(self.device, non_blocking=True)
         entry.wav.copy_(on_device[:, :samples])
         entry.lengths.copy_(on_device[:, samples])

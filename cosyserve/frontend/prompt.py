@@ -35,8 +35,13 @@ class PromptFeatures:
 
     def key(self) -> str:
         """What identifies the voice to token2wav: a digest of its content (shapes and values), so
-        that two clips with one transcript never collide. Every kind keys its kept voice state by it."""
-        return voice_key(self.speech_tokens, self.speech_feat, self.embedding)
+        that two clips with one transcript never collide. Every kind keys its kept voice state by it.
+        Computed once per object (the engine's loop asks at a request's arrival and at its first chunk)."""
+        key = self.__dict__.get("_key")
+        if key is None:
+            key = voice_key(self.speech_tokens, self.speech_feat, self.embedding)
+            object.__setattr__(self, "_key", key)  # frozen, and its tensors are never changed in place
+        return key
 
 
 def voice_key(speech_tokens: torch.Tensor, speech_feat: torch.Tensor, embedding: torch.Tensor) -> str:

@@ -37,6 +37,7 @@ import torch
 from ..models.cosyvoice3.dit import POS_CONV_KERNEL, Cv3DiT, WindowState, commit_window
 from ..models.cosyvoice3.flow import Cv3CFM, CosyVoice3Flow
 from ..models.flow.cfm import N_TIMESTEPS, cosine_time_grid
+from ..runtime import bucket
 from .graphs import capture_graph
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,6 @@ WIDTH_BUCKETS = (64, 128, 192, 256, 384, 512)  # window frames
 DEFAULT_PAST_BUDGET = 8192  # jobs x past frames of staged keys/values (~176 KiB each, bfloat16, real size)
 DEFAULT_WIDTH_BUDGET = 4096  # jobs x window frames (the window keys/values out: the same per frame)
 EMPTY_STATE = WindowState(0, None, None)
-
-
-def _bucket(value: int, buckets: tuple[int, ...]) -> int | None:
-    return next((b for b in buckets if value <= b), None)
 
 
 def euler_schedule(n_steps: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,9 +227,9 @@ class PackedWindowSampler:
 
     def _shape(self, jobs: list[WindowJob]) -> tuple[int, int, int] | None:
         """The padded shape of a group of jobs, None when it is outside the grid."""
-        rows = _bucket(len(jobs), self.job_buckets)
-        past = _bucket(max(job.start for job in jobs), self.past_buckets)
-        width = _bucket(max(job.width for job in jobs), self.width_buckets)
+        rows = bucket(len(jobs), self.job_buckets)
+        past = bucket(max(job.start for job in jobs), self.past_buckets)
+        width = bucket(max(job.width for job in jobs), self.width_buckets)
         if rows is None or past is None or width is None or rows * past > self.past_budget \
                 or rows * width > self.width_budget:
             return None

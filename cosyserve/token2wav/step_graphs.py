@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..models.flow.fused import FusedEstimator, StepRows, StepState, conv_views
+from ..runtime import bucket
 
 
 class StepBuffers:
@@ -113,7 +114,7 @@ class EngineGraphs:
 
     def get(self, pairs: int, frames: int, context: int) -> StepBuffers | None:
         """The captured step for a run of this size (captured now if new), or None past the shapes."""
-        key = tuple(_bucket(value, sizes) for value, sizes in
+        key = tuple(bucket(value, sizes) for value, sizes in
                     ((pairs, GRAPH_PAIRS), (frames, GRAPH_FRAMES), (context, GRAPH_SLOTS)))
         if None in key:
             return None
@@ -130,6 +131,3 @@ class EngineGraphs:
                 for slots in GRAPH_SLOTS:
                     self.get(pairs, frames, slots)
 
-
-def _bucket(value: int, sizes: tuple[int, ...]) -> int | None:
-    return next((size for size in sizes if value <= size), None)
