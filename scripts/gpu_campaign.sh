@@ -82,6 +82,7 @@ ENGINE_PROFILE_SECONDS=${ENGINE_PROFILE_SECONDS:-3}
 ENGINE_SYNC_DEBUG_RATE=${ENGINE_SYNC_DEBUG_RATE:-8}  # then one under torch's sync debug mode (0: none)
 ENGINE_NEW_CLIPS=${ENGINE_NEW_CLIPS-1 8}           # never-seen 3-8 s clips arriving together (empty: none)
 ENGINE_NEW_CLIPS_WHILE_PLAYING=${ENGINE_NEW_CLIPS_WHILE_PLAYING-16}  # those again while this many streams play
+ENGINE_NEW_CLIP_ROUNDS=${ENGINE_NEW_CLIP_ROUNDS:-5}  # each new-clip level this many times, fresh clips each
 ENGINE_EXTRA_ARGS=${ENGINE_EXTRA_ARGS:-}
 ENGINE_TIMEOUT=${ENGINE_TIMEOUT:-200}
 FRONTEND_BATCHES=${FRONTEND_BATCHES-1,8}           # bench_frontend.py's batch sizes (empty: not run)
@@ -308,7 +309,7 @@ if wanted 3; then
     esac
   fi
   new_clip_args=()
-  [ -z "$ENGINE_NEW_CLIPS" ] || new_clip_args=(--new-clips $ENGINE_NEW_CLIPS)
+  [ -z "$ENGINE_NEW_CLIPS" ] || new_clip_args=(--new-clips $ENGINE_NEW_CLIPS --new-clip-rounds "$ENGINE_NEW_CLIP_ROUNDS")
   [ -z "$ENGINE_NEW_CLIPS" ] || [ -z "$ENGINE_NEW_CLIPS_WHILE_PLAYING" ] || \
     new_clip_args+=(--new-clips-while-playing $ENGINE_NEW_CLIPS_WHILE_PLAYING)
   for model in $ENGINE_MODELS; do

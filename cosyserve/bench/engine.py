@@ -176,9 +176,14 @@ def run(args: argparse.Namespace) -> dict:
                 wav = rng.standard_normal(int(TOKENIZER_SAMPLE_RATE * rng.uniform(3, 8))).astype(np.float32) * 0.1
                 return lambda: engine.voices.resolve(wav, prompt_text)
             for count in args.new_clips:
-                clips = [new_clip() for _ in range(count)]
-                _measure(report, engine, f"{count} new clips together{tag}", lambda: (_in_threads(
-                    count, lambda i: one_request(engine, clips[i], args.tokens, f"n-{next(counter)}")), {}))
+                def together(count=count) -> list[Outcome]:  # a round after another, fresh clips each
+                    outcomes = []
+                    for _ in range(args.new_clip_rounds):
+                        clips = [new_clip() for _ in range(count)]
+                        outcomes += _in_threads(count, lambda i: one_request(engine, clips[i], args.tokens,
+                                                                             f"n-{next(counter)}"))
+                    return outcomes
+                _measure(report, engine, f"{count} new clips together{tag}", lambda: (together(), {}))
                 for playing in args.new_clips_while_playing:
                     clips = [new_clip() for _ in range(count)]
                     _measure_while_playing(report, engine, voice, args.tokens, playing, clips, counter,
@@ -356,6 +361,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requests-per-sender", type=int, default=4)
     p.add_argument("--new-clips", type=int, nargs="*", default=[],
                    help="levels of N never-seen 3-8 s clips arriving together (their front-end counted)")
+    p.add_argument("--new-clip-rounds", type=int, default=1,
+                   help="each --new-clips level this many times in turn, fresh clips each round (its p50/p95 "
+                        "over all of them)")
     p.add_argument("--new-clips-while-playing", type=int, nargs="*", default=[],
                    help="each --new-clips level again while this many streams of the registered voice play "
                         "(their underruns reported as playing_underrun_requests)")
