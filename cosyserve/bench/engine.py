@@ -32,7 +32,7 @@ from ..engine.service import BUNDLE_DIRS, TTSEngine, load_engine, warm_up_clip
 from ..engine.front_end import TokenLimits, TTSRequest
 from ..serving.settings import EngineSettings
 from ..runtime import resolve_device
-from .kernels import host_profile, host_syncs, kernel_profile
+from .kernels import call_profile, host_syncs, kernel_profile
 from .openloop import poisson_arrivals, run_open_loop
 
 TEXT = "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。"
@@ -195,16 +195,23 @@ def run(args: argparse.Namespace) -> dict:
                 report["new_clip_preparation_ms"] = split = _preparation_split(engine, new_clips)
                 print(f"the loop's preparation of {len(clips)} new voices (ms): "
                       + ", ".join(f"{name} {value:.1f}" for name, value in split.items()), flush=True)
-                clips = [new_clip() for _ in range(args.profile_new_clips)]
                 if device.type == "cuda":
+                    clips = [new_clip() for _ in range(args.profile_new_clips)]
                     _, syncs = host_syncs(new_clips)
                     report["new_clip_host_syncs"] = syncs
                     print(f"host syncs of {len(clips)} new clips: {syncs['syncs']}", flush=True)
                     for entry in syncs["top"]:
                         print(f"  {entry['count']:6d}  {entry['line']}", flush=True)
-                    clips = [new_clip() for _ in range(args.profile_new_clips)]
-                _, host_table = host_profile(new_clips)
-                print(f"host time of {len(clips)} new clips by operator:\n{host_table}", flush=True)
+                report["new_voice_preparation_profile"] = profiles = []
+                for _ in range(3):  # the first may pay one-off costs; all three are kept
+                    features = [new_clip()().features for _ in range(args.profile_new_clips)]
+                    profiles.append(call_profile(lambda: engine.core.kind.prepare_voices(features)))
+                    print(f"{len(features)} new voices prepared on the idle engine: launched in "
+                          f"{profiles[-1]['host_ms']:.1f} ms, done after {profiles[-1]['done_ms']:.1f} ms, "
+                          f"{profiles[-1]['kernels']} kernels busy {profiles[-1]['kernel_busy_ms']:.1f} ms", flush=True)
+                print([profile.pop("table") for profile in profiles][-1], flush=True)
+                for call in profiles[-1]["long_host_calls"]:
+                    print(f"  {call['count']:4d} x {call['call']} from {call['from']}: {call['ms']:.1f} ms", flush=True)
             for rate in args.rates:
                 def open_loop():
                     arrivals = poisson_arrivals(rate, args.seed, duration_s=args.seconds_per_rate)
@@ -367,10 +374,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--new-clips-while-playing", type=int, nargs="*", default=[],
                    help="each --new-clips level again while this many streams of the registered voice play "
                         "(their underruns reported as playing_underrun_requests)")
-    p.add_argument("--profile-new-clips", type=int, default=0, help="then this many new clips together three "
-                   "times: the loop's time preparing their voices split (encoder windows, solves, the rest), "
-                   "under torch's sync debug mode (host syncs by source line), and under the CPU profiler (host "
-                   "time by operator), printed")
+    p.add_argument("--profile-new-clips", type=int, default=0, help="then this many new clips together: the "
+                   "loop's time preparing their voices split (encoder windows, solves, the rest), then (CUDA) "
+                   "under torch's sync debug mode (host syncs by source line), then three times their voices "
+                   "prepared by the kind on the idle engine from this thread under the profiler (launch and "
+                   "done times, kernels, host time by operator and stack), printed")
     p.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop Poisson arrival rates (req/s)")
     p.add_argument("--seconds-per-rate", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)

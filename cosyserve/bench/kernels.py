@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 SHORT_US = 10.0
+WAIT_US = 200.0  # a host call this long waited (for the device, a lock, an allocation)
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -56,15 +57,42 @@ def kernel_profile(run: Callable[[], Any], top: int = 12) -> tuple[Any, dict]:
                  "share_of_busy": round(total / busy, 4) if busy else None} for name, (calls, total) in ranked]}
 
 
-def host_profile(run: Callable[[], Any], top: int = 25) -> tuple[Any, str]:
-    """``run()``'s result and a table of the host's time by operator (self time; CUDA runtime calls of
-    every thread, torch operators and Python calls where the profiler sees the thread)."""
+def call_profile(run: Callable[[], Any], top: int = 20) -> dict:
+    """One call on the calling thread, profiled (host and device): its host time (launching), the
+    time until the device is done with what it queued, its kernels and their device time, and the
+    host's time by operator or runtime call with its Python stack (self time: a runtime call that
+    waits for the device shows here, with the line that made it)."""
+    import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
-        result = run()
-    return result, prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=top,
-                                                               max_name_column_width=60)
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, with_stack=True) as prof:
+        began = time.perf_counter()
+        run()
+        launched = time.perf_counter()
+        sync()
+        done = time.perf_counter()
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    waits: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
+    for event in events:  # host calls that took long: who made them (the nearest project frame)
+        if event.device_type == DeviceType.CUDA or event.cpu_children or event.time_range.elapsed_us() < WAIT_US:
+            continue
+        frame = event.cpu_parent
+        while frame is not None and "cosyserve/" not in frame.name:
+            frame = frame.cpu_parent
+        entry = waits[(event.name, "?" if frame is None else frame.name[frame.name.index("cosyserve/"):])]
+        entry[0] += 1
+        entry[1] += event.time_range.elapsed_us() / 1e3
+    return {"host_ms": 1e3 * (launched - began), "done_ms": 1e3 * (done - began), "kernels": len(kernels),
+            "kernel_busy_ms": busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3,
+            "long_host_calls": [{"call": name, "from": where, "count": n, "ms": round(ms, 2)}
+                                for (name, where), (n, ms) in sorted(waits.items(), key=lambda kv: -kv[1][1])[:top]],
+            "table": prof.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=top,
+                                                                 max_name_column_width=50)}
 
 
 def host_syncs(run: Callable[[], Any], top: int = 15) -> tuple[Any, dict]:
