@@ -12,7 +12,7 @@ from cosyserve.frontend.prompt import voice_key
 from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
 from cosyserve.schedule import plan_chunks
 from cosyserve.token2wav.flow_engine import FlowEngine
-from cosyserve.token2wav.step_graphs import EngineGraphs
+from cosyserve.token2wav.step_graphs import PREFIX_FRAMES, EngineGraphs
 
 torch.set_num_threads(1)
 
@@ -309,13 +309,13 @@ def test_bad_chunks_fail_clearly_and_close_the_stream(flow):
 
 
 def test_a_long_prompt_is_cached_in_pieces(flow):
-    """A 330-token prompt runs through the flow in three pieces (128, 253, 330 tokens): the cached
+    """A 430-token prompt runs through the flow in three pieces (253, 378, 430 tokens): the cached
     prefix equals one pass over the whole prompt, and the chunks after it equal the full re-run."""
     engine = _engine(flow)
-    voice, tokens = _voice(330, seed=11), _tokens(60, seed=12)
+    voice, tokens = _voice(430, seed=11), _tokens(60, seed=12)
     stream = engine.open(*voice)
-    assert stream.voice.frames == 50 * ((330 - 3) // 25) and engine.counters.calls == 3
-    assert engine.counters.frames == 250 + 250 + (2 * (330 - 3) - 500)  # windows of 250, 250 and the rest
+    assert stream.voice.frames == 50 * ((430 - 3) // 25) and engine.counters.calls == 3
+    assert engine.counters.frames == 500 + 250 + (2 * (430 - 3) - 750)  # windows of 500, 250 and the rest
     ref = Reference(flow, voice, tokens, [])
     for count, finalize in triton_schedule(60):
         got = engine.run([(stream, tokens[:, :count], finalize)])[0]
@@ -323,21 +323,27 @@ def test_a_long_prompt_is_cached_in_pieces(flow):
         ref.done += got.size(2)
 
 
-def test_voices_prepared_together_equal_each_prepared_alone(flow):
-    """New voices of several lengths (one, two and three prompt pieces, and one too short for a
-    prefix) prepared in one call: the k-th pieces of all of them share a packed solve, and each
-    voice's streams then give the chunks of the full re-run; a voice kept already costs nothing."""
+@pytest.mark.parametrize("shapes", ["exact", "captured"])
+def test_voices_prepared_together_equal_each_prepared_alone(flow, shapes: str):
+    """New voices of several lengths (one prompt piece for 60 and 240 tokens, two for 300, none for
+    one too short for a prefix) prepared in one call: the k-th pieces of all of them share a packed
+    solve, and each voice's streams then give the chunks of the full re-run; a voice kept already
+    costs nothing. "captured": the first pieces (up to 500 frames) run in the first-piece shape."""
     engine = _engine(flow)
-    lengths = (60, 150, 300, 20)
+    if shapes == "captured":
+        engine.graphs = EngineGraphs(engine.fused, replay=False)
+    lengths = (60, 240, 300, 20)
     voices = [_voice(n, seed=20 + n) for n in lengths]
     engine.prepare([(*voice, f"v{n}") for voice, n in zip(voices, lengths)])
-    assert engine.counters.calls == 3 and engine.cached_voices == 4 and engine.open_streams == 0
+    assert engine.counters.calls == 2 and engine.cached_voices == 4 and engine.open_streams == 0
+    if shapes == "captured":  # the first pieces of 3 voices, then the second piece of one
+        assert sorted(engine.graphs._buffers) == [(1, 128, 512), (4, PREFIX_FRAMES, 256)]
     engine.prepare([(*voices[0], "v60")])
-    assert engine.counters.calls == 3
+    assert engine.counters.calls == 2
     tokens = _tokens(60, seed=7)
     for voice, n in zip(voices, lengths):
         stream = engine.open(*voice, key=f"v{n}")
-        assert stream.voice.frames == 50 * max(0, (n - 3) // 25) and engine.counters.calls >= 3
+        assert stream.voice.frames == 50 * max(0, (n - 3) // 25) and engine.counters.calls >= 2
         ref = Reference(flow, voice, tokens, [])
         for count, finalize in triton_schedule(60):
             got = engine.run([(stream, tokens[:, :count], finalize)])[0]

@@ -202,16 +202,16 @@ def run(args: argparse.Namespace) -> dict:
                     print(f"host syncs of {len(clips)} new clips: {syncs['syncs']}", flush=True)
                     for entry in syncs["top"]:
                         print(f"  {entry['count']:6d}  {entry['line']}", flush=True)
-                report["new_voice_preparation_profile"] = profiles = []
-                for _ in range(3):  # the first may pay one-off costs; all three are kept
+                # on the idle engine from this thread, three times each (the first may pay one-off costs):
+                # a new clip's front end (resolve), then the kind's preparation of new voices
+                report["new_voice_front_end_profile"] = _print_profiles(
+                    "front end", [call_profile(lambda: new_clip()()) for _ in range(3)])
+                preparations = []
+                for _ in range(3):
                     features = [new_clip()().features for _ in range(args.profile_new_clips)]
-                    profiles.append(call_profile(lambda: engine.core.kind.prepare_voices(features)))
-                    print(f"{len(features)} new voices prepared on the idle engine: launched in "
-                          f"{profiles[-1]['host_ms']:.1f} ms, done after {profiles[-1]['done_ms']:.1f} ms, "
-                          f"{profiles[-1]['kernels']} kernels busy {profiles[-1]['kernel_busy_ms']:.1f} ms", flush=True)
-                print([profile.pop("table") for profile in profiles][-1], flush=True)
-                for call in profiles[-1]["long_host_calls"]:
-                    print(f"  {call['count']:4d} x {call['call']} from {call['from']}: {call['ms']:.1f} ms", flush=True)
+                    preparations.append(call_profile(lambda: engine.core.kind.prepare_voices(features)))
+                report["new_voice_preparation_profile"] = _print_profiles(
+                    f"preparation ({args.profile_new_clips} together)", preparations)
             for rate in args.rates:
                 def open_loop():
                     arrivals = poisson_arrivals(rate, args.seed, duration_s=args.seconds_per_rate)
@@ -271,6 +271,19 @@ def _in_threads(count: int, work) -> list:
     for thread in threads:
         thread.join()
     return results
+
+
+def _print_profiles(name: str, profiles: list[dict]) -> list[dict]:
+    """Print :func:`~.kernels.call_profile` results of one piece of work: the times of each, the
+    last one's table and long host calls; the results without their tables."""
+    for profile in profiles:
+        print(f"new voice {name} on the idle engine: launched in {profile['host_ms']:.1f} ms, done after "
+              f"{profile['done_ms']:.1f} ms, {profile['kernels']} kernels busy {profile['kernel_busy_ms']:.1f} ms",
+              flush=True)
+    print([profile.pop("table") for profile in profiles][-1], flush=True)
+    for call in profiles[-1]["long_host_calls"]:
+        print(f"  {call['count']:4d} x {call['call']} from {call['from']}: {call['ms']:.1f} ms", flush=True)
+    return profiles
 
 
 def _preparation_split(engine: TTSEngine, run) -> dict[str, float]:

@@ -63,13 +63,15 @@ from ..models.flow.packed_encoder import EncoderWindow, encode_windows
 from ..runtime import host_to_device
 from .graphs import FlowCounters
 from .page_pool import PagePool
-from .step_graphs import GRAPH_PAIRS, EngineGraphs, StepBuffers
+from .step_graphs import PREFIX_PAIRS, EngineGraphs, StepBuffers
 
 # Voices whose prefix is kept when nothing else limits them (pages are freed earlier under pressure).
 DEFAULT_MAX_VOICES = 64
-# A voice's prompt runs through the flow in pieces of this many tokens: each piece ends on a block
-# boundary, so the next window starts on one and every window is at most 2 x 125 = 250 frames, inside
-# the captured shapes (GRAPH_FRAMES) whatever the prompt's length. A 3-5 s prompt is one piece.
+# A voice's prompt runs through the flow in pieces, each ending on a block boundary so that the next
+# window starts on one: a first piece of up to PREFIX_FIRST_PIECE_TOKENS (a window of at most 500
+# frames without context, the captured PREFIX_FRAMES: a 3-10 s prompt is one solve), then pieces of
+# PREFIX_PIECE_TOKENS (windows of at most 250 frames, the chunks' captured GRAPH_FRAMES).
+PREFIX_FIRST_PIECE_TOKENS = 250
 PREFIX_PIECE_TOKENS = 125
 
 
@@ -236,9 +238,8 @@ class FlowEngine:
     def prepare(self, voices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]]) -> None:
         """Compute and keep the prefixes of the voices not kept yet ((prompt_tokens, prompt_feat,
         embedding, key) as for :meth:`open`): launched, not waited for. The voices' prompts run
-        together, each piece of every voice one window of a packed solve (a voice of P tokens is
-        ceil((P - 3) / 100) pieces: 1-2 for a 3-8 s clip), so that several new voices cost about
-        what one does. A bad prompt raises (no voice of the call is then kept)."""
+        together, each piece of every voice one window of a packed solve (a prompt of up to 10 s is
+        one piece), so that several new voices cost about what one does. A bad prompt raises (no voice of the call is then kept)."""
         with self._lock, torch.inference_mode():
             new: dict[str, VoicePrefix] = {}
             for prompt_tokens, prompt_feat, embedding, key in voices:
@@ -248,8 +249,8 @@ class FlowEngine:
             if not new:
                 return
             prefixes = list(new.values())
-            for group in range(0, len(prefixes), GRAPH_PAIRS[-1]):
-                self._compute_prefixes(prefixes[group:group + GRAPH_PAIRS[-1]])
+            for group in range(0, len(prefixes), PREFIX_PAIRS[-1]):
+                self._compute_prefixes(prefixes[group:group + PREFIX_PAIRS[-1]])
             for voice in prefixes:
                 self._voices[voice.key] = voice
             self._trim_voices(max(self.max_voices, len(prefixes)))
@@ -263,14 +264,14 @@ class FlowEngine:
 
     def _compute_prefixes(self, voices: list[VoicePrefix]) -> None:
         """Each voice's prompt alone, as non-final chunks without output: their complete blocks are
-        the prefix. Pieces of PREFIX_PIECE_TOKENS keep every window inside the captured shapes; the
-        k-th pieces of all voices are one packed solve."""
+        the prefix. The pieces (PREFIX_FIRST_PIECE_TOKENS, then PREFIX_PIECE_TOKENS) keep every
+        window inside the captured shapes; the k-th pieces of all voices are one packed solve."""
         lookahead = self.flow.cfg.pre_lookahead_len
         streams, pieces = [], []
         for voice in voices:
             total = voice.prompt_tokens.size(1)
             streams.append(EngineStream(self, voice))
-            pieces.append(list(range(lookahead + PREFIX_PIECE_TOKENS, total, PREFIX_PIECE_TOKENS)) + [total]
+            pieces.append(list(range(lookahead + PREFIX_FIRST_PIECE_TOKENS, total, PREFIX_PIECE_TOKENS)) + [total]
                           if total - lookahead >= self.flow.cfg.encoder.static_chunk_size else [])
         windows: list[_Window] = []
         try:

@@ -84,11 +84,18 @@ class StepBuffers:
 GRAPH_PAIRS = (1, 2, 4, 8, 16)
 GRAPH_FRAMES = (64, 128, 256)
 GRAPH_SLOTS = (256, 512, 768, 1024, 1536)
+# And the first piece of new voices' prompts (flow_engine.PREFIX_FIRST_PIECE_TOKENS): up to 500 frames
+# without context, so that a 3-10 s prompt is one solve, not two (a step costs about the same for 250
+# frames as for 500: its ~600 kernels, not its frames, set its time). Up to 8 voices at once: 16 rows
+# x 512 frames fit the context buffer and the row scratch sized for 32 rows x 256 frames.
+PREFIX_PAIRS = (1, 2, 4, 8)
+PREFIX_FRAMES = 512
 
 
 class EngineGraphs:
     """CUDA graphs of the engine's step for every shape of :data:`GRAPH_PAIRS` x :data:`GRAPH_FRAMES`
-    x :data:`GRAPH_SLOTS`, captured lazily or all at once by :meth:`capture_all`.
+    x :data:`GRAPH_SLOTS` and the first prompt pieces' (:data:`PREFIX_PAIRS` x :data:`PREFIX_FRAMES`,
+    no context), captured lazily or all at once by :meth:`capture_all`.
 
     The context of every shape is a view of one buffer sized for the largest (layers x 32 rows x
     1,792 frames x 1,024 values: 6.6 GB in fp16 for the released model): it is gathered from the
@@ -105,7 +112,8 @@ class EngineGraphs:
         self.pool = torch.cuda.graph_pool_handle() if replay else None
         if fused.kernels == "triton":  # the largest shape's scratch first: the captures then never grow it
             from ..models.flow.fused_triton import reserve_row_scratch
-            reserve_row_scratch(fused.device, rows * GRAPH_FRAMES[-1], fused.width)
+            reserve_row_scratch(fused.device, max(rows * GRAPH_FRAMES[-1], 2 * PREFIX_PAIRS[-1] * PREFIX_FRAMES),
+                                fused.width)
         self._buffers: dict[tuple[int, int, int], StepBuffers] = {}
 
     @property
@@ -116,6 +124,8 @@ class EngineGraphs:
         """The captured step for a run of this size (captured now if new), or None past the shapes."""
         key = tuple(bucket(value, sizes) for value, sizes in
                     ((pairs, GRAPH_PAIRS), (frames, GRAPH_FRAMES), (context, GRAPH_SLOTS)))
+        if key[1] is None and frames <= PREFIX_FRAMES and pairs <= PREFIX_PAIRS[-1] and key[2] == GRAPH_SLOTS[0]:
+            key = (key[0], PREFIX_FRAMES, key[2])  # a first prompt piece
         if None in key:
             return None
         if key not in self._buffers:
@@ -130,4 +140,6 @@ class EngineGraphs:
             for frames in GRAPH_FRAMES:
                 for slots in GRAPH_SLOTS:
                     self.get(pairs, frames, slots)
+        for pairs in PREFIX_PAIRS:
+            self.get(pairs, PREFIX_FRAMES, GRAPH_SLOTS[0])
 
