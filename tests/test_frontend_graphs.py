@@ -107,6 +107,21 @@ class CountingModels:
         return [torch.full((192,), float(wav[0])) for wav in wavs16]
 
 
+class Launched:
+    """A batch call as the front-end models' ``start_batch`` (results when the caller waits)."""
+
+    def __init__(self, batch_call):
+        self.batch_call = batch_call
+
+    def start_batch(self, wavs16):
+        results = self.batch_call(wavs16)
+        return lambda: results
+
+
+def featurizer_of(models: CountingModels) -> PromptFeaturizer:
+    return PromptFeaturizer(Launched(models.tokenize_batch), Launched(models.embed_batch), window_s=0.05)
+
+
 def audio(seed: int, seconds: float = 1.0, peak: float = 0.5):
     wav = np.random.default_rng(seed).uniform(-peak, peak, int(TOKENIZER_SAMPLE_RATE * seconds)).astype(np.float32)
     return prompt_audio_from_array(wav, TOKENIZER_SAMPLE_RATE)
@@ -130,7 +145,7 @@ def resolve_together(featurizer: PromptFeaturizer, audios: list) -> list:
 
 def test_clips_arriving_together_share_one_call_and_get_their_own_features():
     models = CountingModels()
-    featurizer = PromptFeaturizer(models, models, window_s=0.05)
+    featurizer = featurizer_of(models)
     audios = [audio(seed) for seed in range(6)]
     models.gate.clear()  # the first batch waits in the models: the others queue behind it
     threading.Timer(0.2, models.gate.set).start()
@@ -145,7 +160,7 @@ def test_clips_arriving_together_share_one_call_and_get_their_own_features():
 
 def test_a_clip_that_fails_in_a_batch_fails_only_its_caller():
     models = CountingModels()
-    featurizer = PromptFeaturizer(models, models, window_s=0.05)
+    featurizer = featurizer_of(models)
     audios = [audio(0), audio(1, peak=0.99), audio(2)]  # the second: the encoder refuses it
     results = resolve_together(featurizer, audios)
     assert isinstance(results[1], RuntimeError)

@@ -13,18 +13,20 @@ class CountingTokenizer:
     def __init__(self):
         self.calls = 0
 
-    def tokenize_batch(self, wavs16):
+    def start_batch(self, wavs16):  # the front-end models' interface: results when the caller waits
         self.calls += len(wavs16)
-        return [torch.arange(wav16.numel() * 25 // RATE, dtype=torch.int32) % 6561 for wav16 in wavs16]
+        codes = [torch.arange(wav16.numel() * 25 // RATE, dtype=torch.int32) % 6561 for wav16 in wavs16]
+        return lambda: codes
 
 
 class CountingEncoder:
     def __init__(self):
         self.calls = 0
 
-    def embed_batch(self, wavs16):
+    def start_batch(self, wavs16):
         self.calls += len(wavs16)
-        return [torch.full((192,), float(wav16[0])) for wav16 in wavs16]
+        embeddings = [torch.full((192,), float(wav16[0])) for wav16 in wavs16]
+        return lambda: embeddings
 
 
 class OneSpeaker:

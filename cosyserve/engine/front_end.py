@@ -86,8 +86,8 @@ class VoiceResolver:
     neither (the default speaker, "001" of spk2info.pt).
 
     A new clip's features come from a :class:`~cosyserve.frontend.featurizer.PromptFeaturizer` over
-    ``tokenizer``/``speaker_encoder`` (``tokenize_batch``/``embed_batch``: the PyTorch or onnxruntime
-    models): clips resolved on several threads within ``batch_window_s`` share one call of each model.
+    ``tokenizer``/``speaker_encoder`` (``start_batch``: the PyTorch or onnxruntime models): clips
+    resolved on several threads within ``batch_window_s`` share one call of each model.
 
     Voice agents send the same reference clip with every request: the prompt features of the
     last ``feature_cache_size`` distinct clips are kept, keyed by a hash of the validated

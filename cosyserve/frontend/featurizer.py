@@ -34,7 +34,7 @@ DEFAULT_MAX_BATCH = 8
 
 class PromptFeaturizer:
     """``features(audio)`` (blocking, any thread) of new clips through ``tokenizer`` and
-    ``speaker_encoder`` (``tokenize_batch``/``embed_batch``; their ``device`` and ``stream``, where they
+    ``speaker_encoder`` (their ``start_batch``; their ``device`` and ``stream``, where they
     have them, also compute the prompt mel). ``window_s`` 0: each clip on its caller's thread, alone."""
 
     def __init__(self, tokenizer, speaker_encoder, mel_fmax: float | None = COSYVOICE2_MEL_FMAX, *,

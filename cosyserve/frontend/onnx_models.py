@@ -13,6 +13,8 @@ instance serves concurrent requests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +115,10 @@ class SpeechTokenizer:
         """One session run per clip: the released graph takes one clip."""
         return [self.tokenize(wav16) for wav16 in wavs16]
 
+    def start_batch(self, wavs16: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        """:meth:`tokenize_batch`, computed now (as the device back end's, a function giving it)."""
+        return partial(list, self.tokenize_batch(wavs16))
+
 
 class SpeakerEncoder:
     """``campplus.onnx``: ``embed(wav16 (N,)) -> float32 (192,)``, the raw (unnormalised) x-vector."""
@@ -133,3 +139,7 @@ class SpeakerEncoder:
     def embed_batch(self, wavs16: list[torch.Tensor]) -> list[torch.Tensor]:
         """One session run per clip (clips of different lengths cannot share the graph's batch)."""
         return [self.embed(wav16) for wav16 in wavs16]
+
+    def start_batch(self, wavs16: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        """:meth:`embed_batch`, computed now (as the device back end's, a function giving it)."""
+        return partial(list, self.embed_batch(wavs16))

@@ -19,6 +19,7 @@ import torch
 from ..audio.features import matcha_mel_spectrogram
 from ..audio.io import PromptAudio
 from ..errors import InvalidInputError
+from ..runtime import host_to_device
 from .onnx_models import SpeakerEncoder, SpeechTokenizer
 from .torch_models import TorchSpeakerEncoder, TorchSpeechTokenizer
 
@@ -92,10 +93,8 @@ def trim_to_token_rate(speech_tokens: torch.Tensor, speech_feat: torch.Tensor) -
     return speech_tokens[:token_len], speech_feat[:TOKEN_MEL_RATIO * token_len]
 
 
-def _voice_features(prompt_audio: PromptAudio, tokens: torch.Tensor, embedding: torch.Tensor,
-                    mel_fmax: float | None, device: torch.device | None = None) -> PromptFeatures:
-    wav24 = prompt_audio.wav24 if device is None else prompt_audio.wav24.to(device, non_blocking=True)
-    tokens, feat = trim_to_token_rate(tokens, prompt_mel(wav24, mel_fmax).cpu())
+def _voice_features(tokens: torch.Tensor, mel: torch.Tensor, embedding: torch.Tensor) -> PromptFeatures:
+    tokens, feat = trim_to_token_rate(tokens, mel.cpu())
     return PromptFeatures(speech_tokens=tokens.to(torch.int32), speech_feat=feat, embedding=embedding)
 
 
@@ -104,8 +103,8 @@ def build_prompt_features(prompt_audio: PromptAudio, tokenizer, speaker_encoder,
     """Run the speech tokenizer (``tokenize``), the prompt mel and the speaker encoder (``embed``) on
     a validated prompt (``mel_fmax``: the model's prompt-mel band edge, :data:`COSYVOICE3_MEL_FMAX`
     for CosyVoice3). Any object with those methods serves (local models, remote Triton models)."""
-    return _voice_features(prompt_audio, tokenizer.tokenize(prompt_audio.wav16),
-                           speaker_encoder.embed(prompt_audio.wav16), mel_fmax)
+    return _voice_features(tokenizer.tokenize(prompt_audio.wav16), prompt_mel(prompt_audio.wav24, mel_fmax),
+                           speaker_encoder.embed(prompt_audio.wav16))
 
 
 def build_prompt_features_batch(prompt_audios: Sequence[PromptAudio],
@@ -114,11 +113,14 @@ def build_prompt_features_batch(prompt_audios: Sequence[PromptAudio],
                                 mel_fmax: float | None = COSYVOICE2_MEL_FMAX, *, device: torch.device | None = None,
                                 stream: torch.cuda.Stream | None = None) -> list[PromptFeatures]:
     """:func:`build_prompt_features` of several prompts, the tokenizer and the speaker encoder each
-    called once for all of them (``tokenize_batch`` / ``embed_batch``: one batch on the device with
-    the PyTorch back end). ``device`` (and ``stream``, on CUDA): where the prompt mels are computed
-    (None: the CPU)."""
+    called once for all of them (``start_batch``: one batch on the device with the PyTorch back
+    end). ``device`` (and ``stream``, on CUDA): where the prompt mels are computed
+    (None: the CPU). On a device the three are launched (each model on its stream) before any
+    result is waited for, so that they overlap."""
     wavs16 = [audio.wav16 for audio in prompt_audios]
-    tokens, embeddings = tokenizer.tokenize_batch(wavs16), speaker_encoder.embed_batch(wavs16)
+    tokens_done, embeddings_done = tokenizer.start_batch(wavs16), speaker_encoder.start_batch(wavs16)
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        return [_voice_features(audio, audio_tokens, embedding, mel_fmax, device)
-                for audio, audio_tokens, embedding in zip(prompt_audios, tokens, embeddings)]
+        mels = [prompt_mel(audio.wav24 if device is None else host_to_device(audio.wav24, device), mel_fmax)
+                for audio in prompt_audios]
+        return [_voice_features(audio_tokens, mel, embedding)
+                for audio_tokens, mel, embedding in zip(tokens_done(), mels, embeddings_done())]

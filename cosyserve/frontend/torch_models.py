@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -102,14 +102,16 @@ class _DeviceModel:
                 self.graphs.capture_all()
 
     @torch.inference_mode()
-    def _run(self, wavs16: Sequence[torch.Tensor], check, gather) -> list:
-        """The checked clips through :meth:`forward` on the device, ``gather(outputs, clips)`` of each
-        call (CPU results, one per clip, taken before the next call)."""
+    def _start(self, wavs16: Sequence[torch.Tensor], check, gather) -> Callable[[], list]:
+        """The checked clips through :meth:`forward`, launched on the device; returns a function that
+        waits for them and gives ``gather(outputs, clips)`` of each call (CPU results, one per clip),
+        so that the caller can launch other work first (on the CPU: computed now)."""
         clips = [check(wav) for wav in wavs16]
         if self.stream is None:
             with _float32_exact(self.device):
-                return gather(self.forward(*_padded(clips, self.device)), len(clips))
-        results = []
+                results = gather(self.forward(*_padded(clips, self.device)), len(clips))
+            return lambda: results
+        calls = []
         with self._lock, torch.cuda.stream(self.stream):
             for start in range(0, len(clips), GRAPH_BATCHES[-1]):
                 part = clips[start:start + GRAPH_BATCHES[-1]]
@@ -117,8 +119,15 @@ class _DeviceModel:
                 if replayed is None:
                     with _float32_exact(self.device):
                         replayed = self.forward(*_padded(part, self.device)), len(part)
-                results += gather(replayed[0], len(part))
-        return results
+                outputs, count = replayed
+                # a graph's outputs are buffers its next replay overwrites: copied, in stream order
+                calls.append((tuple(t.clone() for t in outputs) if isinstance(outputs, tuple) else outputs.clone(),
+                              count))
+
+        def wait() -> list:
+            with torch.cuda.stream(self.stream):  # the copies to the host after the model's work
+                return [result for outputs, count in calls for result in gather(outputs, count)]
+        return wait
 
 
 class TorchSpeechTokenizer(_DeviceModel):
@@ -134,13 +143,14 @@ class TorchSpeechTokenizer(_DeviceModel):
         return self.tokenize_batch([wav16])[0]
 
     def tokenize_batch(self, wavs16: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if not wavs16:
-            return []
+        return self.start_batch(wavs16)()
 
+    def start_batch(self, wavs16: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        """:meth:`tokenize_batch` launched: a function that waits for its codes."""
         def gather(outputs, clips: int) -> list[torch.Tensor]:
             codes, counts = (tensor[:clips].cpu() for tensor in outputs)
             return [checked_tokens(codes[i, :count].clone(), self.path) for i, count in enumerate(counts.tolist())]
-        return self._run(wavs16, tokenizer_input, gather)
+        return self._start(wavs16, tokenizer_input, gather) if wavs16 else list
 
 
 class TorchSpeakerEncoder(_DeviceModel):
@@ -156,12 +166,13 @@ class TorchSpeakerEncoder(_DeviceModel):
         return self.embed_batch([wav16])[0]
 
     def embed_batch(self, wavs16: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if not wavs16:
-            return []
+        return self.start_batch(wavs16)()
 
+    def start_batch(self, wavs16: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        """:meth:`embed_batch` launched: a function that waits for its embeddings."""
         def gather(embeddings: torch.Tensor, clips: int) -> list[torch.Tensor]:
             return [checked_embedding(embedding.clone(), self.path) for embedding in embeddings[:clips].float().cpu()]
-        return self._run(wavs16, speaker_input, gather)
+        return self._start(wavs16, speaker_input, gather) if wavs16 else list
 
 
 def frontend_backend(device: str | torch.device, backend: str | None = None) -> str:
