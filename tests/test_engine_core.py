@@ -220,6 +220,21 @@ def test_new_voices_arriving_together_are_prepared_in_one_call_before_their_chun
     core.close()
 
 
+def test_prepared_voices_are_answered_once_the_loop_has_launched_them():
+    """An uploaded voice's preparation is answered (``done``) after the kind's prepare call, at the
+    loop's next iteration; one still waiting when the engine closes is answered then."""
+    kind = FakeKind()
+    core = EngineCore(kind, FakeLLM(30))  # not started: stepped here
+    answered = []
+    core.prepare_voices(["voice 9"], done=lambda: answered.append([list(v) for v in kind.prepared]))
+    assert not answered
+    core.step()
+    assert answered == [[["voice 9"]]]
+    core.prepare_voices(["voice 10"], done=lambda: answered.append("at close"))
+    core.close()
+    assert answered[-1] == "at close" and kind.prepared == [["voice 9"]]
+
+
 def test_a_failed_batch_ends_its_requests_and_the_others_go_on():
     kind = FakeKind()
     core = EngineCore(kind, FakeLLM(60), scheduler=Scheduler(max_batch_jobs=1)).start()

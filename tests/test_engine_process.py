@@ -90,6 +90,24 @@ def test_streams_and_offline_requests_through_the_process(engine):
     assert "open_streams" in stats.gauges and stats.gauges["open_streams"][1] == 0
 
 
+def test_an_uploaded_voice_is_prepared_and_answered_through_the_process(engine):
+    """prepare_voice's ``done`` comes back from the engine process once its loop has prepared the
+    voice (its voice counter has moved by then); a request of that voice then streams."""
+    wav = np.random.default_rng(3).uniform(-0.5, 0.5, 16000 * 3).astype(np.float32)
+    voice = engine.voices.resolve(wav, "希望你以后能够做的比我还好呦。")
+    before = engine.stats().counters["voice_s"]
+    answered = threading.Event()
+    engine.prepare_voice(voice, done=answered.set)
+    assert answered.wait(60)
+    deadline = time.monotonic() + 10
+    while engine.stats().counters["voice_s"] <= before and time.monotonic() < deadline:
+        time.sleep(0.05)  # the counters come with the next stats message
+    assert engine.stats().counters["voice_s"] > before
+    req = TTSRequest("uploaded", "收到好友从远方寄来的生日礼物。", voice, TokenLimits(TOKENS, TOKENS))
+    collector = Collector().submit(engine, req)
+    assert collector.end() is None and sum(p.size for p in collector.pieces) == TOKENS * 960
+
+
 def test_refusals_and_cancellation_end_their_request_only(engine):
     first = [Collector().submit(engine, request(engine, f"busy{k}", 200)) for k in range(2)]
     refused = Collector().submit(engine, request(engine, "refused"))

@@ -60,6 +60,7 @@ class EngineClient:
         self.context = zmq.Context()
         self._requests: dict[str, EngineRequest] = {}
         self._llm_streams: dict[str, object] = {}
+        self._voice_tickets: dict[str, Callable[[], None]] = {}  # prepare_voices' callbacks by ticket
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._ready = threading.Event()
@@ -104,10 +105,20 @@ class EngineClient:
                    request.limits.max_tokens, request.limits.min_tokens, request.streaming, request.timeout_s,
                    request.arrival, self.token_source is not None)
 
-    def prepare_voices(self, voices: list[PromptFeatures]) -> None:
-        """Have the engine compute and keep these voices' state now (not waited for)."""
-        if self._ready.is_set():  # a restarting engine computes them on their first request
-            self._send(wire.VOICES, [wire.pack_voice(features) for features in voices])
+    def prepare_voices(self, voices: list[PromptFeatures], done: Callable[[], None] | None = None) -> None:
+        """Have the engine compute and keep these voices' state now (not waited for): ``done`` is
+        called (on the receiver thread) once the engine's loop has launched their preparation, or
+        when the engine is gone or restarting (it then computes them on their first request)."""
+        if not self._ready.is_set():
+            if done is not None:
+                done()
+            return
+        ticket = None
+        if done is not None:
+            ticket = uuid.uuid4().hex
+            with self._lock:
+                self._voice_tickets[ticket] = done
+        self._send(wire.VOICES, [wire.pack_voice(features) for features in voices], ticket)
 
     def cancel(self, request_id: str, error: BaseException | None = None) -> None:
         with self._lock:
@@ -214,6 +225,11 @@ class EngineClient:
             stream = self._llm_streams.pop(message[1], None)
             if stream is not None:
                 stream.close()
+        elif kind == wire.VOICES_DONE:
+            with self._lock:
+                done = self._voice_tickets.pop(message[1], None)
+            if done is not None:
+                _call(done)
         elif kind == wire.WELCOME:
             self.info = message[1]
             self._stats = wire.unpack_stats(self.info.pop("stats"))
@@ -259,8 +275,18 @@ class EngineClient:
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
             requests, self._requests = list(self._requests.values()), {}
+            tickets, self._voice_tickets = list(self._voice_tickets.values()), {}
         for request in requests:
             _finish(request, error)
+        for done in tickets:  # those voices are computed on their first request
+            _call(done)
+
+
+def _call(callback: Callable[[], None]) -> None:
+    try:
+        callback()
+    except Exception:
+        log.exception("engine client: a prepare_voices callback failed")
 
 
 def _finish(request: EngineRequest, error: BaseException | None) -> None:

@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutError
@@ -106,6 +107,7 @@ class EngineCore:
         self._starting: set[str] = set()  # request ids in submit, their LLM request starting
         self._cancels: list[tuple[str, BaseException]] = []
         self._voices_inbox: list = []  # voices to prepare (prepare_voices), with the new requests'
+        self._voices_done: list = []  # prepare_voices' callbacks, called once the inbox's voices are prepared
         self._states: dict[str, RequestState] = {}  # admitted, not ended; guarded by _lock
         self._in_flight: deque[_Batch] = deque()  # launched, PCM not handed out (loop thread)
         self._thread: threading.Thread | None = None
@@ -142,12 +144,15 @@ class EngineCore:
             seg.tokens.close()
         raise RuntimeError("the engine is closed")
 
-    def prepare_voices(self, voices: list) -> None:
+    def prepare_voices(self, voices: list, done: Callable[[], None] | None = None) -> None:
         """Have the loop compute and keep these voices' state (PromptFeatures) at its next iteration,
         with those of the requests arriving meanwhile: a voice uploaded now costs its first request
-        nothing. Not waited for."""
+        nothing. Not waited for: ``done`` is called (on the loop's thread) once the loop has launched
+        their preparation, or when the engine closes first."""
         with self._lock:
             self._voices_inbox += voices
+            if done is not None:
+                self._voices_done.append(done)
             self._wakeup.notify()
 
     def cancel(self, request_id: str, error: BaseException | None = None) -> None:
@@ -198,6 +203,9 @@ class EngineCore:
             states = list(self._states.values())
         for state in states:
             self._end(state, RequestCancelledError("the engine was closed"))
+        with self._lock:
+            done, self._voices_done = self._voices_done, []
+        _call_each(done)
         self._in_flight.clear()
         self.llm.close()
 
@@ -262,11 +270,13 @@ class EngineCore:
             new, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
             voices, self._voices_inbox = self._voices_inbox, []
+            done, self._voices_done = self._voices_done, []
         for state in new:
             if state.start_error is not None:
                 self._end(state, state.start_error)
         self._prepare_voices(voices + [state.request.voice.features for state in new
                                        if not state.ended and state.request.streaming])
+        _call_each(done)
         for request_id, error in cancels:
             state = self._states.get(request_id)
             if state is not None:
@@ -509,6 +519,14 @@ class _Offline:
 
 
 _OFFLINE = _Offline()
+
+
+def _call_each(callbacks: list[Callable[[], None]]) -> None:
+    for callback in callbacks:
+        try:
+            callback()
+        except Exception:
+            log.exception("engine: a prepare_voices callback failed")
 
 
 def _close_voicing(seg: SegmentState) -> None:

@@ -205,7 +205,10 @@ class EngineServer:
         elif kind == wire.CANCEL:
             self.core.cancel(message[1])
         elif kind == wire.VOICES:
-            self.core.prepare_voices([wire.unpack_voice(voice) for voice in message[1]])
+            ticket = message[2]
+            self.core.prepare_voices([wire.unpack_voice(voice) for voice in message[1]],
+                                     done=None if ticket is None else
+                                     lambda: self.outbox.put((client, wire.VOICES_DONE, ticket)))
         elif kind == wire.TOKENS:
             self.forwarded.put(*message[1:])
         elif kind == wire.HELLO:

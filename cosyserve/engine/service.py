@@ -83,11 +83,12 @@ class TTSEngine:
     def cancel(self, request_id: str) -> None:
         self.core.cancel(request_id)
 
-    def prepare_voice(self, voice: Voice) -> None:
+    def prepare_voice(self, voice: Voice, done: Callable[[], None] | None = None) -> None:
         """Have the engine compute and keep ``voice``'s state now (a voice just uploaded), not on its
-        first request; not waited for. A cross-lingual voice's LLM prompt holds nothing of it, but
-        token2wav's state is the same."""
-        self.core.prepare_voices([voice.features])
+        first request; not waited for: ``done`` is called once the engine's loop has launched it (so
+        that a request sent then finds the loop free). A cross-lingual voice's LLM prompt holds
+        nothing of it, but token2wav's state is the same."""
+        self.core.prepare_voices([voice.features], done)
 
     def stream(self, request: TTSRequest) -> Iterator[np.ndarray]:
         """The request's PCM pieces as they come (blocking); closing the iterator cancels it."""

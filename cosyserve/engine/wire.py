@@ -13,6 +13,8 @@ client -> engine
   ``cancel``  [CANCEL, request_id]
   ``tokens``  [TOKENS, segment_id, [token, ...], end]: speech tokens of a segment whose LLM runs on the
               client's side (a Triton LLM model); ``end`` None, or [reason, error] once it is over
+  ``voices``  [VOICES, [voice, ...], ticket]: voices whose state the engine computes and keeps now (just
+              uploaded); ``ticket`` None, or a string the engine answers VOICES_DONE with once they are
 engine -> client
   ``welcome`` [WELCOME, info]: sample rate, model kind, pid, load time and the first stats
   ``pcm``     [PCM, request_id, float32 bytes]
@@ -20,6 +22,7 @@ engine -> client
               first-chunk stamps (:data:`~.request.FIRST_CHUNK_STAGES`)
   ``stats``   [STATS, stats]: :class:`EngineStats` as a dict, every ``STATS_PERIOD_S``
   ``llm``     [LLM_START, segment_id, prompt_ids, max_tokens, min_tokens] / [LLM_STOP, segment_id]
+  ``voices_done`` [VOICES_DONE, ticket]: the loop has prepared the voices of that VOICES message
 
 Errors cross as (type name, message) and come back as the same package error types, so a front door
 maps them to status codes as it would in-process (``overloaded: ...`` stays a refusal).
@@ -39,6 +42,7 @@ from ..frontend.prompt import PromptFeatures
 
 HELLO, SUBMIT, CANCEL, TOKENS, VOICES = "hello", "submit", "cancel", "tokens", "voices"
 WELCOME, PCM, FINISH, STATS, LLM_START, LLM_STOP = "welcome", "pcm", "finish", "stats", "llm", "llm_stop"
+VOICES_DONE = "voices_done"
 
 STATS_PERIOD_S = 0.25
 
