@@ -118,7 +118,8 @@ class _DeviceModel:
                 replayed = self.graphs.run(part) if self.graphs is not None else None
                 if replayed is None:
                     with _float32_exact(self.device):
-                        replayed = self.forward(*_padded(part, self.device)), len(part)
+                        calls.append((self.forward(*_padded(part, self.device)), len(part)))
+                    continue
                 outputs, count = replayed
                 # a graph's outputs are buffers its next replay overwrites: copied, in stream order
                 calls.append((tuple(t.clone() for t in outputs) if isinstance(outputs, tuple) else outputs.clone(),

@@ -239,7 +239,8 @@ class FlowEngine:
         """Compute and keep the prefixes of the voices not kept yet ((prompt_tokens, prompt_feat,
         embedding, key) as for :meth:`open`): launched, not waited for. The voices' prompts run
         together, each piece of every voice one window of a packed solve (a prompt of up to 10 s is
-        one piece), so that several new voices cost about what one does. A bad prompt raises (no voice of the call is then kept)."""
+        one piece), so that several new voices cost about what one does. A bad prompt raises (no
+        voice of the call is then kept)."""
         with self._lock, torch.inference_mode():
             new: dict[str, VoicePrefix] = {}
             for prompt_tokens, prompt_feat, embedding, key in voices:

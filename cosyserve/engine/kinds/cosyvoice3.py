@@ -412,7 +412,6 @@ def _free_device_memory(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-
 def load_cosyvoice3_kind(model_dir: str | Path, device: torch.device | str = "cpu", *,
                          flow_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
                          **options) -> CosyVoice3Kind:
