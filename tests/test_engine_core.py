@@ -54,6 +54,7 @@ class FakeKind:
     device: torch.device = torch.device("cpu")
     max_voices: int = 0
     final_full_pass: bool = True  # final chunks (and offline requests) are passes: never batched with windows
+    cold_start: bool = False  # True: voices are objects with key() (FakeVoice)
     batches: list[int] = field(default_factory=list)  # jobs per solved batch
     aborted: int = 0
     prepared: list[list] = field(default_factory=list)  # the voices of each prepare_voices call that succeeded
@@ -194,7 +195,7 @@ def test_at_most_two_batches_are_out_before_the_loop_waits_for_the_oldest(monkey
     core.close()
 
 
-def test_new_voices_arriving_together_are_prepared_in_one_call_before_their_chunks():
+def test_new_voices_arriving_together_are_prepared_in_one_call_behind_the_batch():
     kind = FakeKind()
     core = EngineCore(kind, FakeLLM(30))  # not started: stepped here
     listeners = [submit(core, f"r{k}", voice=f"voice {k}") for k in range(3)]
@@ -203,7 +204,8 @@ def test_new_voices_arriving_together_are_prepared_in_one_call_before_their_chun
     core.step()
     # one call for all, then (one of them refused) each alone; offline requests keep no voice state
     assert kind.prepared == [["voice 0"], ["voice 1"], ["voice 2"]] and core.counters.voice_s > 0
-    assert kind.events[:4] == ["prepare"] * 3 + ["solve"]  # at arrival, before the chunks they serve
+    # launched behind the iteration's batch (whose chunks were ready at once here): never ahead of it
+    assert kind.events[:4] == ["solve"] + ["prepare"] * 3
     for _ in range(50):
         core.step()
     error = listeners[3].ended.get(timeout=5)
@@ -217,6 +219,33 @@ def test_new_voices_arriving_together_are_prepared_in_one_call_before_their_chun
         submit(core, f"again{k}", voice=f"voice {k}")
     core.step()
     assert kind.prepared == [["voice 0", "voice 1", "voice 2"]]
+    core.close()
+
+
+@dataclass(frozen=True)
+class FakeVoice:
+    name: str
+
+    def key(self) -> str:
+        return self.name
+
+
+def test_a_cold_starting_kind_keeps_a_requests_voice_only_when_it_comes_again():
+    """With ``cold_start``, a clip sent once is never prepared (its stream starts without it); the
+    same clip in a later request is prepared then; an uploaded voice is prepared at once."""
+    kind = FakeKind(cold_start=True)
+    core = EngineCore(kind, FakeLLM(30))  # not started: stepped here
+    first = [submit(core, f"a{k}", voice=FakeVoice(f"clip {k}")) for k in range(2)]
+    core.prepare_voices([FakeVoice("uploaded")])
+    core.step()
+    assert kind.prepared == [[FakeVoice("uploaded")]] and core.counters.voice_s > 0
+    again = [submit(core, "b0", voice=FakeVoice("clip 1")), submit(core, "b1", voice=FakeVoice("clip 2"))]
+    core.step()
+    assert kind.prepared[1:] == [[FakeVoice("clip 1")]]
+    for _ in range(50):
+        core.step()
+    for listener in first + again:
+        assert listener.ended.get(timeout=5) is None
     core.close()
 
 

@@ -4,16 +4,17 @@ Each iteration (:meth:`EngineCore.step`), read top to bottom:
 
 1. hand out the PCM of earlier batches that has reached the host;
 2. take new requests (their LLM request started at submit) and cancellations; end requests past
-   their timeout; the kind computes the state of the new streams' voices it does not keep yet,
-   all of them together, launched while their LLM prefills (a new voice's first chunk then waits for
-   its tokens, not for its voice);
+   their timeout;
 3. per request, take the tokens that arrived and plan its next chunk when its chunk schedule
    allows (one chunk in flight per stream: chunks run in order);
 4. the :class:`~.scheduler.Scheduler` picks a batch of the waiting chunks (earliest deadline
    first, within a batch's budget); the kind starts them (their encoder, their state pages);
 5. the kind solves the batch: all 10 Euler steps of every chunk, each step one packed call
    (:meth:`solve`), then vocodes it in one batched call; the PCM is copied to the host
-   asynchronously.
+   asynchronously;
+6. the kind computes the state of the voices to keep, all of them together, launched behind the
+   batch (uploaded voices; a new request's voice if the kind cannot start a stream without it, else
+   only when the voice comes again: a clip used once then costs no pass of its own).
 
 Nothing in an iteration waits for the GPU: the host plans and launches the next batch while the
 GPU runs the last one, and a batch's PCM goes to the requests' ``emit`` once its copy is done (at
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutError
 from ..llm.prompt import NUM_SPEECH_TOKENS
+from ..lru import LruCache
 from ..speech_tokens import speech_token_ids
 from .device import HostCopy, synchronize
 from .kinds.protocol import Kind
@@ -59,6 +61,8 @@ TOKEN_POLL_S = 0.001
 # waits up to this long for the other to let go of it: at 5 ms, each decode step or Euler step
 # could stall behind the other thread's Python.
 SWITCH_INTERVAL_S = 0.0005
+# Voices (keys) of requests seen lately: with a cold-starting kind, a voice is kept when it comes again.
+SEEN_VOICES = 1024
 # Batches launched whose PCM is not handed out yet: the loop launches a batch while the GPU runs
 # the one before; a third waits for the oldest (a chunk that arrives meanwhile is not queued behind
 # more than one batch).
@@ -73,7 +77,7 @@ class EngineCounters:
 
     iterations: int = 0
     start_s: float = 0.0  # encoder and planning of chunks that start
-    voice_s: float = 0.0  # new voices' state (their prompts' flow), launched as their requests arrive
+    voice_s: float = 0.0  # kept voices' state (their prompts' flow), launched behind an iteration's batch
     flow_s: float = 0.0  # batches' Euler steps
     vocoder_s: float = 0.0  # HiFT and the PCM's copy to the host
     host_s: float = 0.0  # the rest of a busy iteration: requests, tokens, scheduling, emitting PCM
@@ -108,6 +112,7 @@ class EngineCore:
         self._cancels: list[tuple[str, BaseException]] = []
         self._voices_inbox: list = []  # voices to prepare (prepare_voices), with the new requests'
         self._voices_done: list = []  # prepare_voices' callbacks, called once the inbox's voices are prepared
+        self._seen_voices: LruCache[str, bool] = LruCache(SEEN_VOICES)  # with kind.cold_start
         self._states: dict[str, RequestState] = {}  # admitted, not ended; guarded by _lock
         self._in_flight: deque[_Batch] = deque()  # launched, PCM not handed out (loop thread)
         self._thread: threading.Thread | None = None
@@ -146,9 +151,9 @@ class EngineCore:
 
     def prepare_voices(self, voices: list, done: Callable[[], None] | None = None) -> None:
         """Have the loop compute and keep these voices' state (PromptFeatures) at its next iteration,
-        with those of the requests arriving meanwhile: a voice uploaded now costs its first request
-        nothing. Not waited for: ``done`` is called (on the loop's thread) once the loop has launched
-        their preparation, or when the engine closes first."""
+        behind its batch: a voice uploaded now costs its first request nothing. Not waited for:
+        ``done`` is called (on the loop's thread) once the loop has launched their preparation, or
+        when the engine closes first."""
         with self._lock:
             self._voices_inbox += voices
             if done is not None:
@@ -238,34 +243,39 @@ class EngineCore:
         when :data:`MAX_BATCHES_IN_FLIGHT` batches are out."""
         c = self.counters
         c.iterations += 1
-        began, voice_s = time.perf_counter(), c.voice_s
+        began = time.perf_counter()
         self._hand_out(wait=len(self._in_flight) >= MAX_BATCHES_IN_FLIGHT)
-        self._take_events()
-        candidates = []
-        for state in self._live():
-            try:
-                candidates += self._plan(state)
-            except Exception as exc:
-                self._end(state, exc)
-        picked = self.scheduler.pick(candidates)
-        start_begin = time.perf_counter()
-        batch = self._start_jobs(picked)
-        self._sync()
-        flow_begin = time.perf_counter()
-        if batch:
-            self._solve(batch)
-        vocoder_begin = time.perf_counter()
-        if batch:
-            self._vocode(batch)
-        end = time.perf_counter()
-        c.start_s += flow_begin - start_begin
-        c.flow_s += vocoder_begin - flow_begin
-        c.vocoder_s += end - vocoder_begin
-        c.host_s += start_begin - began - (c.voice_s - voice_s)
+        voices, done = self._take_events()
+        try:
+            candidates = []
+            for state in self._live():
+                try:
+                    candidates += self._plan(state)
+                except Exception as exc:
+                    self._end(state, exc)
+            picked = self.scheduler.pick(candidates)
+            start_begin = time.perf_counter()
+            c.host_s += start_begin - began
+            batch = self._start_jobs(picked)
+            self._sync()
+            flow_begin = time.perf_counter()
+            c.start_s += flow_begin - start_begin
+            if batch:
+                self._solve(batch)
+            vocoder_begin = time.perf_counter()
+            c.flow_s += vocoder_begin - flow_begin
+            if batch:
+                self._vocode(batch)
+            c.vocoder_s += time.perf_counter() - vocoder_begin
+        finally:  # behind the batch: its chunks never wait for the preparation's launches
+            self._prepare_voices(voices)
+            _call_each(done)
 
     # ----- stages -----
 
-    def _take_events(self) -> None:
+    def _take_events(self) -> tuple[list, list[Callable[[], None]]]:
+        """New requests, cancellations and timeouts; the voices to prepare in this iteration (and
+        the callbacks to answer then)."""
         with self._lock:
             new, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
@@ -274,9 +284,8 @@ class EngineCore:
         for state in new:
             if state.start_error is not None:
                 self._end(state, state.start_error)
-        self._prepare_voices(voices + [state.request.voice.features for state in new
-                                       if not state.ended and state.request.streaming])
-        _call_each(done)
+        voices += self._voices_to_keep([state.request.voice.features for state in new
+                                        if not state.ended and state.request.streaming])
         for request_id, error in cancels:
             state = self._states.get(request_id)
             if state is not None:
@@ -285,6 +294,21 @@ class EngineCore:
         for state in self._live():
             if state.timed_out(now):
                 self._end(state, RequestTimeoutError(f"request timed out after {state.request.timeout_s:g} s"))
+        return voices, done
+
+    def _voices_to_keep(self, arriving: list) -> list:
+        """Of new streams' voices, those whose state the kind computes now: all (a kind that cannot
+        start a stream without it), or those seen before (a cold-starting kind: a clip sent with one
+        request only is never prepared, one sent with every request is kept from its second on)."""
+        if not self.kind.cold_start:
+            return arriving
+        again = []
+        for features in arriving:
+            key = features.key()
+            if key in self._seen_voices:
+                again.append(features)
+            self._seen_voices.put(key, True)
+        return again
 
     def _prepare_voices(self, voices: list) -> None:
         """The kind's state of these voices, computed now (together); a voice it cannot take is left

@@ -84,12 +84,13 @@ class StepBuffers:
 GRAPH_PAIRS = (1, 2, 4, 8, 16)
 GRAPH_FRAMES = (64, 128, 256)
 GRAPH_SLOTS = (256, 512, 768, 1024, 1536)
-# And the first piece of new voices' prompts (flow_engine.PREFIX_FIRST_PIECE_TOKENS): up to 500 frames
-# without context, so that a 3-10 s prompt is one solve, not two (a step costs about the same for 250
-# frames as for 500: its ~600 kernels, not its frames, set its time). Up to 8 voices at once: 16 rows
-# x 512 frames fit the context buffer and the row scratch sized for 32 rows x 256 frames.
+# And windows without context: the first piece of new voices' prompts (flow_engine.PREFIX_FIRST_PIECE_TOKENS,
+# up to 500 frames, so that a 3-10 s prompt is one solve, not two) and cold streams' first windows (a
+# prompt of up to 256 tokens and a first chunk of up to flow_engine.COLD_CHUNK_TOKENS). A step costs
+# about the same for 250 frames as for 640: its ~600 kernels, not its frames, set its time. Up to 8 at
+# once: 16 rows x 640 frames fit the context buffer; the row scratch is reserved for them.
 PREFIX_PAIRS = (1, 2, 4, 8)
-PREFIX_FRAMES = 512
+PREFIX_FRAMES = 640
 
 
 class EngineGraphs:

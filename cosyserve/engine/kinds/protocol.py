@@ -50,6 +50,10 @@ class Kind(Protocol):
     name: str
     sample_rate: int
     final_full_pass: bool  # a stream's final chunk is a pass over everything (batched with passes, not windows)
+    # A stream of a voice whose state is not kept starts without it, at no extra pass (its first job
+    # computes the prompt too): the core then prepares a request's voice only when it comes again.
+    # False: open computes the voice's state, so the core prepares each new voice as its request arrives.
+    cold_start: bool
 
     @property
     def device(self) -> torch.device: ...
@@ -68,9 +72,10 @@ class Kind(Protocol):
         """A stream of this voice."""
 
     def prepare_voices(self, voices: list[PromptFeatures]) -> None:
-        """Compute and keep these voices' state (registered ones at load; a new voice as soon as its
-        request arrives, so that its first chunk does not wait for it), launched, not waited for;
-        voices kept already cost nothing. A bad voice raises (its requests then fail at ``open``)."""
+        """Compute and keep these voices' state (registered ones at load, uploaded ones at upload; a
+        request's voice when it arrives, or, with :attr:`cold_start`, when it comes again), launched,
+        not waited for; voices kept already cost nothing. A bad voice raises (its requests then fail
+        at ``open``)."""
 
     def warm_up(self, features: PromptFeatures) -> None:
         """Run every stage once, capturing graphs and compiling kernels (at load)."""
