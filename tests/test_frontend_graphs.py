@@ -119,7 +119,7 @@ class Launched:
 
 
 def featurizer_of(models: CountingModels) -> PromptFeaturizer:
-    return PromptFeaturizer(Launched(models.tokenize_batch), Launched(models.embed_batch), window_s=0.05)
+    return PromptFeaturizer(Launched(models.tokenize_batch), Launched(models.embed_batch))
 
 
 def audio(seed: int, seconds: float = 1.0, peak: float = 0.5):
@@ -166,7 +166,7 @@ def test_a_clip_that_fails_in_a_batch_fails_only_its_caller():
     assert isinstance(results[1], RuntimeError)
     assert all(not isinstance(r, Exception) for r in (results[0], results[2]))
     with pytest.raises(InvalidInputError):  # checked on the caller's thread, never batched
-        featurizer.features(PromptAudio(wav16=torch.full((150,), 0.1), wav24=torch.full((225,), 0.1)))
+        featurizer.features(PromptAudio(wav16=torch.full((150,), 0.1), source=torch.full((150,), 0.1), source_rate=16000))
 
 
 class _Single:

@@ -56,7 +56,8 @@ def resample(wav: torch.Tensor, orig_freq: int, new_freq: int, *,
     """Resample ``(..., N)`` from ``orig_freq`` to ``new_freq`` Hz -> ``(..., ceil(N*new/orig))``.
 
     Matches ``torchaudio.functional.resample`` with its defaults (``sinc_interp_hann``): zero
-    padding at both ends, one strided convolution with the polyphase kernel.
+    padding at both ends, then the polyphase kernel over strided blocks of the input, as one matrix
+    product (the strided convolution it equals would, on a GPU, have cuDNN plan every new length).
     """
     if orig_freq <= 0 or new_freq <= 0 or int(orig_freq) != orig_freq or int(new_freq) != new_freq:
         raise ValueError(f"sample rates must be positive integers, got {orig_freq} -> {new_freq}")
@@ -67,9 +68,9 @@ def resample(wav: torch.Tensor, orig_freq: int, new_freq: int, *,
     orig, new = int(orig_freq) // gcd, int(new_freq) // gcd
     kernel, width = _sinc_resample_kernel(orig, new, lowpass_filter_width, float(rolloff), wav.device)
     lead_shape, length = wav.shape[:-1], wav.shape[-1]
-    flat = F.pad(wav.reshape(-1, 1, length), (width, width + orig))
-    out = F.conv1d(flat, kernel, stride=orig)  # (B, new, blocks): phase j of block b
-    out = out.transpose(1, 2).reshape(flat.shape[0], -1)
+    flat = F.pad(wav.reshape(-1, length), (width, width + orig))
+    blocks = flat.unfold(-1, kernel.size(-1), orig)  # (B, blocks, taps)
+    out = (blocks @ kernel[:, 0].T).reshape(flat.shape[0], -1)  # phase j of block b at b * new + j
     target_length = -(-new * length // orig)  # ceil without float rounding
     return out[:, :target_length].reshape(*lead_shape, -1)
 

@@ -117,7 +117,12 @@ def _profile(before: dict, after: dict) -> dict:
             "jobs_per_flow_batch": delta["flow_batch_jobs"] / max(delta["flow_batches"], 1),
             "llm_busy_s": delta.get("llm_busy_s"),
             "llm_rows_per_decode_step": (delta["llm_decode_rows"] / max(delta["llm_decode_steps"], 1)
-                                         if "llm_decode_steps" in delta else None)}
+                                         if "llm_decode_steps" in delta else None),
+            # the LLM's time per request prefilled, and per decode step (its own thread's wall clock)
+            "llm_prefill_ms_per_request": (1e3 * delta["llm_prefill_s"] / max(delta["llm_prefills"], 1)
+                                           if "llm_prefill_s" in delta else None),
+            "llm_ms_per_decode_step": (1e3 * (delta["llm_busy_s"] - delta["llm_prefill_s"])
+                                       / max(delta["llm_decode_steps"], 1) if "llm_prefill_s" in delta else None)}
 
 
 def level(engine: TTSEngine, outcomes: list[Outcome], label: str, wall_s: float, before) -> dict:
@@ -176,15 +181,18 @@ def run(args: argparse.Namespace) -> dict:
                 wav = rng.standard_normal(int(TOKENIZER_SAMPLE_RATE * rng.uniform(3, 8))).astype(np.float32) * 0.1
                 return lambda: engine.voices.resolve(wav, prompt_text)
             for count in args.new_clips:
-                def together(count=count) -> list[Outcome]:  # a round after another, fresh clips each
+                def together(count=count, fresh=True) -> list[Outcome]:  # a round after another
                     outcomes = []
                     for _ in range(args.new_clip_rounds):
-                        clips = [new_clip() for _ in range(count)]
-                        outcomes += _in_threads(count, lambda i: one_request(engine, clips[i], args.tokens,
+                        voices = [new_clip() if fresh else voice for _ in range(count)]
+                        outcomes += _in_threads(count, lambda i: one_request(engine, voices[i], args.tokens,
                                                                              f"n-{next(counter)}"))
                     return outcomes
+                # the same arrivals with the registered voice first: what the new clips add is the difference
+                _measure(report, engine, f"{count} registered together{tag}", lambda: (together(fresh=False), {}))
                 _measure(report, engine, f"{count} new clips together{tag}", lambda: (together(), {}))
-                for playing in args.new_clips_while_playing:
+            for playing in args.new_clips_while_playing:  # the playing streams alone first, then with each level
+                for count in [0, *args.new_clips]:
                     clips = [new_clip() for _ in range(count)]
                     _measure_while_playing(report, engine, voice, args.tokens, playing, clips, counter,
                                            f"{count} new clips while {playing} play{tag}")
@@ -347,7 +355,8 @@ COLUMNS = ("level", "requests", "failed", "first_p50_ms", "first_p95_ms", "under
            "voice_ms", *(f"{stage}_ms" for stage, _, _ in ENGINE_STAGES),
            "busy_ms_per_iteration", "voice_ms_per_iteration", "start_ms_per_iteration", "flow_ms_per_iteration",
            "vocoder_ms_per_iteration", "host_ms_per_iteration", "idle_share", "jobs_per_flow_batch", "llm_busy_s",
-           "llm_rows_per_decode_step", "playing_underrun_requests")
+           "llm_rows_per_decode_step", "llm_prefill_ms_per_request", "llm_ms_per_decode_step",
+           "playing_underrun_requests")
 
 
 def table(report: dict, levels: list[dict] | None = None) -> str:
@@ -380,13 +389,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 16], help="closed-loop levels")
     p.add_argument("--requests-per-sender", type=int, default=4)
     p.add_argument("--new-clips", type=int, nargs="*", default=[],
-                   help="levels of N never-seen 3-8 s clips arriving together (their front-end counted)")
+                   help="levels of N never-seen 3-8 s clips arriving together (their front-end counted), each "
+                        "after N requests of the registered voice arriving together")
     p.add_argument("--new-clip-rounds", type=int, default=1,
                    help="each --new-clips level this many times in turn, fresh clips each round (its p50/p95 "
                         "over all of them)")
     p.add_argument("--new-clips-while-playing", type=int, nargs="*", default=[],
                    help="each --new-clips level again while this many streams of the registered voice play "
-                        "(their underruns reported as playing_underrun_requests)")
+                        "(their underruns reported as playing_underrun_requests; first with no new clip)")
     p.add_argument("--profile-new-clips", type=int, default=0, help="then this many new clips together: the "
                    "loop's time preparing their voices split (encoder windows, solves, the rest), then (CUDA) "
                    "under torch's sync debug mode (host syncs by source line), then three times their voices "

@@ -20,7 +20,7 @@ import numpy as np
 from ..audio.io import TOKENIZER_SAMPLE_RATE, prompt_audio_from_array
 from ..clip_cache import ClipCache
 from ..errors import InvalidInputError
-from ..frontend.featurizer import DEFAULT_WINDOW_S, PromptFeaturizer
+from ..frontend.featurizer import PromptFeaturizer
 from ..frontend.prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, Voice
 from ..frontend.voice_store import VoiceStore, is_voice_id
 from ..llm.prompt import COSYVOICE2, MAX_SPEECH_TOKENS, PromptLayout, build_prompt_ids
@@ -87,7 +87,7 @@ class VoiceResolver:
 
     A new clip's features come from a :class:`~cosyserve.frontend.featurizer.PromptFeaturizer` over
     ``tokenizer``/``speaker_encoder`` (``start_batch``: the PyTorch or onnxruntime models): clips
-    resolved on several threads within ``batch_window_s`` share one call of each model.
+    resolved on several threads while the models are busy share their next call.
 
     Voice agents send the same reference clip with every request: the prompt features of the
     last ``feature_cache_size`` distinct clips are kept, keyed by a hash of the validated
@@ -104,12 +104,12 @@ class VoiceResolver:
     def __init__(self, registry: Any, tokenizer: Any, speaker_encoder: Any, *,
                  default_speaker: str | None = DEFAULT_SPEAKER, max_text_chars: int = MAX_SEGMENT_CHARS,
                  feature_cache_size: int = DEFAULT_FEATURE_CACHE_SIZE, store: VoiceStore | None = None,
-                 mel_fmax: float | None = COSYVOICE2_MEL_FMAX, batch_window_s: float = DEFAULT_WINDOW_S):
+                 mel_fmax: float | None = COSYVOICE2_MEL_FMAX):
         self.registry = registry
         self.store = store
         self.tokenizer = tokenizer
         self.speaker_encoder = speaker_encoder
-        self.featurizer = PromptFeaturizer(tokenizer, speaker_encoder, mel_fmax, window_s=batch_window_s)
+        self.featurizer = PromptFeaturizer(tokenizer, speaker_encoder, mel_fmax)
         self.default_speaker = default_speaker
         self.max_text_chars = max_text_chars
         self._features: ClipCache[PromptFeatures] = ClipCache(feature_cache_size)

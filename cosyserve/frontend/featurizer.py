@@ -1,10 +1,11 @@
-"""New clips -> prompt features, as a batched job: clips that arrive within a few milliseconds of
-each other share one speech tokenizer call and one CAM++ call.
+"""New clips -> prompt features, as a batched job: a clip that finds the models idle starts at once;
+clips that arrive while a batch runs share the next speech tokenizer call and CAM++ call.
 
 A server's voices are resolved on many threads at once (a front door's prepare threads, the API's
 workers); each new clip's models run here, on one thread of their own, so that a burst of new callers
 makes a few batched calls (:data:`DEFAULT_MAX_BATCH` clips each) rather than one call per caller, all
-of them contending for the device and the GIL. With the PyTorch back end on CUDA the models replay CUDA
+of them contending for the device and the GIL. No clip waits for others to come: a lone clip's
+features take the models' time only. With the PyTorch back end on CUDA the models replay CUDA
 graphs on a stream of their own (:mod:`.torch_models`), never the engine's, and the prompt mel is
 computed on that device and stream too; on the CPU (onnxruntime) the same batching only saves the
 queueing.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from concurrent.futures import Future
 
 import torch
@@ -27,22 +27,20 @@ from ..audio.io import PromptAudio
 from .onnx_models import speaker_input, tokenizer_input
 from .prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, build_prompt_features_batch
 
-# How long the first clip of a batch waits for others (seconds), and the most clips per batch.
-DEFAULT_WINDOW_S = 0.002
+# The most clips per batch.
 DEFAULT_MAX_BATCH = 8
 
 
 class PromptFeaturizer:
     """``features(audio)`` (blocking, any thread) of new clips through ``tokenizer`` and
     ``speaker_encoder`` (their ``start_batch``; their ``device`` and ``stream``, where they
-    have them, also compute the prompt mel). ``window_s`` 0: each clip on its caller's thread, alone."""
+    have them, also compute the prompt mel)."""
 
     def __init__(self, tokenizer, speaker_encoder, mel_fmax: float | None = COSYVOICE2_MEL_FMAX, *,
-                 window_s: float = DEFAULT_WINDOW_S, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+                 max_batch: int = DEFAULT_MAX_BATCH) -> None:
         self.tokenizer = tokenizer
         self.speaker_encoder = speaker_encoder
         self.mel_fmax = mel_fmax
-        self.window_s = window_s
         self.max_batch = max_batch
         self.device = getattr(tokenizer, "device", torch.device("cpu"))
         self.stream = getattr(tokenizer, "stream", None)
@@ -55,8 +53,6 @@ class PromptFeaturizer:
     def features(self, audio: PromptAudio) -> PromptFeatures:
         tokenizer_input(audio.wav16)
         speaker_input(audio.wav16)
-        if self.window_s <= 0:
-            return self._compute([audio])[0]
         answer: Future = Future()
         self._queue.put((audio, answer))
         self._ensure_thread()
@@ -78,11 +74,9 @@ class PromptFeaturizer:
     def _serve(self) -> None:
         while True:
             batch = [self._queue.get()]
-            deadline = time.perf_counter() + self.window_s
-            while len(batch) < self.max_batch:
-                left = deadline - time.perf_counter()
+            while len(batch) < self.max_batch:  # and those that came while the last batch ran
                 try:
-                    batch.append(self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait())
+                    batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
             self._answer(batch)

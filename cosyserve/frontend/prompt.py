@@ -16,10 +16,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..audio.features import matcha_mel_spectrogram
+from ..audio.features import matcha_mel_spectrogram, resample
 from ..audio.io import PromptAudio
 from ..errors import InvalidInputError
 from ..runtime import host_to_device
+from ..schedule import OUTPUT_SAMPLE_RATE
 from .onnx_models import SpeakerEncoder, SpeechTokenizer
 from .torch_models import TorchSpeakerEncoder, TorchSpeechTokenizer
 
@@ -120,7 +121,8 @@ def build_prompt_features_batch(prompt_audios: Sequence[PromptAudio],
     wavs16 = [audio.wav16 for audio in prompt_audios]
     tokens_done, embeddings_done = tokenizer.start_batch(wavs16), speaker_encoder.start_batch(wavs16)
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        mels = [prompt_mel(audio.wav24 if device is None else host_to_device(audio.wav24, device), mel_fmax)
-                for audio in prompt_audios]
+        mels = [prompt_mel(audio.wav24 if device is None else
+                           resample(host_to_device(audio.source, device), audio.source_rate, OUTPUT_SAMPLE_RATE),
+                           mel_fmax) for audio in prompt_audios]
         return [_voice_features(audio_tokens, mel, embedding)
                 for audio_tokens, mel, embedding in zip(tokens_done(), mels, embeddings_done())]

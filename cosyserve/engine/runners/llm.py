@@ -73,5 +73,6 @@ class FreeRunningLLM(BackendLLM):
 
     def counters(self) -> dict[str, float]:
         counters = self.backend.counters
-        return {"llm_busy_s": counters.busy_s, "llm_decode_steps": counters.decode_steps,
-                "llm_decode_rows": counters.decode_rows, "llm_prefills": counters.prefills}
+        return {"llm_busy_s": counters.busy_s, "llm_prefill_s": counters.prefill_s,
+                "llm_decode_steps": counters.decode_steps, "llm_decode_rows": counters.decode_rows,
+                "llm_prefills": counters.prefills}
