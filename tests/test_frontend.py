@@ -26,7 +26,7 @@ from cosyserve.frontend import (
     prompt_mel,
     trim_to_token_rate,
 )
-from cosyserve.frontend.prompt import COSYVOICE3_MEL_FMAX
+from cosyserve.frontend.prompt import COSYVOICE3_MEL_FMAX, device_prompt_mel
 
 torch.set_num_threads(1)
 
@@ -182,6 +182,17 @@ def test_build_prompt_features(tokenizer: SpeechTokenizer, encoder: SpeakerEncod
     assert features.speech_tokens.dtype == torch.int32 and torch.equal(features.speech_tokens, tokens[:n])
     assert features.speech_feat.shape == (2 * n, 80) and torch.equal(features.speech_feat, mel[: 2 * n])
     torch.testing.assert_close(features.embedding, encoder.embed(prompt.wav16))
+
+
+@pytest.mark.parametrize("rate", [16000, 44100])
+def test_the_device_prompt_mel_equals_the_hosts(rate: int):
+    """A GPU front end's prompt mel (24 kHz resampled from the source on its device, the STFT over the
+    frames of the clip's seconds bucket), here with the CPU as the device: the host path's values."""
+    prompt = prompt_audio_from_array(voice_like(2.3, rate=rate), rate)
+    on_device = device_prompt_mel(prompt, torch.device("cpu"), COSYVOICE3_MEL_FMAX)
+    expected = prompt_mel(prompt.wav24, COSYVOICE3_MEL_FMAX)
+    assert on_device.shape == expected.shape
+    torch.testing.assert_close(on_device, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_cosyvoice3_prompt_mel_uses_the_nyquist_band(tokenizer: SpeechTokenizer, encoder: SpeakerEncoder):

@@ -186,13 +186,15 @@ def _window(kind: str, length: int, device: torch.device) -> torch.Tensor:
 
 def matcha_mel_spectrogram(wav: torch.Tensor, *, n_fft: int = 1920, num_mels: int = 80,
                            sample_rate: int = OUTPUT_SAMPLE_RATE, hop_size: int = 480, win_size: int = 1920,
-                           fmin: float = 0.0, fmax: float | None = 8000.0) -> torch.Tensor:
+                           fmin: float = 0.0, fmax: float | None = 8000.0, min_frames: int = 0) -> torch.Tensor:
     """Matcha-TTS ``mel_spectrogram(..., center=False)``: ``(..., N)`` -> ``(..., num_mels, N // hop)``.
 
     Reflect-pad (n_fft - hop)/2 on both sides, uncentred STFT with a periodic Hann window,
     magnitude sqrt(re² + im² + 1e-9), Slaney mel filters, natural log after clamping at 1e-5.
     The defaults are CosyVoice2's prompt-mel settings (24 kHz, 80 bins, 20 ms hop). Unlike
-    upstream, the filter cache is keyed by every parameter.
+    upstream, the filter cache is keyed by every parameter. ``min_frames``: the STFT runs over at
+    least this many frames (zeros after the padded signal; the frames returned are the same): on a
+    GPU each new frame count is a new FFT plan, so callers round it up to a few lengths.
     """
     wav = wav.to(torch.float32)
     pad = (n_fft - hop_size) // 2
@@ -200,9 +202,12 @@ def matcha_mel_spectrogram(wav: torch.Tensor, *, n_fft: int = 1920, num_mels: in
         raise ValueError(f"waveform of {wav.shape[-1]} samples is too short for the mel (needs > {pad})")
     lead_shape = wav.shape[:-1]
     flat = F.pad(wav.reshape(-1, 1, wav.shape[-1]), (pad, pad), mode="reflect").squeeze(1)
+    frames = (flat.shape[-1] - n_fft) // hop_size + 1
+    if min_frames > frames:
+        flat = F.pad(flat, (0, (min_frames - frames) * hop_size))
     spec = torch.stft(flat, n_fft, hop_length=hop_size, win_length=win_size,
                       window=_window("hann", win_size, wav.device), center=False, return_complex=True)
-    magnitude = torch.sqrt(torch.view_as_real(spec).pow(2).sum(-1) + 1e-9)
+    magnitude = torch.sqrt(torch.view_as_real(spec[..., :frames]).pow(2).sum(-1) + 1e-9)
     filters = slaney_mel_filters(sample_rate, n_fft, num_mels, fmin, fmax, device=wav.device)
     mel = torch.log(torch.clamp(filters @ magnitude, min=1e-5))
     return mel.reshape(*lead_shape, num_mels, -1)

@@ -25,7 +25,7 @@ import torch
 
 from ..audio.io import PromptAudio
 from .onnx_models import speaker_input, tokenizer_input
-from .prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, build_prompt_features_batch
+from .prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, build_prompt_features_batch, warm_device_prompt_mel
 
 # The most clips per batch.
 DEFAULT_MAX_BATCH = 8
@@ -59,11 +59,15 @@ class PromptFeaturizer:
         return answer.result()
 
     def warm_up(self) -> None:
-        """Capture the models' graphs (where they have them) at load, not on a first clip of each shape."""
+        """Capture the models' graphs (where they have them) and make the device prompt mel's FFT
+        plans at load, not on a first clip of each shape."""
         for model in (self.tokenizer, self.speaker_encoder):
             capture = getattr(model, "capture_all", None)
             if capture is not None:
                 capture()
+        if self.device.type == "cuda":
+            with torch.cuda.stream(self.stream), torch.inference_mode():
+                warm_device_prompt_mel(self.device, self.mel_fmax)
 
     def _ensure_thread(self) -> None:
         with self._lock:

@@ -16,15 +16,17 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..audio.features import matcha_mel_spectrogram, resample
+from ..audio.features import TOKENIZER_SAMPLE_RATE, matcha_mel_spectrogram, resample
 from ..audio.io import PromptAudio
 from ..errors import InvalidInputError
-from ..runtime import host_to_device
+from ..runtime import bucket, host_to_device
 from ..schedule import OUTPUT_SAMPLE_RATE
+from .graphs import GRAPH_SECONDS
 from .onnx_models import SpeakerEncoder, SpeechTokenizer
 from .torch_models import TorchSpeakerEncoder, TorchSpeechTokenizer
 
 TOKEN_MEL_RATIO = 2  # mel frames per speech token
+MEL_HOP = 480  # the prompt mel's hop at 24 kHz (50 frames a second)
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,27 @@ COSYVOICE2_MEL_FMAX = 8000.0
 COSYVOICE3_MEL_FMAX = None  # cosyvoice3.yaml: fmax null, the Nyquist frequency (12 kHz)
 
 
-def prompt_mel(wav24: torch.Tensor, fmax: float | None = COSYVOICE2_MEL_FMAX) -> torch.Tensor:
-    """24 kHz prompt waveform ``(N,)`` -> log-mel ``(N // 480, 80)`` (time-major); ``fmax`` None: Nyquist."""
-    return matcha_mel_spectrogram(wav24, fmax=fmax).transpose(0, 1).contiguous()
+def prompt_mel(wav24: torch.Tensor, fmax: float | None = COSYVOICE2_MEL_FMAX, min_frames: int = 0) -> torch.Tensor:
+    """24 kHz prompt waveform ``(N,)`` -> log-mel ``(N // 480, 80)`` (time-major); ``fmax`` None: Nyquist.
+    ``min_frames``: :func:`~cosyserve.audio.features.matcha_mel_spectrogram`'s."""
+    return matcha_mel_spectrogram(wav24, fmax=fmax, min_frames=min_frames).transpose(0, 1).contiguous()
+
+
+def device_prompt_mel(audio: PromptAudio, device: torch.device, fmax: float | None) -> torch.Tensor:
+    """:func:`prompt_mel` of a prompt on ``device`` (resampled to 24 kHz there), its STFT over the
+    frames of the prompt's seconds bucket (:data:`~.graphs.GRAPH_SECONDS`): a few FFT plans in all,
+    made at load by :func:`warm_device_prompt_mel`, not one per new clip length."""
+    seconds = bucket(-(-audio.source.numel() // audio.source_rate), GRAPH_SECONDS) or GRAPH_SECONDS[-1]
+    wav24 = resample(host_to_device(audio.source, device), audio.source_rate, OUTPUT_SAMPLE_RATE)
+    return prompt_mel(wav24, fmax, min_frames=seconds * OUTPUT_SAMPLE_RATE // MEL_HOP)
+
+
+def warm_device_prompt_mel(device: torch.device, fmax: float | None) -> None:
+    """Run :func:`device_prompt_mel` once per seconds bucket (its resampling kernel, mel filters and
+    FFT plans made now, on the current stream)."""
+    for seconds in GRAPH_SECONDS:
+        wav = torch.full((seconds * TOKENIZER_SAMPLE_RATE,), 0.1)
+        device_prompt_mel(PromptAudio(wav, wav, TOKENIZER_SAMPLE_RATE), device, fmax)
 
 
 def trim_to_token_rate(speech_tokens: torch.Tensor, speech_feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +141,7 @@ def build_prompt_features_batch(prompt_audios: Sequence[PromptAudio],
     wavs16 = [audio.wav16 for audio in prompt_audios]
     tokens_done, embeddings_done = tokenizer.start_batch(wavs16), speaker_encoder.start_batch(wavs16)
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        mels = [prompt_mel(audio.wav24 if device is None else
-                           resample(host_to_device(audio.source, device), audio.source_rate, OUTPUT_SAMPLE_RATE),
-                           mel_fmax) for audio in prompt_audios]
+        mels = [prompt_mel(audio.wav24, mel_fmax) if device is None else device_prompt_mel(audio, device, mel_fmax)
+                for audio in prompt_audios]
         return [_voice_features(audio_tokens, mel, embedding)
                 for audio_tokens, mel, embedding in zip(tokens_done(), mels, embeddings_done())]
