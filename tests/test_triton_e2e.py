@@ -28,8 +28,8 @@ from cosyserve.engine.request import FIRST_CHUNK_STAGES
 
 from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, build_llm_caller_repo, build_model_repo,
                              copy_of_bundle, crash_report, expected_chunk_samples, free_ports, grpc_input, metrics,
-                             serve_repo, server_env, stream_tts, template_values, token_limits, wait_for,
-                             wait_until_idle)
+                             serve_repo, server_env, settled_metrics, stream_tts, template_values, token_limits,
+                             wait_for, wait_until_idle)
 
 pytest.importorskip("pytriton")  # the bundled tritonserver
 
@@ -202,14 +202,23 @@ def test_long_text_streams_its_segments_in_order_as_one_stream(idle_server):
     assert offline.as_numpy("waveform").size == 3 * 20 * SAMPLES_PER_TOKEN
 
 
+def generated_tokens(port: int) -> float:
+    """The LLM's tokens so far, once idle and settled: an earlier request's last tokens reach Triton's
+    metrics up to two stats periods (0.5 s) after it ends (once, the previous test's 60 offline tokens
+    were missed)."""
+    wait_until_idle(port)
+    time.sleep(0.5)
+    return settled_metrics(port, prefix="cosyserve_llm_")["cosyserve_llm_generated_tokens_total"]
+
+
 def test_a_20000_character_mixed_text_streams_as_one_request(idle_server):
     """Issue 17: 20,000 characters of Chinese and English (numbers, prices, years) through the text
     front-end, ~220 segments of 5 tokens each, streamed as one request: every segment's chunk plan
     back to back, 960 samples for every token the LLM generated."""
     text = mixed_long_text(20_000, seed=0)
-    before = wait_until_idle(idle_server.metrics_port)["cosyserve_llm_generated_tokens_total"]
+    before = generated_tokens(idle_server.metrics_port)
     chunks = stream_tts(idle_server, [grpc_input("target_text", text), *token_limits(5)])
-    tokens = wait_until_idle(idle_server.metrics_port)["cosyserve_llm_generated_tokens_total"] - before
+    tokens = generated_tokens(idle_server.metrics_port) - before
     segments = tokens // 5
     assert tokens == 5 * segments and segments > 150
     assert [c.size for c in chunks] == expected_chunk_samples(5) * int(segments)
