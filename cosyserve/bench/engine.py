@@ -13,7 +13,6 @@ seconds and rows per decode step). Every reply is exactly
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import threading
@@ -197,15 +196,10 @@ def run(args: argparse.Namespace) -> dict:
                     _measure_while_playing(report, engine, voice, args.tokens, playing, clips, counter,
                                            f"{count} new clips while {playing} play{tag}")
             if args.profile_new_clips:
-                clips = [new_clip() for _ in range(args.profile_new_clips)]
-                new_clips = lambda: _in_threads(len(clips), lambda i: one_request(engine, clips[i], args.tokens,
-                                                                                   f"h-{next(counter)}"))
-                report["new_clip_preparation_ms"] = split = _preparation_split(engine, new_clips)
-                print(f"the loop's preparation of {len(clips)} new voices (ms): "
-                      + ", ".join(f"{name} {value:.1f}" for name, value in split.items()), flush=True)
                 if device.type == "cuda":
                     clips = [new_clip() for _ in range(args.profile_new_clips)]
-                    _, syncs = host_syncs(new_clips)
+                    _, syncs = host_syncs(lambda: _in_threads(len(clips), lambda i: one_request(
+                        engine, clips[i], args.tokens, f"h-{next(counter)}")))
                     report["new_clip_host_syncs"] = syncs
                     print(f"host syncs of {len(clips)} new clips: {syncs['syncs']}", flush=True)
                     for entry in syncs["top"]:
@@ -292,20 +286,6 @@ def _print_profiles(name: str, profiles: list[dict]) -> list[dict]:
     for call in profiles[-1]["long_host_calls"]:
         print(f"  {call['count']:4d} x {call['call']} from {call['from']}: {call['ms']:.1f} ms", flush=True)
     return profiles
-
-
-def _preparation_split(engine: TTSEngine, run) -> dict[str, float]:
-    """``run()``'s new voices' preparation on the loop (ms): in all (``voice_s``), launching their
-    prompt pieces' encoder windows and solves (a CosyVoice2 kind's flow engine), and the rest."""
-    flow = getattr(engine.core.kind, "flow_engine", None)
-    before = engine.stats().counters["voice_s"], dataclasses.replace(flow.counters) if flow else None
-    run()
-    split = {"voice": 1e3 * (engine.stats().counters["voice_s"] - before[0])}
-    if flow is not None:
-        split["encoder windows"] = 1e3 * (flow.counters.prefix_encoder_s - before[1].prefix_encoder_s)
-        split["solves"] = 1e3 * (flow.counters.prefix_solve_s - before[1].prefix_solve_s)
-        split["rest"] = split["voice"] - split["encoder windows"] - split["solves"]
-    return split
 
 
 def _measure_while_playing(report: dict, engine: TTSEngine, voice, tokens: int, playing: int, clips: list,
@@ -397,8 +377,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--new-clips-while-playing", type=int, nargs="*", default=[],
                    help="each --new-clips level again while this many streams of the registered voice play "
                         "(their underruns reported as playing_underrun_requests; first with no new clip)")
-    p.add_argument("--profile-new-clips", type=int, default=0, help="then this many new clips together: the "
-                   "loop's time preparing their voices split (encoder windows, solves, the rest), then (CUDA) "
+    p.add_argument("--profile-new-clips", type=int, default=0, help="then this many new clips together: (CUDA) "
                    "under torch's sync debug mode (host syncs by source line), then three times their voices "
                    "prepared by the kind on the idle engine from this thread under the profiler (launch and "
                    "done times, kernels, host time by operator and stack), printed")

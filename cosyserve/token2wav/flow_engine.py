@@ -49,7 +49,6 @@ outside the engine.
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -299,12 +298,8 @@ class FlowEngine:
             for k in range(max(len(ends) for ends in pieces)):
                 chunks = [(stream, stream.voice.prompt_tokens[:, :ends[k]], False)
                           for stream, ends in zip(streams, pieces) if k < len(ends)]
-                began = time.perf_counter()
                 windows = self._windows(chunks)
-                encoded = time.perf_counter()
                 self._solve_windows(windows)
-                self.counters.prefix_encoder_s += encoded - began
-                self.counters.prefix_solve_s += time.perf_counter() - encoded
                 for window in windows:
                     self._commit(window)
                 windows = []

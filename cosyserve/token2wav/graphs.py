@@ -203,8 +203,6 @@ class FlowCounters:
     rows: int = 0  # requests
     frames: int = 0  # their frames (prompt + target), summed over requests
     padded_frames: int = 0  # frames computed: padded rows x padded length
-    prefix_encoder_s: float = 0.0  # host time launching new voices' prompt pieces: encoder windows
-    prefix_solve_s: float = 0.0  # and their solves (FlowEngine.prepare)
 
 
 class FlowSampler:

@@ -223,9 +223,11 @@ class CosyVoice3Kind:
             return
         jobs, kept = [], {}
         for features in voices:
+            if features.key() in self._prefixes or features.key() in kept:
+                continue  # a kept voice costs no copy to the device (the core asks again for each request)
             prompt = self._prompt(features)
             frames = prompt.prefix_frames
-            if not frames or prompt.key in self._prefixes or prompt.key in kept:
+            if not frames:
                 continue
             mu, cond = token_conditions(self.flow, prompt.tokens, prompt.feat, finalize=False)
             jobs.append(self.sampler.new_job(EMPTY_STATE, self._noise(0, frames), mu[:, :, :frames],
