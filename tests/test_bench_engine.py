@@ -15,12 +15,12 @@ def test_levels_report_latency_underruns_and_the_loops_profile(tiny_bundle, tmp_
           "--seconds-per-rate", "1", "--json", str(report_path)])
     report = json.loads(report_path.read_text())
     assert [level["level"] for level in report["levels"]] == [
-        "2 concurrent", "1 registered together", "1 new clips together", "0 new clips while 2 play",
-        "1 new clips while 2 play", "4 req/s"]
+        "2 concurrent", "1 registered together", "1 uploaded clips together", "1 new clips together",
+        "0 new clips while 2 play", "1 new clips while 2 play", "4 req/s"]
     assert report["first_request_ms"] > 0 and report["device"] == "cpu"
-    alone = report["levels"][3]  # the playing streams' control: no new clip, their underruns reported
+    alone = report["levels"][4]  # the playing streams' control: no new clip, their underruns reported
     assert alone["requests"] == 0 and alone["playing"] == 2 and alone["playing_failed"] == 0
-    for level in report["levels"][:3] + report["levels"][4:]:
+    for level in report["levels"][:4] + report["levels"][5:]:
         assert level["failed"] == 0 and level["requests"] >= 1 and level["first_p50_ms"] > 0, level
         assert level["iterations"] > 0 and level["busy_ms_per_iteration"] > 0
         assert level["flow_ms_per_iteration"] > 0 and level["llm_busy_s"] > 0

@@ -179,16 +179,26 @@ def run(args: argparse.Namespace) -> dict:
             def new_clip():  # a clip of 3-8 s the server has never seen, with the registered voice's transcript
                 wav = rng.standard_normal(int(TOKENIZER_SAMPLE_RATE * rng.uniform(3, 8))).astype(np.float32) * 0.1
                 return lambda: engine.voices.resolve(wav, prompt_text)
+            def uploaded_clip():  # a clip of the same kind whose features and engine state are kept beforehand
+                voice_ = new_clip()()
+                prepared = threading.Event()
+                engine.core.prepare_voices([voice_.features], prepared.set)
+                prepared.wait()
+                return voice_
             for count in args.new_clips:
-                def together(count=count, fresh=True) -> list[Outcome]:  # a round after another
+                def together(count=count, voices_of_round=None) -> list[Outcome]:  # a round after another
                     outcomes = []
                     for _ in range(args.new_clip_rounds):
-                        voices = [new_clip() if fresh else voice for _ in range(count)]
+                        voices = voices_of_round(count) if voices_of_round else [new_clip() for _ in range(count)]
                         outcomes += _in_threads(count, lambda i: one_request(engine, voices[i], args.tokens,
                                                                              f"n-{next(counter)}"))
                     return outcomes
-                # the same arrivals with the registered voice first: what the new clips add is the difference
-                _measure(report, engine, f"{count} registered together{tag}", lambda: (together(fresh=False), {}))
+                # the same arrivals with the registered voice, and with clips as long as the new ones but
+                # uploaded beforehand: what the new clips add is the difference
+                _measure(report, engine, f"{count} registered together{tag}",
+                         lambda: (together(voices_of_round=lambda n: [voice] * n), {}))
+                _measure(report, engine, f"{count} uploaded clips together{tag}",
+                         lambda: (together(voices_of_round=lambda n: [uploaded_clip() for _ in range(n)]), {}))
                 _measure(report, engine, f"{count} new clips together{tag}", lambda: (together(), {}))
             for playing in args.new_clips_while_playing:  # the playing streams alone first, then with each level
                 for count in [0, *args.new_clips]:
@@ -370,7 +380,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requests-per-sender", type=int, default=4)
     p.add_argument("--new-clips", type=int, nargs="*", default=[],
                    help="levels of N never-seen 3-8 s clips arriving together (their front-end counted), each "
-                        "after N requests of the registered voice arriving together")
+                        "after N requests of the registered voice arriving together, and N of clips of the same "
+                        "lengths uploaded beforehand (features and engine state kept)")
     p.add_argument("--new-clip-rounds", type=int, default=1,
                    help="each --new-clips level this many times in turn, fresh clips each round (its p50/p95 "
                         "over all of them)")

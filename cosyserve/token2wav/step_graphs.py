@@ -84,13 +84,13 @@ class StepBuffers:
 GRAPH_PAIRS = (1, 2, 4, 8, 16)
 GRAPH_FRAMES = (64, 128, 256)
 GRAPH_SLOTS = (256, 512, 768, 1024, 1536)
-# And windows without context: the first piece of new voices' prompts (flow_engine.PREFIX_FIRST_PIECE_TOKENS,
-# up to 500 frames, so that a 3-10 s prompt is one solve, not two) and cold streams' first windows (a
-# prompt of up to 256 tokens and a first chunk of up to flow_engine.COLD_CHUNK_TOKENS). A step costs
-# about the same for 250 frames as for 640: its ~600 kernels, not its frames, set its time. Up to 8 at
-# once: 16 rows x 640 frames fit the context buffer; the row scratch is reserved for them.
+# And windows without context wider than GRAPH_FRAMES: the first piece of new voices' prompts
+# (flow_engine.PREFIX_FIRST_PIECE_TOKENS, up to 500 frames, so that a 3-10 s prompt is one solve, not
+# two), up to 8 voices at once (16 rows x 512 frames fit the context buffer; the row scratch is reserved
+# for them). Two widths: a step's time grows with its rows' frames (~0.8 us per row-frame on an H200
+# beside a ~2.3 ms floor), and 8 prompts of up to 7.5 s fit in 384.
 PREFIX_PAIRS = (1, 2, 4, 8)
-PREFIX_FRAMES = 640
+PREFIX_FRAMES = (384, 512)
 
 
 class EngineGraphs:
@@ -113,7 +113,7 @@ class EngineGraphs:
         self.pool = torch.cuda.graph_pool_handle() if replay else None
         if fused.kernels == "triton":  # the largest shape's scratch first: the captures then never grow it
             from ..models.flow.fused_triton import reserve_row_scratch
-            reserve_row_scratch(fused.device, max(rows * GRAPH_FRAMES[-1], 2 * PREFIX_PAIRS[-1] * PREFIX_FRAMES),
+            reserve_row_scratch(fused.device, max(rows * GRAPH_FRAMES[-1], 2 * PREFIX_PAIRS[-1] * PREFIX_FRAMES[-1]),
                                 fused.width)
         self._buffers: dict[tuple[int, int, int], StepBuffers] = {}
 
@@ -125,8 +125,8 @@ class EngineGraphs:
         """The captured step for a run of this size (captured now if new), or None past the shapes."""
         key = tuple(bucket(value, sizes) for value, sizes in
                     ((pairs, GRAPH_PAIRS), (frames, GRAPH_FRAMES), (context, GRAPH_SLOTS)))
-        if key[1] is None and frames <= PREFIX_FRAMES and pairs <= PREFIX_PAIRS[-1] and key[2] == GRAPH_SLOTS[0]:
-            key = (key[0], PREFIX_FRAMES, key[2])  # a first prompt piece
+        if key[1] is None and pairs <= PREFIX_PAIRS[-1] and key[2] == GRAPH_SLOTS[0]:
+            key = (key[0], bucket(frames, PREFIX_FRAMES), key[2])  # a first prompt piece (None past the widest)
         if None in key:
             return None
         if key not in self._buffers:
@@ -142,5 +142,6 @@ class EngineGraphs:
                 for slots in GRAPH_SLOTS:
                     self.get(pairs, frames, slots)
         for pairs in PREFIX_PAIRS:
-            self.get(pairs, PREFIX_FRAMES, GRAPH_SLOTS[0])
+            for frames in PREFIX_FRAMES:
+                self.get(pairs, frames, GRAPH_SLOTS[0])
 
