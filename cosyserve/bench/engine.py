@@ -337,7 +337,9 @@ def _measure(report: dict, engine: TTSEngine, label: str, run) -> None:
     before = engine.stats().counters
     start = time.perf_counter()
     outcomes, extra = run()
-    report["levels"].append({**level(engine, outcomes, label, time.perf_counter() - start, before), **extra})
+    gauges = {name: value for name, (_, value) in engine.stats().gauges.items()}  # the kind's state after it
+    report["levels"].append({**level(engine, outcomes, label, time.perf_counter() - start, before), **extra,
+                             "kind_gauges": gauges})
     print(table(report, report["levels"][-1:]), flush=True)
 
 

@@ -112,7 +112,9 @@ class CosyVoice2Kind:
                 "state_pages_in_use": ("state pages held by streams and cached voices",
                                        flow.pool.pages - flow.pool.free_pages),
                 "state_voice_pages": ("state pages holding cached voices' prompt state", flow.voice_pages),
-                "voices_cached": ("voices whose prompt state is kept", flow.cached_voices)}
+                "voices_cached": ("voices whose prompt state is kept", flow.cached_voices),
+                "fallback_streams": ("streams that re-ran every chunk (no state kept) because the page pool "
+                                     "was full, since load", self.fallbacks)}
 
     # ----- streams -----
 
