@@ -43,14 +43,6 @@ def resolve_device_dtype(device: str | torch.device, dtype: torch.dtype | str | 
     return device, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
-def urgent_stream(device: torch.device) -> torch.cuda.Stream:
-    """A CUDA stream of high priority, for latency-bound work (the LLM's decode steps, a new clip's
-    front end) beside the engine's bulk flow work: as SMs free up, the GPU schedules its kernels'
-    blocks first, so a long packed solve (a new voice's prompt) does not hold a few-microsecond
-    kernel back for milliseconds."""
-    return torch.cuda.Stream(device, priority=-1)
-
-
 def host_to_device(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``values`` (a list or a CPU tensor) on ``device`` without waiting for the device's queue.
 

@@ -324,12 +324,42 @@ def test_a_long_prompt_is_cached_in_pieces(flow):
 
 
 @pytest.mark.parametrize("shapes", ["exact", "captured"])
+def test_cold_streams_equal_full_rerun_beside_warm_ones(flow, shapes: str):
+    """Streams of voices not kept, opened with ``prepare=False``, start cold (their first window is
+    prompt and chunk, packed apart from the warm windows of the same run) and keep no voice: every
+    chunk equals the full re-run, beside a stream of a kept voice. A prompt too long for a cold first
+    window is prepared and kept instead. "captured": the cold first windows (up to 510 frames here)
+    run in the no-context shape."""
+    engine = _engine(flow)
+    if shapes == "captured":
+        engine.graphs = EngineGraphs(engine.fused, replay=False)
+    kept = _voice(60, seed=40)
+    engine.prepare([(*kept, "kept")])
+    voices = [kept] + [_voice(n, seed=41 + n) for n in (28, 75, 240)]
+    streams = [engine.open(*voice, key="kept" if k == 0 else None, prepare=False) for k, voice in enumerate(voices)]
+    assert engine.cold_streams == 3 and engine.cached_voices == 1
+    tokens = _tokens(100, seed=8)
+    refs = [Reference(flow, voice, tokens, []) for voice in voices]
+    for count, finalize in triton_schedule(100):
+        mels = engine.run([(stream, tokens[:, :count], finalize) for stream in streams])
+        for k, (ref, mel) in enumerate(zip(refs, mels)):
+            assert _rel(mel, ref.expected(count, finalize)) < REL_L2, (k, count)
+            ref.done += mel.size(2)
+    if shapes == "captured":  # the three cold first windows together (the longest 2 * (240 + 15) frames)
+        assert (4, 512, 256) in engine.graphs._buffers
+    long_prompt = engine.open(*_voice(260, seed=9), prepare=False)
+    assert engine.cold_streams == 3 and engine.cached_voices == 2 and long_prompt.voice.frames == 500
+    long_prompt.close()
+    assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages
+
+
+@pytest.mark.parametrize("shapes", ["exact", "captured"])
 def test_voices_prepared_together_equal_each_prepared_alone(flow, shapes: str):
     """New voices of several lengths (one prompt piece for 60 and 240 tokens, two for 300, none for
     one too short for a prefix) prepared in one call: the k-th pieces of all of them share a packed
     solve, and each voice's streams then give the chunks of the full re-run; a voice kept already
-    costs nothing. "captured": the first pieces (up to 500 frames) run in the first-piece shape of
-    their width (512; a lone prompt of 150 tokens in the 384-frame one)."""
+    costs nothing. "captured": the first pieces (up to 500 frames) run in the no-context shape of
+    their width (512)."""
     engine = _engine(flow)
     if shapes == "captured":
         engine.graphs = EngineGraphs(engine.fused, replay=False)
@@ -341,7 +371,7 @@ def test_voices_prepared_together_equal_each_prepared_alone(flow, shapes: str):
         assert sorted(engine.graphs._buffers) == [(1, 128, 512), (4, 512, 256)]
     engine.prepare([(*voices[0], "v60")])
     assert engine.counters.calls == 2
-    if shapes == "captured":
+    if shapes == "captured":  # a lone prompt of 150 tokens: the narrowest no-context shape past 256 frames
         engine.prepare([(*_voice(150, seed=5), "v150")])
         assert (1, 384, 256) in engine.graphs._buffers and engine.counters.calls == 3
     tokens = _tokens(60, seed=7)

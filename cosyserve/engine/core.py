@@ -13,9 +13,8 @@ Each iteration (:meth:`EngineCore.step`), read top to bottom:
    (:meth:`solve`), then vocodes it in one batched call; the PCM is copied to the host
    asynchronously;
 6. the kind computes the state of the voices to keep, all of them together, launched behind the
-   batch: uploaded voices, and each new request's voice, whose state is then computed while the LLM
-   generates its first chunk's tokens (a kind that starts a stream without it, its first job offering
-   it, gets a request's voice only when it comes again).
+   batch (uploaded voices; a new request's voice if the kind cannot start a stream without it, else
+   only when the voice comes again: a clip used once then costs no pass of its own).
 
 Nothing in an iteration waits for the GPU: the host plans and launches the next batch while the
 GPU runs the last one, and a batch's PCM goes to the requests' ``emit`` once its copy is done (at

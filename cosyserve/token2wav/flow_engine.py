@@ -34,11 +34,10 @@ A voice's prompt frames depend only on the voice (prompt tokens, prompt mel, spe
 the fixed noise): the first ``50 * floor((P - 3) / 25)`` frames of a P-token prompt are complete
 blocks before any target token arrives. :class:`VoicePrefix` computes them once per voice,
 keyed by content, and every stream of that voice starts from them (pages shared, refcounted),
-so a first chunk computes its ~36-80 new frames rather than prompt + new frames. The engine core
-computes a new voice's prefix as soon as its request arrives (:meth:`prepare`, launched behind the
-loop's batch): it runs on the GPU while the LLM generates the first chunk's tokens, which take
-longer than the prefix does when several new voices arrive at once (their prompts are one packed
-solve), and the first chunks are then ordinary small windows.
+so a first chunk computes its ~36-80 new frames rather than prompt + new frames. A voice met once
+need not be kept: its stream can start cold (``open(prepare=False)``), its first window then covering
+prompt and chunk, solved in the same number of packed steps as a warm one (a step's time is set by
+its kernels, not by its frames), so that a new voice adds neither a pass of its own nor kept state.
 
 Every chunk's mel equals the full re-run's (``CosyVoice2Flow.inference`` over prompt + all tokens
 so far, streaming masks) up to float rounding; a final chunk through the engine
@@ -66,16 +65,19 @@ from ..models.flow.packed_encoder import EncoderWindow, encode_windows
 from ..runtime import host_to_device
 from .graphs import FlowCounters
 from .page_pool import PagePool
-from .step_graphs import PREFIX_PAIRS, EngineGraphs, StepBuffers
+from .step_graphs import PREFIX_FRAMES, PREFIX_PAIRS, EngineGraphs, StepBuffers
 
 # Voices whose prefix is kept when nothing else limits them (pages are freed earlier under pressure).
 DEFAULT_MAX_VOICES = 64
 # A voice's prompt runs through the flow in pieces, each ending on a block boundary so that the next
 # window starts on one: a first piece of up to PREFIX_FIRST_PIECE_TOKENS (a window of at most 500
-# frames without context, the captured PREFIX_FRAMES: a 3-10 s prompt is one solve), then pieces of
+# frames without context, in a captured PREFIX_FRAMES shape: a 3-10 s prompt is one solve), then pieces of
 # PREFIX_PIECE_TOKENS (windows of at most 250 frames, the chunks' captured GRAPH_FRAMES).
 PREFIX_FIRST_PIECE_TOKENS = 250
 PREFIX_PIECE_TOKENS = 125
+# A stream whose voice's prefix is not kept starts cold (``open(prepare=False)``) when its prompt leaves
+# room, in the widest captured no-context shape (PREFIX_FRAMES), for a first chunk of this many tokens.
+COLD_CHUNK_TOKENS = 64
 
 
 @dataclass
@@ -208,6 +210,7 @@ class FlowEngine:
         self._voices: OrderedDict[str, VoicePrefix] = OrderedDict()
         self._lock = threading.RLock()
         self.open_streams = 0
+        self.cold_streams = 0  # streams opened without their voice's prefix (open(prepare=False))
 
     # ----- voices and streams -----
 
@@ -223,19 +226,30 @@ class FlowEngine:
             return sum(len(voice.state.pages) for voice in self._voices.values())
 
     def open(self, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
-             key: str | None = None) -> EngineStream:
+             key: str | None = None, *, prepare: bool = True) -> EngineStream:
         """A stream of this voice (prompt_tokens (1, P) long, prompt_feat (1, 2P, 80), embedding
         (1, 192)), starting from the voice's cached prefix. ``key``: the voice's
         :func:`~cosyserve.frontend.prompt.voice_key`, if the caller has it (computing it reads device
-        tensors back). A voice not kept is computed here and kept (better: by :meth:`prepare`, as
-        soon as the voice is known, so that its first chunk does not wait for it)."""
+        tensors back).
+
+        A voice not kept is computed here and kept (better: by :meth:`prepare`, as soon as the voice
+        is known), unless ``prepare`` is False and its prompt leaves room for a first chunk of
+        :data:`COLD_CHUNK_TOKENS` in the captured no-context shape: the stream then starts *cold*,
+        from nothing, and its first window is the prompt and the chunk together. That window is solved
+        beside the other no-context windows (:meth:`solve`), in a step whose time is set by its
+        kernels, not its frames: a voice used once costs no pass of its own and no kept state."""
         key = key or voice_key(prompt_tokens, prompt_feat, embedding)
         with self._lock:
             voice = self._voices.get(key)
-            if voice is None:
+            if voice is not None:
+                self._voices.move_to_end(key)
+            elif prepare or 2 * (prompt_tokens.size(1) + COLD_CHUNK_TOKENS) > PREFIX_FRAMES[-1]:
                 self.prepare([(prompt_tokens, prompt_feat, embedding, key)])
                 voice = self._voices[key]
-            self._voices.move_to_end(key)
+            else:
+                self.flow.check_prompt(prompt_tokens, prompt_feat, embedding, batch=1)
+                voice = self._empty_prefix(key, prompt_tokens, prompt_feat, embedding)  # not kept
+                self.cold_streams += 1
             voice.streams += 1
             self.open_streams += 1
             return EngineStream(self, voice)
@@ -377,11 +391,19 @@ class FlowEngine:
 
     def solve(self, windows: list[_Window]) -> None:
         """Every guided Euler step of every window (started, none solved yet), each step packed
-        into one estimator call; launched, not waited for. An error closes every stream of the call
-        (their pages freed)."""
+        into one estimator call; launched, not waited for. Windows without context (cold streams'
+        first ones, prompt and chunk together) are packed apart from the others, up to
+        :data:`~.step_graphs.PREFIX_PAIRS`' largest at a time: padded to their width, the others'
+        rows would cost several times more. An error closes every stream of the call (their pages
+        freed)."""
         with self._lock, torch.inference_mode():
             try:
-                self._solve_windows(windows)
+                warm = [w for w in windows if w.frame_start]
+                cold = [w for w in windows if not w.frame_start]
+                if warm:
+                    self._solve_windows(warm)
+                for group in range(0, len(cold), PREFIX_PAIRS[-1]):
+                    self._solve_windows(cold[group:group + PREFIX_PAIRS[-1]])
             except BaseException:
                 self.abort(windows)
                 raise

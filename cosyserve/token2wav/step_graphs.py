@@ -86,11 +86,12 @@ GRAPH_FRAMES = (64, 128, 256)
 GRAPH_SLOTS = (256, 512, 768, 1024, 1536)
 # And windows without context wider than GRAPH_FRAMES: the first piece of new voices' prompts
 # (flow_engine.PREFIX_FIRST_PIECE_TOKENS, up to 500 frames, so that a 3-10 s prompt is one solve, not
-# two), up to 8 voices at once (16 rows x 512 frames fit the context buffer; the row scratch is reserved
-# for them). Two widths: a step's time grows with its rows' frames (~0.8 us per row-frame on an H200
-# beside a ~2.3 ms floor), and 8 prompts of up to 7.5 s fit in 384.
+# two) and cold streams' first windows (a prompt of up to 256 tokens and a first chunk of up to
+# flow_engine.COLD_CHUNK_TOKENS), up to 8 at once (16 rows x 640 frames fit the context buffer; the row
+# scratch is reserved for them). Three widths: past a floor of ~600 kernels a step's time grows with
+# its rows' frames (~0.8 us per row-frame on an H200).
 PREFIX_PAIRS = (1, 2, 4, 8)
-PREFIX_FRAMES = (384, 512)
+PREFIX_FRAMES = (384, 512, 640)
 
 
 class EngineGraphs:
@@ -126,7 +127,7 @@ class EngineGraphs:
         key = tuple(bucket(value, sizes) for value, sizes in
                     ((pairs, GRAPH_PAIRS), (frames, GRAPH_FRAMES), (context, GRAPH_SLOTS)))
         if key[1] is None and pairs <= PREFIX_PAIRS[-1] and key[2] == GRAPH_SLOTS[0]:
-            key = (key[0], bucket(frames, PREFIX_FRAMES), key[2])  # a first prompt piece (None past the widest)
+            key = (key[0], bucket(frames, PREFIX_FRAMES), key[2])  # a window without context (None past them)
         if None in key:
             return None
         if key not in self._buffers:

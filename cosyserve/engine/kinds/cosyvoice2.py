@@ -74,7 +74,7 @@ class CosyVoice2Kind:
     every call (tests: zero noise), else drawn per call."""
 
     name = "cosyvoice2"
-    cold_start = False  # a new voice's prefix is computed as its request arrives, while the LLM starts
+    cold_start = True  # a stream of a voice not kept starts without it (open)
 
     def __init__(self, model: CosyVoice2Token2Wav, sine_noise: SineNoiseProvider | None = None) -> None:
         if model.engine is None:
@@ -113,6 +113,8 @@ class CosyVoice2Kind:
                                        flow.pool.pages - flow.pool.free_pages),
                 "state_voice_pages": ("state pages holding cached voices' prompt state", flow.voice_pages),
                 "voices_cached": ("voices whose prompt state is kept", flow.cached_voices),
+                "cold_streams": ("streams started without their voice's kept prompt state (its first "
+                                 "window computed the prompt too)", flow.cold_streams),
                 "fallback_streams": ("streams that re-ran every chunk (no state kept) because the page pool "
                                      "was full, since load", self.fallbacks)}
 
@@ -128,11 +130,12 @@ class CosyVoice2Kind:
         return key, prompt
 
     def open(self, features: PromptFeatures) -> Voicing:
-        """A stream's token2wav state, after its voice's kept prompt state (computed now if the voice
-        is not kept: the core prepares a request's voice as it arrives, so it normally is)."""
+        """A stream's token2wav state, after its voice's kept prompt state; a voice not kept (one
+        met once) starts its stream cold (:meth:`FlowEngine.open`'s ``prepare`` False): its first
+        window computes the prompt's frames too, in a step as long as a warm one's."""
         key, prompt = self._prompt(features)
         try:
-            flow = self.flow_engine.open(prompt.tokens, prompt.feat, prompt.embedding, key=key)
+            flow = self.flow_engine.open(prompt.tokens, prompt.feat, prompt.embedding, key=key, prepare=False)
         except CapacityError:
             flow = None
             self.fallbacks += 1

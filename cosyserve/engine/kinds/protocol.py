@@ -51,9 +51,8 @@ class Kind(Protocol):
     sample_rate: int
     final_full_pass: bool  # a stream's final chunk is a pass over everything (batched with passes, not windows)
     # A stream of a voice whose state is not kept starts without it, at no extra pass (its first job
-    # computes the prompt too and offers it): the core then prepares a request's voice only when it
-    # comes again. False: the core prepares each new voice as its request arrives, behind the loop's
-    # batch, so that the voice's state is computed while the LLM generates the first chunk's tokens.
+    # computes the prompt too): the core then prepares a request's voice only when it comes again.
+    # False: open computes the voice's state, so the core prepares each new voice as its request arrives.
     cold_start: bool
 
     @property

@@ -3,7 +3,7 @@ it: each request's tokens arrive in a :class:`~cosyserve.llm.stream.TokenStream`
 drains without blocking.
 
 * :class:`FreeRunningLLM`: our :class:`~cosyserve.llm.engine.llm_engine.LLMEngine` on a thread and
-  a CUDA stream of its own (of high priority): it decodes at its own pace whatever the token2wav loop is doing, so a
+  a CUDA stream of its own: it decodes at its own pace whatever the token2wav loop is doing, so a
   stream's first chunk waits for ~18 decode steps, not for ~18 loop iterations, and a long flow step
   never holds its tokens back. Paced (:class:`~cosyserve.llm.engine.llm_engine.Pacing`): a request's
   first 20 tokens at once, then 4x real time, so the GPU is not spent on tokens nobody needs yet
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ...llm.prompt import register_voice_prefixes
 from ...llm.sampling import REFERENCE_SAMPLING, SamplingParams
 from ...llm.stream import TokenStream
-from ...runtime import urgent_stream
 from ..front_end import TokenLimits
 
 
@@ -62,12 +63,9 @@ class FreeRunningLLM(BackendLLM):
         self.sampling = sampling
         self._generate = engine.submit
         device = engine.runner.device
-        # a stream of its own, of high priority: a new voice's prompt, solved on the flow's stream when
-        # its request arrives, must not hold back that request's prefill and first tokens (at the flow's
-        # priority they waited for it: 4 -> 52 ms). The engine is paced, so its decode steps take little
-        # of the flow's time (unpaced at that priority, they starved a first chunk's flow until the
-        # reply was decoded)
-        engine.start(urgent_stream(device) if device.type == "cuda" else None)
+        # a stream of its own at the flow's priority: its decode steps interleave with the flow's
+        # kernels (at a higher priority they starved a first chunk's flow until the reply was decoded)
+        engine.start(torch.cuda.Stream(device) if device.type == "cuda" else None)
 
     @property
     def generating(self) -> int:
