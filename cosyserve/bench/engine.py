@@ -25,6 +25,7 @@ import torch
 
 from ..audio.features import TOKENIZER_SAMPLE_RATE
 from ..clients import Playback
+from ..engine.device import synchronize
 from ..engine.scheduler import DEFAULT_MAX_BATCH_FRAMES, DEFAULT_MAX_BATCH_JOBS, Scheduler
 from ..data import load_reference_audio
 from ..engine.service import BUNDLE_DIRS, TTSEngine, load_engine, warm_up_clip
@@ -181,9 +182,10 @@ def run(args: argparse.Namespace) -> dict:
                 return lambda: engine.voices.resolve(wav, prompt_text)
             def uploaded_clip():  # a clip of the same kind whose features and engine state are kept beforehand
                 voice_ = new_clip()()
-                prepared = threading.Event()
-                engine.core.prepare_voices([voice_.features], prepared.set)
-                prepared.wait()
+                launched = threading.Event()
+                engine.core.prepare_voices([voice_.features], launched.set)
+                launched.wait()
+                synchronize(engine.core.kind.device)  # computed, before the round starts
                 return voice_
             for count in args.new_clips:
                 def together(count=count, voices_of_round=None) -> list[Outcome]:  # a round after another

@@ -46,7 +46,7 @@ from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutErr
 from ..llm.prompt import NUM_SPEECH_TOKENS
 from ..lru import LruCache
 from ..speech_tokens import speech_token_ids
-from .device import DeviceMark, HostCopy, synchronize
+from .device import HostCopy, synchronize
 from .kinds.protocol import Kind
 from .request import EngineRequest, RequestState, SegmentState
 from .scheduler import Candidate, Scheduler
@@ -111,10 +111,7 @@ class EngineCore:
         self._starting: set[str] = set()  # request ids in submit, their LLM request starting
         self._cancels: list[tuple[str, BaseException]] = []
         self._voices_inbox: list = []  # voices to prepare (prepare_voices), with the new requests'
-        self._voices_done: list = []  # prepare_voices' callbacks, to answer once the inbox's voices are prepared
-        # prepare_voices' callbacks of voices launched, each with the point of the device's work that
-        # computes them (loop thread)
-        self._preparing: deque[tuple[DeviceMark, list[Callable[[], None]]]] = deque()
+        self._voices_done: list = []  # prepare_voices' callbacks, called once the inbox's voices are prepared
         self._seen_voices: LruCache[str, bool] = LruCache(SEEN_VOICES)  # with kind.cold_start
         self._states: dict[str, RequestState] = {}  # admitted, not ended; guarded by _lock
         self._in_flight: deque[_Batch] = deque()  # launched, PCM not handed out (loop thread)
@@ -155,9 +152,8 @@ class EngineCore:
     def prepare_voices(self, voices: list, done: Callable[[], None] | None = None) -> None:
         """Have the loop compute and keep these voices' state (PromptFeatures) at its next iteration,
         behind its batch: a voice uploaded now costs its first request nothing. Not waited for:
-        ``done`` is called (on the loop's thread) once the device has computed them (so that a
-        request sent then finds them ready, and the device free of them), or when the engine closes
-        first."""
+        ``done`` is called (on the loop's thread) once the loop has launched their preparation, or
+        when the engine closes first."""
         with self._lock:
             self._voices_inbox += voices
             if done is not None:
@@ -212,10 +208,8 @@ class EngineCore:
             states = list(self._states.values())
         for state in states:
             self._end(state, RequestCancelledError("the engine was closed"))
-        done = [callback for _, callbacks in self._preparing for callback in callbacks]
-        self._preparing.clear()
         with self._lock:
-            done, self._voices_done = done + self._voices_done, []
+            done, self._voices_done = self._voices_done, []
         _call_each(done)
         self._in_flight.clear()
         self.llm.close()
@@ -229,7 +223,7 @@ class EngineCore:
                 idle = not (self._closing or self._inbox or self._cancels or self._voices_inbox or self._busy())
                 if idle and not self._in_flight:
                     # requests waiting only for their LLM's tokens: look again shortly
-                    self._wakeup.wait(TOKEN_POLL_S if self._states or self._preparing else None)
+                    self._wakeup.wait(TOKEN_POLL_S if self._states else None)
                 if self._closing:
                     return
             if idle and self._in_flight:  # nothing to launch: the oldest batch's PCM is next
@@ -251,7 +245,6 @@ class EngineCore:
         c.iterations += 1
         began = time.perf_counter()
         self._hand_out(wait=len(self._in_flight) >= MAX_BATCHES_IN_FLIGHT)
-        self._answer_prepared()
         voices, done = self._take_events()
         try:
             candidates = []
@@ -276,9 +269,7 @@ class EngineCore:
             c.vocoder_s += time.perf_counter() - vocoder_begin
         finally:  # behind the batch: its chunks never wait for the preparation's launches
             self._prepare_voices(voices)
-            if done:
-                self._preparing.append((DeviceMark(self.kind.device), done))
-                self._answer_prepared()
+            _call_each(done)
 
     # ----- stages -----
 
@@ -334,11 +325,6 @@ class EngineCore:
                 except Exception:
                     pass
         self.counters.voice_s += time.perf_counter() - began
-
-    def _answer_prepared(self) -> None:
-        """Call the prepare_voices callbacks whose voices the device has computed, oldest first."""
-        while self._preparing and self._preparing[0][0].reached():
-            _call_each(self._preparing.popleft()[1])
 
     def _live(self) -> list[RequestState]:
         with self._lock:

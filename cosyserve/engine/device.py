@@ -12,25 +12,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class DeviceMark:
-    """A point in the work launched so far on ``device``: :meth:`reached` says whether the device
-    is past it, never waiting (on the CPU, at once)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._event: torch.cuda.Event | None = None
-        if device.type == "cuda":
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(device))
-
-    def reached(self) -> bool:
-        return self._event is None or self._event.query()
-
-    def wait(self) -> None:
-        """Wait until it is reached (raises the GPU's error if its work failed)."""
-        if self._event is not None:
-            self._event.synchronize()
-
-
 class HostCopy:
     """Tensors (any shape, one dtype, one device) on their way to the host as flat arrays. On a GPU
     the copy is launched into one pinned buffer behind the work queued so far, and an event marks
@@ -39,19 +20,22 @@ class HostCopy:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._sizes = [t.numel() for t in tensors]
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+        self._event: torch.cuda.Event | None = None
         if flat.device.type == "cuda":
             self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
         else:
             self._host = flat
-        self._done = DeviceMark(flat.device)
 
     def ready(self) -> bool:
         """Whether the copy is done (never waits)."""
-        return self._done.reached()
+        return self._event is None or self._event.query()
 
     def arrays(self) -> list[np.ndarray]:
         """The tensors' values, flat, in order (waits for the copy; raises the GPU's error if its
         work failed)."""
-        self._done.wait()
+        if self._event is not None:
+            self._event.synchronize()
         return np.split(self._host.numpy(), np.cumsum(self._sizes)[:-1])
