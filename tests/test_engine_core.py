@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -55,10 +56,12 @@ class FakeKind:
     max_voices: int = 0
     final_full_pass: bool = True  # final chunks (and offline requests) are passes: never batched with windows
     cold_start: bool = False  # True: voices are objects with key() (FakeVoice)
+    prepares_beside: bool = False  # True: prepare_voices is called on the core's preparation thread
     batches: list[int] = field(default_factory=list)  # jobs per solved batch
     aborted: int = 0
     prepared: list[list] = field(default_factory=list)  # the voices of each prepare_voices call that succeeded
     events: list[str] = field(default_factory=list)  # prepare (voices) and solve (batches), in order
+    threads: list[str] = field(default_factory=list)  # the thread of each prepare_voices call that succeeded
 
     def chunk_schedule(self, strategy: str) -> ChunkScheduler:
         return ChunkScheduler(strategy)
@@ -71,6 +74,7 @@ class FakeKind:
             raise ValueError("bad voice")
         self.prepared.append(list(voices))
         self.events.append("prepare")
+        self.threads.append(threading.current_thread().name)
 
     def open(self, features) -> FakeVoicing:
         if features == "bad voice":
@@ -262,6 +266,31 @@ def test_prepared_voices_are_answered_once_the_loop_has_launched_them():
     core.prepare_voices(["voice 10"], done=lambda: answered.append("at close"))
     core.close()
     assert answered[-1] == "at close" and kind.prepared == [["voice 9"]]
+
+
+def test_a_kind_preparing_beside_the_loop_gets_each_voice_as_it_comes_on_a_thread_of_its_own():
+    """With ``prepares_beside``, a request's voice is handed to the preparation thread as the request
+    is submitted (no loop iteration needed), an uploaded one as it comes (answered once launched; a
+    bad voice fails only itself); the loop itself never prepares; requests still finish."""
+    kind = FakeKind(prepares_beside=True)
+    core = EngineCore(kind, FakeLLM(30))  # the loop not started: only the preparation thread runs
+    core._preparer.start()
+    answered = threading.Event()
+    listener = submit(core, "r0", voice="voice 1")
+    core.prepare_voices(["bad voice", "voice 2"], done=answered.set)
+    assert answered.wait(5)
+    deadline = time.monotonic() + 5
+    while sorted(v for call in kind.prepared for v in call) != ["voice 1", "voice 2"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(v for call in kind.prepared for v in call) == ["voice 1", "voice 2"]
+    assert set(kind.threads) == {"engine-voices"} and core.counters.voice_s > 0
+    for _ in range(50):
+        core.step()
+    assert listener.ended.get(timeout=5) is None and len(kind.prepared) <= 3
+    late = threading.Event()
+    core.close()
+    core.prepare_voices(["voice 3"], done=late.set)  # after close: answered at once, not prepared
+    assert late.is_set() and "engine-core" not in kind.threads
 
 
 def test_a_failed_batch_ends_its_requests_and_the_others_go_on():

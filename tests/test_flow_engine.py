@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import random
+import threading
 
 import pytest
 import torch
@@ -11,8 +13,8 @@ from cosyserve.errors import CapacityError, InvalidInputError
 from cosyserve.frontend.prompt import voice_key
 from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
 from cosyserve.schedule import plan_chunks
-from cosyserve.token2wav.flow_engine import FlowEngine
-from cosyserve.token2wav.step_graphs import EngineGraphs
+from cosyserve.token2wav.flow_engine import PREFIX_LANE, FlowEngine
+from cosyserve.token2wav.step_graphs import PREFIX_SHAPES, EngineGraphs
 
 torch.set_num_threads(1)
 
@@ -44,6 +46,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _engine(flow: CosyVoice2Flow, pages: int = 200, **kwargs) -> FlowEngine:
     return FlowEngine(flow, pool_pages=pages, **kwargs)
+
+
+def _captured_shapes(engine: FlowEngine) -> None:
+    """The CUDA-graph path's fixed shapes (padding pairs, frames and context slots, one shared context
+    buffer per graph set: the chunks' and the prompts'), run eagerly."""
+    engine.graphs = EngineGraphs(engine.fused, replay=False)
+    engine.prefix_graphs = EngineGraphs(engine.fused, PREFIX_SHAPES, replay=False, lane=PREFIX_LANE)
 
 
 def upstream_schedule(prompt_tokens: int, total: int) -> list[tuple[int, bool]]:
@@ -108,7 +117,7 @@ def test_mixed_voices_and_batch_compositions(flow, shapes: str):
     shared context buffer), run eagerly."""
     engine, alone = _engine(flow), _engine(flow)
     if shapes == "captured":
-        engine.graphs = EngineGraphs(engine.fused, replay=False)
+        _captured_shapes(engine)
     voices = [_voice(p, seed=10 + p) for p in (20, 33, 60)]
     rng = random.Random(0)
     streams = []
@@ -324,32 +333,49 @@ def test_a_long_prompt_is_cached_in_pieces(flow):
 
 
 @pytest.mark.parametrize("shapes", ["exact", "captured"])
-def test_cold_streams_equal_full_rerun_beside_warm_ones(flow, shapes: str):
-    """Streams of voices not kept, opened with ``prepare=False``, start cold (their first window is
-    prompt and chunk, packed apart from the warm windows of the same run) and keep no voice: every
-    chunk equals the full re-run, beside a stream of a kept voice. A prompt too long for a cold first
-    window is prepared and kept instead. "captured": the cold first windows (up to 510 frames here)
-    run in the no-context shape."""
+def test_voices_prepared_on_another_thread_while_a_stream_runs(flow, shapes: str):
+    """New voices prepared on a thread of their own (as the engine core's preparation thread does)
+    while a stream of a kept voice runs its chunks on this one: its chunks and then the new voices'
+    streams' equal the full re-run, each new voice is computed once (its prompt's first pieces in one
+    packed solve) and every page comes back. "captured": the prompts' first pieces (up to 480 frames
+    here) in the prompts' own no-context shapes, the chunks in theirs."""
     engine = _engine(flow)
     if shapes == "captured":
-        engine.graphs = EngineGraphs(engine.fused, replay=False)
+        _captured_shapes(engine)
     kept = _voice(60, seed=40)
     engine.prepare([(*kept, "kept")])
-    voices = [kept] + [_voice(n, seed=41 + n) for n in (28, 75, 240)]
-    streams = [engine.open(*voice, key="kept" if k == 0 else None, prepare=False) for k, voice in enumerate(voices)]
-    assert engine.cold_streams == 3 and engine.cached_voices == 1
+    calls = engine.counters.calls
+    voices = [_voice(n, seed=41 + n) for n in (28, 75, 240)]
+    failures = []
+
+    def prepare():
+        try:
+            engine.prepare([(*voice, f"new{k}") for k, voice in enumerate(voices)])
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    preparing = threading.Thread(target=prepare)
     tokens = _tokens(100, seed=8)
+    playing, ref = engine.open(*kept, key="kept"), Reference(flow, kept, tokens, [])
+    preparing.start()
+    for count, finalize in triton_schedule(100):
+        mel = engine.run([(playing, tokens[:, :count], finalize)])[0]
+        assert _rel(mel, ref.expected(count, finalize)) < REL_L2, count
+        ref.done += mel.size(2)
+    preparing.join()
+    assert not failures and engine.cached_voices == 4 and engine.counters.calls > calls
+    calls = engine.counters.calls
+    streams = [engine.open(*voice, key=f"new{k}") for k, voice in enumerate(voices)]
+    assert engine.counters.calls == calls  # kept: nothing computed again
     refs = [Reference(flow, voice, tokens, []) for voice in voices]
     for count, finalize in triton_schedule(100):
         mels = engine.run([(stream, tokens[:, :count], finalize) for stream in streams])
-        for k, (ref, mel) in enumerate(zip(refs, mels)):
-            assert _rel(mel, ref.expected(count, finalize)) < REL_L2, (k, count)
-            ref.done += mel.size(2)
-    if shapes == "captured":  # the three cold first windows together (the longest 2 * (240 + 15) frames)
-        assert (4, 512, 256) in engine.graphs._buffers
-    long_prompt = engine.open(*_voice(260, seed=9), prepare=False)
-    assert engine.cold_streams == 3 and engine.cached_voices == 2 and long_prompt.voice.frames == 500
-    long_prompt.close()
+        for k, (r, mel) in enumerate(zip(refs, mels)):
+            assert _rel(mel, r.expected(count, finalize)) < REL_L2, (k, count)
+            r.done += mel.size(2)
+    if shapes == "captured":  # the three first pieces together (the longest 2 * (240 - 3) frames)
+        assert (4, 512, 256) in engine.prefix_graphs._buffers
+        assert all(frames <= 256 for _, frames, _ in engine.graphs._buffers)
     assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages
 
 
@@ -362,18 +388,18 @@ def test_voices_prepared_together_equal_each_prepared_alone(flow, shapes: str):
     their width (512)."""
     engine = _engine(flow)
     if shapes == "captured":
-        engine.graphs = EngineGraphs(engine.fused, replay=False)
+        _captured_shapes(engine)
     lengths = (60, 240, 300, 20)
     voices = [_voice(n, seed=20 + n) for n in lengths]
     engine.prepare([(*voice, f"v{n}") for voice, n in zip(voices, lengths)])
     assert engine.counters.calls == 2 and engine.cached_voices == 4 and engine.open_streams == 0
-    if shapes == "captured":  # the first pieces of 3 voices, then the second piece of one
-        assert sorted(engine.graphs._buffers) == [(1, 128, 512), (4, 512, 256)]
+    if shapes == "captured":  # the first pieces of 3 voices in the prompts' shapes, the second piece of one eager
+        assert sorted(engine.prefix_graphs._buffers) == [(4, 512, 256)] and not engine.graphs._buffers
     engine.prepare([(*voices[0], "v60")])
     assert engine.counters.calls == 2
-    if shapes == "captured":  # a lone prompt of 150 tokens: the narrowest no-context shape past 256 frames
+    if shapes == "captured":  # a lone prompt of 150 tokens (294 frames): the prompts' 384-frame shape
         engine.prepare([(*_voice(150, seed=5), "v150")])
-        assert (1, 384, 256) in engine.graphs._buffers and engine.counters.calls == 3
+        assert (1, 384, 256) in engine.prefix_graphs._buffers and engine.counters.calls == 3
     tokens = _tokens(60, seed=7)
     for voice, n in zip(voices, lengths):
         stream = engine.open(*voice, key=f"v{n}")
@@ -383,4 +409,50 @@ def test_voices_prepared_together_equal_each_prepared_alone(flow, shapes: str):
             got = engine.run([(stream, tokens[:, :count], finalize)])[0]
             assert _rel(got, ref.expected(count, finalize)) < REL_L2, (n, count)
             ref.done += got.size(2)
+    assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_voices_prepared_beside_running_streams_give_the_same_chunks(flow):
+    """On a GPU with CUDA graphs: new voices prepared on another thread (their prompts on the prefix
+    stream, in the prompts' lane: own graphs, workspaces and scratch) while a stream of a kept voice
+    runs chunks behind long GPU work on this thread's stream, then the new voices' streams packed
+    together, give the chunks of an engine that does everything in order on one thread, eagerly
+    (fp16: within rounding; a race would show as garbage)."""
+    device = torch.device("cuda")
+    gpu_flow = copy.deepcopy(flow).to(device, torch.float16)
+    engine = FlowEngine(gpu_flow, pool_pages=64, cuda_graphs=True, precapture=True)
+    serial = FlowEngine(gpu_flow, pool_pages=64)
+    kept = _voice(60, seed=40)
+    voices = [_voice(n, seed=50 + n) for n in (30, 80, 150, 240)]
+    tokens = _tokens(120, seed=3)
+    schedule = triton_schedule(120)
+
+    def chunks(e: FlowEngine, streams: list) -> list[list[torch.Tensor]]:
+        got = [[] for _ in streams]
+        for count, finalize in schedule:
+            for k, mel in enumerate(e.run([(stream, tokens[:, :count], finalize) for stream in streams])):
+                got[k].append(mel.float().cpu())
+        return got
+
+    serial.prepare([(*kept, "kept")] + [(*voice, f"new{k}") for k, voice in enumerate(voices)])
+    expected_kept = chunks(serial, [serial.open(*kept, key="kept")])[0]
+    expected = chunks(serial, [serial.open(*voice, key=f"new{k}") for k, voice in enumerate(voices)])
+
+    engine.prepare([(*kept, "kept")])
+    playing = engine.open(*kept, key="kept")
+    preparing = threading.Thread(target=engine.prepare, args=([(*voice, f"new{k}") for k, voice in enumerate(voices)],))
+    got_kept = []
+    for i, (count, finalize) in enumerate(schedule):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU work ahead of each chunk on this stream
+        got_kept.append(engine.run([(playing, tokens[:, :count], finalize)])[0].float().cpu())
+        if i == 0:
+            preparing.start()
+    preparing.join()
+    got = chunks(engine, [engine.open(*voice, key=f"new{k}") for k, voice in enumerate(voices)])
+    torch.cuda.synchronize()
+    for want, have in zip([expected_kept] + expected, [got_kept] + got):
+        assert len(want) == len(have)
+        for a, b in zip(have, want):
+            assert _rel(a, b) < 2e-2
     assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages

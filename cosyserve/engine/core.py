@@ -14,7 +14,10 @@ Each iteration (:meth:`EngineCore.step`), read top to bottom:
    asynchronously;
 6. the kind computes the state of the voices to keep, all of them together, launched behind the
    batch (uploaded voices; a new request's voice if the kind cannot start a stream without it, else
-   only when the voice comes again: a clip used once then costs no pass of its own).
+   only when the voice comes again: a clip used once then costs no pass of its own). A kind that
+   computes voices beside the loop (:attr:`~.kinds.protocol.Kind.prepares_beside`) gets them from
+   a :class:`~.preparer.VoicePreparer` thread instead, a request's voice as it is submitted (its
+   state is then computed while the LLM generates the request's first tokens).
 
 Nothing in an iteration waits for the GPU: the host plans and launches the next batch while the
 GPU runs the last one, and a batch's PCM goes to the requests' ``emit`` once its copy is done (at
@@ -48,6 +51,7 @@ from ..lru import LruCache
 from ..speech_tokens import speech_token_ids
 from .device import HostCopy, synchronize
 from .kinds.protocol import Kind
+from .preparer import VoicePreparer, call_each
 from .request import EngineRequest, RequestState, SegmentState
 from .scheduler import Candidate, Scheduler
 from .wire import EngineStats
@@ -77,7 +81,7 @@ class EngineCounters:
 
     iterations: int = 0
     start_s: float = 0.0  # encoder and planning of chunks that start
-    voice_s: float = 0.0  # kept voices' state (their prompts' flow), launched behind an iteration's batch
+    voice_s: float = 0.0  # kept voices' state (their prompts' flow) launched, behind a batch or beside the loop
     flow_s: float = 0.0  # batches' Euler steps
     vocoder_s: float = 0.0  # HiFT and the PCM's copy to the host
     host_s: float = 0.0  # the rest of a busy iteration: requests, tokens, scheduling, emitting PCM
@@ -113,6 +117,7 @@ class EngineCore:
         self._voices_inbox: list = []  # voices to prepare (prepare_voices), with the new requests'
         self._voices_done: list = []  # prepare_voices' callbacks, called once the inbox's voices are prepared
         self._seen_voices: LruCache[str, bool] = LruCache(SEEN_VOICES)  # with kind.cold_start
+        self._preparer = VoicePreparer(self._prepare_voices) if kind.prepares_beside else None
         self._states: dict[str, RequestState] = {}  # admitted, not ended; guarded by _lock
         self._in_flight: deque[_Batch] = deque()  # launched, PCM not handed out (loop thread)
         self._thread: threading.Thread | None = None
@@ -138,6 +143,8 @@ class EngineCore:
             self._next_segment(state)
         except Exception as exc:
             state.start_error = exc
+        if self._preparer is not None and state.start_error is None and request.streaming:
+            self._preparer.put(self._voices_to_keep([request.voice.features]))
         with self._lock:
             self._starting.discard(request_id)
             if not self._closing:
@@ -151,9 +158,12 @@ class EngineCore:
 
     def prepare_voices(self, voices: list, done: Callable[[], None] | None = None) -> None:
         """Have the loop compute and keep these voices' state (PromptFeatures) at its next iteration,
-        behind its batch: a voice uploaded now costs its first request nothing. Not waited for:
-        ``done`` is called (on the loop's thread) once the loop has launched their preparation, or
-        when the engine closes first."""
+        behind its batch (or the preparation thread now, for a kind that prepares beside the loop):
+        a voice uploaded now costs its first request nothing. Not waited for: ``done`` is called (on
+        that thread) once their preparation is launched, or when the engine closes first."""
+        if self._preparer is not None:
+            self._preparer.put(voices, done)
+            return
         with self._lock:
             self._voices_inbox += voices
             if done is not None:
@@ -194,6 +204,8 @@ class EngineCore:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
             self._thread = threading.Thread(target=self._loop, name="engine-core", daemon=True)
             self._thread.start()
+            if self._preparer is not None:
+                self._preparer.start()
         return self
 
     def close(self) -> None:
@@ -204,13 +216,15 @@ class EngineCore:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._preparer is not None:
+            self._preparer.close()
         with self._lock:
             states = list(self._states.values())
         for state in states:
             self._end(state, RequestCancelledError("the engine was closed"))
         with self._lock:
             done, self._voices_done = self._voices_done, []
-        _call_each(done)
+        call_each(done)
         self._in_flight.clear()
         self.llm.close()
 
@@ -269,7 +283,7 @@ class EngineCore:
             c.vocoder_s += time.perf_counter() - vocoder_begin
         finally:  # behind the batch: its chunks never wait for the preparation's launches
             self._prepare_voices(voices)
-            _call_each(done)
+            call_each(done)
 
     # ----- stages -----
 
@@ -284,8 +298,9 @@ class EngineCore:
         for state in new:
             if state.start_error is not None:
                 self._end(state, state.start_error)
-        voices += self._voices_to_keep([state.request.voice.features for state in new
-                                        if not state.ended and state.request.streaming])
+        if self._preparer is None:
+            voices += self._voices_to_keep([state.request.voice.features for state in new
+                                            if not state.ended and state.request.streaming])
         for request_id, error in cancels:
             state = self._states.get(request_id)
             if state is not None:
@@ -543,14 +558,6 @@ class _Offline:
 
 
 _OFFLINE = _Offline()
-
-
-def _call_each(callbacks: list[Callable[[], None]]) -> None:
-    for callback in callbacks:
-        try:
-            callback()
-        except Exception:
-            log.exception("engine: a prepare_voices callback failed")
 
 
 def _close_voicing(seg: SegmentState) -> None:

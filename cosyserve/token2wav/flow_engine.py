@@ -34,10 +34,12 @@ A voice's prompt frames depend only on the voice (prompt tokens, prompt mel, spe
 the fixed noise): the first ``50 * floor((P - 3) / 25)`` frames of a P-token prompt are complete
 blocks before any target token arrives. :class:`VoicePrefix` computes them once per voice,
 keyed by content, and every stream of that voice starts from them (pages shared, refcounted),
-so a first chunk computes its ~36-80 new frames rather than prompt + new frames. A voice met once
-need not be kept: its stream can start cold (``open(prepare=False)``), its first window then covering
-prompt and chunk, solved in the same number of packed steps as a warm one (a step's time is set by
-its kernels, not by its frames), so that a new voice adds neither a pass of its own nor kept state.
+so a first chunk computes its ~36-80 new frames rather than prompt + new frames. A new voice's
+prefix is computed as soon as the voice is known (:meth:`FlowEngine.prepare`, from any thread: a
+request's voice as it arrives, while the LLM generates its first tokens), on a CUDA stream and in a
+work lane of its own (its own step graphs, workspaces and scratch), so that it runs beside the
+chunks on the GPU and never holds up the ones queued behind it; a stream of the voice waits for it
+on the device only.
 
 Every chunk's mel equals the full re-run's (``CosyVoice2Flow.inference`` over prompt + all tokens
 so far, streaming masks) up to float rounding; a final chunk through the engine
@@ -48,6 +50,7 @@ outside the engine.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -61,23 +64,23 @@ from ..models.flow import CosyVoice2Flow, fixed_noise
 from ..models.flow.cache import FrameBuffer, copy_states
 from ..models.flow.cfm import N_TIMESTEPS
 from ..models.flow.fused import FusedEstimator, context_slots
+from ..models.flow.lanes import work_lane
 from ..models.flow.packed_encoder import EncoderWindow, encode_windows
 from ..runtime import host_to_device
 from .graphs import FlowCounters
 from .page_pool import PagePool
-from .step_graphs import PREFIX_FRAMES, PREFIX_PAIRS, EngineGraphs, StepBuffers
+from .step_graphs import PREFIX_PAIRS, PREFIX_SHAPES, EngineGraphs, StepBuffers
 
 # Voices whose prefix is kept when nothing else limits them (pages are freed earlier under pressure).
 DEFAULT_MAX_VOICES = 64
 # A voice's prompt runs through the flow in pieces, each ending on a block boundary so that the next
 # window starts on one: a first piece of up to PREFIX_FIRST_PIECE_TOKENS (a window of at most 500
-# frames without context, in a captured PREFIX_FRAMES shape: a 3-10 s prompt is one solve), then pieces of
-# PREFIX_PIECE_TOKENS (windows of at most 250 frames, the chunks' captured GRAPH_FRAMES).
+# frames without context, in a captured PREFIX_SHAPES shape: a 3-10 s prompt is one solve), then pieces
+# of PREFIX_PIECE_TOKENS (windows of at most 250 frames, eager).
 PREFIX_FIRST_PIECE_TOKENS = 250
 PREFIX_PIECE_TOKENS = 125
-# A stream whose voice's prefix is not kept starts cold (``open(prepare=False)``) when its prompt leaves
-# room, in the widest captured no-context shape (PREFIX_FRAMES), for a first chunk of this many tokens.
-COLD_CHUNK_TOKENS = 64
+# The work lane (models.flow.lanes.work_lane) of new voices' prompts: their workspaces and scratch.
+PREFIX_LANE = "prefix"
 
 
 @dataclass
@@ -102,6 +105,7 @@ class VoicePrefix:
     spks: torch.Tensor  # (1, 80) projected speaker vector
     state: _FlowState
     streams: int = 0  # open streams forked from it
+    ready: torch.cuda.Event | None = None  # on a GPU: recorded on the prefix stream once it is computed
 
     @property
     def frames(self) -> int:
@@ -204,13 +208,26 @@ class FlowEngine:
         self.max_voices = max_voices
         self.counters = counters or FlowCounters()
         self.graphs = EngineGraphs(self.fused) if cuda_graphs else None
-        if self.graphs is not None and precapture:
-            with torch.inference_mode():
-                self.graphs.capture_all()
+        self.prefix_graphs = EngineGraphs(self.fused, PREFIX_SHAPES, lane=PREFIX_LANE) if cuda_graphs else None
+        # new voices' prompts run on a stream of their own, beside the chunks (see prepare)
+        self._prefix_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if precapture:
+            self.capture_graphs()
         self._voices: OrderedDict[str, VoicePrefix] = OrderedDict()
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # voices, pages, counters
+        self._prepare_lock = threading.Lock()  # one preparation at a time (the prefix lane's buffers)
+        self._preparing: dict[str, threading.Event] = {}  # keys being prepared, set once launched
+        self._consumers: set[torch.cuda.Stream] = set()  # CUDA streams that ran voices' streams
+        self._retired: list[tuple[list[torch.cuda.Event], list[VoicePrefix]]] = []  # dropped, maybe still read
         self.open_streams = 0
-        self.cold_streams = 0  # streams opened without their voice's prefix (open(prepare=False))
+
+    def capture_graphs(self) -> None:
+        """Capture every shape of the chunks' and the prompts' step graphs now (at load: a shape
+        captured while chunks run would stall them)."""
+        with torch.inference_mode():
+            for graphs in (self.graphs, self.prefix_graphs):
+                if graphs is not None:
+                    graphs.capture_all()
 
     # ----- voices and streams -----
 
@@ -226,54 +243,100 @@ class FlowEngine:
             return sum(len(voice.state.pages) for voice in self._voices.values())
 
     def open(self, prompt_tokens: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
-             key: str | None = None, *, prepare: bool = True) -> EngineStream:
+             key: str | None = None) -> EngineStream:
         """A stream of this voice (prompt_tokens (1, P) long, prompt_feat (1, 2P, 80), embedding
-        (1, 192)), starting from the voice's cached prefix. ``key``: the voice's
+        (1, 192)), starting from the voice's kept prefix. ``key``: the voice's
         :func:`~cosyserve.frontend.prompt.voice_key`, if the caller has it (computing it reads device
         tensors back).
 
-        A voice not kept is computed here and kept (better: by :meth:`prepare`, as soon as the voice
-        is known), unless ``prepare`` is False and its prompt leaves room for a first chunk of
-        :data:`COLD_CHUNK_TOKENS` in the captured no-context shape: the stream then starts *cold*,
-        from nothing, and its first window is the prompt and the chunk together. That window is solved
-        beside the other no-context windows (:meth:`solve`), in a step whose time is set by its
-        kernels, not its frames: a voice used once costs no pass of its own and no kept state."""
+        A voice not kept is computed here and kept; better, :meth:`prepare` computes it as soon as
+        the voice is known (a voice being prepared on another thread is waited for until launched).
+        The stream's work on the caller's CUDA stream waits, on the device, for the prefix's."""
         key = key or voice_key(prompt_tokens, prompt_feat, embedding)
-        with self._lock:
-            voice = self._voices.get(key)
-            if voice is not None:
-                self._voices.move_to_end(key)
-            elif prepare or 2 * (prompt_tokens.size(1) + COLD_CHUNK_TOKENS) > PREFIX_FRAMES[-1]:
-                self.prepare([(prompt_tokens, prompt_feat, embedding, key)])
-                voice = self._voices[key]
+        while True:
+            with self._lock:
+                voice = self._voices.get(key)
+                launching = self._preparing.get(key)
+                if voice is not None:
+                    self._voices.move_to_end(key)
+                    voice.streams += 1
+                    self.open_streams += 1
+                    self._wait_for(voice)
+                    return EngineStream(self, voice)
+            if launching is not None:
+                launching.wait()
             else:
-                self.flow.check_prompt(prompt_tokens, prompt_feat, embedding, batch=1)
-                voice = self._empty_prefix(key, prompt_tokens, prompt_feat, embedding)  # not kept
-                self.cold_streams += 1
-            voice.streams += 1
-            self.open_streams += 1
-            return EngineStream(self, voice)
+                self.prepare([(prompt_tokens, prompt_feat, embedding, key)])
+
+    def _wait_for(self, voice: VoicePrefix) -> None:
+        """Make the caller's CUDA stream wait for the voice's prefix (computed on the prefix stream)."""
+        if voice.ready is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(voice.ready)
+        self._consumers.add(stream)
+
+    def _prefix_waits_for_consumers(self) -> None:
+        """Order the prefix stream's next work after everything the streams' CUDA streams have
+        launched so far: pages (and memory) they freed may be reused by it then."""
+        if self._prefix_stream is not None:
+            for stream in self._consumers:
+                self._prefix_stream.wait_stream(stream)
 
     def prepare(self, voices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]]) -> None:
         """Compute and keep the prefixes of the voices not kept yet ((prompt_tokens, prompt_feat,
         embedding, key) as for :meth:`open`): launched, not waited for. The voices' prompts run
         together, each piece of every voice one window of a packed solve (a prompt of up to 10 s is
         one piece), so that several new voices cost about what one does. A bad prompt raises (no
-        voice of the call is then kept)."""
-        with self._lock, torch.inference_mode():
-            new: dict[str, VoicePrefix] = {}
-            for prompt_tokens, prompt_feat, embedding, key in voices:
-                if key not in self._voices and key not in new:
-                    self.flow.check_prompt(prompt_tokens, prompt_feat, embedding, batch=1)
-                    new[key] = self._empty_prefix(key, prompt_tokens, prompt_feat, embedding)
-            if not new:
-                return
-            prefixes = list(new.values())
-            for group in range(0, len(prefixes), PREFIX_PAIRS[-1]):
-                self._compute_prefixes(prefixes[group:group + PREFIX_PAIRS[-1]])
-            for voice in prefixes:
-                self._voices[voice.key] = voice
-            self._trim_voices(max(self.max_voices, len(prefixes)))
+        voice of the call is then kept).
+
+        Any thread may call it while another runs chunks: on a GPU the prompts run on the engine's
+        prefix stream, in a work lane of their own (:data:`PREFIX_LANE`: their own graphs, workspaces
+        and scratch), so that a new voice never holds up the chunks queued on the chunks' stream, and
+        each stream of the voice waits for it on the device (:meth:`open`)."""
+        with self._prepare_lock, torch.inference_mode():
+            with self._lock:
+                new: dict[str, tuple] = {}
+                for prompt_tokens, prompt_feat, embedding, key in voices:
+                    if key not in self._voices and key not in new:
+                        new[key] = (prompt_tokens, prompt_feat, embedding)
+                        self._preparing[key] = threading.Event()
+                if not new:
+                    return
+                self._follow_caller(list(new.values()))
+            try:
+                with work_lane(PREFIX_LANE), self._on_prefix_stream():
+                    prefixes = []
+                    for key, (prompt_tokens, prompt_feat, embedding) in new.items():
+                        self.flow.check_prompt(prompt_tokens, prompt_feat, embedding, batch=1)
+                        prefixes.append(self._empty_prefix(key, prompt_tokens, prompt_feat, embedding))
+                    for group in range(0, len(prefixes), PREFIX_PAIRS[-1]):
+                        self._compute_prefixes(prefixes[group:group + PREFIX_PAIRS[-1]])
+                    ready = self._prefix_stream.record_event() if self._prefix_stream is not None else None
+                with self._lock:
+                    for voice in prefixes:
+                        voice.ready = ready
+                        self._voices[voice.key] = voice
+                    self._trim_voices(max(self.max_voices, len(prefixes)))
+            finally:
+                with self._lock:
+                    for key in new:
+                        self._preparing.pop(key).set()
+
+    def _follow_caller(self, inputs: list[tuple]) -> None:
+        """Order the prefix stream after the caller's CUDA stream (where the prompts' tensors were
+        made, and where streams freed pages) and after the streams' own; keep the prompts' device
+        tensors from reuse until the prefix stream has read them."""
+        if self._prefix_stream is None:
+            return
+        self._prefix_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._prefix_waits_for_consumers()
+        for tensor in (t for values in inputs for t in values):
+            if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                tensor.record_stream(self._prefix_stream)
+
+    def _on_prefix_stream(self):
+        return torch.cuda.stream(self._prefix_stream) if self._prefix_stream is not None else contextlib.nullcontext()
 
     def _empty_prefix(self, key: str, prompt_tokens, prompt_feat, embedding) -> VoicePrefix:
         spks = self.flow.speaker_vector(host_to_device(embedding, self.device).to(self.dtype))
@@ -284,35 +347,68 @@ class FlowEngine:
 
     def _compute_prefixes(self, voices: list[VoicePrefix]) -> None:
         """Each voice's prompt alone, as non-final chunks without output: their complete blocks are
-        the prefix. The pieces (PREFIX_FIRST_PIECE_TOKENS, then PREFIX_PIECE_TOKENS) keep every
-        window inside the captured shapes; the k-th pieces of all voices are one packed solve."""
+        the prefix. The k-th pieces of all voices are one packed solve: the first pieces
+        (PREFIX_FIRST_PIECE_TOKENS, no context) in the prompts' captured shapes, the later ones
+        (PREFIX_PIECE_TOKENS, prompts over 10 s) eagerly (the chunks' graphs belong to their lane)."""
         lookahead = self.flow.cfg.pre_lookahead_len
         streams, pieces = [], []
-        for voice in voices:
-            total = voice.prompt_tokens.size(1)
-            streams.append(EngineStream(self, voice))
-            pieces.append(list(range(lookahead + PREFIX_FIRST_PIECE_TOKENS, total, PREFIX_PIECE_TOKENS)) + [total]
-                          if total - lookahead >= self.flow.cfg.encoder.static_chunk_size else [])
+        with self._lock:
+            for voice in voices:
+                total = voice.prompt_tokens.size(1)
+                streams.append(EngineStream(self, voice))
+                pieces.append(list(range(lookahead + PREFIX_FIRST_PIECE_TOKENS, total, PREFIX_PIECE_TOKENS))
+                              + [total] if total - lookahead >= self.flow.cfg.encoder.static_chunk_size else [])
         windows: list[_Window] = []
         try:
             for k in range(max(len(ends) for ends in pieces)):
                 chunks = [(stream, stream.voice.prompt_tokens[:, :ends[k]], False)
                           for stream, ends in zip(streams, pieces) if k < len(ends)]
                 windows = self._windows(chunks)
-                self._solve_windows(windows)
+                with self._lock:
+                    self._prefix_waits_for_consumers()  # its pages may have been freed just now
+                self._solve_windows(windows, self.prefix_graphs if k == 0 else None)
                 for window in windows:
                     self._commit(window)
                 windows = []
         except BaseException:
-            for window in windows:
-                self.pool.release(window.new_pages)
-            for stream in streams:
-                self.pool.release(stream._state.pages)
+            if self._prefix_stream is not None:
+                self._prefix_stream.synchronize()  # what it launched writes to the pages freed here
+            with self._lock:
+                for window in windows:
+                    self.pool.release(window.new_pages)
+                for stream in streams:
+                    self.pool.release(stream._state.pages)
             raise
         for voice, stream in zip(voices, streams):
             voice.state = stream._state
             stream._state = None  # its pages now belong to the voice
             stream.closed = True
+
+    def _trim_voices(self, keep: int, free_pages: int = 0) -> int:
+        """Drop least recently used voices without open streams down to ``keep`` voices, or (with
+        ``free_pages``) until that many pages are free; returns pages freed. A dropped voice costs
+        its prompt's flow pass again on its next stream, so under page pressure only as many go
+        as the pages asked for need. A voice whose prefix the device has not finished stays (its
+        pages are still being written); once one goes, the prefix stream's next work waits for what
+        the streams' CUDA streams launched so far (the last reads of its pages and tensors)."""
+        freed, dropped = 0, []
+        for key in list(self._voices):
+            enough = self.pool.free_pages >= free_pages if free_pages else len(self._voices) <= keep
+            if enough:
+                break
+            voice = self._voices[key]
+            if voice.streams == 0 and (voice.ready is None or voice.ready.query()):
+                del self._voices[key]
+                self.pool.release(voice.state.pages)
+                freed += len(voice.state.pages)
+                dropped.append(voice)
+        if dropped and self._prefix_stream is not None:
+            self._prefix_waits_for_consumers()  # their pages may be written by it next
+            # Their tensors were allocated on the prefix stream, which may reuse that memory at once:
+            # they are let go once what the streams' CUDA streams launched so far (their last reads) has run.
+            self._retired = [(marks, voices) for marks, voices in self._retired if not all(m.query() for m in marks)]
+            self._retired.append(([stream.record_event() for stream in self._consumers], dropped))
+        return freed
 
     def _trim_voices(self, keep: int, free_pages: int = 0) -> int:
         """Drop least recently used voices without open streams down to ``keep`` voices, or (with
@@ -391,19 +487,11 @@ class FlowEngine:
 
     def solve(self, windows: list[_Window]) -> None:
         """Every guided Euler step of every window (started, none solved yet), each step packed
-        into one estimator call; launched, not waited for. Windows without context (cold streams'
-        first ones, prompt and chunk together) are packed apart from the others, up to
-        :data:`~.step_graphs.PREFIX_PAIRS`' largest at a time: padded to their width, the others'
-        rows would cost several times more. An error closes every stream of the call (their pages
-        freed)."""
+        into one estimator call; launched, not waited for. An error closes every stream of the call
+        (their pages freed)."""
         with self._lock, torch.inference_mode():
             try:
-                warm = [w for w in windows if w.frame_start]
-                cold = [w for w in windows if not w.frame_start]
-                if warm:
-                    self._solve_windows(warm)
-                for group in range(0, len(cold), PREFIX_PAIRS[-1]):
-                    self._solve_windows(cold[group:group + PREFIX_PAIRS[-1]])
+                self._solve_windows(windows, self.graphs)
             except BaseException:
                 self.abort(windows)
                 raise
@@ -485,41 +573,44 @@ class FlowEngine:
                                        self._allocate((frame_commit - frame_start) // self.pool.page_frames),
                                        fixed_noise(frames, self.device, self.dtype)[:, :, frame_start:]))
         except BaseException:
-            for window in windows:
-                self.pool.release(window.new_pages)
+            with self._lock:
+                for window in windows:
+                    self.pool.release(window.new_pages)
             raise
         return windows
 
     def _allocate(self, pages: int) -> list[int]:
         """``pages`` free pages, dropping unused voices if need be; CapacityError when there are none."""
-        allocated = self.pool.allocate(pages)
-        if allocated is None:
-            freed = self._trim_voices(0, free_pages=pages)
+        with self._lock:
             allocated = self.pool.allocate(pages)
             if allocated is None:
-                raise CapacityError(
-                    f"the token2wav state pool is full ({self.pool.pages} pages, {freed} freed from unused voices); "
-                    "retry later")
-        return allocated
+                freed = self._trim_voices(0, free_pages=pages)
+                allocated = self.pool.allocate(pages)
+                if allocated is None:
+                    raise CapacityError(f"the token2wav state pool is full ({self.pool.pages} pages, {freed} freed "
+                                        "from unused voices); retry later")
+            return allocated
 
-    def _solve_windows(self, windows: list[_Window]) -> None:
+    def _solve_windows(self, windows: list[_Window], graphs: EngineGraphs | None) -> None:
         """Every guided Euler step of every window (all at step 0), packed into one estimator call
-        per step. What the steps share is built once: the rows' layout and mask, the input (later
-        steps update x in place), the page and key indices of the windows' context and of the blocks
-        they complete. Each step then gathers the context at its step from the pages, runs (or
-        replays) the fused step and writes the completed blocks back: a few device ops per step,
-        no host work per window or page, no host sync."""
+        per step, replayed from ``graphs`` where they hold its shape. What the steps share is built
+        once: the rows' layout and mask, the input (later steps update x in place), the page and key
+        indices of the windows' context and of the blocks they complete. Each step then gathers the
+        context at its step from the pages, runs (or replays) the fused step and writes the completed
+        blocks back: a few device ops per step, no host work per window or page, no host sync."""
         fused, pool, page = self.fused, self.pool, self.pool.page_frames
         count, steps = len(windows), self.n_timesteps
         widths = [w.width for w in windows]
         contexts = [w.frame_start for w in windows]
-        buffers = self.graphs.get(count, max(widths), max(contexts)) if self.graphs is not None else None
+        buffers = graphs.get(count, max(widths), max(contexts)) if graphs is not None else None
         if buffers is None:
             buffers = StepBuffers(fused, count, max(widths), context_slots(max(contexts), max(widths)))
         pairs, frames = buffers.pairs, buffers.frames
-        counters = self.counters
-        counters.calls, counters.rows = counters.calls + 1, counters.rows + count
-        counters.frames, counters.padded_frames = counters.frames + sum(widths), counters.padded_frames + count * frames
+        with self._lock:
+            counters = self.counters
+            counters.calls, counters.rows = counters.calls + 1, counters.rows + count
+            counters.frames = counters.frames + sum(widths)
+            counters.padded_frames = counters.padded_frames + count * frames
         idle = [0] * (pairs - count)  # padding pairs of a captured shape: no frames, no context
         buffers.set_rows(fused.rows((widths + idle) * 2, (contexts + idle) * 2, frames, streaming=True,
                                     slots=buffers.slots))

@@ -4,9 +4,14 @@ and :mod:`.full_pass`'s passes."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 
 from ..models.flow.fused import FusedEstimator, StepRows, StepState, conv_views
+from ..models.flow.lanes import work_lane
 from ..runtime import bucket
 
 
@@ -78,44 +83,66 @@ class StepBuffers:
         return self.x_out
 
 
-# Captured shapes of the engine's step: streams per run, new frames per window (a first chunk
-# with the prompt's open block is ~40-90 frames, later ones up to 2 x 100 tokens + 49), cached
-# frames (a 10 s prompt with 20 s of speech is 1,500). Bigger runs are eager.
+@dataclass(frozen=True)
+class GraphShapes:
+    """Captured shapes of the step: streams per run, new frames per window, cached context frames
+    (each a bucket: a run takes the smallest shape that holds it)."""
+
+    pairs: tuple[int, ...]
+    frames: tuple[int, ...]
+    slots: tuple[int, ...]
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        return itertools.product(self.pairs, self.frames, self.slots)
+
+    def bucket(self, pairs: int, frames: int, context: int) -> tuple[int, int, int] | None:
+        key = (bucket(pairs, self.pairs), bucket(frames, self.frames), bucket(context, self.slots))
+        return None if None in key else key
+
+
+# The chunks' windows: a first chunk with the prompt's open block is ~40-90 frames, later ones up to
+# 2 x 100 tokens + 49; cached frames (a 10 s prompt with 20 s of speech is 1,500). Bigger runs are eager.
 GRAPH_PAIRS = (1, 2, 4, 8, 16)
 GRAPH_FRAMES = (64, 128, 256)
 GRAPH_SLOTS = (256, 512, 768, 1024, 1536)
-# And windows without context wider than GRAPH_FRAMES: the first piece of new voices' prompts
-# (flow_engine.PREFIX_FIRST_PIECE_TOKENS, up to 500 frames, so that a 3-10 s prompt is one solve, not
-# two) and cold streams' first windows (a prompt of up to 256 tokens and a first chunk of up to
-# flow_engine.COLD_CHUNK_TOKENS), up to 8 at once (16 rows x 640 frames fit the context buffer; the row
-# scratch is reserved for them). Three widths: past a floor of ~600 kernels a step's time grows with
-# its rows' frames (~0.8 us per row-frame on an H200).
+CHUNK_SHAPES = GraphShapes(GRAPH_PAIRS, GRAPH_FRAMES, GRAPH_SLOTS)
+# New voices' prompts (flow_engine.prepare): the first piece of up to 8 prompts at once, without
+# context (flow_engine.PREFIX_FIRST_PIECE_TOKENS: up to 500 frames, so that a 3-10 s prompt is one
+# solve, not two). Three widths (3-5 s, 5-7.5 s, 7.5-10 s): past a floor of ~600 kernels a step's time
+# grows with its rows' frames (~0.8 us per row-frame on an H200).
 PREFIX_PAIRS = (1, 2, 4, 8)
-PREFIX_FRAMES = (384, 512, 640)
+PREFIX_FRAMES = (256, 384, 512)
+PREFIX_SHAPES = GraphShapes(PREFIX_PAIRS, PREFIX_FRAMES, (GRAPH_SLOTS[0],))
 
 
 class EngineGraphs:
-    """CUDA graphs of the engine's step for every shape of :data:`GRAPH_PAIRS` x :data:`GRAPH_FRAMES`
-    x :data:`GRAPH_SLOTS` and the first prompt pieces' (:data:`PREFIX_PAIRS` x :data:`PREFIX_FRAMES`,
-    no context), captured lazily or all at once by :meth:`capture_all`.
+    """CUDA graphs of the engine's step for every shape of ``shapes`` (:data:`CHUNK_SHAPES`: the
+    chunks' windows; :data:`PREFIX_SHAPES`: new voices' prompts), captured lazily or all at once by
+    :meth:`capture_all`, in the work lane ``lane`` (:func:`~cosyserve.models.flow.lanes.work_lane`:
+    its workspaces and scratch are its own, so that two instances' steps may run at once on two
+    CUDA streams).
 
-    The context of every shape is a view of one buffer sized for the largest (layers x 32 rows x
-    1,792 frames x 1,024 values: 6.6 GB in fp16 for the released model): it is gathered from the
-    page pool before every step, as in the eager path. ``replay`` False keeps the shapes, buffers and
-    padding but runs each step eagerly (what tests on the CPU check of this path).
+    The context of every shape is a view of one buffer sized for the largest (chunks: layers x 32
+    rows x 1,792 frames x 1,024 values, 6.6 GB in fp16 for the released model; prompts: 16 rows x
+    768 frames, 1.4 GB): it is gathered from the page pool before every step, as in the eager path.
+    ``replay`` False keeps the shapes, buffers and padding but runs each step eagerly (what tests on
+    the CPU check of this path).
     """
 
-    def __init__(self, fused: FusedEstimator, replay: bool = True) -> None:
+    def __init__(self, fused: FusedEstimator, shapes: GraphShapes = CHUNK_SHAPES, *, replay: bool = True,
+                 lane: str = "main") -> None:
         self.fused = fused
+        self.shapes = shapes
         self.replay = replay
-        rows, keys = 2 * GRAPH_PAIRS[-1], GRAPH_SLOTS[-1] + GRAPH_FRAMES[-1]
+        self.lane = lane
+        rows, keys = 2 * shapes.pairs[-1], shapes.slots[-1] + shapes.frames[-1]
         self.kv = torch.zeros(len(fused.attention_layers), rows, keys, 2 * fused.inner, device=fused.device,
                               dtype=fused.dtype)
         self.pool = torch.cuda.graph_pool_handle() if replay else None
         if fused.kernels == "triton":  # the largest shape's scratch first: the captures then never grow it
             from ..models.flow.fused_triton import reserve_row_scratch
-            reserve_row_scratch(fused.device, max(rows * GRAPH_FRAMES[-1], 2 * PREFIX_PAIRS[-1] * PREFIX_FRAMES[-1]),
-                                fused.width)
+            with work_lane(lane):
+                reserve_row_scratch(fused.device, rows * shapes.frames[-1], fused.width)
         self._buffers: dict[tuple[int, int, int], StepBuffers] = {}
 
     @property
@@ -124,25 +151,17 @@ class EngineGraphs:
 
     def get(self, pairs: int, frames: int, context: int) -> StepBuffers | None:
         """The captured step for a run of this size (captured now if new), or None past the shapes."""
-        key = tuple(bucket(value, sizes) for value, sizes in
-                    ((pairs, GRAPH_PAIRS), (frames, GRAPH_FRAMES), (context, GRAPH_SLOTS)))
-        if key[1] is None and pairs <= PREFIX_PAIRS[-1] and key[2] == GRAPH_SLOTS[0]:
-            key = (key[0], bucket(frames, PREFIX_FRAMES), key[2])  # a window without context (None past them)
-        if None in key:
+        key = self.shapes.bucket(pairs, frames, context)
+        if key is None:
             return None
         if key not in self._buffers:
-            buffers = StepBuffers(self.fused, *key, kv=self.kv)
-            if self.replay:
-                buffers.capture(self.pool)
+            with work_lane(self.lane):
+                buffers = StepBuffers(self.fused, *key, kv=self.kv)
+                if self.replay:
+                    buffers.capture(self.pool)
             self._buffers[key] = buffers
         return self._buffers[key]
 
     def capture_all(self) -> None:
-        for pairs in GRAPH_PAIRS:
-            for frames in GRAPH_FRAMES:
-                for slots in GRAPH_SLOTS:
-                    self.get(pairs, frames, slots)
-        for pairs in PREFIX_PAIRS:
-            for frames in PREFIX_FRAMES:
-                self.get(pairs, frames, GRAPH_SLOTS[0])
-
+        for key in self.shapes:
+            self.get(*key)

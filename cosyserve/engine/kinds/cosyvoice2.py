@@ -74,7 +74,8 @@ class CosyVoice2Kind:
     every call (tests: zero noise), else drawn per call."""
 
     name = "cosyvoice2"
-    cold_start = True  # a stream of a voice not kept starts without it (open)
+    cold_start = False  # a new voice's prefix is computed as its request arrives
+    prepares_beside = True  # on the flow engine's prefix stream, from the core's preparation thread
 
     def __init__(self, model: CosyVoice2Token2Wav, sine_noise: SineNoiseProvider | None = None) -> None:
         if model.engine is None:
@@ -113,8 +114,6 @@ class CosyVoice2Kind:
                                        flow.pool.pages - flow.pool.free_pages),
                 "state_voice_pages": ("state pages holding cached voices' prompt state", flow.voice_pages),
                 "voices_cached": ("voices whose prompt state is kept", flow.cached_voices),
-                "cold_streams": ("streams started without their voice's kept prompt state (its first "
-                                 "window computed the prompt too)", flow.cold_streams),
                 "fallback_streams": ("streams that re-ran every chunk (no state kept) because the page pool "
                                      "was full, since load", self.fallbacks)}
 
@@ -130,19 +129,19 @@ class CosyVoice2Kind:
         return key, prompt
 
     def open(self, features: PromptFeatures) -> Voicing:
-        """A stream's token2wav state, after its voice's kept prompt state; a voice not kept (one
-        met once) starts its stream cold (:meth:`FlowEngine.open`'s ``prepare`` False): its first
-        window computes the prompt's frames too, in a step as long as a warm one's."""
+        """A stream's token2wav state, after its voice's kept prompt state (prepared as its request
+        arrived; computed now if it was not)."""
         key, prompt = self._prompt(features)
         try:
-            flow = self.flow_engine.open(prompt.tokens, prompt.feat, prompt.embedding, key=key, prepare=False)
+            flow = self.flow_engine.open(prompt.tokens, prompt.feat, prompt.embedding, key=key)
         except CapacityError:
             flow = None
             self.fallbacks += 1
         return Voicing(features, prompt, flow, HiftStream(self.model.hift, sine_noise=self.sine_noise))
 
     def prepare_voices(self, voices: list[PromptFeatures]) -> None:
-        """Compute and keep these voices' prompt state (launched; the new ones' prompts packed together)."""
+        """Compute and keep these voices' prompt state (launched on the flow engine's prefix stream;
+        the new ones' prompts packed together). Any thread, beside the loop."""
         prompts = [self._prompt(features) for features in voices]
         self.flow_engine.prepare([(p.tokens, p.feat, p.embedding, key) for key, p in prompts])
 
@@ -150,8 +149,7 @@ class CosyVoice2Kind:
         """Capture the window steps' and full passes' CUDA graphs (on a GPU) and compile the eager
         passes' kernels (at load)."""
         if self.flow_engine.graphs is not None:
-            with torch.inference_mode():
-                self.flow_engine.graphs.capture_all()
+            self.flow_engine.capture_graphs()
             self.full.capture_all()
         _, p = self._prompt(features)
         self.full.warm_up(p.tokens, p.feat, p.embedding)

@@ -111,6 +111,7 @@ class CosyVoice3Kind:
     name = "cosyvoice3"
     final_full_pass = False  # a final chunk is one more window (offline requests are passes)
     cold_start = True  # a new voice's first stream offers its prefix (no pass of its own)
+    prepares_beside = False  # its voices' state is computed on the loop's stream and thread
     sample_rate = OUTPUT_SAMPLE_RATE
 
     def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFTGenerator, device: torch.device | str = "cpu",

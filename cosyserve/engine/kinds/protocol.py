@@ -54,6 +54,10 @@ class Kind(Protocol):
     # computes the prompt too): the core then prepares a request's voice only when it comes again.
     # False: open computes the voice's state, so the core prepares each new voice as its request arrives.
     cold_start: bool
+    # prepare_voices may run on a thread of its own while the loop runs chunks (the kind computes voices
+    # on a CUDA stream of its own, and a stream's work waits for its voice on the device): the core then
+    # prepares a request's voice as it is submitted, beside the loop. False: on the loop, behind its batch.
+    prepares_beside: bool
 
     @property
     def device(self) -> torch.device: ...
@@ -75,7 +79,7 @@ class Kind(Protocol):
         """Compute and keep these voices' state (registered ones at load, uploaded ones at upload; a
         request's voice when it arrives, or, with :attr:`cold_start`, when it comes again), launched,
         not waited for; voices kept already cost nothing. A bad voice raises (its requests then fail
-        at ``open``)."""
+        at ``open``). With :attr:`prepares_beside`, any thread may call it while the loop runs."""
 
     def warm_up(self, features: PromptFeatures) -> None:
         """Run every stage once, capturing graphs and compiling kernels (at load)."""

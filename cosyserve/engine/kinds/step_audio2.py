@@ -151,6 +151,7 @@ class StepAudio2Kind:
     name = "step_audio2"
     final_full_pass = False  # a final chunk is its last tokens' window
     cold_start = False  # a stream needs its voice's state (built by open when not kept)
+    prepares_beside = False  # its voices' state is computed on the loop's stream and thread
     sample_rate = 24000
 
     def __init__(self, models: StepAudio2Models, *, max_voices: int = DEFAULT_MAX_VOICES,

@@ -36,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ...runtime import host_to_device
 from .cache import KeyValueCache
 from .cfm import CausalConditionalCFM
+from .lanes import current_lane
 from .estimator import CausalBlock1D, CausalConditionalDecoder, CausalResnetBlock1D, TransformerBlock, \
     sinusoidal_time_embedding
 
@@ -292,7 +293,7 @@ class FusedEstimator:
                              None if conv is None else self._conv(conv)) for res, blocks, conv in stages]
             self._final = self._block(decoder.final_block)
             self._proj = (self._cast(decoder.final_proj.weight[:, :, 0]), self._cast(decoder.final_proj.bias))
-        self._workspaces: dict[tuple[int, int], _Workspace] = {}
+        self._workspaces: dict[tuple[str, int, int], _Workspace] = {}  # by lane, rows, frames
 
     # -- packing the module's weights ------------------------------------------------------------
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
@@ -407,7 +408,7 @@ class FusedEstimator:
         return torch.zeros(rows, frames, self.decoder.in_channels, device=self.device, dtype=self.dtype)
 
     def _workspace(self, rows: int, frames: int) -> _Workspace:
-        key = (rows, frames)
+        key = (current_lane(), rows, frames)
         if key not in self._workspaces:
             ff = self._stages[0][1][0].ff1.size(0)
             self._workspaces[key] = _Workspace(rows, frames, self.width, self.inner, ff, self.out_channels,

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .lanes import current_lane
+
 ACT_NONE, ACT_GELU, ACT_MISH = 0, 1, 2
 _RSQRT2 = tl.constexpr(0.7071067811865476)
 # Mish = x tanh(softplus(x)) = x u(u+2) / (u(u+2) + 2) with u = exp(x); above this x it is x in fp32.
@@ -176,31 +178,34 @@ def _strides(t: torch.Tensor | None) -> tuple[int, int]:
     return t.stride(0), t.stride(1)
 
 
-_scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_scratch: dict[tuple[torch.device, str], tuple[torch.Tensor, torch.Tensor]] = {}
 # Buffers outgrown by a larger shape stay allocated: CUDA graphs captured earlier still use them.
 _retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def _row_scratch(device: torch.device, elements: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 scratch (2 x elements) and zeroed counters of the split row epilogue, grown on demand.
+    """fp32 scratch (2 x elements) and zeroed counters of the split row epilogue of this thread's lane
+    (:func:`~.lanes.work_lane`), grown on demand.
 
-    Kernels run one after another on the stream, so one buffer serves them all (each launch leaves
-    its counters at zero). Allocate before graph capture: :func:`reserve_row_scratch`.
+    Kernels of a lane run one after another on its stream, so one buffer serves them all (each launch
+    leaves its counters at zero). Allocate before graph capture: :func:`reserve_row_scratch`.
     """
-    held = _scratch.get(device)
+    key = (device, current_lane())
+    held = _scratch.get(key)
     if held is None or held[0].numel() < 2 * elements or held[1].numel() < counters:
         size = max(2 * elements, 0 if held is None else held[0].numel())
         count = max(counters, 0 if held is None else held[1].numel())
-        if device in _scratch:
-            _retired.append(_scratch[device])
+        if key in _scratch:
+            _retired.append(_scratch[key])
         held = (torch.empty(size, device=device, dtype=torch.float32),
                 torch.zeros(count, device=device, dtype=torch.int32))
-        _scratch[device] = held
+        _scratch[key] = held
     return held
 
 
 def reserve_row_scratch(device: torch.device, rows: int, width: int) -> None:
-    """Allocate the split-epilogue scratch for ``rows`` row-frames of ``width`` channels now (outside a graph)."""
+    """Allocate this lane's split-epilogue scratch for ``rows`` row-frames of ``width`` channels now
+    (outside a graph)."""
     _row_scratch(device, rows * width, rows)
 
 
