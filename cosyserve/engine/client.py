@@ -107,7 +107,7 @@ class EngineClient:
 
     def prepare_voices(self, voices: list[PromptFeatures], done: Callable[[], None] | None = None) -> None:
         """Have the engine compute and keep these voices' state now (not waited for): ``done`` is
-        called (on the receiver thread) once the engine's loop has launched their preparation, or
+        called (on the receiver thread) once the engine has launched their preparation, or
         when the engine is gone or restarting (it then computes them on their first request)."""
         if not self._ready.is_set():
             if done is not None:

@@ -292,7 +292,7 @@ class EngineFrontDoor:
         try:
             voice = self.engine.voices.resolve(inputs.reference_wav, inputs.reference_text, inputs.speaker_id)
             if inputs.prepare_voice:  # features computed (and stored, for an uploaded voice); the engine's
-                # state next: answered once the engine's loop has launched it, so that the voice's first
+                # state next: answered once the engine has launched it, so that the voice's first
                 # request, sent then, does not wait behind it
                 self.engine.prepare_voice(voice, done=lambda: self._outbox.put((reply, _DONE)))
                 return
