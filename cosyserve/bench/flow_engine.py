@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> Iterator[Row]:
             engine = FlowEngine(flow, pool_bytes=int(args.pool_gb * (1 << 30)), cuda_graphs=mode == "graphs",
                                 precapture=mode == "graphs")
             if mode == "graphs":
-                yield Row(mode, 0, f"capture of {engine.graphs.captured} step graphs",
+                captured = engine.graphs.captured + engine.prefix_graphs.captured
+                yield Row(mode, 0, f"capture of {captured} step graphs (chunks' and prompts')",
                           (time.perf_counter() - started) * 1000)
             _, ms = _timed(lambda: engine.open(*voice).close(), device)
             yield Row(mode, 1, "voice prefix (prompt state, once per voice)", ms)
