@@ -81,6 +81,10 @@ PREFIX_FIRST_PIECE_TOKENS = 250
 PREFIX_PIECE_TOKENS = 125
 # The work lane (models.flow.lanes.work_lane) of new voices' prompts: their workspaces and scratch.
 PREFIX_LANE = "prefix"
+# A prompt piece's encoder pass is padded to a multiple of this many tokens (encode_windows' width): a
+# new length then seldom means new shapes, whose first matrix products and allocations cost the
+# preparing thread milliseconds each (FlowEngine.warm_prefix_shapes meets every width at load).
+PREFIX_TOKEN_BUCKET = 32
 
 
 @dataclass
@@ -229,6 +233,30 @@ class FlowEngine:
                 if graphs is not None:
                     graphs.capture_all()
 
+    def warm_prefix_shapes(self) -> None:
+        """On a GPU, prepare and drop a made-up voice of every prompt length bucket of a first piece
+        (:data:`PREFIX_TOKEN_BUCKET`), one voice at a time (at load): a new voice's preparation then
+        meets shapes seen before."""
+        if self.device.type != "cuda":
+            return
+        cfg = self.flow.cfg
+        shortest = cfg.pre_lookahead_len + cfg.encoder.static_chunk_size  # the shortest prompt with a prefix
+        longest = cfg.pre_lookahead_len + PREFIX_FIRST_PIECE_TOKENS
+        generator = torch.Generator().manual_seed(0)
+        keys = []
+        for width in range(_ceil_to(shortest, PREFIX_TOKEN_BUCKET), longest + PREFIX_TOKEN_BUCKET, PREFIX_TOKEN_BUCKET):
+            tokens = min(width, longest)
+            keys.append(f"warm-up prompt of {tokens} tokens")
+            self.prepare([(torch.randint(0, cfg.vocab_size, (1, tokens), generator=generator),
+                           torch.randn(1, cfg.token_mel_ratio * tokens, cfg.output_size, generator=generator),
+                           torch.randn(1, cfg.spk_embed_dim, generator=generator), keys[-1])])
+        torch.cuda.synchronize(self.device)
+        with self._lock:
+            for key in keys:
+                voice = self._voices.pop(key, None)
+                if voice is not None:
+                    self.pool.release(voice.state.pages)
+
     # ----- voices and streams -----
 
     @property
@@ -363,7 +391,7 @@ class FlowEngine:
             for k in range(max(len(ends) for ends in pieces)):
                 chunks = [(stream, stream.voice.prompt_tokens[:, :ends[k]], False)
                           for stream, ends in zip(streams, pieces) if k < len(ends)]
-                windows = self._windows(chunks)
+                windows = self._windows(chunks, token_bucket=PREFIX_TOKEN_BUCKET)
                 with self._lock:
                     self._prefix_waits_for_consumers()  # its pages may have been freed just now
                 self._solve_windows(windows, self.prefix_graphs if k == 0 else None)
@@ -544,9 +572,11 @@ class FlowEngine:
         tokens = _floor_to(total_tokens - cfg.pre_lookahead_len, cfg.encoder.static_chunk_size)
         return tokens, _floor_to(cfg.token_mel_ratio * tokens, self.pool.page_frames)
 
-    def _windows(self, chunks: list[tuple[EngineStream, torch.Tensor, bool]]) -> list[_Window]:
+    def _windows(self, chunks: list[tuple[EngineStream, torch.Tensor, bool]],
+                 token_bucket: int = 1) -> list[_Window]:
         """Run the encoder over the streams' new tokens, all windows at once (``chunks``: stream,
-        prompt + target tokens so far (1, n), finalize); plan their estimator windows and pages."""
+        prompt + target tokens so far (1, n), finalize; the packed rows padded to a multiple of
+        ``token_bucket`` tokens); plan their estimator windows and pages."""
         flow, cfg = self.flow, self.flow.cfg
         ratio, lookahead = cfg.token_mel_ratio, cfg.pre_lookahead_len
         plans, encoder_windows = [], []
@@ -560,7 +590,8 @@ class FlowEngine:
             embedded = flow.input_embedding(tokens[0, token_start:].clamp(min=0))
             encoder_windows.append(EncoderWindow(embedded, token_start, token_commit - token_start,
                                                  0 if finalize else lookahead, state.encoder_states))
-        outputs = encode_windows(flow.encoder, encoder_windows)
+        width = max(w.embedded.size(0) for w in encoder_windows)
+        outputs = encode_windows(flow.encoder, encoder_windows, width=_ceil_to(width, token_bucket))
         mus = flow.project(torch.cat(outputs)[None]).split([o.size(0) for o in outputs], dim=2)
         windows = []
         try:
@@ -679,3 +710,7 @@ def _page_keys(pages: list[int], pairs: int, key_stride: int, offset: int, page:
 
 def _floor_to(value: int, multiple: int) -> int:
     return value // multiple * multiple
+
+
+def _ceil_to(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

@@ -55,13 +55,20 @@ class _Rate:
 
 
 def encode_windows(encoder: UpsampleConformerEncoder, windows: list[EncoderWindow], *,
-                   streaming: bool = True) -> list[torch.Tensor]:
-    """Each window's encoder output (2 (n - lookahead), D), as the single-window path gives it."""
+                   streaming: bool = True, width: int = 0) -> list[torch.Tensor]:
+    """Each window's encoder output (2 (n - lookahead), D), as the single-window path gives it.
+    ``width``: the rows are padded to this many tokens at least (more zeros after each window, as a
+    window alone sees them), so that calls of windows of nearby lengths share every shape: the
+    matrix products' plans and the allocator's blocks are then reused, not made anew (new voices'
+    prompts come in every length)."""
     device = windows[0].embedded.device
     lengths = host_to_device([w.embedded.size(0) for w in windows], device, torch.long)
     starts = host_to_device([w.start for w in windows], device, torch.long)
     valid_end = starts + lengths - host_to_device([w.lookahead for w in windows], device, torch.long)
-    x = encoder.embed(pad_sequence([w.embedded for w in windows], batch_first=True))
+    packed = pad_sequence([w.embedded for w in windows], batch_first=True)
+    if width > packed.size(1):
+        packed = F.pad(packed, (0, 0, 0, width - packed.size(1)))
+    x = encoder.embed(packed)
     real = torch.arange(x.size(1), device=device)[None, :] < lengths[:, None]
     x = x * real.unsqueeze(-1).to(x.dtype)  # zeros after each window, as a window alone sees them
 
