@@ -438,23 +438,6 @@ class FlowEngine:
             self._retired.append(([stream.record_event() for stream in self._consumers], dropped))
         return freed
 
-    def _trim_voices(self, keep: int, free_pages: int = 0) -> int:
-        """Drop least recently used voices without open streams down to ``keep`` voices, or (with
-        ``free_pages``) until that many pages are free; returns pages freed. A dropped voice costs
-        its prompt's flow pass again on its next stream, so under page pressure only as many go
-        as the pages asked for need."""
-        freed = 0
-        for key in list(self._voices):
-            enough = self.pool.free_pages >= free_pages if free_pages else len(self._voices) <= keep
-            if enough:
-                break
-            voice = self._voices[key]
-            if voice.streams == 0:
-                del self._voices[key]
-                self.pool.release(voice.state.pages)
-                freed += len(voice.state.pages)
-        return freed
-
     def _closed(self, stream: EngineStream, pages: list[int]) -> None:
         with self._lock:
             self.pool.release(pages)
