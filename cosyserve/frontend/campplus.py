@@ -19,7 +19,10 @@ BatchNorm is the identity unless the graph still holds it.
 
 Batching: padded frames are zeroed before every convolution that looks across time, and the
 clip/segment means and the statistics pooling count only each clip's frames, so each clip's
-embedding is that of the clip alone (``lengths=None``: the single-clip graph of the ONNX file).
+embedding is that of the clip alone (``lengths=None``: the single-clip graph of the ONNX file, in
+its form: what the stand-in exporter traces). The batched form is written for few launches (a CUDA
+graph of it is replayed per call): the dense blocks' layers write into one buffer, each CAM layer's
+gate is computed per segment from one matrix product of means, and ReLUs zero the padding.
 """
 
 from __future__ import annotations
@@ -103,34 +106,30 @@ class ClipFrames:
     (computed once: each layer would otherwise rebuild it in a handful of small kernels)."""
 
     mask: torch.Tensor  # (B, 1, T): 1 inside the clip, 0 after it
-    per_clip: torch.Tensor  # (B, 1, 1): 1 / the clip's frames
-    per_segment: torch.Tensor  # (B, 1, S): 1 / the clip's frames in each 100-frame segment (1 past its end)
+    ceiling: torch.Tensor  # (B, 1, T): inf inside the clip, 0 after it
+    floor: torch.Tensor  # 0-dim zero
+    segment_means: torch.Tensor  # (B, S, T): it @ x^T = per 100-frame segment, its mean + the clip's
 
     @classmethod
     def of(cls, lengths: torch.Tensor, frames: int, dtype: torch.dtype) -> "ClipFrames":
         index = torch.arange(frames, device=lengths.device)
-        starts = index[::SEGMENT_FRAMES]
-        counts = (lengths[:, None] - starts[None, :]).clamp(1, SEGMENT_FRAMES)
-        return cls((index[None, :] < lengths[:, None]).to(dtype)[:, None, :],
-                   (1.0 / lengths.to(dtype))[:, None, None], (1.0 / counts.to(dtype))[:, None, :])
+        segment = torch.arange(-(-frames // SEGMENT_FRAMES), device=lengths.device)
+        counts = (lengths[:, None] - segment[None, :] * SEGMENT_FRAMES).clamp(1, SEGMENT_FRAMES)  # (B, S), 1 past the end
+        inside = index[None, :] < lengths[:, None]  # (B, T)
+        own_segment = (segment[:, None] == index[None, :] // SEGMENT_FRAMES).to(dtype)  # (S, T)
+        segment_means = (own_segment[None] / counts[:, :, None].to(dtype)
+                         + (1.0 / lengths.to(dtype))[:, None, None]) * inside[:, None, :].to(dtype)
+        ceiling = torch.where(inside, float("inf"), 0.0).to(dtype)[:, None, :]
+        return cls(inside.to(dtype)[:, None, :], ceiling, ceiling.new_zeros(()), segment_means)
+
+    def relu_inside(self, x: torch.Tensor) -> torch.Tensor:
+        """ReLU, and zeros after each clip, in one kernel."""
+        return torch.clamp(x, min=self.floor, max=self.ceiling)
 
 
 def _segment_frames(segments: torch.Tensor, frames: int) -> torch.Tensor:
     """(B, C, S) per-segment values -> (B, C, frames): each frame gets its segment's."""
     return segments.unsqueeze(-1).expand(*segments.shape, SEGMENT_FRAMES).reshape(*segments.shape[:-1], -1)[..., :frames]
-
-
-def _clip_and_segment_mean(x: torch.Tensor, clips: ClipFrames | None) -> torch.Tensor:
-    """Mean over the clip plus, per frame, the mean over its 100-frame segment (last one partial);
-    with ``clips``, ``x`` is masked already and only each clip's frames count."""
-    frames = x.shape[-1]
-    if clips is None:
-        segments = F.avg_pool1d(x, SEGMENT_FRAMES, SEGMENT_FRAMES, ceil_mode=True)
-        return x.mean(-1, keepdim=True) + _segment_frames(segments, frames)
-    # segment sums in one kernel (divisor 1), then each clip's own counts
-    sums = F.avg_pool2d(x[:, :, None, :], (1, SEGMENT_FRAMES), (1, SEGMENT_FRAMES), ceil_mode=True,
-                        divisor_override=1)[:, :, 0, :]
-    return x.sum(-1, keepdim=True) * clips.per_clip + _segment_frames(sums * clips.per_segment, frames)
 
 
 class CamLayer(nn.Module):
@@ -143,10 +142,23 @@ class CamLayer(nn.Module):
         self.linear2 = nn.Conv1d(bottleneck // 2, out_channels, 1)
         self.sigmoid = nn.Sigmoid()
 
-    def forward(self, x, clips: ClipFrames | None):
-        x = _masked(x, None if clips is None else clips.mask)
-        context = _clip_and_segment_mean(x, clips)
-        return self.linear_local(x) * self.sigmoid(self.linear2(self.relu(self.linear1(context))))
+    def forward(self, x: torch.Tensor, clips: ClipFrames | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """With ``clips``, ``x`` is zero after each clip (the local convolution looks across time) and
+        the result goes to ``out`` (a slice of the dense block's buffer) if given."""
+        if clips is None:  # the released graph's form
+            segments = F.avg_pool1d(x, SEGMENT_FRAMES, SEGMENT_FRAMES, ceil_mode=True)
+            context = x.mean(-1, keepdim=True) + _segment_frames(segments, x.shape[-1])
+            return self.linear_local(x) * self.sigmoid(self.linear2(self.relu(self.linear1(context))))
+        # A frame's context (the clip's mean + its 100-frame segment's) is its segment's, so the gate
+        # (the ReLU MLP, the sigmoid) is computed once per segment, in (segments, channels) rows: the
+        # means are one matrix product, each 1x1 convolution one with its bias (and ReLU) applied in
+        # it. A CUDA graph of CAM++ is ~1,000 small kernels: each one saved is time.
+        batch, _, frames = x.shape
+        context = torch.matmul(clips.segment_means, x.transpose(1, 2)).flatten(0, 1)  # (B S, C)
+        hidden = torch._addmm_activation(self.linear1.bias, context, self.linear1.weight[:, :, 0].T)  # ReLU
+        gate = torch.addmm(self.linear2.bias, hidden, self.linear2.weight[:, :, 0].T).sigmoid_()
+        gate = gate.view(batch, -1, gate.size(1)).transpose(1, 2)  # (B, out, S)
+        return torch.mul(self.linear_local(x), _segment_frames(gate, frames), out=out)
 
 
 class DenseTdnnLayer(nn.Module):
@@ -157,20 +169,36 @@ class DenseTdnnLayer(nn.Module):
         self.nonlinear2 = _seq(batchnorm=nn.BatchNorm1d(size.bottleneck), relu=nn.ReLU())
         self.cam_layer = CamLayer(size.bottleneck, size.growth, kernel, dilation)
 
-    def forward(self, x, clips: ClipFrames | None):
-        return self.cam_layer(self.nonlinear2(self.linear1(self.nonlinear1(x))), clips)
+    def forward(self, x: torch.Tensor, clips: ClipFrames | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.linear1(self.nonlinear1(x))
+        if clips is None:
+            return self.cam_layer(self.nonlinear2(hidden), None)
+        # the second ReLU zeroes the padding too
+        return self.cam_layer(clips.relu_inside(self.nonlinear2.batchnorm(hidden)), clips, out)
 
 
 class DenseTdnnBlock(nn.ModuleList):
     def __init__(self, n_layers: int, in_channels: int, size: CampplusSize, kernel: int, dilation: int):
         super().__init__()
+        self.growth = size.growth
         for i in range(n_layers):
             self.add_module(f"tdnnd{i + 1}", DenseTdnnLayer(in_channels + i * size.growth, size, kernel, dilation))
 
-    def forward(self, x, clips: ClipFrames | None):
-        for layer in self:
-            x = torch.cat([x, layer(x, clips)], dim=1)
-        return x
+    def forward(self, x: torch.Tensor, clips: ClipFrames | None) -> torch.Tensor:
+        if clips is None:  # the released graph's form
+            for layer in self:
+                x = torch.cat([x, layer(x, None)], dim=1)
+            return x
+        # The input, then each layer's output, in one buffer: each layer reads the channels before its
+        # own and writes its own (a concatenation copied the growing input once a layer); inference only.
+        channels = x.shape[1]
+        with torch.no_grad():
+            out = x.new_empty(x.shape[0], channels + len(self) * self.growth, x.shape[2])
+            out[:, :channels] = x
+            for layer in self:
+                layer(out[:, :channels], clips, out=out[:, channels:channels + self.growth])
+                channels += self.growth
+        return out
 
 
 class TdnnLayer(nn.Module):
