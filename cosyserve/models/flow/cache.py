@@ -75,6 +75,15 @@ class FrameBuffer:
         self.committed += commit
         return view
 
+    def start_with(self, frames: torch.Tensor, commit: int) -> None:
+        """An empty buffer's first frames kept as they are (a view of the caller's tensor, which
+        then lives as long as the buffer; later calls write after its committed frames); then
+        commit ``commit`` of them. What :meth:`extend` does, without a copy."""
+        if self.committed or self._storage is not None:
+            raise ValueError("start_with needs an empty buffer")
+        self._storage = frames
+        self.committed = commit
+
     def copy(self) -> FrameBuffer:
         """An independent buffer holding a copy of the committed frames."""
         twin = FrameBuffer(self.dim)
@@ -102,6 +111,11 @@ class KeyValueCache:
     def extend(self, k: torch.Tensor, v: torch.Tensor, commit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The window's keys/values appended to the committed ones (see :meth:`FrameBuffer.extend`)."""
         return self.keys.extend(k, commit), self.values.extend(v, commit)
+
+    def start_with(self, k: torch.Tensor, v: torch.Tensor, commit: int) -> None:
+        """An empty cache's first keys/values kept as they are (see :meth:`FrameBuffer.start_with`)."""
+        self.keys.start_with(k, commit)
+        self.values.start_with(v, commit)
 
     @property
     def nbytes(self) -> int:

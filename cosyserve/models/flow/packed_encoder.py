@@ -145,7 +145,13 @@ def _attention(attn, x: torch.Tensor, rate: _Rate, windows: list[EncoderWindow],
     k = attn.linear_k(x).view(rows, length, heads, d_k).transpose(1, 2)
     v = attn.linear_v(x).view(rows, length, heads, d_k).transpose(1, 2)
     states = [w.states.get(attn) or w.states.setdefault(attn, RelAttentionState()) for w in windows]
-    if rows == 1 and states[0].keys.committed == cached:
+    if cached == 0:
+        # no row has cached keys (new voices' prompts): the batch's keys are every row's, and each
+        # row's state keeps a view of its own (no buffer, no copy: six launches a row and layer fewer)
+        keys, values = k, v
+        for j, state in enumerate(states):
+            state.start_with(k[j:j + 1, :, :rate.lengths[j]], v[j:j + 1, :, :rate.lengths[j]], rate.commits[j])
+    elif rows == 1 and states[0].keys.committed == cached:
         # one window: its stream's own buffer is [committed ‖ window] once extended (no copy into a
         # padded one: a stream alone, or a voice's prompt piece, launches six kernels a layer fewer)
         keys, values = states[0].extend(k, v, rate.commits[0])
