@@ -114,7 +114,8 @@ class ClipFrames:
     def of(cls, lengths: torch.Tensor, frames: int, dtype: torch.dtype) -> "ClipFrames":
         index = torch.arange(frames, device=lengths.device)
         segment = torch.arange(-(-frames // SEGMENT_FRAMES), device=lengths.device)
-        counts = (lengths[:, None] - segment[None, :] * SEGMENT_FRAMES).clamp(1, SEGMENT_FRAMES)  # (B, S), 1 past the end
+        # (B, S): each clip's frames in each segment, 1 past its end
+        counts = (lengths[:, None] - segment[None, :] * SEGMENT_FRAMES).clamp(1, SEGMENT_FRAMES)
         inside = index[None, :] < lengths[:, None]  # (B, T)
         own_segment = (segment[:, None] == index[None, :] // SEGMENT_FRAMES).to(dtype)  # (S, T)
         segment_means = (own_segment[None] / counts[:, :, None].to(dtype)

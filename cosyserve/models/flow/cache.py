@@ -76,11 +76,11 @@ class FrameBuffer:
         return view
 
     def start_with(self, frames: torch.Tensor, commit: int) -> None:
-        """An empty buffer's first frames kept as they are (a view of the caller's tensor, which
-        then lives as long as the buffer; later calls write after its committed frames); then
-        commit ``commit`` of them. What :meth:`extend` does, without a copy."""
-        if self.committed or self._storage is not None:
-            raise ValueError("start_with needs an empty buffer")
+        """A buffer without committed frames takes ``frames`` as they are (a view of the caller's
+        tensor, which then lives as long as the buffer; later calls write after its committed
+        frames), then commits ``commit`` of them: what :meth:`extend` does, without a copy."""
+        if self.committed:
+            raise ValueError("start_with needs a buffer without committed frames")
         self._storage = frames
         self.committed = commit
 

@@ -146,8 +146,9 @@ def _attention(attn, x: torch.Tensor, rate: _Rate, windows: list[EncoderWindow],
     v = attn.linear_v(x).view(rows, length, heads, d_k).transpose(1, 2)
     states = [w.states.get(attn) or w.states.setdefault(attn, RelAttentionState()) for w in windows]
     if cached == 0:
-        # no row has cached keys (new voices' prompts): the batch's keys are every row's, and each
-        # row's state keeps a view of its own (no buffer, no copy: six launches a row and layer fewer)
+        # no row has cached keys (new voices' prompts, streams' first windows): the batch's keys are
+        # every row's, and each row's state keeps a view of its own (no buffer, no copy: six
+        # launches a row and layer fewer)
         keys, values = k, v
         for j, state in enumerate(states):
             state.start_with(k[j:j + 1, :, :rate.lengths[j]], v[j:j + 1, :, :rate.lengths[j]], rate.commits[j])
