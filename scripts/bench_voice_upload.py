@@ -2,9 +2,11 @@
 """A voice uploaded through the API and spoken at once: POST /v1/audio/voices with a never-seen WAV,
 its first request right after, against the registered voice (cosyserve/bench/voice_upload.py).
 
-    python scripts/bench_voice_upload.py --url http://127.0.0.1:8080 --rounds 5 --seconds 10 --json out.json
+    python scripts/bench_voice_upload.py --url http://127.0.0.1:8080 --rounds 5 --seconds 10 \
+        --metrics 127.0.0.1:8002 --json out.json
 
-Prints each round, then a markdown table of the medians.
+Prints each round, then a markdown table of the medians (and, with --metrics, of each request's
+first-chunk stages as the server traced them).
 """
 
 import argparse
@@ -29,10 +31,16 @@ def main() -> int:
     parser.add_argument("--text", default=TEXT)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each uploaded clip")
+    parser.add_argument("--metrics", metavar="HOST:PORT", help="a Triton server's metrics port: each request's "
+                        "first chunk split into the server's stages (medians per request kind)")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args()
+    metrics_at = None
+    if args.metrics:
+        host, _, port = args.metrics.rpartition(":")
+        metrics_at = (int(port), host or "127.0.0.1")
     report = voice_upload.run(SpeechTarget(args.url, args.voice, args.api_key, args.model), args.text, args.rounds,
-                              args.seconds)
+                              args.seconds, metrics_at=metrics_at)
     print(voice_upload.table(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

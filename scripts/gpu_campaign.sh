@@ -382,7 +382,7 @@ if wanted 5; then
       if [ "$UPLOAD_ROUNDS" -gt 0 ]; then  # on the idle server, before the load
         step api_voice_upload "$UPLOAD_TIMEOUT" "$PY" "$repo_root/scripts/bench_voice_upload.py" \
           --url "http://127.0.0.1:$API_PORT" --rounds "$UPLOAD_ROUNDS" --seconds "$UPLOAD_SECONDS" \
-          --json "$OUT/voice_upload.json" || tail_log "$API_LOG"
+          --metrics "127.0.0.1:${METRICS_PORT:-8002}" --json "$OUT/voice_upload.json" || tail_log "$API_LOG"
       fi
       count=(--seconds-per-rate "$API_SECONDS_PER_RATE")
       [ -z "$API_REQUESTS_PER_RATE" ] || count=(--requests-per-rate "$API_REQUESTS_PER_RATE")

@@ -185,3 +185,28 @@ def test_measure_rates_runs_the_open_loop_client_per_rate(monkeypatch, tmp_path)
     assert table[4] == "| v | offline | 0.5 | 26 | ERROR |" + " n/a |" * 12
     assert runner.summary_line(first).startswith("streaming at 2 req/s: 4 requests, 1 failed, 1.50 req/s")
     assert runner.failed({"variants": [], "levels": [], "open_loop": rows, "offline_inference": []})
+
+
+# --- the voice-upload benchmark's first-chunk stages ----------------------------------------------
+
+
+def test_upload_report_gives_each_request_kinds_median_stages_and_says_when_none_was_traced():
+    from cosyserve.bench import voice_upload
+
+    medians = {"upload_ms": 40.0, "upload_max_ms": 70.0, "first_ms": 130.0, "second_ms": 110.0,
+               "registered_ms": 96.0, "first_over_registered": 130.0 / 96.0}
+    traced = [{"registered": {"prefill": 5.0, "gpu": 20.0}, "first": {"prefill": 9.0, "gpu": 40.0}, "second": {}},
+              {"registered": {"prefill": 7.0, "gpu": 22.0}, "first": {"prefill": 11.0, "gpu": 44.0},
+               "second": {"prefill": 6.0}}]
+    stage_medians = {request: voice_upload._median_stages([row[request] for row in traced])
+                     for request in voice_upload.REQUESTS}
+    assert stage_medians == {"registered": {"prefill": 6.0, "gpu": 21.0}, "first": {"prefill": 10.0, "gpu": 42.0},
+                             "second": {"prefill": 6.0}}  # an untraced request does not count
+    report = {"seconds": 10.0, "rounds": 2, "model": "cosyvoice2", "median": medians, "median_stage_ms": stage_medians}
+    lines = voice_upload.table(report).splitlines()
+    assert lines[-5:] == ["| request | prefill | gpu |", "|---|---:|---:|", "| registered | 6.0 | 21.0 |",
+                          "| first | 10.0 | 42.0 |", "| second | 6.0 | - |"]
+    assert lines[3].endswith("| 96.0 | 1.35 |")
+    untraced = dict(report, median_stage_ms={request: {} for request in voice_upload.REQUESTS})
+    assert voice_upload.table(untraced).splitlines()[-1] == "first-chunk stages: none traced"
+    assert "stages" not in voice_upload.table(dict(report, median_stage_ms=None))
