@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cosyserve.bench.api_load import HEADER, SpeechTarget, best_clean_rate, run_rate, table_row  # noqa: E402
-from cosyserve.bench.prometheus import first_chunk_stage_ms, scrape_metrics  # noqa: E402
+from cosyserve.bench.prometheus import first_chunk_stage_ms, metrics_address, scrape_metrics  # noqa: E402
 
 DEFAULT_TEXTS = ["收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。",
                  "Hello! Thanks for calling. How can I help you today?",
@@ -63,10 +63,7 @@ def main() -> int:
     if not texts:
         parser.error(f"{args.texts} holds no text")
     target = SpeechTarget(args.url, args.voice, args.api_key, model=args.model, timeout_s=args.timeout)
-    metrics_at = None
-    if args.metrics:
-        host, _, port = args.metrics.rpartition(":")
-        metrics_at = (int(port), host or "127.0.0.1")
+    metrics_at = metrics_address(args.metrics) if args.metrics else None
     print(HEADER, flush=True)
     summaries = []
     for n, rate in enumerate(args.rates):

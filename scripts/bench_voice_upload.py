@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cosyserve.bench import voice_upload  # noqa: E402
 from cosyserve.bench.api_load import SpeechTarget  # noqa: E402
+from cosyserve.bench.prometheus import metrics_address  # noqa: E402
 
 TEXT = "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。"
 
@@ -35,12 +36,8 @@ def main() -> int:
                         "first chunk split into the server's stages (medians per request kind)")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args()
-    metrics_at = None
-    if args.metrics:
-        host, _, port = args.metrics.rpartition(":")
-        metrics_at = (int(port), host or "127.0.0.1")
     report = voice_upload.run(SpeechTarget(args.url, args.voice, args.api_key, args.model), args.text, args.rounds,
-                              args.seconds, metrics_at=metrics_at)
+                              args.seconds, metrics_at=metrics_address(args.metrics) if args.metrics else None)
     print(voice_upload.table(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -35,6 +35,13 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return totals
 
 
+def metrics_address(text: str) -> tuple[int, str]:
+    """``HOST:PORT`` (or ``:PORT``, ``PORT``) of a metrics page as (port, host), the argument order of
+    :func:`scrape_metrics`."""
+    host, _, port = text.rpartition(":")
+    return int(port), host or "127.0.0.1"
+
+
 def read_page(port: int, host: str = "localhost", timeout: float = 10.0) -> str:
     """The text of ``http://host:port/metrics``; raises OSError (URLError, HTTPError, timeouts) or
     http.client.HTTPException when it cannot be read."""

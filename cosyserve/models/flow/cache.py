@@ -113,7 +113,7 @@ class KeyValueCache:
         return self.keys.extend(k, commit), self.values.extend(v, commit)
 
     def start_with(self, k: torch.Tensor, v: torch.Tensor, commit: int) -> None:
-        """An empty cache's first keys/values kept as they are (see :meth:`FrameBuffer.start_with`)."""
+        """A cache without committed keys takes these as they are (see :meth:`FrameBuffer.start_with`)."""
         self.keys.start_with(k, commit)
         self.values.start_with(v, commit)
 
