@@ -62,6 +62,7 @@ class FakeKind:
     prepared: list[list] = field(default_factory=list)  # the voices of each prepare_voices call that succeeded
     events: list[str] = field(default_factory=list)  # prepare (voices) and solve (batches), in order
     threads: list[str] = field(default_factory=list)  # the thread of each prepare_voices call that succeeded
+    launching_voices: set = field(default_factory=set)  # voices "being launched on another thread"
 
     def chunk_schedule(self, strategy: str) -> ChunkScheduler:
         return ChunkScheduler(strategy)
@@ -76,7 +77,11 @@ class FakeKind:
         self.events.append("prepare")
         self.threads.append(threading.current_thread().name)
 
+    def launching(self, features) -> bool:
+        return features in self.launching_voices
+
     def open(self, features) -> FakeVoicing:
+        assert features not in self.launching_voices, "open would wait for the voice's launch"
         if features == "bad voice":
             raise ValueError("bad voice")
         return FakeVoicing()
@@ -291,6 +296,25 @@ def test_a_kind_preparing_beside_the_loop_gets_each_voice_as_it_comes_on_a_threa
     core.close()
     core.prepare_voices(["voice 3"], done=late.set)  # after close: answered at once, not prepared
     assert late.is_set() and "engine-core" not in kind.threads
+
+
+def test_a_stream_whose_voice_is_being_launched_waits_without_holding_up_the_others():
+    """While the preparation thread launches a voice, the loop plans no first chunk of its streams (open
+    would wait, and every other stream's chunk with it): the others are voiced meanwhile, and it starts
+    once the launch is done."""
+    kind = FakeKind(prepares_beside=True, launching_voices={"new voice"})
+    core = EngineCore(kind, FakeLLM(30))  # stepped by hand; the preparation thread not started
+    waiting = submit(core, "new", voice="new voice")
+    playing = submit(core, "registered", voice="voice 1")
+    for _ in range(50):
+        core.step()
+    assert playing.ended.get(timeout=5) is None and waiting.pieces == [] and waiting.ended.empty()
+    assert not core._busy()  # its pending chunk does not spin the loop
+    kind.launching_voices.clear()
+    for _ in range(50):
+        core.step()
+    assert waiting.ended.get(timeout=5) is None and sum(p.size for p in waiting.pieces) > 0
+    core.close()
 
 
 def test_a_failed_batch_ends_its_requests_and_the_others_go_on():

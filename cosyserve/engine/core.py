@@ -249,8 +249,15 @@ class EngineCore:
                 log.exception("engine step failed")
 
     def _busy(self) -> bool:
-        """Work that needs no new event: chunks waiting to start."""
-        return any(seg.pending is not None for state in self._states.values() for seg in state.segments())
+        """Work that needs no new event: chunks waiting to start (not for their voice's launch)."""
+        return any(seg.pending is not None and not self._waits_for_voice(state, seg)
+                   for state in self._states.values() for seg in state.segments())
+
+    def _waits_for_voice(self, state: RequestState, seg: SegmentState) -> bool:
+        """The segment's stream is not open and its voice is being launched on the preparation thread:
+        its first chunk waits (a later iteration) rather than the loop, with every other stream's chunk."""
+        return (seg.flow is None and seg.schedule is not None and self._preparer is not None
+                and self.kind.launching(state.request.voice.features))
 
     def step(self) -> None:
         """One iteration (see the module docstring): launches a batch, waits for the GPU only
@@ -387,7 +394,7 @@ class EngineCore:
             elif seg.llm_done:
                 _check_tokens(seg.received)
                 seg.pending = _OFFLINE
-        if seg.pending is None:
+        if seg.pending is None or self._waits_for_voice(state, seg):
             return []
         state.request.stamp("chunk_planned")
         chunk = seg.pending

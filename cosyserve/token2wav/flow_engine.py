@@ -296,6 +296,11 @@ class FlowEngine:
             else:
                 self.prepare([(prompt_tokens, prompt_feat, embedding, key)])
 
+    def launching(self, key: str) -> bool:
+        """Another thread is launching the prefix of this voice (:meth:`prepare`): :meth:`open` would wait for it."""
+        with self._lock:
+            return key in self._preparing
+
     def _wait_for(self, voice: VoicePrefix) -> None:
         """Make the caller's CUDA stream wait for the voice's prefix (computed on the prefix stream)."""
         if voice.ready is None:

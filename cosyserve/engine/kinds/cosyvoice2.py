@@ -139,6 +139,10 @@ class CosyVoice2Kind:
             self.fallbacks += 1
         return Voicing(features, prompt, flow, HiftStream(self.model.hift, sine_noise=self.sine_noise))
 
+    def launching(self, features: PromptFeatures) -> bool:
+        """The preparation thread is launching this voice's prefix (open would wait for it)."""
+        return self.flow_engine.launching(features.key())
+
     def prepare_voices(self, voices: list[PromptFeatures]) -> None:
         """Compute and keep these voices' prompt state (launched on the flow engine's prefix stream;
         the new ones' prompts packed together). Any thread, beside the loop."""

@@ -75,6 +75,11 @@ class Kind(Protocol):
     def open(self, features: PromptFeatures) -> Voicing:
         """A stream of this voice."""
 
+    def launching(self, features: PromptFeatures) -> bool:
+        """Another thread is launching this voice's state now (:attr:`prepares_beside`), so that
+        ``open`` would wait for it: the core plans the voice's streams' first chunks later instead
+        of holding up the others' chunks."""
+
     def prepare_voices(self, voices: list[PromptFeatures]) -> None:
         """Compute and keep these voices' state (registered ones at load, uploaded ones at upload; a
         request's voice when it arrives, or, with :attr:`cold_start`, when it comes again), launched,
