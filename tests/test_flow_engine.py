@@ -13,7 +13,9 @@ from cosyserve.errors import CapacityError, InvalidInputError
 from cosyserve.frontend.prompt import voice_key
 from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
 from cosyserve.schedule import plan_chunks
+from cosyserve.models.flow.packed_encoder import EncoderWindow, encode_windows
 from cosyserve.token2wav.flow_engine import PREFIX_LANE, FlowEngine
+from cosyserve.token2wav.prefix_encoder import PrefixEncoder
 from cosyserve.token2wav.step_graphs import PREFIX_SHAPES, EngineGraphs
 
 torch.set_num_threads(1)
@@ -410,6 +412,31 @@ def test_voices_prepared_together_equal_each_prepared_alone(flow, shapes: str):
             assert _rel(got, ref.expected(count, finalize)) < REL_L2, (n, count)
             ref.done += got.size(2)
     assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages
+
+
+@torch.inference_mode()
+def test_first_prompt_pieces_padded_to_fixed_shapes_equal_the_packed_encoder(flow):
+    """PrefixEncoder (rows padded to 4, tokens to a multiple of 32, as its CUDA graphs run) gives the mu
+    and the encoder state (committed keys and values, conv contexts) of encode_windows over the same pieces."""
+    lookahead = flow.cfg.pre_lookahead_len
+    pieces = [_tokens(n, seed=n) for n in (28, 75, 101)]
+    commits = [(n - lookahead) // 25 * 25 for n in (28, 75, 101)]
+    padded_states, packed_states = [{} for _ in pieces], [{} for _ in pieces]
+    got = PrefixEncoder(flow, (1, 2, 4, 8), 128, 32, replay=False)(pieces, commits, padded_states)
+    windows = [EncoderWindow(flow.input_embedding(t[0]), 0, c, lookahead, st)
+               for t, c, st in zip(pieces, commits, packed_states)]
+    want = [flow.project(out[None]) for out in encode_windows(flow.encoder, windows)]
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and _rel(a, b) < REL_L2
+    for padded, packed in zip(padded_states, packed_states):
+        assert padded.keys() == packed.keys()
+        for owner, state in packed.items():
+            if isinstance(state, torch.Tensor):
+                assert _rel(padded[owner], state) < REL_L2
+            else:
+                assert padded[owner].keys.committed == state.keys.committed > 0
+                assert _rel(padded[owner].keys.committed_frames(), state.keys.committed_frames()) < REL_L2
+                assert _rel(padded[owner].values.committed_frames(), state.values.committed_frames()) < REL_L2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -69,6 +69,7 @@ from ..models.flow.packed_encoder import EncoderWindow, encode_windows
 from ..runtime import host_to_device
 from .graphs import FlowCounters
 from .page_pool import PagePool
+from .prefix_encoder import PrefixEncoder
 from .step_graphs import PREFIX_PAIRS, PREFIX_SHAPES, EngineGraphs, StepBuffers
 
 # Voices whose prefix is kept when nothing else limits them (pages are freed earlier under pressure).
@@ -81,9 +82,8 @@ PREFIX_FIRST_PIECE_TOKENS = 250
 PREFIX_PIECE_TOKENS = 125
 # The work lane (models.flow.lanes.work_lane) of new voices' prompts: their workspaces and scratch.
 PREFIX_LANE = "prefix"
-# A prompt piece's encoder pass is padded to a multiple of this many tokens (encode_windows' width): a
-# new length then seldom means new shapes, whose first matrix products and allocations cost the
-# preparing thread milliseconds each (FlowEngine.warm_prefix_shapes meets every width at load).
+# A first prompt piece's encoder pass is padded to a multiple of this many tokens (PrefixEncoder: one
+# CUDA graph per width and rows, captured at load).
 PREFIX_TOKEN_BUCKET = 32
 
 
@@ -213,6 +213,8 @@ class FlowEngine:
         self.counters = counters or FlowCounters()
         self.graphs = EngineGraphs(self.fused) if cuda_graphs else None
         self.prefix_graphs = EngineGraphs(self.fused, PREFIX_SHAPES, lane=PREFIX_LANE) if cuda_graphs else None
+        self.first_pieces = PrefixEncoder(flow, PREFIX_PAIRS, flow.cfg.pre_lookahead_len + PREFIX_FIRST_PIECE_TOKENS,
+                                          PREFIX_TOKEN_BUCKET, replay=cuda_graphs)
         # new voices' prompts run on a stream of their own, beside the chunks (see prepare)
         self._prefix_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if precapture:
@@ -226,36 +228,14 @@ class FlowEngine:
         self.open_streams = 0
 
     def capture_graphs(self) -> None:
-        """Capture every shape of the chunks' and the prompts' step graphs now (at load: a shape
-        captured while chunks run would stall them)."""
+        """Capture every shape of the chunks' and the prompts' step graphs and of the prompts' first
+        encoder pass now (at load: a shape captured while chunks run would stall them)."""
         with torch.inference_mode():
             for graphs in (self.graphs, self.prefix_graphs):
                 if graphs is not None:
                     graphs.capture_all()
-
-    def warm_prefix_shapes(self) -> None:
-        """On a GPU, prepare and drop a made-up voice of every prompt length bucket of a first piece
-        (:data:`PREFIX_TOKEN_BUCKET`), one voice at a time (at load): a new voice's preparation then
-        meets shapes seen before."""
-        if self.device.type != "cuda":
-            return
-        cfg = self.flow.cfg
-        shortest = cfg.pre_lookahead_len + cfg.encoder.static_chunk_size  # the shortest prompt with a prefix
-        longest = cfg.pre_lookahead_len + PREFIX_FIRST_PIECE_TOKENS
-        generator = torch.Generator().manual_seed(0)
-        keys = []
-        for width in range(_ceil_to(shortest, PREFIX_TOKEN_BUCKET), longest + PREFIX_TOKEN_BUCKET, PREFIX_TOKEN_BUCKET):
-            tokens = min(width, longest)
-            keys.append(f"warm-up prompt of {tokens} tokens")
-            self.prepare([(torch.randint(0, cfg.vocab_size, (1, tokens), generator=generator),
-                           torch.randn(1, cfg.token_mel_ratio * tokens, cfg.output_size, generator=generator),
-                           torch.randn(1, cfg.spk_embed_dim, generator=generator), keys[-1])])
-        torch.cuda.synchronize(self.device)
-        with self._lock:
-            for key in keys:
-                voice = self._voices.pop(key, None)
-                if voice is not None:
-                    self.pool.release(voice.state.pages)
+            with self._on_prefix_stream():
+                self.first_pieces.capture_all()
 
     # ----- voices and streams -----
 
@@ -381,7 +361,8 @@ class FlowEngine:
     def _compute_prefixes(self, voices: list[VoicePrefix]) -> None:
         """Each voice's prompt alone, as non-final chunks without output: their complete blocks are
         the prefix. The k-th pieces of all voices are one packed solve: the first pieces
-        (PREFIX_FIRST_PIECE_TOKENS, no context) in the prompts' captured shapes, the later ones
+        (PREFIX_FIRST_PIECE_TOKENS, no context) through :class:`PrefixEncoder` and the prompts'
+        captured step shapes, the later ones
         (PREFIX_PIECE_TOKENS, prompts over 10 s) eagerly (the chunks' graphs belong to their lane)."""
         lookahead = self.flow.cfg.pre_lookahead_len
         streams, pieces = [], []
@@ -396,7 +377,7 @@ class FlowEngine:
             for k in range(max(len(ends) for ends in pieces)):
                 chunks = [(stream, stream.voice.prompt_tokens[:, :ends[k]], False)
                           for stream, ends in zip(streams, pieces) if k < len(ends)]
-                windows = self._windows(chunks, token_bucket=PREFIX_TOKEN_BUCKET)
+                windows = self._windows(chunks, self.first_pieces if k == 0 else None)
                 with self._lock:
                     self._prefix_waits_for_consumers()  # its pages may have been freed just now
                 self._solve_windows(windows, self.prefix_graphs if k == 0 else None)
@@ -561,26 +542,29 @@ class FlowEngine:
         return tokens, _floor_to(cfg.token_mel_ratio * tokens, self.pool.page_frames)
 
     def _windows(self, chunks: list[tuple[EngineStream, torch.Tensor, bool]],
-                 token_bucket: int = 1) -> list[_Window]:
+                 first_pieces: PrefixEncoder | None = None) -> list[_Window]:
         """Run the encoder over the streams' new tokens, all windows at once (``chunks``: stream,
-        prompt + target tokens so far (1, n), finalize; the packed rows padded to a multiple of
-        ``token_bucket`` tokens); plan their estimator windows and pages."""
+        prompt + target tokens so far (1, n), finalize; or, new voices' first prompt pieces,
+        ``first_pieces``' padded pass); plan their estimator windows and pages."""
         flow, cfg = self.flow, self.flow.cfg
         ratio, lookahead = cfg.token_mel_ratio, cfg.pre_lookahead_len
-        plans, encoder_windows = [], []
+        plans = []
         for stream, tokens, finalize in chunks:
             state = stream._state
             valid_tokens = tokens.size(1) - (0 if finalize else lookahead)
-            token_start = state.token_commit
-            token_commit, frame_commit = ((token_start, state.frame_commit) if finalize
+            token_commit, frame_commit = ((state.token_commit, state.frame_commit) if finalize
                                           else self._commits(tokens.size(1)))
             plans.append((stream, state, finalize, valid_tokens, token_commit, frame_commit))
-            embedded = flow.input_embedding(tokens[0, token_start:].clamp(min=0))
-            encoder_windows.append(EncoderWindow(embedded, token_start, token_commit - token_start,
-                                                 0 if finalize else lookahead, state.encoder_states))
-        width = max(w.embedded.size(0) for w in encoder_windows)
-        outputs = encode_windows(flow.encoder, encoder_windows, width=_ceil_to(width, token_bucket))
-        mus = flow.project(torch.cat(outputs)[None]).split([o.size(0) for o in outputs], dim=2)
+        if first_pieces is not None:
+            mus = first_pieces([tokens for _, tokens, _ in chunks], [plan[4] for plan in plans],
+                               [plan[1].encoder_states for plan in plans])
+        else:
+            encoder_windows = [
+                EncoderWindow(flow.input_embedding(tokens[0, state.token_commit:].clamp(min=0)), state.token_commit,
+                              token_commit - state.token_commit, 0 if finalize else lookahead, state.encoder_states)
+                for (_, tokens, _), (_, state, finalize, _, token_commit, _) in zip(chunks, plans)]
+            outputs = encode_windows(flow.encoder, encoder_windows)
+            mus = flow.project(torch.cat(outputs)[None]).split([o.size(0) for o in outputs], dim=2)
         windows = []
         try:
             for (stream, state, finalize, valid_tokens, token_commit, frame_commit), mu in zip(plans, mus):
@@ -698,7 +682,3 @@ def _page_keys(pages: list[int], pairs: int, key_stride: int, offset: int, page:
 
 def _floor_to(value: int, multiple: int) -> int:
     return value // multiple * multiple
-
-
-def _ceil_to(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple

@@ -150,12 +150,11 @@ class CosyVoice2Kind:
         self.flow_engine.prepare([(p.tokens, p.feat, p.embedding, key) for key, p in prompts])
 
     def warm_up(self, features: PromptFeatures) -> None:
-        """Capture the window steps' and full passes' CUDA graphs (on a GPU), meet every prompt length
-        bucket of a new voice's preparation and compile the eager passes' kernels (at load)."""
+        """Capture the window steps', new voices' first prompt pieces' and full passes' CUDA graphs (on a
+        GPU) and compile the eager passes' kernels (at load)."""
         if self.flow_engine.graphs is not None:
             self.flow_engine.capture_graphs()
             self.full.capture_all()
-        self.flow_engine.warm_prefix_shapes()
         _, p = self._prompt(features)
         self.full.warm_up(p.tokens, p.feat, p.embedding)
 

@@ -49,45 +49,144 @@ class _Rate:
     starts: torch.Tensor  # (J,) first window position = cached positions
     valid_end: torch.Tensor  # (J,) positions from here on are hidden as keys
     cached: int  # most cached positions of a row
-    lengths: list[int]  # window positions per row
-    commits: list[int]
-    chunk: int
+    chunk: int  # attention block
+    scale: int  # positions per token
+
+    def up(self) -> _Rate:
+        return _Rate(self.starts * UP_STRIDE, self.valid_end * UP_STRIDE, self.cached * UP_STRIDE,
+                     self.chunk * UP_STRIDE, self.scale * UP_STRIDE)
 
 
 def encode_windows(encoder: UpsampleConformerEncoder, windows: list[EncoderWindow], *,
-                   streaming: bool = True, width: int = 0) -> list[torch.Tensor]:
-    """Each window's encoder output (2 (n - lookahead), D), as the single-window path gives it.
-    ``width``: the rows are padded to this many tokens at least (more zeros after each window, as a
-    window alone sees them), so that calls of windows of nearby lengths share every shape: the
-    matrix products' plans and the allocator's blocks are then reused, not made anew (new voices'
-    prompts come in every length)."""
+                   streaming: bool = True) -> list[torch.Tensor]:
+    """Each window's encoder output (2 (n - lookahead), D), as the single-window path gives it."""
     device = windows[0].embedded.device
-    lengths = host_to_device([w.embedded.size(0) for w in windows], device, torch.long)
-    starts = host_to_device([w.start for w in windows], device, torch.long)
-    valid_end = starts + lengths - host_to_device([w.lookahead for w in windows], device, torch.long)
     packed = pad_sequence([w.embedded for w in windows], batch_first=True)
-    if width > packed.size(1):
-        packed = F.pad(packed, (0, 0, 0, width - packed.size(1)))
+    lengths = host_to_device([w.embedded.size(0) for w in windows], device, torch.long)
+    valid = lengths - host_to_device([w.lookahead for w in windows], device, torch.long)
+    cached = max(w.start for w in windows)
+    if cached == 0:
+        x, kept = encode_first_windows(encoder, packed, lengths, valid, streaming=streaming)
+        keep_first_states(encoder, [w.states for w in windows], [w.embedded.size(0) for w in windows],
+                          [w.commit for w in windows], kept)
+    else:
+        starts = host_to_device([w.start for w in windows], device, torch.long)
+        rate = _Rate(starts, starts + valid, cached, encoder.static_chunk_size, 1)
+        x = _encode(encoder, packed, lengths, rate, streaming, _StreamStates(windows))
+    return [x[j, :UP_STRIDE * (w.embedded.size(0) - w.lookahead)] for j, w in enumerate(windows)]
+
+
+def encode_first_windows(encoder: UpsampleConformerEncoder, packed: torch.Tensor, lengths: torch.Tensor,
+                         valid: torch.Tensor, *, streaming: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Windows at the start of their streams (nothing cached): ``packed`` (J, T, input_size) token
+    embeddings, right-padded; ``lengths`` (J,) tokens per row, of which the first ``valid`` (J,) are
+    not look-ahead. Returns the output (J, 2T, D) and what the rows' states take from this pass
+    (:func:`keep_first_states`), in :func:`_state_owners` order: a convolution's padded input, an
+    attention layer's keys and values. Device work only, no host synchronisation (a CUDA graph may
+    capture it: new voices' prompts)."""
+    zeros = torch.zeros_like(lengths)
+    recorder = _FirstStates()
+    x = _encode(encoder, packed, lengths, _Rate(zeros, valid, 0, encoder.static_chunk_size, 1), streaming, recorder)
+    return x, recorder.kept
+
+
+def keep_first_states(encoder: UpsampleConformerEncoder, states: list[dict], lengths: list[int], commits: list[int],
+                      kept: list[torch.Tensor]) -> None:
+    """Row j's stream state (``states[j]``, of a window of ``lengths[j]`` tokens of which ``commits[j]``
+    are committed) from :func:`encode_first_windows`' ``kept`` tensors: views of its row, no copies."""
+    tensors = iter(kept)
+    for owner, scale in _state_owners(encoder):
+        if isinstance(owner, nn.Conv1d):
+            padded, frames = next(tensors), owner.kernel_size[0] - 1
+            for j, (state, commit) in enumerate(zip(states, commits)):
+                state[owner] = padded[j:j + 1, :, commit * scale:commit * scale + frames]
+        else:
+            k, v = next(tensors), next(tensors)
+            for j, (state, length, commit) in enumerate(zip(states, lengths, commits)):
+                cache = state.setdefault(owner, RelAttentionState())
+                cache.start_with(k[j:j + 1, :, :length * scale], v[j:j + 1, :, :length * scale], commit * scale)
+
+
+def _state_owners(encoder: UpsampleConformerEncoder) -> list[tuple[nn.Module, int]]:
+    """The layers that keep stream state, in the order a pass meets them, with their positions per token."""
+    return [(encoder.pre_lookahead_layer.conv2, 1), *((layer.self_attn, 1) for layer in encoder.encoders),
+            (encoder.up_layer.conv, UP_STRIDE), *((layer.self_attn, UP_STRIDE) for layer in encoder.up_encoders)]
+
+
+class _FirstStates:
+    """A pass over first windows: convolutions see zeros on their left; attention the batch's keys.
+    What the rows' states take is recorded (``kept``), to be handed out by :func:`keep_first_states`."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor] = []
+
+    def with_left_context(self, x: torch.Tensor, conv: nn.Conv1d, rate: _Rate) -> torch.Tensor:
+        padded = F.pad(x, (conv.kernel_size[0] - 1, 0))
+        self.kept.append(padded)
+        return padded
+
+    def keys(self, attn, k: torch.Tensor, v: torch.Tensor, rate: _Rate) -> tuple[torch.Tensor, torch.Tensor]:
+        self.kept += [k, v]
+        return k, v
+
+
+class _StreamStates:
+    """A pass over windows of which some continue cached state: each row's left context and cached
+    keys are read from its stream's state, which takes the window's committed positions."""
+
+    def __init__(self, windows: list[EncoderWindow]) -> None:
+        self.windows = windows
+
+    def with_left_context(self, x: torch.Tensor, conv: nn.Conv1d, rate: _Rate) -> torch.Tensor:
+        """x (J, C, T) with each row's left context of ``conv`` prepended (zeros at a stream's start);
+        keeps the frames before each row's commit point as its next context."""
+        frames = conv.kernel_size[0] - 1
+        left = torch.cat([w.states[conv] if conv in w.states else x.new_zeros(1, x.size(1), frames)
+                          for w in self.windows])
+        padded = torch.cat([left, x], dim=2)
+        for j, w in enumerate(self.windows):
+            commit = w.commit * rate.scale
+            w.states[conv] = padded[j:j + 1, :, commit:commit + frames].clone()
+        return padded
+
+    def keys(self, attn, k: torch.Tensor, v: torch.Tensor, rate: _Rate) -> tuple[torch.Tensor, torch.Tensor]:
+        """[each row's cached keys, padded to the most cached ‖ the window's] (and values); each
+        row's state takes its committed ones."""
+        rows, heads, length, d_k = k.shape
+        cached = rate.cached
+        states = [w.states.get(attn) or w.states.setdefault(attn, RelAttentionState()) for w in self.windows]
+        if rows == 1 and states[0].keys.committed == cached:
+            # one window: its stream's own buffer is [committed ‖ window] once extended (no copy into a
+            # padded one: a stream alone launches six kernels a layer fewer)
+            return states[0].extend(k, v, self.windows[0].commit * rate.scale)
+        keys = k.new_zeros(rows, heads, cached + length, d_k)
+        values = torch.zeros_like(keys)
+        keys[:, :, cached:], values[:, :, cached:] = k, v
+        for j, (w, state) in enumerate(zip(self.windows, states)):
+            if state.keys.committed:
+                keys[j:j + 1, :, :state.keys.committed] = state.keys.committed_frames()
+                values[j:j + 1, :, :state.values.committed] = state.values.committed_frames()
+            length_j = w.embedded.size(0) * rate.scale
+            state.extend(k[j:j + 1, :, :length_j], v[j:j + 1, :, :length_j], w.commit * rate.scale)
+        return keys, values
+
+
+def _encode(encoder: UpsampleConformerEncoder, packed: torch.Tensor, lengths: torch.Tensor, tokens: _Rate,
+            streaming: bool, states: _FirstStates | _StreamStates) -> torch.Tensor:
     x = encoder.embed(packed)
-    real = torch.arange(x.size(1), device=device)[None, :] < lengths[:, None]
+    real = torch.arange(x.size(1), device=x.device)[None, :] < lengths[:, None]
     x = x * real.unsqueeze(-1).to(x.dtype)  # zeros after each window, as a window alone sees them
 
     pre = encoder.pre_lookahead_layer
     h = F.leaky_relu(_conv(pre.conv1, F.pad(x.transpose(1, 2), (0, pre.lookahead))))
-    x = _conv(pre.conv2, _with_left_context(h, pre.conv2, windows, 1)).transpose(1, 2) + x
-    sizes = [w.embedded.size(0) for w in windows]
-    tokens = _Rate(starts, valid_end, max(w.start for w in windows), sizes, [w.commit for w in windows],
-                   encoder.static_chunk_size)
-    x = _conformer(encoder.encoders, x, tokens, windows, streaming)
+    x = _conv(pre.conv2, states.with_left_context(h, pre.conv2, tokens)).transpose(1, 2) + x
+    x = _conformer(encoder.encoders, x, tokens, streaming, states)
 
     up = encoder.up_layer
+    frames = tokens.up()
     h = x.transpose(1, 2).repeat_interleave(up.stride, dim=2)
-    x = encoder.up_embed(_conv(up.conv, _with_left_context(h, up.conv, windows, up.stride)).transpose(1, 2))
-    frames = _Rate(starts * UP_STRIDE, valid_end * UP_STRIDE, tokens.cached * UP_STRIDE,
-                   [n * UP_STRIDE for n in sizes], [w.commit * UP_STRIDE for w in windows],
-                   encoder.static_chunk_size * UP_STRIDE)
-    x = encoder.after_norm(_conformer(encoder.up_encoders, x, frames, windows, streaming))
-    return [x[j, :UP_STRIDE * (w.embedded.size(0) - w.lookahead)] for j, w in enumerate(windows)]
+    x = encoder.up_embed(_conv(up.conv, states.with_left_context(h, up.conv, frames)).transpose(1, 2))
+    return encoder.after_norm(_conformer(encoder.up_encoders, x, frames, streaming, states))
 
 
 def _conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
@@ -98,20 +197,8 @@ def _conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     return F.linear(windows, conv.weight.flatten(1), conv.bias).transpose(1, 2)
 
 
-def _with_left_context(x: torch.Tensor, conv: nn.Conv1d, windows: list[EncoderWindow], scale: int) -> torch.Tensor:
-    """x (J, C, T) with each row's left context of ``conv`` prepended (zeros at a stream's start);
-    keeps the frames before each row's commit point as its next context."""
-    frames = conv.kernel_size[0] - 1
-    left = torch.cat([w.states[conv] if conv in w.states else x.new_zeros(1, x.size(1), frames) for w in windows])
-    padded = torch.cat([left, x], dim=2)
-    for j, w in enumerate(windows):
-        commit = w.commit * scale
-        w.states[conv] = padded[j:j + 1, :, commit:commit + frames].clone()
-    return padded
-
-
-def _conformer(layers: nn.ModuleList, x: torch.Tensor, rate: _Rate, windows: list[EncoderWindow],
-               streaming: bool) -> torch.Tensor:
+def _conformer(layers: nn.ModuleList, x: torch.Tensor, rate: _Rate, streaming: bool,
+               states: _FirstStates | _StreamStates) -> torch.Tensor:
     rows, length, _ = x.shape
     device = x.device
     cached = rate.cached
@@ -130,41 +217,20 @@ def _conformer(layers: nn.ModuleList, x: torch.Tensor, rate: _Rate, windows: lis
     # the sinusoids of every relative position, the same for each layer (each projects them its own way)
     positions = relative_position_rows(lo, hi, x.size(2), device, x.dtype)
     for layer in layers:
-        attn = layer.self_attn
         h = layer.norm_mha(x)
-        x = x + _attention(attn, h, rate, windows, hidden, distance, positions, cached)
+        x = x + _attention(layer.self_attn, h, rate, hidden, distance, positions, states)
         x = x + layer.feed_forward(layer.norm_ff(x))
     return x
 
 
-def _attention(attn, x: torch.Tensor, rate: _Rate, windows: list[EncoderWindow], hidden: torch.Tensor,
-               distance: torch.Tensor, positions: torch.Tensor, cached: int) -> torch.Tensor:
+def _attention(attn, x: torch.Tensor, rate: _Rate, hidden: torch.Tensor, distance: torch.Tensor,
+               positions: torch.Tensor, states: _FirstStates | _StreamStates) -> torch.Tensor:
     rows, length, _ = x.shape
     heads, d_k = attn.heads, attn.d_k
     q = attn.linear_q(x).view(rows, length, heads, d_k)
     k = attn.linear_k(x).view(rows, length, heads, d_k).transpose(1, 2)
     v = attn.linear_v(x).view(rows, length, heads, d_k).transpose(1, 2)
-    states = [w.states.get(attn) or w.states.setdefault(attn, RelAttentionState()) for w in windows]
-    if cached == 0:
-        # no row has cached keys (new voices' prompts, streams' first windows): the batch's keys are
-        # every row's, and each row's state keeps a view of its own (no buffer, no copy: six
-        # launches a row and layer fewer)
-        keys, values = k, v
-        for j, state in enumerate(states):
-            state.start_with(k[j:j + 1, :, :rate.lengths[j]], v[j:j + 1, :, :rate.lengths[j]], rate.commits[j])
-    elif rows == 1 and states[0].keys.committed == cached:
-        # one window: its stream's own buffer is [committed ‖ window] once extended (no copy into a
-        # padded one: a stream alone, or a voice's prompt piece, launches six kernels a layer fewer)
-        keys, values = states[0].extend(k, v, rate.commits[0])
-    else:
-        keys = x.new_zeros(rows, heads, cached + length, d_k)
-        values = torch.zeros_like(keys)
-        keys[:, :, cached:], values[:, :, cached:] = k, v
-        for j, state in enumerate(states):
-            if state.keys.committed:
-                keys[j:j + 1, :, :state.keys.committed] = state.keys.committed_frames()
-                values[j:j + 1, :, :state.values.committed] = state.values.committed_frames()
-            state.extend(k[j:j + 1, :, :rate.lengths[j]], v[j:j + 1, :, :rate.lengths[j]], rate.commits[j])
+    keys, values = states.keys(attn, k, v, rate)
     table = attn.linear_pos(positions).view(1, positions.size(0), heads, d_k).transpose(1, 2)
     content = torch.matmul((q + attn.pos_bias_u).transpose(1, 2), keys.transpose(-2, -1))
     position = torch.matmul((q + attn.pos_bias_v).transpose(1, 2), table.transpose(-2, -1))
