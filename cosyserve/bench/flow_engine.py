@@ -23,6 +23,7 @@ from ..token2wav.flow_engine import FlowEngine
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CHUNKS = (18, 43, 93)  # tokens so far at each non-final chunk of the reference schedule
 FINAL = 150  # tokens of the utterance: the final chunk voices tokens 90..150
+NEW_VOICES = (1, 8)  # new voices prepared together
 
 
 @dataclass
@@ -69,15 +70,13 @@ def run(args: argparse.Namespace) -> Iterator[Row]:
             full.append(mel[:, :, 0 if i == 0 else 2 * (CHUNKS[i - 1] - 3):])
             yield Row("re-run (reference)", 1, f"chunk at {count} tokens", ms)
         for mode in args.modes:
-            started = time.perf_counter()
-            engine = FlowEngine(flow, pool_bytes=int(args.pool_gb * (1 << 30)), cuda_graphs=mode == "graphs",
-                                precapture=mode == "graphs")
+            engine = FlowEngine(flow, pool_bytes=int(args.pool_gb * (1 << 30)), cuda_graphs=mode == "graphs")
             if mode == "graphs":
-                captured = engine.graphs.captured + engine.prefix_graphs.captured
-                yield Row(mode, 0, f"capture of {captured} step graphs (chunks' and prompts')",
-                          (time.perf_counter() - started) * 1000)
+                for name, (count, seconds) in engine.capture_graphs().items():
+                    yield Row(mode, 0, f"capture of {count} graphs: {name}", seconds * 1000)
             _, ms = _timed(lambda: engine.open(*voice).close(), device)
             yield Row(mode, 1, "voice prefix (prompt state, once per voice)", ms)
+            yield from _new_voices(engine, cfg, args.prompt_tokens, g, mode)
             for streams in args.streams:
                 for repeat in range(2):  # the first round warms up (Triton compiles, eager shapes)
                     opened = [engine.open(*voice) for _ in range(streams)]
@@ -98,6 +97,28 @@ def run(args: argparse.Namespace) -> Iterator[Row]:
             engine = None  # its pool and graphs go before the next mode's
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _new_voices(engine: FlowEngine, cfg: FlowConfig, prompt_tokens: int, g: torch.Generator, mode: str) -> Iterator[Row]:
+    """New voices' preparation (1 voice, then 8 together; the second of two rounds): how long the
+    host takes to launch it (what a new voice's first chunk waits for on the loop) and until the
+    device is done (what it waits for there)."""
+    device, dtype = engine.device, engine.dtype
+    for count in NEW_VOICES:
+        for repeat in range(2):  # the first round meets one-off costs
+            voices = [(torch.randint(0, cfg.vocab_size, (1, prompt_tokens), generator=g),
+                       torch.randn(1, 2 * prompt_tokens, cfg.output_size, generator=g).to(device, dtype),
+                       torch.randn(1, cfg.spk_embed_dim, generator=g).to(device, dtype), f"{mode} {count} {repeat} {k}")
+                      for k in range(count)]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            engine.prepare(voices)
+            launched = (time.perf_counter() - started) * 1000
+            _, waited = _timed(lambda: None, device)
+            if repeat:
+                yield Row(mode, count, f"new voices prepared together: host launch {launched:.1f} ms, then done",
+                          launched + waited)
 
 
 def _final_chunk(flow: CosyVoice2Flow, engine: FlowEngine, stream, voice, tokens: torch.Tensor, mode: str,

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -227,15 +228,22 @@ class FlowEngine:
         self._retired: list[tuple[list[torch.cuda.Event], list[VoicePrefix]]] = []  # dropped, maybe still read
         self.open_streams = 0
 
-    def capture_graphs(self) -> None:
+    def capture_graphs(self) -> dict[str, tuple[int, float]]:
         """Capture every shape of the chunks' and the prompts' step graphs and of the prompts' first
-        encoder pass now (at load: a shape captured while chunks run would stall them)."""
+        encoder pass now (at load: a shape captured while chunks run would stall them). Returns, per
+        set, the graphs it holds and the seconds its capture took."""
+        timings = {}
         with torch.inference_mode():
-            for graphs in (self.graphs, self.prefix_graphs):
+            for name, graphs in (("chunks' steps", self.graphs), ("prompts' steps", self.prefix_graphs)):
                 if graphs is not None:
+                    began = time.perf_counter()
                     graphs.capture_all()
+                    timings[name] = (graphs.captured, time.perf_counter() - began)
+            began = time.perf_counter()
             with self._on_prefix_stream():
                 self.first_pieces.capture_all()
+            timings["prompts' first encoder passes"] = (self.first_pieces.captured, time.perf_counter() - began)
+        return timings
 
     # ----- voices and streams -----
 

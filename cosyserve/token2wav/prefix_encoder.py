@@ -43,6 +43,10 @@ class PrefixEncoder:
         self.graphs = (GraphCache(self._pass, max_graphs=len(rows) * len(self.widths), capture_after=None)
                        if replay else None)
 
+    @property
+    def captured(self) -> int:
+        return 0 if self.graphs is None else self.graphs.num_graphs
+
     def capture_all(self) -> None:
         """Capture every shape's graph now (at load: a capture beside serving chunks would stall them)."""
         if self.graphs is None:

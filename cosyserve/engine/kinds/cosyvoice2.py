@@ -19,6 +19,7 @@ computation, no state kept) instead of failing.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,8 @@ from ...token2wav.flow_engine import EngineStream
 from ...token2wav.full_pass import FullPass, FullPassJob, PassInput
 from ...token2wav.vocoder_batch import source_noise, vocode_batch
 from ...token2wav.vocoder_stream import HiftStream, SineNoiseProvider, VocoderCall
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -153,7 +156,8 @@ class CosyVoice2Kind:
         """Capture the window steps', new voices' first prompt pieces' and full passes' CUDA graphs (on a
         GPU) and compile the eager passes' kernels (at load)."""
         if self.flow_engine.graphs is not None:
-            self.flow_engine.capture_graphs()
+            for name, (count, seconds) in self.flow_engine.capture_graphs().items():
+                log.info("cosyvoice2: %d CUDA graphs of the flow engine's %s captured in %.1f s", count, name, seconds)
             self.full.capture_all()
         _, p = self._prompt(features)
         self.full.warm_up(p.tokens, p.feat, p.embedding)
