@@ -46,6 +46,12 @@ class FakeVoicing:
         self.closed = True
 
 
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 @dataclass
 class FakeKind:
     """PCM of a chunk: 960 samples per token it voices, each equal to the chunk's index in its stream."""
@@ -63,6 +69,7 @@ class FakeKind:
     events: list[str] = field(default_factory=list)  # prepare (voices) and solve (batches), in order
     threads: list[str] = field(default_factory=list)  # the thread of each prepare_voices call that succeeded
     launching_voices: set = field(default_factory=set)  # voices "being launched on another thread"
+    computing: threading.Event = field(default_factory=lambda: _set_event())  # cleared: "the device is computing"
 
     def chunk_schedule(self, strategy: str) -> ChunkScheduler:
         return ChunkScheduler(strategy)
@@ -79,6 +86,9 @@ class FakeKind:
 
     def launching(self, features) -> bool:
         return features in self.launching_voices
+
+    def wait_prepared(self, voices) -> None:
+        self.computing.wait(5)
 
     def open(self, features) -> FakeVoicing:
         assert features not in self.launching_voices, "open would wait for the voice's launch"
@@ -296,6 +306,27 @@ def test_a_kind_preparing_beside_the_loop_gets_each_voice_as_it_comes_on_a_threa
     core.close()
     core.prepare_voices(["voice 3"], done=late.set)  # after close: answered at once, not prepared
     assert late.is_set() and "engine-core" not in kind.threads
+
+
+def test_an_uploaded_voice_prepared_beside_the_loop_is_answered_once_the_device_has_computed_it():
+    """The upload's answer waits for the kind's wait_prepared (the device computing the voice), on a
+    thread of its own: the preparation thread meanwhile launches the next voices."""
+    kind = FakeKind(prepares_beside=True)
+    kind.computing.clear()
+    core = EngineCore(kind, FakeLLM(30))
+    core._preparer.start()
+    answered = threading.Event()
+    core.prepare_voices(["uploaded"], done=answered.set)
+    deadline = time.monotonic() + 5
+    while not kind.prepared and time.monotonic() < deadline:
+        time.sleep(0.01)
+    core.prepare_voices(["next"])
+    while len(kind.prepared) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert kind.prepared == [["uploaded"], ["next"]] and not answered.is_set()
+    kind.computing.set()
+    assert answered.wait(5)
+    core.close()
 
 
 def test_a_stream_whose_voice_is_being_launched_waits_without_holding_up_the_others():

@@ -107,8 +107,9 @@ class EngineClient:
 
     def prepare_voices(self, voices: list[PromptFeatures], done: Callable[[], None] | None = None) -> None:
         """Have the engine compute and keep these voices' state now (not waited for): ``done`` is
-        called (on the receiver thread) once the engine has launched their preparation, or
-        when the engine is gone or restarting (it then computes them on their first request)."""
+        called (on the receiver thread) once the engine core answers (:meth:`EngineCore.prepare_voices`:
+        their preparation computed or launched), or when the engine is gone or restarting (it then
+        computes them on their first request)."""
         if not self._ready.is_set():
             if done is not None:
                 done()

@@ -50,7 +50,7 @@ from ..llm.prompt import NUM_SPEECH_TOKENS
 from ..lru import LruCache
 from ..speech_tokens import speech_token_ids
 from .device import HostCopy, synchronize
-from .kinds.protocol import Kind
+from .kinds.protocol import Kind, PreparesBeside
 from .preparer import VoicePreparer, call_each
 from .request import EngineRequest, RequestState, SegmentState
 from .scheduler import Candidate, Scheduler
@@ -117,7 +117,9 @@ class EngineCore:
         self._voices_inbox: list = []  # voices to prepare (prepare_voices), with the new requests'
         self._voices_done: list = []  # prepare_voices' callbacks, called once the inbox's voices are prepared
         self._seen_voices: LruCache[str, bool] = LruCache(SEEN_VOICES)  # with kind.cold_start
-        self._preparer = VoicePreparer(self._prepare_voices) if kind.prepares_beside else None
+        # a kind that prepares voices beside the loop (PreparesBeside), on the preparation thread
+        self._beside: PreparesBeside | None = kind if kind.prepares_beside else None
+        self._preparer = VoicePreparer(self._prepare_voices, kind.wait_prepared) if self._beside else None
         self._states: dict[str, RequestState] = {}  # admitted, not ended; guarded by _lock
         self._in_flight: deque[_Batch] = deque()  # launched, PCM not handed out (loop thread)
         self._thread: threading.Thread | None = None
@@ -159,8 +161,9 @@ class EngineCore:
     def prepare_voices(self, voices: list, done: Callable[[], None] | None = None) -> None:
         """Have the loop compute and keep these voices' state (PromptFeatures) at its next iteration,
         behind its batch (or the preparation thread now, for a kind that prepares beside the loop):
-        a voice uploaded now costs its first request nothing. Not waited for: ``done`` is called (on
-        that thread) once their preparation is launched, or when the engine closes first."""
+        a voice uploaded now costs its first request nothing. Not waited for: ``done`` is called once
+        their preparation is launched (on the loop), or computed (beside it), or when the engine
+        closes first."""
         if self._preparer is not None:
             self._preparer.put(voices, done)
             return
@@ -256,8 +259,8 @@ class EngineCore:
     def _waits_for_voice(self, state: RequestState, seg: SegmentState) -> bool:
         """The segment's stream is not open and its voice is being launched on the preparation thread:
         its first chunk waits (a later iteration) rather than the loop, with every other stream's chunk."""
-        return (seg.flow is None and seg.schedule is not None and self._preparer is not None
-                and self.kind.launching(state.request.voice.features))
+        return (seg.flow is None and seg.schedule is not None and self._beside is not None
+                and self._beside.launching(state.request.voice.features))
 
     def step(self) -> None:
         """One iteration (see the module docstring): launches a batch, waits for the GPU only

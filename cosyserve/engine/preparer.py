@@ -2,11 +2,16 @@
 so (:attr:`~.kinds.protocol.Kind.prepares_beside`): a new request's voice as it is submitted, an
 uploaded voice as it is stored. On the loop's thread, a voice's preparation would hold up the loop
 for as long as it takes to launch, and its chunks queued behind it on the loop's CUDA stream.
+
+An uploaded voice is answered once the device has computed it (a second thread waits for that, so
+that the next voices are launched meanwhile): a request sent then does not share the GPU with its
+own voice's preparation.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable
 
@@ -15,22 +20,28 @@ log = logging.getLogger(__name__)
 
 class VoicePreparer:
     """Calls ``prepare(voices)`` on a thread of its own with every voice queued since its last call
-    (voices arriving together are prepared together), then each of their ``done`` callbacks (once
-    the preparation is launched). ``done`` callbacks still queued at :meth:`close` are called then."""
+    (voices arriving together are prepared together); then, on a second thread, ``wait(voices)``
+    (until the device has computed them) and each of their ``done`` callbacks. ``done`` callbacks
+    still queued at :meth:`close` are called then."""
 
-    def __init__(self, prepare: Callable[[list], None], name: str = "engine-voices") -> None:
+    def __init__(self, prepare: Callable[[list], None], wait: Callable[[list], None],
+                 name: str = "engine-voices") -> None:
         self._prepare = prepare
+        self._wait = wait
         self._name = name
         self._lock = threading.Condition()
         self._voices: list = []
         self._done: list[Callable[[], None]] = []
+        self._launched: queue.SimpleQueue = queue.SimpleQueue()  # (voices, done) for the waiting thread
         self._closing = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> "VoicePreparer":
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._run, name=self._name, daemon=True),
+                             threading.Thread(target=self._answer, name=f"{self._name}-ready", daemon=True)]
+            for thread in self._threads:
+                thread.start()
         return self
 
     def put(self, voices: list, done: Callable[[], None] | None = None) -> None:
@@ -48,11 +59,17 @@ class VoicePreparer:
         with self._lock:
             self._closing = True
             self._lock.notify()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._threads:
+            self._threads[0].join()
+            self._launched.put(None)
+            self._threads[1].join()
+            self._threads = []
         with self._lock:
             done, self._done, self._voices = self._done, [], []
+        while not self._launched.empty():
+            item = self._launched.get()
+            if item is not None:
+                done += item[1]
         call_each(done)
 
     def _run(self) -> None:
@@ -69,6 +86,17 @@ class VoicePreparer:
                     self._prepare(voices)
                 except Exception:  # prepare fails no request: a voice it could not take fails at open
                     log.exception("engine: preparing voices failed")
+            if done:
+                self._launched.put((voices, done))
+
+    def _answer(self) -> None:
+        while (item := self._launched.get()) is not None:
+            voices, done = item
+            if voices:
+                try:
+                    self._wait(voices)
+                except Exception:
+                    log.exception("engine: waiting for prepared voices failed")
             call_each(done)
 
 

@@ -85,9 +85,10 @@ class TTSEngine:
 
     def prepare_voice(self, voice: Voice, done: Callable[[], None] | None = None) -> None:
         """Have the engine compute and keep ``voice``'s state now (a voice just uploaded), not on its
-        first request; not waited for: ``done`` is called once the engine has launched it (so
-        that a request sent then finds the loop free). A cross-lingual voice's LLM prompt holds
-        nothing of it, but token2wav's state is the same."""
+        first request; not waited for: ``done`` is called once the engine has computed it (a kind
+        that prepares voices beside its loop) or launched it on the loop, so that a request sent
+        then finds neither its voice's work nor the loop busy. A cross-lingual voice's LLM prompt
+        holds nothing of it, but token2wav's state is the same."""
         self.core.prepare_voices([voice.features], done)
 
     def stream(self, request: TTSRequest) -> Iterator[np.ndarray]:

@@ -292,8 +292,8 @@ class EngineFrontDoor:
         try:
             voice = self.engine.voices.resolve(inputs.reference_wav, inputs.reference_text, inputs.speaker_id)
             if inputs.prepare_voice:  # features computed (and stored, for an uploaded voice); the engine's
-                # state next: answered once the engine has launched it, so that the voice's first
-                # request, sent then, does not wait behind it
+                # state next: answered once the engine has computed it (CosyVoice2) or launched it, so
+                # that the voice's first request, sent then, does not wait behind it
                 self.engine.prepare_voice(voice, done=lambda: self._outbox.put((reply, _DONE)))
                 return
             request = TTSRequest(inputs.request_id, inputs.target_text, voice, inputs.limits, inputs.text_frontend,

@@ -289,6 +289,14 @@ class FlowEngine:
         with self._lock:
             return key in self._preparing
 
+    def wait_prepared(self, key: str) -> None:
+        """Block the calling thread (not the GIL) until the device has computed the prefix of this
+        voice (launched by :meth:`prepare`); at once if it is not kept."""
+        with self._lock:
+            voice = self._voices.get(key)
+        if voice is not None and voice.ready is not None:
+            voice.ready.synchronize()
+
     def _wait_for(self, voice: VoicePrefix) -> None:
         """Make the caller's CUDA stream wait for the voice's prefix (computed on the prefix stream)."""
         if voice.ready is None:

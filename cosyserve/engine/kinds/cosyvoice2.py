@@ -146,6 +146,11 @@ class CosyVoice2Kind:
         """The preparation thread is launching this voice's prefix (open would wait for it)."""
         return self.flow_engine.launching(features.key())
 
+    def wait_prepared(self, voices: list[PromptFeatures]) -> None:
+        """Until the device has computed these voices' prefixes (their prefix stream's event)."""
+        for features in voices:
+            self.flow_engine.wait_prepared(features.key())
+
     def prepare_voices(self, voices: list[PromptFeatures]) -> None:
         """Compute and keep these voices' prompt state (launched on the flow engine's prefix stream;
         the new ones' prompts packed together). Any thread, beside the loop."""

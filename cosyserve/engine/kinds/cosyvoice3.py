@@ -194,10 +194,6 @@ class CosyVoice3Kind:
         self._open += 1
         return voicing
 
-    def launching(self, features: PromptFeatures) -> bool:
-        """Never: voices are prepared on the loop's thread (open never waits for another)."""
-        return False
-
     def voice_prefix(self, features: PromptFeatures, prompt: Cv3Prompt | None = None) -> Cv3VoicePrefix | None:
         """The kept prefix of a voice (counted as a hit or a miss), None if none is kept."""
         if not self.max_voices:

@@ -75,11 +75,6 @@ class Kind(Protocol):
     def open(self, features: PromptFeatures) -> Voicing:
         """A stream of this voice."""
 
-    def launching(self, features: PromptFeatures) -> bool:
-        """Another thread is launching this voice's state now (:attr:`prepares_beside`), so that
-        ``open`` would wait for it: the core plans the voice's streams' first chunks later instead
-        of holding up the others' chunks."""
-
     def prepare_voices(self, voices: list[PromptFeatures]) -> None:
         """Compute and keep these voices' state (registered ones at load, uploaded ones at upload; a
         request's voice when it arrives, or, with :attr:`cold_start`, when it comes again), launched,
@@ -108,3 +103,16 @@ class Kind(Protocol):
     def vocode(self, items: list[tuple[Voicing | None, torch.Tensor, bool]]) -> list[torch.Tensor]:
         """PCM (1-D float32 on the device, launched) of each (stream's voicing, or None for an
         offline request; mel; final chunk), in one batched call."""
+
+
+class PreparesBeside(Kind, Protocol):
+    """What the core also asks of a kind with :attr:`~Kind.prepares_beside` (its preparation thread
+    calls ``prepare_voices`` while the loop runs)."""
+
+    def launching(self, features: PromptFeatures) -> bool:
+        """Another thread is launching this voice's state now, so that ``open`` would wait for it:
+        the core plans the voice's streams' first chunks later instead of holding up the others'."""
+
+    def wait_prepared(self, voices: list[PromptFeatures]) -> None:
+        """Block (the GIL released) until the device has computed these voices' state, launched by
+        ``prepare_voices``: an upload is answered then, so that its first request finds it done."""

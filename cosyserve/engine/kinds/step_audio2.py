@@ -214,10 +214,6 @@ class StepAudio2Kind:
             self._open += 1
         return voicing
 
-    def launching(self, features: PromptFeatures) -> bool:
-        """Never: voices are prepared on the loop's thread (open never waits for another)."""
-        return False
-
     def prepare_voices(self, voices: list[PromptFeatures]) -> None:
         """Build and keep these voices' state (registered ones at load, a new one when its request arrives)."""
         for features in voices:
