@@ -403,7 +403,7 @@ class PackedWindowSampler:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph, _ = capture_graph(run, self.device, self._pool)
-        except RuntimeError:  # a failed capture costs speed, never the request
+        except Exception:  # a failed capture (CUDA's error, or no CUDA device) costs speed, never the request
             log.exception("capturing the packed CosyVoice3 window graph %s failed; that shape runs eagerly", shape)
             self._failed.add(shape)
             return None
