@@ -64,12 +64,8 @@ class VoicePreparer:
             self._launched.put(None)
             self._threads[1].join()
             self._threads = []
-        with self._lock:
+        with self._lock:  # the waiting thread has answered every launched voice before its sentinel
             done, self._done, self._voices = self._done, [], []
-        while not self._launched.empty():
-            item = self._launched.get()
-            if item is not None:
-                done += item[1]
         call_each(done)
 
     def _run(self) -> None:

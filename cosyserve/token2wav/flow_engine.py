@@ -572,8 +572,9 @@ class FlowEngine:
                                           else self._commits(tokens.size(1)))
             plans.append((stream, state, finalize, valid_tokens, token_commit, frame_commit))
         if first_pieces is not None:
-            mus = first_pieces([tokens for _, tokens, _ in chunks], [plan[4] for plan in plans],
-                               [plan[1].encoder_states for plan in plans])
+            mus = first_pieces([tokens for _, tokens, _ in chunks],
+                               [token_commit for _, _, _, _, token_commit, _ in plans],
+                               [state.encoder_states for _, state, _, _, _, _ in plans])
         else:
             encoder_windows = [
                 EncoderWindow(flow.input_embedding(tokens[0, state.token_commit:].clamp(min=0)), state.token_commit,
