@@ -1,6 +1,6 @@
 """What every entry point shares, and nothing more (a leaf: loading one model must not import
 another's stack): the bundle's directory layout, the device and dtype to run on, how long an idle
-stream is kept, the CUDA streams of work that someone waits for.
+stream is kept.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ COSYVOICE3_LLM_DIR = "cosyvoice3_llm"
 STEP_AUDIO2_DIR = "Step-Audio-2-mini/token2wav"  # the token2wav/ folder of stepfun-ai/Step-Audio-2-mini
 SPK2INFO = "spk2info.pt"
 STREAM_IDLE_TIMEOUT_S = 600.0
-# CUDA stream priority of urgent_stream's streams (lower is sooner; 0, the default, is the lowest)
-URGENT_PRIORITY = -1
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
@@ -59,20 +57,6 @@ def host_to_device(values, device: torch.device | str, dtype: torch.dtype | None
     if torch.device(device).type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
-
-
-def urgent_stream(device: torch.device | str) -> torch.cuda.Stream | None:
-    """A new CUDA stream for work on a first chunk's path (the engine's loop, the LLM's steps, a new
-    voice's front end; None on the CPU). Its kernels are scheduled before those of a stream at the
-    default priority, which new voices' prompt solves keep (``token2wav.flow_engine``): eight of them
-    at once are ~100 ms of kernels, and at the same priority they slowed every LLM decode step and
-    playing stream's chunk that ran beside them (H100: 8 new clips' first tokens 145.5 ms against
-    75.7 for registered voices). Those urgent streams share one priority, so that the LLM never
-    starves the loop's chunks (``engine.runners.llm``)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    return torch.cuda.Stream(device, priority=URGENT_PRIORITY)
 
 
 def bucket(value: int, sizes: Sequence[int]) -> int | None:

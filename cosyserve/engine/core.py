@@ -49,7 +49,7 @@ from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutErr
 from ..llm.prompt import NUM_SPEECH_TOKENS
 from ..lru import LruCache
 from ..speech_tokens import speech_token_ids
-from .device import HostCopy, synchronize, use_urgent_stream
+from .device import HostCopy, synchronize
 from .kinds.protocol import Kind, PreparesBeside
 from .preparer import VoicePreparer, call_each
 from .request import EngineRequest, RequestState, SegmentState
@@ -234,7 +234,6 @@ class EngineCore:
     # ----- the loop -----
 
     def _loop(self) -> None:
-        use_urgent_stream(self.kind.device)  # chunks before new voices' prompt solves on the GPU
         while True:
             waited = time.perf_counter()
             with self._wakeup:

@@ -1,21 +1,9 @@
-"""The loop's CUDA stream, waiting for the engine's GPU work (a kind's ``device``), and PCM back to the
-host without waiting."""
+"""Waiting for the engine's GPU work (a kind's ``device``), and PCM back to the host without waiting."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-
-from ..runtime import urgent_stream
-
-
-def use_urgent_stream(device: torch.device) -> None:
-    """Launch this thread's CUDA work from now on on an :func:`~cosyserve.runtime.urgent_stream`, in
-    order after everything launched on the device's default stream so far (the load's work)."""
-    stream = urgent_stream(device)
-    if stream is not None:
-        stream.wait_stream(torch.cuda.default_stream(device))
-        torch.cuda.set_stream(stream)
 
 
 def synchronize(device: torch.device) -> None:

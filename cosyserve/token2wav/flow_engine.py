@@ -216,8 +216,7 @@ class FlowEngine:
         self.prefix_graphs = EngineGraphs(self.fused, PREFIX_SHAPES, lane=PREFIX_LANE) if cuda_graphs else None
         self.first_pieces = PrefixEncoder(flow, PREFIX_PAIRS, flow.cfg.pre_lookahead_len + PREFIX_FIRST_PIECE_TOKENS,
                                           PREFIX_TOKEN_BUCKET, replay=cuda_graphs)
-        # new voices' prompts run on a stream of their own, beside the chunks (see prepare), at the
-        # default priority: below the loop's, the LLM's and the front end's (runtime.urgent_stream)
+        # new voices' prompts run on a stream of their own, beside the chunks (see prepare)
         self._prefix_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if precapture:
             self.capture_graphs()

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ...llm.prompt import register_voice_prefixes
 from ...llm.sampling import REFERENCE_SAMPLING, SamplingParams
 from ...llm.stream import TokenStream
-from ...runtime import urgent_stream
 from ..front_end import TokenLimits
 
 
@@ -62,9 +63,9 @@ class FreeRunningLLM(BackendLLM):
         self.sampling = sampling
         self._generate = engine.submit
         device = engine.runner.device
-        # a stream of its own at the loop's priority: its decode steps interleave with the chunks'
+        # a stream of its own at the flow's priority: its decode steps interleave with the flow's
         # kernels (at a higher priority they starved a first chunk's flow until the reply was decoded)
-        engine.start(urgent_stream(device))
+        engine.start(torch.cuda.Stream(device) if device.type == "cuda" else None)
 
     @property
     def generating(self) -> int:
