@@ -33,3 +33,34 @@ def test_busy_time_is_the_union_of_kernel_intervals():
 
     assert busy_us([]) == 0.0
     assert busy_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20.0  # overlaps count once, gaps not at all
+
+
+def test_a_trace_holds_the_operators_of_every_thread_until_the_marks(tmp_path):
+    import gzip
+    import threading
+
+    import torch
+
+    from cosyserve.bench.kernels import trace_until
+
+    x = torch.randn(8, 8)
+    started = threading.Event()
+
+    def beside() -> None:  # a thread that runs before the trace starts, as the engine's loop does
+        started.wait()
+        for _ in range(5):
+            torch.mm(x, x)
+    thread = threading.Thread(target=beside)
+    thread.start()
+
+    def run(mark) -> None:
+        started.set()
+        thread.join()
+        torch.add(x, x)
+        mark()
+        torch.sub(x, x)  # after the last mark: may or may not be traced
+
+    summary = trace_until(str(tmp_path / "trace.json.gz"), run, marks=1)
+    trace = json.loads(gzip.open(summary["path"]).read())
+    threads = {e["tid"] for e in trace["traceEvents"] if e.get("name") in ("aten::mm", "aten::add")}
+    assert summary["marks"] == 1 and len(threads) == 2

@@ -32,7 +32,7 @@ from ..engine.service import BUNDLE_DIRS, TTSEngine, load_engine, warm_up_clip
 from ..engine.front_end import TokenLimits, TTSRequest
 from ..serving.settings import EngineSettings
 from ..runtime import resolve_device
-from .kernels import call_profile, host_syncs, kernel_profile
+from .kernels import call_profile, host_syncs, kernel_profile, trace_until
 from .openloop import poisson_arrivals, run_open_loop
 
 TEXT = "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。"
@@ -226,6 +226,15 @@ def run(args: argparse.Namespace) -> dict:
                     preparations.append(call_profile(lambda: engine.core.kind.prepare_voices(features)))
                 report["new_voice_preparation_profile"] = _print_profiles(
                     f"preparation ({args.profile_new_clips} together)", preparations)
+            if args.trace_new_clips and args.new_clips:
+                clips = [new_clip() for _ in range(args.new_clips[-1])]
+
+                def traced(first) -> list[Outcome]:
+                    return _in_threads(len(clips), lambda i: one_request(engine, clips[i], args.tokens,
+                                                                         f"t-{next(counter)}", on_first=first))
+                report["new_clip_trace"] = trace_until(args.trace_new_clips, traced, len(clips))
+                print(f"trace of {len(clips)} new clips until their first chunks: {report['new_clip_trace']}",
+                      flush=True)
             for rate in args.rates:
                 def open_loop():
                     arrivals = poisson_arrivals(rate, args.seed, duration_s=args.seconds_per_rate)
@@ -396,6 +405,9 @@ def parser() -> argparse.ArgumentParser:
                    "under torch's sync debug mode (host syncs by source line), then three times their voices "
                    "prepared by the kind on the idle engine from this thread under the profiler (launch and "
                    "done times, kernels, host time by operator and stack), printed")
+    p.add_argument("--trace-new-clips", metavar="PATH", help="then the last --new-clips level's clips once more "
+                   "under torch.profiler until their first chunks are out (every thread's operators, the kernels): "
+                   "a gzipped Chrome trace written to PATH")
     p.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop Poisson arrival rates (req/s)")
     p.add_argument("--seconds-per-rate", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)

@@ -2,11 +2,17 @@
 a piece of load, summarised as the figures the engine's issues are judged by: kernels launched, the
 share of them under 10 us, the GPU busy share (the union of kernel and copy intervals over the wall
 clock) and the kernels that took the most time. And where the host waits for the GPU: torch's
-sync debug mode around a piece of load, its warnings counted by source line."""
+sync debug mode around a piece of load, its warnings counted by source line. And a timeline of a
+piece of load (:func:`trace_until`: every thread's operators and the kernels, a Chrome trace) to
+read elsewhere."""
 
 from __future__ import annotations
 
+import gzip
 import os
+import shutil
+import tempfile
+import threading
 import time
 import warnings
 from collections import Counter, defaultdict
@@ -114,3 +120,39 @@ def host_syncs(run: Callable[[], Any], top: int = 15) -> tuple[Any, dict]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return result, {"syncs": sum(lines.values()), "top": [{"line": line, "count": n} for line, n in lines.most_common(top)]}
+
+
+def trace_until(path: str, run: Callable[[Callable[[], None]], Any], marks: int, timeout_s: float = 60.0) -> dict:
+    """``run(mark)`` under ``torch.profiler`` (every thread's operators and runtime calls, CUDA kernels
+    and copies) until ``mark()`` has been called ``marks`` times (a request's first chunk, say) or
+    ``run`` returns; the Chrome trace, gzipped, goes to ``path`` (open it in Perfetto). Returns how
+    long the trace spans and its size."""
+    import torch
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    lock, seen, reached = threading.Lock(), [0], threading.Event()
+
+    def mark() -> None:
+        with lock:
+            seen[0] += 1
+            if seen[0] >= marks:
+                reached.set()
+
+    cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    # every thread's operators (by default only the starting thread's are recorded)
+    prof = profile(activities=[ProfilerActivity.CPU, *cuda], experimental_config=_ExperimentalConfig(profile_all_threads=True))
+    worker = threading.Thread(target=lambda: (run(mark), reached.set()), daemon=True)
+    prof.start()
+    began = time.perf_counter()
+    worker.start()
+    reached.wait(timeout_s)
+    traced_s = time.perf_counter() - began
+    prof.stop()
+    worker.join()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as source, gzip.open(path, "wb") as target:
+            shutil.copyfileobj(source, target)
+    return {"path": path, "traced_s": round(traced_s, 3), "marks": seen[0], "bytes": os.path.getsize(path)}
