@@ -41,7 +41,7 @@ def test_a_trace_holds_the_operators_of_every_thread_until_the_marks(tmp_path):
 
     import torch
 
-    from cosyserve.bench.kernels import trace_until
+    from cosyserve.bench.kernels import trace_summary, trace_until
 
     x = torch.randn(8, 8)
     started = threading.Event()
@@ -64,3 +64,6 @@ def test_a_trace_holds_the_operators_of_every_thread_until_the_marks(tmp_path):
     trace = json.loads(gzip.open(summary["path"]).read())
     threads = {e["tid"] for e in trace["traceEvents"] if e.get("name") in ("aten::mm", "aten::add")}
     assert summary["marks"] == 1 and len(threads) == 2
+    text = trace_summary(summary["path"], bin_ms=1.0)
+    assert sum(line.startswith("thread ") for line in text.splitlines()) >= 2
+    assert "aten::mm" in text and "aten::add" in text

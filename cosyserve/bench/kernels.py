@@ -156,3 +156,58 @@ def trace_until(path: str, run: Callable[[Callable[[], None]], Any], marks: int,
         with open(raw, "rb") as source, gzip.open(path, "wb") as target:
             shutil.copyfileobj(source, target)
     return {"path": path, "traced_s": round(traced_s, 3), "marks": seen[0], "bytes": os.path.getsize(path)}
+
+
+def trace_summary(path: str, bin_ms: float = 20.0, threads: int = 6, top: int = 10) -> str:
+    """A :func:`trace_until` trace as text: each busiest thread's host time (its outermost operators
+    and runtime calls) per ``bin_ms`` of the trace, then its self time by operator (a runtime call that
+    took long waited: for the device, or for the driver another thread held); each CUDA stream's busy
+    time per bin (kernels, copies, memsets)."""
+    import json
+
+    with gzip.open(path) as source:
+        events = [e for e in json.load(source)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    start = min(e["ts"] for e in events)
+    span = max(e["ts"] + e["dur"] for e in events) - start
+    width = bin_ms * 1e3
+    bins = int(span // width) + 1
+
+    def per_bin(intervals: list[tuple[float, float]]) -> str:
+        busy = [0.0] * bins
+        for begin, end in intervals:
+            begin, end = begin - start, end - start
+            while begin < end:
+                index = int(begin // width)
+                edge = (index + 1) * width
+                busy[index] += min(end, edge) - begin
+                begin = edge
+        return " ".join(f"{b / 1e3:4.1f}" for b in busy)
+
+    host = defaultdict(list)
+    device = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver"):
+            host[e["tid"]].append(e)
+        elif e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            device[e["args"].get("stream")].append((e["ts"], e["ts"] + e["dur"]))
+    lines = [f"trace of {span / 1e3:.1f} ms; busy ms per {bin_ms:g} ms"]
+    for tid, calls in sorted(host.items(), key=lambda item: -len(item[1]))[:threads]:
+        calls.sort(key=lambda e: (e["ts"], -e["dur"]))
+        outer, end, own, counts, open_calls = [], float("-inf"), Counter(), Counter(), []
+        for e in calls:
+            if e["ts"] >= end:
+                outer.append((e["ts"], e["ts"] + e["dur"]))
+                end = e["ts"] + e["dur"]
+            while open_calls and open_calls[-1][0] <= e["ts"]:
+                open_calls.pop()
+            if open_calls:
+                own[open_calls[-1][1]] -= e["dur"]  # a call's self time leaves out what it called
+            own[e["name"]] += e["dur"]
+            counts[e["name"]] += 1
+            open_calls.append((e["ts"] + e["dur"], e["name"]))
+        lines.append(f"thread {tid}: {busy_us(outer) / 1e3:.1f} ms, {len(calls)} calls | {per_bin(outer)}")
+        lines += [f"    {us / 1e3:7.1f} ms {counts[name]:6d}  {name[:70]}" for name, us in own.most_common(top)]
+    for stream, intervals in sorted(device.items(), key=lambda item: -len(item[1])):
+        lines.append(f"stream {stream}: {busy_us(intervals) / 1e3:.1f} ms busy, {len(intervals)} kernels and copies"
+                     f" | {per_bin(intervals)}")
+    return "\n".join(lines)
