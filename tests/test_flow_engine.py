@@ -334,6 +334,38 @@ def test_a_long_prompt_is_cached_in_pieces(flow):
         ref.done += got.size(2)
 
 
+def test_a_preparation_does_not_wait_for_a_chunk_run_under_way(flow, monkeypatch):
+    """A chunk run holds the engine only for its own kind of work: a voice prepared on another thread
+    while a solve is still launching (held here until the voice is done) is computed meanwhile, and
+    both come out as the full re-run says. (Under load a solve's launch takes tens of ms; the
+    preparation thread once waited ~90 ms for the lock that the loop's launches held.)"""
+    engine = _engine(flow)
+    kept = _voice(60, seed=50)
+    engine.prepare([(*kept, "kept")])
+    tokens = _tokens(40, seed=9)
+    playing, ref = engine.open(*kept, key="kept"), Reference(flow, kept, tokens, [])
+    prepared, solving = threading.Event(), threading.Event()
+    solve_windows = FlowEngine._solve_windows
+
+    def held_solve(self, windows, graphs):
+        if threading.current_thread() is threading.main_thread():
+            solving.set()
+            assert prepared.wait(60), "the preparation waited for the chunk's solve"
+        return solve_windows(self, windows, graphs)
+
+    monkeypatch.setattr(FlowEngine, "_solve_windows", held_solve)
+    voice = _voice(75, seed=51)
+    preparing = threading.Thread(target=lambda: (solving.wait(60), engine.prepare([(*voice, "new")]), prepared.set()))
+    preparing.start()
+    count, finalize = triton_schedule(40)[0]
+    mel = engine.run([(playing, tokens[:, :count], finalize)])[0]
+    preparing.join()
+    assert prepared.is_set() and _rel(mel, ref.expected(count, finalize)) < REL_L2
+    stream = engine.open(*voice, key="new")
+    new_ref = Reference(flow, voice, tokens, [])
+    assert _rel(engine.run([(stream, tokens[:, :count], finalize)])[0], new_ref.expected(count, finalize)) < REL_L2
+
+
 @pytest.mark.parametrize("shapes", ["exact", "captured"])
 def test_voices_prepared_on_another_thread_while_a_stream_runs(flow, shapes: str):
     """New voices prepared on a thread of their own (as the engine core's preparation thread does)

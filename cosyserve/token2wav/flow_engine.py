@@ -221,7 +221,10 @@ class FlowEngine:
         if precapture:
             self.capture_graphs()
         self._voices: OrderedDict[str, VoicePrefix] = OrderedDict()
-        self._lock = threading.RLock()  # voices, pages, counters
+        # voices, pages, counters: held for bookkeeping only, never across a launch, so that the
+        # preparation thread never waits for the chunks' launches (under load those hold it for tens of ms)
+        self._lock = threading.RLock()
+        self._chunks_lock = threading.Lock()  # one chunk run (start, solve, finish) at a time: the chunks' buffers
         self._prepare_lock = threading.Lock()  # one preparation at a time (the prefix lane's buffers)
         self._preparing: dict[str, threading.Event] = {}  # keys being prepared, set once launched
         self._consumers: set[torch.cuda.Stream] = set()  # CUDA streams that ran voices' streams
@@ -488,7 +491,7 @@ class FlowEngine:
         """The chunks' windows (encoder run, state pages taken), ready for :meth:`solve`; chunks as
         for :meth:`run`. Once solved, each is voiced by :meth:`finish`. On an error the chunks'
         streams are closed."""
-        with self._lock, torch.inference_mode():
+        with self._chunks_lock, torch.inference_mode():
             try:
                 return self._windows([(stream, torch.cat([stream.voice.prompt_tokens,
                                                           self._validated(stream, tokens, finalize)], dim=1),
@@ -502,7 +505,7 @@ class FlowEngine:
         """Every guided Euler step of every window (started, none solved yet), each step packed
         into one estimator call; launched, not waited for. An error closes every stream of the call
         (their pages freed)."""
-        with self._lock, torch.inference_mode():
+        with self._chunks_lock, torch.inference_mode():
             try:
                 self._solve_windows(windows, self.graphs)
             except BaseException:
@@ -512,7 +515,7 @@ class FlowEngine:
     def finish(self, w: _Window) -> torch.Tensor:
         """A done window's mel (1, 80, f) float32 of the frames not returned before; its complete
         blocks become its stream's context (a final window closes the stream)."""
-        with self._lock:
+        with self._chunks_lock:
             stream = w.stream
             mel = w.x[:, :, stream._frames_out - w.frame_start:].to(torch.float32, copy=True)
             self._commit(w)
