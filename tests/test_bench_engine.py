@@ -67,3 +67,15 @@ def test_a_trace_holds_the_operators_of_every_thread_until_the_marks(tmp_path):
     text = trace_summary(summary["path"], bin_ms=1.0)
     assert sum(line.startswith("thread ") for line in text.splitlines()) >= 2
     assert "aten::mm" in text and "aten::add" in text
+
+
+def test_a_traced_runs_error_reaches_the_caller(tmp_path):
+    import pytest
+
+    from cosyserve.bench.kernels import trace_until
+
+    def run(mark) -> None:
+        raise ValueError("the load failed")
+
+    with pytest.raises(ValueError, match="the load failed"):
+        trace_until(str(tmp_path / "trace.json.gz"), run, marks=1, timeout_s=5)

@@ -126,12 +126,12 @@ def trace_until(path: str, run: Callable[[Callable[[], None]], Any], marks: int,
     """``run(mark)`` under ``torch.profiler`` (every thread's operators and runtime calls, CUDA kernels
     and copies) until ``mark()`` has been called ``marks`` times (a request's first chunk, say) or
     ``run`` returns; the Chrome trace, gzipped, goes to ``path`` (open it in Perfetto). Returns how
-    long the trace spans and its size."""
+    long the trace spans and its size (raises ``run``'s error, once the trace is stopped)."""
     import torch
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
-    lock, seen, reached = threading.Lock(), [0], threading.Event()
+    lock, seen, reached, failed = threading.Lock(), [0], threading.Event(), []
 
     def mark() -> None:
         with lock:
@@ -142,7 +142,16 @@ def trace_until(path: str, run: Callable[[Callable[[], None]], Any], marks: int,
     cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
     # every thread's operators (by default only the starting thread's are recorded)
     prof = profile(activities=[ProfilerActivity.CPU, *cuda], experimental_config=_ExperimentalConfig(profile_all_threads=True))
-    worker = threading.Thread(target=lambda: (run(mark), reached.set()), daemon=True)
+
+    def work() -> None:
+        try:
+            run(mark)
+        except BaseException as exc:  # raised on the caller's thread
+            failed.append(exc)
+        finally:
+            reached.set()
+
+    worker = threading.Thread(target=work, daemon=True)
     prof.start()
     began = time.perf_counter()
     worker.start()
@@ -150,6 +159,8 @@ def trace_until(path: str, run: Callable[[Callable[[], None]], Any], marks: int,
     traced_s = time.perf_counter() - began
     prof.stop()
     worker.join()
+    if failed:
+        raise failed[0]
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(raw)
