@@ -23,7 +23,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=("real", "tiny"), default="real")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=DTYPES, default="fp16")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: fp16 on a GPU, fp32 on the CPU (no fp16 LayerNorm there)")
     parser.add_argument("--prompt-tokens", type=int, default=137, help="5.5 s of prompt")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--modes", nargs="+", choices=("eager", "graphs"), default=["eager", "graphs"])
@@ -34,6 +34,7 @@ def main() -> int:
     args = parser.parse_args()
     if "graphs" in args.modes and not args.device.startswith("cuda"):
         parser.error("graphs need --device cuda")
+    args.dtype = args.dtype or ("fp16" if args.device.startswith("cuda") else "fp32")
     print(HEADER, flush=True)
     for row in run(args):
         print(markdown_row(row), flush=True)

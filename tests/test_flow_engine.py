@@ -326,7 +326,8 @@ def test_a_long_prompt_is_cached_in_pieces(flow):
     voice, tokens = _voice(430, seed=11), _tokens(60, seed=12)
     stream = engine.open(*voice)
     assert stream.voice.frames == 50 * ((430 - 3) // 25) and engine.counters.calls == 3
-    assert engine.counters.frames == 500 + 250 + (2 * (430 - 3) - 750)  # windows of 500, 250 and the rest
+    # windows of 500, 250 and the rest's complete blocks (a prompt's open block is not computed)
+    assert engine.counters.frames == 500 + 250 + 100 == stream.voice.frames
     ref = Reference(flow, voice, tokens, [])
     for count, finalize in triton_schedule(60):
         got = engine.run([(stream, tokens[:, :count], finalize)])[0]
@@ -407,8 +408,8 @@ def test_voices_prepared_on_another_thread_while_a_stream_runs(flow, shapes: str
         for k, (r, mel) in enumerate(zip(refs, mels)):
             assert _rel(mel, r.expected(count, finalize)) < REL_L2, (k, count)
             r.done += mel.size(2)
-    if shapes == "captured":  # the three first pieces together (the longest 2 * (240 - 3) frames)
-        assert (4, 512, 256) in engine.prefix_graphs._buffers
+    if shapes == "captured":  # the three first pieces together (the longest completes 450 frames), no context
+        assert (4, 512, 0) in engine.prefix_graphs._buffers
         assert all(frames <= 256 for _, frames, _ in engine.graphs._buffers)
     assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages
 
@@ -428,12 +429,12 @@ def test_voices_prepared_together_equal_each_prepared_alone(flow, shapes: str):
     engine.prepare([(*voice, f"v{n}") for voice, n in zip(voices, lengths)])
     assert engine.counters.calls == 2 and engine.cached_voices == 4 and engine.open_streams == 0
     if shapes == "captured":  # the first pieces of 3 voices in the prompts' shapes, the second piece of one eager
-        assert sorted(engine.prefix_graphs._buffers) == [(4, 512, 256)] and not engine.graphs._buffers
+        assert sorted(engine.prefix_graphs._buffers) == [(4, 512, 0)] and not engine.graphs._buffers
     engine.prepare([(*voices[0], "v60")])
     assert engine.counters.calls == 2
-    if shapes == "captured":  # a lone prompt of 150 tokens (294 frames): the prompts' 384-frame shape
+    if shapes == "captured":  # a lone prompt of 150 tokens (5 complete blocks, 250 frames): the 256-frame shape
         engine.prepare([(*_voice(150, seed=5), "v150")])
-        assert (1, 384, 256) in engine.prefix_graphs._buffers and engine.counters.calls == 3
+        assert (1, 256, 0) in engine.prefix_graphs._buffers and engine.counters.calls == 3
     tokens = _tokens(60, seed=7)
     for voice, n in zip(voices, lengths):
         stream = engine.open(*voice, key=f"v{n}")

@@ -127,6 +127,21 @@ def check_whole_call(fused: FusedEstimator, cfm, streaming: bool, tol: float) ->
     assert _rel(got[0].T[None], ref) < tol
 
 
+def check_padding_skipped() -> None:
+    """fused_linear with ``live``: a block of rows with no live frame skips its products (its outputs
+    are the epilogue of zeros, here the bias); rows with live frames equal the reference."""
+    from cosyserve.models.flow.fused import fused_linear_reference
+    from cosyserve.models.flow.fused_triton import fused_linear
+    g = torch.Generator().manual_seed(5)
+    a, w, bias = torch.randn(3, 48, 32, generator=g), torch.randn(24, 32, generator=g), torch.randn(24, generator=g)
+    live = torch.tensor([48, 5, 0], dtype=torch.int32)
+    ref, out = torch.empty(3, 48, 24), torch.empty(3, 48, 24)
+    fused_linear_reference(a, w, out=ref, bias=bias)
+    fused_linear(a, w, out=out, bias=bias, live=live, tile=(16, 32, 32, 4, 1))
+    assert _rel(out[0], ref[0]) < 1e-5 and _rel(out[1, :16], ref[1, :16]) < 1e-5
+    assert torch.equal(out[1, 16:], bias.expand(32, -1)) and torch.equal(out[2], bias.expand(48, -1))
+
+
 def test_packed_rows_equal_eager_windows(cfm):
     check_packed_rows(FusedEstimator(cfm), cfm, REL_L2)
 
@@ -152,7 +167,8 @@ def test_rows_validation(cfm):
 
 @pytest.mark.slow  # ~1 minute in Triton's interpreter on 2 cores
 def test_triton_kernels_under_interpreter():
-    """The Triton kernels (the GPU fp16/bf16 path) compute the same step, run by Triton's CPU interpreter."""
+    """The Triton kernels (the GPU fp16/bf16 path) compute the same step, run by Triton's CPU interpreter;
+    padding rows skip their products."""
     pytest.importorskip("triton")
     script = (
         "import torch, tests.test_flow_fused as t\n"
@@ -161,6 +177,7 @@ def test_triton_kernels_under_interpreter():
         "fused = FusedEstimator(cfm, kernels='triton')\n"
         "t.check_packed_rows(fused, cfm, 1e-5)\n"
         "t.check_full_attention(fused, cfm, 1e-5)\n"
+        "t.check_padding_skipped()\n"
         "print('ok')\n"
     )
     root = Path(__file__).resolve().parents[1]

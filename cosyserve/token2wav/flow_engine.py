@@ -54,7 +54,7 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -396,11 +396,13 @@ class FlowEngine:
             for k in range(max(len(ends) for ends in pieces)):
                 chunks = [(stream, stream.voice.prompt_tokens[:, :ends[k]], False)
                           for stream, ends in zip(streams, pieces) if k < len(ends)]
-                windows = self._windows(chunks, self.first_pieces if k == 0 else None)
+                windows = [_complete_blocks(w) for w in self._windows(chunks, self.first_pieces if k == 0 else None)]
                 with self._lock:
                     self._prefix_waits_for_consumers()  # its pages may have been freed just now
-                self._solve_windows(windows, self.prefix_graphs if k == 0 else None)
-                for window in windows:
+                solved = [w for w in windows if w.width]  # (a last piece shorter than a block commits nothing)
+                if solved:
+                    self._solve_windows(solved, self.prefix_graphs if k == 0 else None)
+                for window in solved:
                     self._commit(window)
                 windows = []
         except BaseException:
@@ -688,6 +690,14 @@ class FlowEngine:
         """The window's complete blocks become the stream's context."""
         w.state.pages += w.new_pages
         w.state.token_commit, w.state.frame_commit = w.token_commit, w.frame_commit
+
+
+def _complete_blocks(w: _Window) -> _Window:
+    """A prompt piece's window cut to the blocks it completes. Only those are kept (each stream's
+    first chunk computes the open block again, with its own tokens), and they do not depend on the
+    frames after them: attention is block-causal and the convs are causal."""
+    keep = w.frame_commit - w.frame_start
+    return replace(w, frames=w.frame_commit, mu=w.mu[:, :, :keep], x=w.x[:, :, :keep])
 
 
 def _page_keys(pages: list[int], pairs: int, key_stride: int, offset: int, page: int) -> np.ndarray:

@@ -108,11 +108,13 @@ GRAPH_SLOTS = (256, 512, 768, 1024, 1536)
 CHUNK_SHAPES = GraphShapes(GRAPH_PAIRS, GRAPH_FRAMES, GRAPH_SLOTS)
 # New voices' prompts (flow_engine.prepare): the first piece of up to 8 prompts at once, without
 # context (flow_engine.PREFIX_FIRST_PIECE_TOKENS: up to 500 frames, so that a 3-10 s prompt is one
-# solve, not two). Three widths (3-5 s, 5-7.5 s, 7.5-10 s): past a floor of ~600 kernels a step's time
-# grows with its rows' frames (~0.8 us per row-frame on an H200).
+# solve, not two). A piece computes its complete 50-frame blocks only, so the widths hug multiples of
+# 50 (2-3, 4-5, 6-7 and 8-10 blocks: prompts of 3-4, 5-6, 7-8 and 9-10 s) and stay multiples of
+# fused.KEY_ALIGN without context slots: past a floor of ~600 kernels a step's time grows with its
+# rows' frames (~0.8 us per row-frame on an H200), attention with its keys.
 PREFIX_PAIRS = (1, 2, 4, 8)
-PREFIX_FRAMES = (256, 384, 512)
-PREFIX_SHAPES = GraphShapes(PREFIX_PAIRS, PREFIX_FRAMES, (GRAPH_SLOTS[0],))
+PREFIX_FRAMES = (160, 256, 352, 512)
+PREFIX_SHAPES = GraphShapes(PREFIX_PAIRS, PREFIX_FRAMES, (0,))
 
 
 class EngineGraphs:

@@ -26,6 +26,8 @@ ops below, which compute the same function layer for layer as the eager estimato
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,7 +52,8 @@ _ACTIVATIONS = {ACT_NONE: lambda y: y, ACT_GELU: F.gelu, ACT_MISH: F.mish}
 def fused_linear_reference(a: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor, taps: int = 1,
                            context: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                            ln: tuple[torch.Tensor, torch.Tensor] | None = None, act: int = ACT_NONE,
-                           valid: torch.Tensor | None = None, row_vector: torch.Tensor | None = None,
+                           valid: torch.Tensor | None = None, live: torch.Tensor | None = None,
+                           row_vector: torch.Tensor | None = None,
                            gemm2: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            residual: torch.Tensor | None = None,
                            ln_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -65,6 +68,10 @@ def fused_linear_reference(a: torch.Tensor, w: torch.Tensor, *, out: torch.Tenso
     y goes to ``out`` (R, n, N), or columns [0, s) to ``out`` and [s, N) to t for ``split`` = (s, t);
     ``ln_out`` = (weight, bias, out2) also writes LayerNorm(y) to out2. Outputs may alias inputs
     row for row (``residual`` is ``out``: the residual stream updated in place).
+
+    ``live`` (R,) int32: frames i >= live[r] are padding whose outputs nothing reads; a kernel may
+    skip their products (the Triton one does, per block of rows), leaving other finite values there.
+    Here they are computed.
     """
     a = a.to(w.dtype)
     if taps > 1:
@@ -433,7 +440,8 @@ class FusedEstimator:
         layout). Returns views (valid until the next step of this shape) of x + dt v and the guided
         velocity v, both (R/2, frames, out_channels).
         """
-        linear, ws = self._linear, self._workspace(rows.rows, rows.frames)
+        # padding frames of a captured shape skip their products (on the device: graphs replay it)
+        linear, ws = functools.partial(self._linear, live=rows.valid), self._workspace(rows.rows, rows.frames)
         if keep_context is not None:
             linear = self._keeping_context(linear, *keep_context)
         convs, kvs = iter(state.conv), iter(state.kv)
@@ -448,7 +456,7 @@ class FusedEstimator:
             linear(ws.h1, res.block2.weight, out=stream, taps=res.block2.taps, context=next(convs),
                    bias=res.block2.bias, ln=res.block2.ln, act=ACT_MISH, valid=rows.valid,
                    gemm2=(stage_in, res.res, res.res_bias), ln_out=(*blocks[0].ln1, ws.h))
-            self._transformers(rows, blocks, kvs, ws, stream, stage_out)
+            self._transformers(linear, rows, blocks, kvs, ws, stream, stage_out)
 
         stage(down, down_blocks, inp, ws.stream[0], skip)
         stage_in = ws.stream[1] if mids else mid_out
@@ -480,9 +488,9 @@ class FusedEstimator:
             linear(a, w, out=out, taps=taps, context=context, **epilogue)
         return keeping
 
-    def _transformers(self, rows: StepRows, blocks: list[_Transformer], kvs, ws: _Workspace, stream: torch.Tensor,
-                      stage_out: torch.Tensor) -> None:
-        linear, inner = self._linear, self.inner
+    def _transformers(self, linear, rows: StepRows, blocks: list[_Transformer], kvs, ws: _Workspace,
+                      stream: torch.Tensor, stage_out: torch.Tensor) -> None:
+        inner = self.inner
         for j, block in enumerate(blocks):
             kv = next(kvs)
             linear(ws.h, block.qkv, out=ws.q, split=(inner, kv[:, rows.slots:]))

@@ -87,34 +87,12 @@ def _epilogue(acc, acc2, rm, rn, r, i, row_ok, col_ok, bias_ptr, bias2_ptr, rowv
 
 
 @triton.jit
-def _linear_kernel(
-    a_ptr, a_sr, a_si, ctx_ptr, ctx_sr, ctx_si, w_ptr, bias_ptr,
-    a2_ptr, a2_sr, a2_si, w2_ptr, bias2_ptr,
-    rowvec_ptr, rowvec_sr, valid_ptr,
-    res_ptr, res_sr, res_si, ln_w_ptr, ln_b_ptr,
-    out_ptr, out_sr, out_si, out2_ptr, out2_sr, out2_si, ln2_w_ptr, ln2_b_ptr,
-    scratch_ptr, scratch2_ptr, counter_ptr,
-    M, FRAMES, K, K2, N, N_SPLIT, eps,
-    TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, ACT: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_ROWVEC: tl.constexpr, HAS_GEMM2: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    HAS_LN_OUT: tl.constexpr, HAS_SPLIT: tl.constexpr, ROW_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr,
-):
-    """ROW_TILES: the row epilogue (LayerNorm) needs whole rows, but the columns are split over
-    several programs for parallelism. Each writes its raw GEMM tile to fp32 scratch; the last
-    program of a row block to finish (an atomic counter) reads the whole rows back and runs the
-    epilogue, then resets the counter for the next launch."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    row_ok = rm < M
-    col_ok = rn < N
-    r = rm // FRAMES
-    i = rm % FRAMES
+def _products(a_ptr, a_sr, a_si, ctx_ptr, ctx_sr, ctx_si, w_ptr, a2_ptr, a2_sr, a2_si, w2_ptr,
+              acc, acc2, r, i, row_ok, rn, col_ok, K, K2, TAPS: tl.constexpr, HAS_GEMM2: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The GEMM of one tile of :func:`_linear_kernel` (a causal conv with ``TAPS`` > 1), accumulated
+    into acc, and the second GEMM into acc2."""
     w_type = w_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rk = tl.arange(0, BLOCK_K)
     for tap in tl.static_range(TAPS):
         src = i - (TAPS - 1) + tap  # frame read by this tap; < 0: from the context before the window
         new_ok = row_ok & (src >= 0)
@@ -132,9 +110,7 @@ def _linear_kernel(
             w = tl.load(w_ptr + rn[None, :] * (TAPS * K) + (tap * K + kk)[:, None],
                         mask=col_ok[None, :] & k_ok[:, None], other=0.0)
             acc = tl.dot(a, w, acc)
-    acc2 = acc
     if HAS_GEMM2:
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         a2_rows = a2_ptr + r * a2_sr + i * a2_si
         for k0 in range(0, K2, BLOCK_K):
             kk = k0 + rk
@@ -142,6 +118,49 @@ def _linear_kernel(
             a = tl.load(a2_rows[:, None] + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(w_type)
             w = tl.load(w2_ptr + rn[None, :] * K2 + kk[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
             acc2 = tl.dot(a, w, acc2)
+    return acc, acc2
+
+
+@triton.jit
+def _linear_kernel(
+    a_ptr, a_sr, a_si, ctx_ptr, ctx_sr, ctx_si, w_ptr, bias_ptr,
+    a2_ptr, a2_sr, a2_si, w2_ptr, bias2_ptr,
+    rowvec_ptr, rowvec_sr, valid_ptr, live_ptr,
+    res_ptr, res_sr, res_si, ln_w_ptr, ln_b_ptr,
+    out_ptr, out_sr, out_si, out2_ptr, out2_sr, out2_si, ln2_w_ptr, ln2_b_ptr,
+    scratch_ptr, scratch2_ptr, counter_ptr,
+    M, FRAMES, K, K2, N, N_SPLIT, eps,
+    TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr, ACT: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_ROWVEC: tl.constexpr, HAS_GEMM2: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_LN_OUT: tl.constexpr, HAS_SPLIT: tl.constexpr, ROW_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr,
+):
+    """ROW_TILES: the row epilogue (LayerNorm) needs whole rows, but the columns are split over
+    several programs for parallelism. Each writes its raw GEMM tile to fp32 scratch; the last
+    program of a row block to finish (an atomic counter) reads the whole rows back and runs the
+    epilogue, then resets the counter for the next launch.
+
+    HAS_LIVE: a block of rows that holds no live frame (i < live[r]: padding of a captured shape)
+    skips its products; its epilogue then runs on zeros (finite values that nothing live reads)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rm < M
+    col_ok = rn < N
+    r = rm // FRAMES
+    i = rm % FRAMES
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    work = True
+    if HAS_LIVE:
+        live = tl.load(live_ptr + r, mask=row_ok, other=0)
+        work = tl.sum(((i < live) & row_ok).to(tl.int32), axis=0) > 0
+    if work:
+        acc, acc2 = _products(a_ptr, a_sr, a_si, ctx_ptr, ctx_sr, ctx_si, w_ptr, a2_ptr, a2_sr, a2_si, w2_ptr,
+                              acc, acc2, r, i, row_ok, rn, col_ok, K, K2, TAPS, HAS_GEMM2, BLOCK_K)
+    if not HAS_GEMM2:
+        acc2 = acc
     if ROW_TILES > 1:
         tile = row_ok[:, None] & col_ok[None, :]
         tl.store(scratch_ptr + rm[:, None] * N + rn[None, :], acc, mask=tile)
@@ -209,8 +228,8 @@ def reserve_row_scratch(device: torch.device, rows: int, width: int) -> None:
     _row_scratch(device, rows * width, rows)
 
 
-def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT_NONE, valid=None, row_vector=None,
-                 gemm2=None, residual=None, ln_out=None, split=None, eps=1e-5, tile=None) -> None:
+def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT_NONE, valid=None, live=None,
+                 row_vector=None, gemm2=None, residual=None, ln_out=None, split=None, eps=1e-5, tile=None) -> None:
     """See :func:`cosyserve.models.flow.fused.fused_linear_reference` for the arguments and semantics.
 
     ``tile``: (block_m, block_n, block_k, warps, stages) instead of the built-in choice (for tuning);
@@ -259,7 +278,7 @@ def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT
         a2 if a2 is not None else dummy, *_strides(a2), w2 if w2 is not None else dummy,
         b2 if b2 is not None else dummy,
         row_vector if row_vector is not None else dummy, 0 if row_vector is None else row_vector.stride(0),
-        valid if valid is not None else dummy,
+        valid if valid is not None else dummy, live if live is not None else dummy,
         residual if residual is not None else dummy, *_strides(residual),
         ln[0] if ln is not None else dummy, ln[1] if ln is not None else dummy,
         out, *_strides(out), out2 if out2 is not None else dummy, *_strides(out2),
@@ -267,8 +286,8 @@ def fused_linear(a, w, *, out, taps=1, context=None, bias=None, ln=None, act=ACT
         scratch, buffer[m * n:2 * m * n] if row_tiles > 1 else dummy, counters,
         m, frames, k, 0 if a2 is None else a2.size(2), n, n_split, eps,
         TAPS=taps, HAS_BIAS=bias is not None, HAS_LN=ln is not None, ACT=act, HAS_MASK=valid is not None,
-        HAS_ROWVEC=row_vector is not None, HAS_GEMM2=gemm2 is not None, HAS_RESIDUAL=residual is not None,
-        HAS_LN_OUT=ln_out is not None, HAS_SPLIT=split is not None, ROW_TILES=row_tiles,
+        HAS_LIVE=live is not None, HAS_ROWVEC=row_vector is not None, HAS_GEMM2=gemm2 is not None,
+        HAS_RESIDUAL=residual is not None, HAS_LN_OUT=ln_out is not None, HAS_SPLIT=split is not None, ROW_TILES=row_tiles,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_ROW=triton.next_power_of_2(n),
         num_warps=warps, num_stages=stages,
     )
