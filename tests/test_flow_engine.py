@@ -348,11 +348,11 @@ def test_a_preparation_does_not_wait_for_a_chunk_run_under_way(flow, monkeypatch
     prepared, solving = threading.Event(), threading.Event()
     solve_windows = FlowEngine._solve_windows
 
-    def held_solve(self, windows, graphs):
+    def held_solve(self, windows, graphs, *args):
         if threading.current_thread() is threading.main_thread():
             solving.set()
             assert prepared.wait(60), "the preparation waited for the chunk's solve"
-        return solve_windows(self, windows, graphs)
+        return solve_windows(self, windows, graphs, *args)
 
     monkeypatch.setattr(FlowEngine, "_solve_windows", held_solve)
     voice = _voice(75, seed=51)

@@ -19,7 +19,7 @@ import torch
 from ..audio.features import TOKENIZER_SAMPLE_RATE, matcha_mel_spectrogram, resample
 from ..audio.io import PromptAudio
 from ..errors import InvalidInputError
-from ..runtime import bucket, host_to_device
+from ..runtime import bucket, device_to_host, host_to_device
 from ..schedule import OUTPUT_SAMPLE_RATE
 from .graphs import GRAPH_SECONDS
 from .onnx_models import SpeakerEncoder, SpeechTokenizer
@@ -115,7 +115,7 @@ def trim_to_token_rate(speech_tokens: torch.Tensor, speech_feat: torch.Tensor) -
 
 
 def _voice_features(tokens: torch.Tensor, mel: torch.Tensor, embedding: torch.Tensor) -> PromptFeatures:
-    tokens, feat = trim_to_token_rate(tokens, mel.cpu())
+    tokens, feat = trim_to_token_rate(tokens, device_to_host(mel).clone())  # not kept in pinned memory
     return PromptFeatures(speech_tokens=tokens.to(torch.int32), speech_feat=feat, embedding=embedding)
 
 

@@ -28,6 +28,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..audio.features import WHISPER_HOP, campplus_features, kaldi_frame_count, whisper_log_mel
 from ..errors import InvalidInputError, ModelLoadError
+from ..runtime import device_to_host
 from .campplus import load_campplus
 from .graphs import GRAPH_BATCHES, ClipGraphs
 from .onnx_models import (
@@ -149,7 +150,7 @@ class TorchSpeechTokenizer(_DeviceModel):
     def start_batch(self, wavs16: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
         """:meth:`tokenize_batch` launched: a function that waits for its codes."""
         def gather(outputs, clips: int) -> list[torch.Tensor]:
-            codes, counts = (tensor[:clips].cpu() for tensor in outputs)
+            codes, counts = (device_to_host(tensor[:clips]) for tensor in outputs)
             return [checked_tokens(codes[i, :count].clone(), self.path) for i, count in enumerate(counts.tolist())]
         return self._start(wavs16, tokenizer_input, gather) if wavs16 else list
 
@@ -172,7 +173,8 @@ class TorchSpeakerEncoder(_DeviceModel):
     def start_batch(self, wavs16: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
         """:meth:`embed_batch` launched: a function that waits for its embeddings."""
         def gather(embeddings: torch.Tensor, clips: int) -> list[torch.Tensor]:
-            return [checked_embedding(embedding.clone(), self.path) for embedding in embeddings[:clips].float().cpu()]
+            return [checked_embedding(embedding.clone(), self.path)
+                    for embedding in device_to_host(embeddings[:clips].float())]
         return self._start(wavs16, speaker_input, gather) if wavs16 else list
 
 

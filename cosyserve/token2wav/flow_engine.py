@@ -86,6 +86,11 @@ PREFIX_LANE = "prefix"
 # A first prompt piece's encoder pass is padded to a multiple of this many tokens (PrefixEncoder: one
 # CUDA graph per width and rows, captured at load).
 PREFIX_TOKEN_BUCKET = 32
+# Euler steps of new voices' prompts queued on the device at most: the preparation thread launches
+# the next once the one this many before it has run. Why: with all 10 step graphs of 8 prompts queued
+# (~6,000 kernels), the other threads' launches blocked until that queue had drained (a trace of 8
+# new clips on an H100: the loop's and the LLM's graph launches each waited 35-40 ms).
+PREFIX_STEPS_AHEAD = 2
 
 
 @dataclass
@@ -401,7 +406,7 @@ class FlowEngine:
                     self._prefix_waits_for_consumers()  # its pages may have been freed just now
                 solved = [w for w in windows if w.width]  # (a last piece shorter than a block commits nothing)
                 if solved:
-                    self._solve_windows(solved, self.prefix_graphs if k == 0 else None)
+                    self._solve_windows(solved, self.prefix_graphs if k == 0 else None, PREFIX_STEPS_AHEAD)
                 for window in solved:
                     self._commit(window)
                 windows = []
@@ -616,9 +621,10 @@ class FlowEngine:
                                         "from unused voices); retry later")
             return allocated
 
-    def _solve_windows(self, windows: list[_Window], graphs: EngineGraphs | None) -> None:
+    def _solve_windows(self, windows: list[_Window], graphs: EngineGraphs | None, steps_ahead: int = 0) -> None:
         """Every guided Euler step of every window (all at step 0), packed into one estimator call
-        per step, replayed from ``graphs`` where they hold its shape. What the steps share is built
+        per step, replayed from ``graphs`` where they hold its shape; with ``steps_ahead`` (on a GPU)
+        a step is launched once the one that many before it has run. What the steps share is built
         once: the rows' layout and mask, the input (later steps update x in place), the page and key
         indices of the windows' context and of the blocks they complete. Each step then gathers the
         context at its step from the pages, runs (or replays) the fused step and writes the completed
@@ -664,7 +670,10 @@ class FlowEngine:
         # conv context of every window at every step, (steps, rows of the call, conv width)
         conv = torch.stack([w.state.conv for w in windows], dim=2).flatten(1, 2)
         kept = torch.empty_like(conv)
+        launched: list[torch.cuda.Event] = []  # (with steps_ahead) the steps on the device
         for step in range(steps):
+            if steps_ahead and len(launched) == steps_ahead:
+                launched.pop(0).synchronize()
             if context_pages is not None:
                 context = pool.data[context_pages, step]  # (pages, layers, 2, page, width)
                 kv.index_copy_(1, context_keys, context.transpose(0, 1).reshape(layers, -1, width))
@@ -674,6 +683,8 @@ class FlowEngine:
             if new_pages is not None:
                 blocks = kv.index_select(1, new_keys).unflatten(1, (len(new_pages), 2, page))
                 pool.data[new_pages, step] = blocks.transpose(0, 1)
+            if steps_ahead and self.device.type == "cuda":
+                launched.append(torch.cuda.current_stream(self.device).record_event())
         kept = kept.unflatten(1, (2, count))
         for j, w in enumerate(windows):
             w.kept = kept[:, :, j]

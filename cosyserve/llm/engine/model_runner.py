@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ...runtime import device_to_host, host_to_device
 from ..layers.attention import DecodeMetadata, PrefillMetadata, decode_bias
 from ..layers.fused import fused_decode_available
 from ..models.config import Qwen2Config
@@ -89,14 +90,14 @@ class ModelRunner:
         if self.prefill_graphs:
             for item in items:
                 self._replay_prefill(item)
-            slots = torch.tensor([item.slot for item in items]).to(self.device, non_blocking=True)
-            return self.out_tokens.index_select(0, slots).tolist()
+            slots = host_to_device([item.slot for item in items], self.device)
+            return device_to_host(self.out_tokens.index_select(0, slots)).tolist()
         slots = [item.slot for item in items]
         index = torch.tensor(slots, device=self.device)
         tokens = self.sampler.sample(self.prefill_logits(items), index)
         self.input_ids[index] = tokens + self.window_start
         self.positions[index] = torch.tensor([len(item.ids) for item in items], device=self.device)
-        return tokens.tolist()
+        return device_to_host(tokens).tolist()
 
     @torch.inference_mode()
     def prefill_logits(self, items: list[PrefillItem]) -> torch.Tensor:
@@ -194,7 +195,7 @@ class ModelRunner:
             graph.replay()
         else:
             self.decode_step(*shape)
-        return self.out_tokens[:num_rows].tolist()
+        return device_to_host(self.out_tokens[:num_rows]).tolist()
 
     @torch.inference_mode()
     def decode_logits(self, num_rows: int, max_position: int) -> torch.Tensor:
