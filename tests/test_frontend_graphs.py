@@ -5,6 +5,7 @@ each clip what it gives alone; on CUDA the replayed graphs equal the eager model
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -156,6 +157,23 @@ def test_clips_arriving_together_share_one_call_and_get_their_own_features():
         assert torch.equal(features.speech_tokens, expected.speech_tokens)
         assert torch.equal(features.embedding, expected.embedding)
         torch.testing.assert_close(features.speech_feat, expected.speech_feat)
+
+
+def test_a_burst_of_clips_is_one_call():
+    """Clips that keep arriving close together (here 20 ms apart, within a gather of 200 ms) share one
+    call, though the models are idle when the first comes."""
+    models = CountingModels()
+    featurizer = PromptFeaturizer(Launched(models.tokenize_batch), Launched(models.embed_batch), gather_s=0.2,
+                                  gather_max_s=5.0)
+    results: list = []
+    threads = [threading.Thread(target=lambda a=audio(seed): results.append(featurizer.features(a)))
+               for seed in range(4)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.02)
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4 and featurizer.batches == 1 == models.calls
 
 
 def test_a_clip_that_fails_in_a_batch_fails_only_its_caller():

@@ -3,6 +3,10 @@ so (:attr:`~.kinds.protocol.Kind.prepares_beside`): a new request's voice as it 
 uploaded voice as it is stored. On the loop's thread, a voice's preparation would hold up the loop
 for as long as it takes to launch, and its chunks queued behind it on the loop's CUDA stream.
 
+Voices that keep arriving close together (each within :data:`GATHER_S` of the one before: a burst of
+requests, whose callers each build their prompts first) are prepared together: one packed solve costs
+much less than two, one after the other (on an H100: 36 ms for one 5.5 s prompt alone, 77 ms for 8).
+
 An uploaded voice is answered once the device has computed it (a second thread waits for that, so
 that the next voices are launched meanwhile): a request sent then does not share the GPU with its
 own voice's preparation.
@@ -13,9 +17,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
+
+# A preparation waits for more voices while they keep coming this close together, at most GATHER_MAX_S
+# after its first (a new voice's first chunk waits for its LLM tokens longer than that).
+GATHER_S = 0.002
+GATHER_MAX_S = 0.012
 
 
 class VoicePreparer:
@@ -25,10 +35,11 @@ class VoicePreparer:
     still queued at :meth:`close` are called then."""
 
     def __init__(self, prepare: Callable[[list], None], wait: Callable[[list], None],
-                 name: str = "engine-voices") -> None:
+                 name: str = "engine-voices", *, gather_s: float = GATHER_S, gather_max_s: float = GATHER_MAX_S) -> None:
         self._prepare = prepare
         self._wait = wait
         self._name = name
+        self._gather_s, self._gather_max_s = gather_s, gather_max_s
         self._lock = threading.Condition()
         self._voices: list = []
         self._done: list[Callable[[], None]] = []
@@ -75,6 +86,7 @@ class VoicePreparer:
                     self._lock.wait()
                 if self._closing:
                     return
+                self._gather()
                 voices, self._voices = self._voices, []
                 done, self._done = self._done, []
             if voices:
@@ -84,6 +96,17 @@ class VoicePreparer:
                     log.exception("engine: preparing voices failed")
             if done:
                 self._launched.put((voices, done))
+
+    def _gather(self) -> None:
+        """(Lock held) wait while voices keep arriving within the gather time of each other."""
+        last_by = time.monotonic() + self._gather_max_s
+        while self._voices and not self._closing:
+            seen, left = len(self._voices), last_by - time.monotonic()
+            if left <= 0:
+                return
+            self._lock.wait(min(self._gather_s, left))
+            if len(self._voices) == seen:
+                return
 
     def _answer(self) -> None:
         while (item := self._launched.get()) is not None:

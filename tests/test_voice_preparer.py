@@ -1,0 +1,44 @@
+"""The engine's voice preparation thread (cosyserve.engine.preparer): bursts prepared together,
+callbacks answered once the voices are computed, close answering what is left."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from cosyserve.engine.preparer import VoicePreparer
+
+
+def test_a_burst_of_voices_is_one_preparation_and_callbacks_follow_the_wait():
+    calls, waited, answered = [], [], threading.Event()
+    preparer = VoicePreparer(calls.append, waited.append, gather_s=0.2, gather_max_s=5.0).start()
+    try:
+        for k in range(4):  # 20 ms apart: within the gather time of each other
+            preparer.put([f"v{k}"], answered.set if k == 3 else None)
+            time.sleep(0.02)
+        assert answered.wait(10)
+        assert calls == [["v0", "v1", "v2", "v3"]] and waited == calls
+    finally:
+        preparer.close()
+
+
+def test_voices_apart_are_separate_preparations():
+    calls, done = [], threading.Event()
+    preparer = VoicePreparer(calls.append, lambda voices: None, gather_s=0.001, gather_max_s=0.001).start()
+    try:
+        preparer.put(["a"])
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        preparer.put(["b"], done.set)
+        assert done.wait(10) and calls == [["a"], ["b"]]
+    finally:
+        preparer.close()
+
+
+def test_close_answers_callbacks_still_queued():
+    answered = threading.Event()
+    preparer = VoicePreparer(lambda voices: None, lambda voices: None)  # never started
+    preparer.put(["a"], answered.set)
+    preparer.close()
+    assert answered.is_set()
