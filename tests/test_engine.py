@@ -152,6 +152,34 @@ def test_concurrent_streams_equal_the_reference(model_dirs, reference, final):
         assert engine.core.counters.flow_batch_jobs > engine.core.counters.flow_batches  # chunks shared batches
 
 
+def test_streams_that_find_the_state_pool_full_re_run_their_chunks(model_dirs, reference):
+    """A pool too small for the streams under way (on a GPU: many long replies at once): the chunks
+    that find no free pages re-run (the reference's computation) from then on, the others stay in the
+    flow engine; every request still equals the reference and none fails."""
+    llm = ScriptedTokens(token_interval_s=0.002)
+    with running_engine(model_dirs, llm, pool_mb=8) as engine:
+        voice = engine.voices.resolve()
+        rng = random.Random(7)
+        for k in range(4):
+            llm.tokens[f"p{k}"] = [rng.randrange(6561) for _ in range(90)]
+        results: dict[str, list[np.ndarray]] = {}
+
+        def run(rid):
+            try:
+                results[rid] = list(engine.stream(TTSRequest(rid, "你好，欢迎使用语音合成服务。", voice, TokenLimits(90))))
+            except Exception as exc:  # reported below
+                results[rid] = exc
+        threads = [threading.Thread(target=run, args=(rid,)) for rid in llm.tokens]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not [r for r in results.values() if isinstance(r, Exception)], results
+        for rid, tokens in llm.tokens.items():
+            assert rel(np.concatenate(results[rid]), np.concatenate(reference_stream(reference, voice, tokens))) < REL_L2
+        assert engine.core.kind.fallbacks > 0
+
+
 def test_offline_equals_the_reference(model_dirs, reference):
     llm = ScriptedTokens()
     with running_engine(model_dirs, llm) as engine:

@@ -170,7 +170,11 @@ class CosyVoice2Kind:
     # ----- flow jobs -----
 
     def start_chunks(self, chunks: list[tuple[Voicing, list[int], int, bool]]) -> list[FlowJob]:
-        """Flow jobs of streams' chunks: (voicing, tokens so far, tokens already voiced, finalize)."""
+        """Flow jobs of streams' chunks: (voicing, tokens so far, tokens already voiced, finalize).
+
+        A stream whose chunk finds no free state pages (the pool is full: many long replies at once)
+        leaves the flow engine and re-runs this and its later chunks (the reference's computation, no
+        state kept); the others go on. Failing them instead would end every request of the batch."""
         jobs: list[FlowJob | None] = [None] * len(chunks)
         windows, passes = [], {True: [], False: []}  # full passes by attention kind (streaming or not)
         for i, (voicing, tokens, offset, finalize) in enumerate(chunks):
@@ -181,18 +185,46 @@ class CosyVoice2Kind:
                 voicing.flow.close()
                 voicing.flow = None
             passes[not finalize].append(i)
+        fits = self.flow_engine.fit([self._window_chunk(chunks[i]) for i in windows])
+        for i in [i for i, fit in zip(windows, fits) if not fit]:
+            self._leave_engine(chunks[i][0])
+            windows.remove(i)
+            passes[not chunks[i][3]].append(i)
+        self._start_passes(chunks, passes, jobs)  # before the windows: a failed pass leaves no stream changed
+        if windows:
+            try:
+                opened = self.flow_engine.start([self._window_chunk(chunks[i]) for i in windows])
+            except CapacityError:  # pages taken since fit (a new voice's prompt): these chunks re-run
+                passes = {True: [], False: []}
+                for i in windows:
+                    self._leave_engine(chunks[i][0])
+                    passes[not chunks[i][3]].append(i)
+                self._start_passes(chunks, passes, jobs)
+                return jobs
+            for i, window in zip(windows, opened):
+                jobs[i] = FlowJob(chunks[i][3], window=window)
+        return jobs
+
+    def _start_passes(self, chunks: list[tuple[Voicing, list[int], int, bool]], passes: dict[bool, list[int]],
+                      jobs: list[FlowJob | None]) -> None:
+        """The full passes of the chunks ``passes`` lists (by attention kind: streaming or not), into ``jobs``."""
         for streaming, members in passes.items():
             if members:
                 started = self.full.start([self._pass_input(chunks[i][0].prompt, chunks[i][1], 2 * chunks[i][2])
                                            for i in members], streaming)
                 for i, full in zip(members, started):
                     jobs[i] = FlowJob(chunks[i][3], full=full)
-        if windows:
-            started = self.flow_engine.start([(chunks[i][0].flow, _tensor(chunks[i][1]), chunks[i][3])
-                                              for i in windows])
-            for i, window in zip(windows, started):
-                jobs[i] = FlowJob(chunks[i][3], window=window)
-        return jobs
+
+    @staticmethod
+    def _window_chunk(chunk: tuple[Voicing, list[int], int, bool]) -> tuple[EngineStream, torch.Tensor, bool]:
+        voicing, tokens, _, finalize = chunk
+        return voicing.flow, _tensor(tokens), finalize
+
+    def _leave_engine(self, voicing: Voicing) -> None:
+        """The stream re-runs its chunks from now on (its pages go back to the pool)."""
+        voicing.flow.close()
+        voicing.flow = None
+        self.fallbacks += 1
 
     def start_offline(self, features: PromptFeatures, tokens: list[int]) -> FlowJob:
         _, prompt = self._prompt(features)
