@@ -117,8 +117,9 @@ class CosyVoice2Kind:
                                        flow.pool.pages - flow.pool.free_pages),
                 "state_voice_pages": ("state pages holding cached voices' prompt state", flow.voice_pages),
                 "voices_cached": ("voices whose prompt state is kept", flow.cached_voices),
-                "fallback_streams": ("streams that re-ran every chunk (no state kept) because the page pool "
-                                     "was full, since load", self.fallbacks)}
+                "fallback_streams": ("streams that left the flow engine for the full re-run (no state kept) "
+                                     "because the page pool was full, at their start or mid-stream, since load",
+                                     self.fallbacks)}
 
     # ----- streams -----
 
