@@ -77,6 +77,14 @@ def device_to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
+# A burst: work that keeps arriving within BURST_GAP_S of the last, for at most BURST_MAX_S after the
+# first, is taken together (new clips by the front end's featurizer, new voices by the engine's
+# preparation thread). A burst's callers reach them one after another under the GIL, ~1 ms apart; one
+# packed call costs much less than several one after the other, and a lone item waits BURST_GAP_S.
+BURST_GAP_S = 0.002
+BURST_MAX_S = 0.012
+
+
 def bucket(value: int, sizes: Sequence[int]) -> int | None:
     """The smallest of the ascending ``sizes`` that holds ``value`` (a captured shape), None past them."""
     return next((size for size in sizes if value <= size), None)

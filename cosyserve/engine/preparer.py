@@ -3,9 +3,10 @@ so (:attr:`~.kinds.protocol.Kind.prepares_beside`): a new request's voice as it 
 uploaded voice as it is stored. On the loop's thread, a voice's preparation would hold up the loop
 for as long as it takes to launch, and its chunks queued behind it on the loop's CUDA stream.
 
-Voices that keep arriving close together (each within :data:`GATHER_S` of the one before: a burst of
-requests, whose callers each build their prompts first) are prepared together: one packed solve costs
-much less than two, one after the other (on an H100: 36 ms for one 5.5 s prompt alone, 77 ms for 8).
+Voices that keep arriving close together (each within :data:`~cosyserve.runtime.BURST_GAP_S` of the
+one before: a burst of requests, whose callers each build their prompts first) are prepared
+together: one packed solve costs much less than two, one after the other (on an H100: 36 ms for one
+5.5 s prompt alone, 77 ms for 8).
 
 An uploaded voice is answered once the device has computed it (a second thread waits for that, so
 that the next voices are launched meanwhile): a request sent then does not share the GPU with its
@@ -20,12 +21,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..runtime import BURST_GAP_S, BURST_MAX_S
+
 log = logging.getLogger(__name__)
 
-# A preparation waits for more voices while they keep coming this close together, at most GATHER_MAX_S
-# after its first (a new voice's first chunk waits for its LLM tokens longer than that).
-GATHER_S = 0.002
-GATHER_MAX_S = 0.012
 
 
 class VoicePreparer:
@@ -35,7 +34,7 @@ class VoicePreparer:
     still queued at :meth:`close` are called then."""
 
     def __init__(self, prepare: Callable[[list], None], wait: Callable[[list], None],
-                 name: str = "engine-voices", *, gather_s: float = GATHER_S, gather_max_s: float = GATHER_MAX_S) -> None:
+                 name: str = "engine-voices", *, gather_s: float = BURST_GAP_S, gather_max_s: float = BURST_MAX_S) -> None:
         self._prepare = prepare
         self._wait = wait
         self._name = name

@@ -1,11 +1,11 @@
 """New clips -> prompt features, as a batched job: clips that arrive together (each within
-:data:`GATHER_S` of the one before) share one speech tokenizer call and one CAM++ call, and clips that
-arrive while a batch runs share the next.
+:data:`~cosyserve.runtime.BURST_GAP_S` of the one before) share one speech tokenizer call and one
+CAM++ call, and clips that arrive while a batch runs share the next.
 
 A server's voices are resolved on many threads at once (a front door's prepare threads, the API's
 workers); each new clip's models run here, on one thread of their own, so that a burst of new callers
 makes a few batched calls (:data:`DEFAULT_MAX_BATCH` clips each) rather than one call per caller, all
-of them contending for the device and the GIL. A lone clip waits :data:`GATHER_S` for company; a burst
+of them contending for the device and the GIL. A lone clip waits that long for company; a burst
 is one call, not a first clip alone and then the rest (8 new clips on an H100: the first alone at
 7 ms, the other 7 only once it was done, at 16-42 ms, and their voices' flow prompts then ran as two
 solves, one after the other). With the PyTorch back end on CUDA the models replay CUDA
@@ -28,15 +28,12 @@ from concurrent.futures import Future
 import torch
 
 from ..audio.io import PromptAudio
+from ..runtime import BURST_GAP_S, BURST_MAX_S
 from .onnx_models import speaker_input, tokenizer_input
 from .prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, build_prompt_features_batch, warm_device_prompt_mel
 
 # The most clips per batch.
 DEFAULT_MAX_BATCH = 8
-# A batch waits for more clips while they keep coming this close together (a burst's callers check
-# their clips one after another under the GIL, ~1 ms each), at most GATHER_MAX_S after its first.
-GATHER_S = 0.002
-GATHER_MAX_S = 0.012
 
 
 class PromptFeaturizer:
@@ -45,8 +42,8 @@ class PromptFeaturizer:
     have them, also compute the prompt mel)."""
 
     def __init__(self, tokenizer, speaker_encoder, mel_fmax: float | None = COSYVOICE2_MEL_FMAX, *,
-                 max_batch: int = DEFAULT_MAX_BATCH, gather_s: float = GATHER_S,
-                 gather_max_s: float = GATHER_MAX_S) -> None:
+                 max_batch: int = DEFAULT_MAX_BATCH, gather_s: float = BURST_GAP_S,
+                 gather_max_s: float = BURST_MAX_S) -> None:
         self.tokenizer = tokenizer
         self.speaker_encoder = speaker_encoder
         self.mel_fmax = mel_fmax

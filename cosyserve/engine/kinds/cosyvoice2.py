@@ -186,21 +186,16 @@ class CosyVoice2Kind:
                 voicing.flow.close()
                 voicing.flow = None
             passes[not finalize].append(i)
-        fits = self.flow_engine.fit([self._window_chunk(chunks[i]) for i in windows])
-        for i in [i for i, fit in zip(windows, fits) if not fit]:
-            self._leave_engine(chunks[i][0])
-            windows.remove(i)
-            passes[not chunks[i][3]].append(i)
+        window_chunks = {i: self._window_chunk(chunks[i]) for i in windows}
+        fits = dict(zip(windows, self.flow_engine.fit(list(window_chunks.values()))))
+        self._leave_engine(chunks, [i for i in windows if not fits[i]], passes)
+        windows = [i for i in windows if fits[i]]
         self._start_passes(chunks, passes, jobs)  # before the windows: a failed pass leaves no stream changed
         if windows:
             try:
-                opened = self.flow_engine.start([self._window_chunk(chunks[i]) for i in windows])
+                opened = self.flow_engine.start([window_chunks[i] for i in windows])
             except CapacityError:  # pages taken since fit (a new voice's prompt): these chunks re-run
-                passes = {True: [], False: []}
-                for i in windows:
-                    self._leave_engine(chunks[i][0])
-                    passes[not chunks[i][3]].append(i)
-                self._start_passes(chunks, passes, jobs)
+                self._start_passes(chunks, self._leave_engine(chunks, windows, {True: [], False: []}), jobs)
                 return jobs
             for i, window in zip(windows, opened):
                 jobs[i] = FlowJob(chunks[i][3], window=window)
@@ -221,11 +216,17 @@ class CosyVoice2Kind:
         voicing, tokens, _, finalize = chunk
         return voicing.flow, _tensor(tokens), finalize
 
-    def _leave_engine(self, voicing: Voicing) -> None:
-        """The stream re-runs its chunks from now on (its pages go back to the pool)."""
-        voicing.flow.close()
-        voicing.flow = None
-        self.fallbacks += 1
+    def _leave_engine(self, chunks: list[tuple[Voicing, list[int], int, bool]], members: list[int],
+                      passes: dict[bool, list[int]]) -> dict[bool, list[int]]:
+        """These chunks' streams re-run their chunks from now on (their pages go back to the pool):
+        added to ``passes``, which is returned."""
+        for i in members:
+            voicing, _, _, finalize = chunks[i]
+            voicing.flow.close()
+            voicing.flow = None
+            self.fallbacks += 1
+            passes[not finalize].append(i)
+        return passes
 
     def start_offline(self, features: PromptFeatures, tokens: list[int]) -> FlowJob:
         _, prompt = self._prompt(features)

@@ -27,7 +27,6 @@ ops below, which compute the same function layer for layer as the eager estimato
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 
