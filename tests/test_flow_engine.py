@@ -15,7 +15,8 @@ from cosyserve.frontend.prompt import voice_key
 from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
 from cosyserve.schedule import plan_chunks
 from cosyserve.models.flow.packed_encoder import EncoderWindow, encode_windows
-from cosyserve.token2wav.flow_engine import PREFIX_LANE, PREFIX_OPEN_LEAD, FlowEngine, StepLaunch
+from cosyserve.token2wav.flow_engine import (PREFIX_FOLLOWED_PROMPTS, PREFIX_LANE, PREFIX_OPEN_LEAD, FlowEngine,
+                                             StepLaunch)
 from cosyserve.token2wav.prefix_encoder import PrefixEncoder
 from cosyserve.token2wav.step_graphs import PREFIX_SHAPES, EngineGraphs
 
@@ -413,6 +414,28 @@ def test_a_stream_opened_while_its_voice_is_launched_follows_the_prompt_step_by_
         ref.done += mel.size(2)
     preparing.join()
     assert not engine.launching("new") and engine.cached_voices == 1
+    assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages
+
+
+def test_a_solve_of_several_prompts_is_followed_only_once_launched(flow, monkeypatch):
+    """Streams follow a prompt solve step by step only when it holds at most PREFIX_FOLLOWED_PROMPTS
+    prompts: for one of two, ``launching`` says "wait" until every step is launched (a stream opened
+    earlier anyway still follows it and gives the full re-run's chunks)."""
+    engine = _engine(flow)
+    voices = [_voice(75, seed=63), _voice(90, seed=64)]
+    held, _ = _hold_launch_after(monkeypatch, 9)
+    preparing = threading.Thread(target=engine.prepare, args=([(*v, f"v{k}") for k, v in enumerate(voices)],))
+    preparing.start()
+    assert held.wait(60) and PREFIX_FOLLOWED_PROMPTS < 2 and 10 - 9 <= PREFIX_OPEN_LEAD
+    assert engine.launching("v0") and engine.launching("v1")
+    stream = engine.open(*voices[1], key="v1")
+    tokens = _tokens(40, seed=13)
+    count, finalize = triton_schedule(40)[0]
+    mel = engine.run([(stream, tokens[:, :count], finalize)])[0]
+    preparing.join()
+    assert _rel(mel, Reference(flow, voices[1], tokens, []).expected(count, finalize)) < REL_L2
+    assert not engine.launching("v0") and not engine.launching("v1")
+    stream.close()
     assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages
 
 

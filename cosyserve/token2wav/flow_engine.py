@@ -100,6 +100,11 @@ PREFIX_STEPS_AHEAD = 2
 # run together with the prompt's. Why: a new voice's first chunk followed the prompt's whole solve
 # (~36 ms for one voice on an H100), its own ten steps only then.
 PREFIX_OPEN_LEAD = 3
+# ... but only for a solve of at most this many prompts; a bigger one is followed once launched. Why:
+# one prompt leaves the GPU room for a chunk beside it, eight fill it (~110 ms of kernels on an
+# H100), and a chunk that follows them holds the loop for their last steps with no gain (same call,
+# old and new code: one new clip +39.6 -> +31.6 ms, eight +58.9 -> +123.2 ms p95).
+PREFIX_FOLLOWED_PROMPTS = 1
 
 
 @dataclass
@@ -119,7 +124,8 @@ class StepLaunch:
     on the CPU, where a launched step is computed): a stream forked from one of its voices before it
     is done waits for step k (:meth:`event`) before its own step k."""
 
-    def __init__(self) -> None:
+    def __init__(self, open_from: int) -> None:
+        self.open_from = open_from  # steps launched from which streams may open (FlowEngine.launching)
         self._launched = threading.Condition()
         self._events: list[torch.cuda.Event | None] = []
         self._error: BaseException | None = None
@@ -366,14 +372,15 @@ class FlowEngine:
 
     def launching(self, key: str) -> bool:
         """Another thread is launching the prefix of this voice (:meth:`prepare`) and has more than
-        :data:`PREFIX_OPEN_LEAD` of its last solve's steps left to launch: :meth:`open` would wait
-        for its launch, or a stream's first window for more of its steps than that."""
+        :data:`PREFIX_OPEN_LEAD` of its last solve's steps left to launch (any, for a solve of more
+        than :data:`PREFIX_FOLLOWED_PROMPTS` prompts): :meth:`open` would wait for its launch, or a
+        stream's first window for more of its steps than that."""
         with self._lock:
             if key in self._preparing:
                 return True
             voice = self._voices.get(key)
             launch = voice.launch if voice is not None else None
-        return launch is not None and not launch.failed and launch.launched < self.n_timesteps - PREFIX_OPEN_LEAD
+        return launch is not None and not launch.failed and launch.launched < launch.open_from
 
     def wait_prepared(self, key: str) -> None:
         """Block the calling thread (not the GIL) until the device has computed the prefix of this
@@ -506,7 +513,10 @@ class FlowEngine:
                 for window in solved:
                     self._commit(window, share=True)  # (written by the steps launched below)
                 windows = []
-                launch = StepLaunch() if plan is not None and k == rounds - 1 else None
+                launch = None
+                if plan is not None and k == rounds - 1:
+                    lead = PREFIX_OPEN_LEAD if len(solved) <= PREFIX_FOLLOWED_PROMPTS else 0
+                    launch = StepLaunch(self.n_timesteps - lead)
                 if k == rounds - 1:
                     kept_voices += self._keep(voices, streams, launch)
                 if plan is not None:
