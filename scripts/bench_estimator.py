@@ -24,16 +24,29 @@ def main() -> int:
     parser.add_argument("--attention-variant", action="store_true",
                         help="also the fp16 fused step with flash / memory-efficient SDPA instead of PyTorch's choice")
     parser.add_argument("--sweep", action="store_true", help="first time each kind of GEMM kernel under several tiles")
+    parser.add_argument("--sweep-sizes", default="small,mid",
+                        help=f"comma-separated sizes the sweep times ({', '.join(estimator.SWEEP_SIZES)})")
+    parser.add_argument("--cases", default="stream1,stream16,offline",
+                        help=f"comma-separated cases ({', '.join(estimator.CASES_BY_NAME)}; empty: none)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
     if unknown := set(dtypes) - set(estimator.DTYPES):
         parser.error(f"unknown dtypes {sorted(unknown)}")
+    sizes = [s for s in args.sweep_sizes.split(",") if s]
+    cases = [c for c in args.cases.split(",") if c]
+    if unknown := set(sizes) - set(estimator.SWEEP_SIZES):
+        parser.error(f"unknown sweep sizes {sorted(unknown)}")
+    if unknown := set(cases) - set(estimator.CASES_BY_NAME):
+        parser.error(f"unknown cases {sorted(unknown)}")
     if args.sweep:
-        estimator.sweep_linear()
-    ceilings, rows, accuracies = estimator.run(dtypes, old_path=not args.no_old,
-                                                        attention_variant=args.attention_variant, seed=args.seed)
-    print(estimator.table(ceilings, rows, accuracies))
+        estimator.sweep_linear({size: estimator.SWEEP_SIZES[size] for size in sizes})
+    if not cases:
+        return 0
+    chosen = tuple(estimator.CASES_BY_NAME[c] for c in cases)
+    ceilings, rows, accuracies = estimator.run(dtypes, chosen, old_path=not args.no_old,
+                                               attention_variant=args.attention_variant, seed=args.seed)
+    print(estimator.table(ceilings, rows, accuracies, chosen))
     return 0
 
 

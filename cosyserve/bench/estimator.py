@@ -47,6 +47,10 @@ CASES = (
     Case("stream 16 req x 64 new / 300 ctx", 16, 64, 300, True, 1),
     Case("offline 16 x 400, whole 10-step call", 16, 400, 0, False, 10),
 )
+# One Euler step of eight new voices' prompts solved together (FlowEngine.prepare: streaming masks,
+# no context, ~5.6 s prompts): the solve that eight new clips arriving together wait for.
+PROMPT_CASE = Case("prompts 8 x 280 new / 0 ctx", 8, 280, 0, True, 1)
+CASES_BY_NAME = {"stream1": CASES[0], "stream16": CASES[1], "offline": CASES[2], "prompts8": PROMPT_CASE}
 
 
 @dataclass(frozen=True)
@@ -364,7 +368,14 @@ SWEEP_TILES = {
                     (32, 256, 64, 8, 3), (32, 128, 128, 4, 3), (16, 256, 64, 4, 3)],
             "plain": [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 4, 3),
                       (64, 64, 64, 4, 3)]},
+    # eight prompts' solve (M ~ 4,500-9,000 row-frames); a block_n of 128 on a LayerNorm kernel splits its rows
+    "large": {"row": [(64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 32, 8, 4), (64, 256, 128, 8, 2),
+                      (64, 256, 64, 4, 3), (64, 256, 32, 4, 4), (32, 256, 64, 4, 3), (64, 128, 64, 4, 3),
+                      (128, 128, 64, 8, 3)],
+              "plain": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 32, 8, 4),
+                        (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4)]},
 }
+SWEEP_SIZES = {"small": (2, 64), "mid": (32, 64), "large": (16, 512)}  # rows, frames
 
 
 def sweep_linear(rows_frames: dict[str, tuple[int, int]] | None = None, log: Callable[[str], None] = print) -> None:
@@ -372,7 +383,7 @@ def sweep_linear(rows_frames: dict[str, tuple[int, int]] | None = None, log: Cal
     in a CUDA graph of 20 launches. For choosing the built-in tiles."""
     from ..models.flow import fused_triton
     device, dtype = torch.device("cuda"), torch.float16
-    rows_frames = rows_frames or {"small": (2, 64), "mid": (32, 64)}
+    rows_frames = rows_frames or {size: SWEEP_SIZES[size] for size in ("small", "mid")}
     for size, (rows, frames) in rows_frames.items():
         g = torch.Generator(device=device).manual_seed(0)
 
