@@ -22,8 +22,9 @@ def main() -> int:
     parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated fused dtypes (fp16, bf16)")
     parser.add_argument("--no-old", action="store_true", help="skip the old eager path")
     parser.add_argument("--attention-variant", action="store_true",
-                        help="also the fp16 fused step with flash / memory-efficient SDPA instead of PyTorch's choice")
-    parser.add_argument("--sweep", action="store_true", help="first time each kind of GEMM kernel under several tiles")
+                        help="also the fp16 fused step with SDPA over a mask (PyTorch's choice) instead of the Triton attention")
+    parser.add_argument("--sweep", action="store_true",
+                        help="first time the attention and each kind of GEMM kernel under several tiles")
     parser.add_argument("--sweep-sizes", default="small,mid",
                         help=f"comma-separated sizes the sweep times ({', '.join(estimator.SWEEP_SIZES)})")
     parser.add_argument("--cases", default="stream1,stream16,offline",
@@ -40,6 +41,7 @@ def main() -> int:
     if unknown := set(cases) - set(estimator.CASES_BY_NAME):
         parser.error(f"unknown cases {sorted(unknown)}")
     if args.sweep:
+        estimator.sweep_attention()
         estimator.sweep_linear({size: estimator.SWEEP_SIZES[size] for size in sizes})
     if not cases:
         return 0

@@ -178,6 +178,7 @@ def test_triton_kernels_under_interpreter():
         "t.check_packed_rows(fused, cfm, 1e-5)\n"
         "t.check_full_attention(fused, cfm, 1e-5)\n"
         "t.check_padding_skipped()\n"
+        "t.check_block_attention()\n"
         "print('ok')\n"
     )
     root = Path(__file__).resolve().parents[1]
@@ -185,3 +186,49 @@ def test_triton_kernels_under_interpreter():
     result = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def check_block_attention() -> None:
+    """The Triton attention against SDPA over the mask of :meth:`FusedEstimator.rows`, on real queries:
+    context and new frames, padding, blocks of 8 frames with and without a left limit, full attention;
+    padding queries come out as zeros."""
+    from cosyserve.models.flow.attention_triton import block_attention
+    from cosyserve.models.flow.fused import FULL_ATTENTION, StepRows, context_slots
+    g = torch.Generator().manual_seed(7)
+    heads, head_dim, frames = 2, 16, 20
+    inner = heads * head_dim
+    cases = [([20, 13, 1, 20], [0, 0, 0, 0], True), ([20, 7, 12, 20], [16, 3, 30, 0], True),
+             ([17, 20, 9, 5], [0, 0, 0, 0], False)]
+    for left in (-1, 1):
+        for valid, context, streaming in cases:
+            slots = context_slots(max(context), frames)
+            rows = len(valid)
+            chunk = 8 if streaming else FULL_ATTENTION
+            geometry = torch.tensor([context, [chunk] * rows], dtype=torch.int32)
+            step = StepRows(frames, torch.tensor(valid, dtype=torch.int32), tuple(context), slots, streaming, None,
+                            geometry)
+            q = torch.randn(rows, frames, inner, generator=g)
+            kv = torch.randn(rows, slots + frames, 2 * inner, generator=g)
+            out = torch.full_like(q, float("nan"))
+            block_attention(q, kv, step.valid, geometry, slots, heads, left, out, tile=(8, 16, 4, 1))
+            # the reference mask, as rows() builds it for SDPA (blocks of 8 frames, ``left`` blocks back)
+            ctx = torch.tensor(context)[:, None]
+            new, slot = torch.arange(frames)[None, :], torch.arange(slots)[None, :]
+            key_pos = torch.cat([slot.expand(rows, -1), ctx + new], dim=1)
+            key_ok = torch.cat([slot < ctx, new < torch.tensor(valid)[:, None]], dim=1)
+            seen = key_ok[:, None, :].expand(-1, frames, -1).clone()
+            if streaming:
+                qb, kb = (ctx + new)[:, :, None] // chunk, key_pos[:, None, :] // chunk
+                seen &= kb <= qb
+                if left >= 0:
+                    seen &= kb >= qb - left
+            bias = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf")).unsqueeze(1)
+
+            def heads_of(t: torch.Tensor) -> torch.Tensor:
+                return t.unflatten(-1, (heads, head_dim)).transpose(1, 2)
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                heads_of(q), heads_of(kv[:, :, :inner]), heads_of(kv[:, :, inner:]), attn_mask=bias)
+            ref = ref.transpose(1, 2).reshape(rows, frames, inner)
+            for r, v in enumerate(valid):
+                assert _rel(out[r, :v], ref[r, :v]) < 1e-5, (left, streaming, r)
+                assert torch.equal(out[r, v:], torch.zeros_like(out[r, v:]))

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention import SDPBackend
 
 from ..models.flow.cache import StreamWindow
 from ..models.flow.cfm import CausalConditionalCFM
@@ -40,6 +39,7 @@ class Case:
     context: int  # cached frames per row
     streaming: bool
     steps: int  # Euler steps in one timed call (1: one step; 10: a whole offline call)
+    valid: tuple[int, ...] | None = None  # real new frames per request (None: all); the old path ignores it
 
 
 CASES = (
@@ -47,9 +47,11 @@ CASES = (
     Case("stream 16 req x 64 new / 300 ctx", 16, 64, 300, True, 1),
     Case("offline 16 x 400, whole 10-step call", 16, 400, 0, False, 10),
 )
-# One Euler step of eight new voices' prompts solved together (FlowEngine.prepare: streaming masks,
-# no context, ~5.6 s prompts): the solve that eight new clips arriving together wait for.
-PROMPT_CASE = Case("prompts 8 x 280 new / 0 ctx", 8, 280, 0, True, 1)
+# One Euler step of eight new voices' 3-8 s prompts solved together (FlowEngine.prepare: their
+# complete 50-frame blocks, streaming masks, no context, padded to the captured width of the longest):
+# the solve that eight new clips arriving together wait for.
+PROMPT_CASE = Case("prompts 8 x 150-350 new (352) / 0 ctx", 8, 352, 0, True, 1,
+                   (150, 200, 200, 250, 250, 300, 300, 350))
 CASES_BY_NAME = {"stream1": CASES[0], "stream16": CASES[1], "offline": CASES[2], "prompts8": PROMPT_CASE}
 
 
@@ -140,10 +142,7 @@ def step_flops(fused: FusedEstimator, rows: StepRows) -> float:
     (QK^T and PV: 4 x inner per visible query-key pair per layer)."""
     weights = sum(p.numel() for p in fused.packed_weights() if p.dim() == 2)
     dense = 2.0 * weights * rows.rows * rows.frames
-    if rows.attn_bias is None:
-        pairs = rows.rows * rows.frames * (rows.slots + rows.frames)
-    else:
-        pairs = int(torch.isfinite(rows.attn_bias).sum())
+    pairs = int(fused.visible(rows).sum())
     return dense + 4.0 * fused.inner * pairs * len(fused.attention_layers)
 
 
@@ -219,7 +218,8 @@ class _FusedCase:
     def __init__(self, fused: FusedEstimator, case: Case, seed: int) -> None:
         self.fused, self.case = fused, case
         rows = 2 * case.requests
-        self.rows = fused.rows([case.frames] * rows, [case.context] * rows, case.frames, streaming=case.streaming)
+        valid = list(case.valid or [case.frames] * case.requests) * 2
+        self.rows = fused.rows(valid, [case.context] * rows, case.frames, streaming=case.streaming)
         self.state = fused.new_state(rows, self.rows.slots, case.frames)
         g = torch.Generator(device=fused.device).manual_seed(seed)
         for t in self.state.kv + self.state.conv:
@@ -309,9 +309,8 @@ def run(dtypes: list[str], cases: tuple[Case, ...] = CASES, old_path: bool = Tru
     cfm16 = copy.deepcopy(cfm32).half() if old_path else None
     rows_out, accuracies = [], {}
     fused_by_dtype = {name: FusedEstimator(cfm32, dtype=DTYPES[name]) for name in dtypes}
-    if "fp16" in dtypes and attention_variant:  # attention through flash / memory-efficient SDPA, not cuDNN
-        fused_by_dtype["fp16 flash/efficient attn"] = FusedEstimator(
-            cfm32, dtype=torch.float16, attention_backends=[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    if "fp16" in dtypes and attention_variant:  # attention through SDPA over a bias (PyTorch's choice: cuDNN)
+        fused_by_dtype["fp16 SDPA attn"] = FusedEstimator(cfm32, dtype=torch.float16, attention="sdpa")
     for case in cases:
         reference = next(iter(fused_by_dtype.values()))
         shape = _FusedCase(reference, case, seed)
@@ -376,6 +375,43 @@ SWEEP_TILES = {
                         (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4)]},
 }
 SWEEP_SIZES = {"small": (2, 64), "mid": (32, 64), "large": (16, 512)}  # rows, frames
+
+
+ATTENTION_SWEEP_TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
+                         (128, 32, 4, 2), (64, 128, 4, 2), (32, 32, 4, 2)]
+
+
+def sweep_attention(log: Callable[[str], None] = print) -> None:
+    """Time one attention layer of a real-size step (fp16, 8 heads x 64) under several tiles of the Triton
+    kernel, against SDPA over the dense bias (PyTorch's choice of kernel), us per launch in a CUDA graph
+    of 20 launches: eight prompts' solve (padded to 352 frames, no context) and 16 streams' chunks
+    (64 new frames over 300 cached)."""
+    from ..models.flow import attention_triton
+    device, dtype = torch.device("cuda"), torch.float16
+    fused = FusedEstimator(real_cfm(device), dtype=dtype, attention="sdpa")
+    shapes = {PROMPT_CASE.name: (list(PROMPT_CASE.valid) * 2, [0] * 16, 352),
+              CASES[1].name: ([64] * 32, [300] * 32, 64)}
+    for name, (valid, context, frames) in shapes.items():
+        rows = fused.rows(valid, context, frames, streaming=True)
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(rows.rows, frames, fused.inner, device=device, dtype=dtype, generator=g)
+        kv = torch.randn(rows.rows, rows.slots + frames, 2 * fused.inner, device=device, dtype=dtype, generator=g)
+        out = torch.empty_like(q)
+        sdpa = graph_ms(lambda: [fused._attention(q, kv, rows, out) for _ in range(20)], iters=10) * 1e3 / 20
+        results = []
+        for tile in ATTENTION_SWEEP_TILES:
+            try:
+                us = graph_ms(lambda: [attention_triton.block_attention(
+                    q, kv, rows.valid, rows.geometry, rows.slots, fused.heads, fused.left_chunks, out, tile=tile)
+                    for _ in range(20)], iters=10) * 1e3 / 20
+                results.append((round(us, 2), tile))
+            except Exception as error:  # a tile the compiler rejects (resources)
+                results.append((float("inf"), f"{tile}: {type(error).__name__}"))
+        default = graph_ms(lambda: [attention_triton.block_attention(
+            q, kv, rows.valid, rows.geometry, rows.slots, fused.heads, fused.left_chunks, out)
+            for _ in range(20)], iters=10) * 1e3 / 20
+        log(f"sweep attention {name}: SDPA {sdpa:.2f} us, Triton default {default:.2f} us; " + ", ".join(
+            f"{us} {tile}" for us, tile in sorted(results, key=lambda x: x[0])))
 
 
 def sweep_linear(rows_frames: dict[str, tuple[int, int]] | None = None, log: Callable[[str], None] = print) -> None:

@@ -41,8 +41,11 @@ class StepBuffers:
         self.key_stride = base.size(2)
         self.kv_flat = base.view(base.size(0), base.size(1) * base.size(2), base.size(3))
         self.valid = torch.zeros(rows, device=device, dtype=torch.int32)
-        self.attn_bias = torch.zeros(rows, 1, frames, slots + frames, device=device, dtype=dtype)
-        self.rows = StepRows(frames, self.valid, (0,) * rows, slots, True, self.attn_bias)
+        self.geometry = torch.zeros(2, rows, device=device, dtype=torch.int32)
+        # (SDPA's mask; the Triton attention computes it from the geometry)
+        self.attn_bias = (torch.zeros(rows, 1, frames, slots + frames, device=device, dtype=dtype)
+                          if fused.attention == "sdpa" else None)
+        self.rows = StepRows(frames, self.valid, (0,) * rows, slots, True, self.attn_bias, self.geometry)
         self.inp = fused.input_buffer(rows, frames)
         self.time_bias = torch.zeros(len(fused.resnets), rows, fused.width, device=device, dtype=dtype)
         self.dt = torch.zeros(pairs, device=device, dtype=dtype)
@@ -54,10 +57,12 @@ class StepBuffers:
     def set_rows(self, rows: StepRows) -> None:
         """Take over a packing's valid frames and attention mask (same shape)."""
         self.valid.copy_(rows.valid)
-        if rows.attn_bias is None:
-            self.attn_bias.zero_()
-        else:
-            self.attn_bias.copy_(rows.attn_bias)
+        self.geometry.copy_(rows.geometry)
+        if self.attn_bias is not None:
+            if rows.attn_bias is None:
+                self.attn_bias.zero_()
+            else:
+                self.attn_bias.copy_(rows.attn_bias)
 
     def _call(self) -> torch.Tensor:
         x_out, _ = self.fused.step(self.rows, self.state, self.inp, self.time_bias, self.dt,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,8 @@ from .estimator import CausalBlock1D, CausalConditionalDecoder, CausalResnetBloc
     sinusoidal_time_embedding
 
 ACT_NONE, ACT_GELU, ACT_MISH = 0, 1, 2
+# A row's block size (StepRows.geometry) under full attention: every position is in block 0.
+FULL_ATTENTION = 1 << 24
 # Attention key slots per row are padded so that context slots + new frames is a multiple of this
 # (SDPA's memory-efficient kernel pads its mask to it otherwise, one extra kernel per layer).
 KEY_ALIGN = 16
@@ -135,8 +137,11 @@ def context_slots(max_context: int, frames: int) -> int:
 class StepRows:
     """Where the rows of one packed step sit: new frames per row and the cached context before them.
 
+    ``geometry`` (2, R) int32: context and block size (frames, or :data:`FULL_ATTENTION`) per row,
+    what the Triton attention computes its mask from (:mod:`.attention_triton`).
     ``attn_bias`` (R, 1, frames, slots + frames) additive (0 / -inf) over the keys [context slots ‖
-    new frames], or None when every key is visible (offline rows of equal length: flash attention).
+    new frames] for SDPA, or None when every key is visible (offline rows of equal length: flash
+    attention) or the Triton attention runs.
     """
 
     frames: int
@@ -145,6 +150,7 @@ class StepRows:
     slots: int  # cached-key slots per row (>= max context)
     streaming: bool
     attn_bias: torch.Tensor | None
+    geometry: torch.Tensor
 
     @property
     def rows(self) -> int:
@@ -239,6 +245,7 @@ class _Workspace:
                        empty(rows, frames, width, dtype=torch.float32))  # ping-pong
         self.up_in = empty(rows, frames, 2 * width, dtype=torch.float32)  # [mid output ‖ skip]: the up stage's input
         self.q = empty(rows, frames, inner)
+        self.attended = empty(rows, frames, inner)  # the Triton attention's output
         self.ff = empty(rows, frames, ff)
         self.x_out = empty(rows // 2, frames, out_channels)
         self.velocity = empty(rows // 2, frames, out_channels)
@@ -249,11 +256,13 @@ class FusedEstimator:
 
     ``dtype``: compute dtype (default: the estimator's). ``kernels``: "auto" (Triton for fp16/bf16
     on CUDA, the PyTorch reference otherwise), "triton" or "torch". ``attention_backends``: the
-    SDPA backends allowed (None: PyTorch's choice).
+    SDPA backends allowed (None: PyTorch's choice). ``attention``: "triton" (the block attention of
+    :mod:`.attention_triton`: no mask tensor, masked tiles skipped), "sdpa" (SDPA over a bias) or
+    "auto" (Triton with the Triton kernels and no ``attention_backends``, else SDPA).
     """
 
     def __init__(self, cfm: CausalConditionalCFM, dtype: torch.dtype | None = None, kernels: str = "auto",
-                 attention_backends: Sequence[SDPBackend] | None = None) -> None:
+                 attention_backends: Sequence[SDPBackend] | None = None, attention: str = "auto") -> None:
         decoder: CausalConditionalDecoder = cfm.estimator
         first = next(decoder.parameters())
         self.decoder = decoder
@@ -272,6 +281,11 @@ class FusedEstimator:
             raise ValueError(f"kernels must be auto, triton or torch, got {kernels!r}")
         self.kernels = kernels
         self.attention_backends = None if attention_backends is None else list(attention_backends)
+        if attention == "auto":
+            attention = "triton" if kernels == "triton" and attention_backends is None else "sdpa"
+        if attention not in ("triton", "sdpa"):
+            raise ValueError(f"attention must be auto, triton or sdpa, got {attention!r}")
+        self.attention = attention
         attn = decoder.down_blocks[0][1][0].attn1
         self.heads = attn.heads
         self.inner = attn.to_q.out_features
@@ -367,30 +381,37 @@ class FusedEstimator:
         slots = context_slots(max(context), frames) if slots is None else slots
         if slots < max(context):
             raise ValueError(f"{slots} context slots cannot hold {max(context)} cached frames")
-        device = self.device
-        valid_t = host_to_device(list(valid), device, torch.int32)
-        ctx = host_to_device(list(context), device, torch.long)[:, None]
+        # one copy to the device: valid frames, then the Triton attention's [context, chunk] per row
+        chunk = self.chunk if streaming else FULL_ATTENTION
+        packed = host_to_device([list(valid), list(context), [chunk] * len(valid)], self.device, torch.int32)
+        rows = StepRows(frames, packed[0], tuple(context), slots, streaming, None, packed[1:])
+        # decided on the host (reading the mask would wait for the device): keys are hidden by
+        # blocks, by empty context slots or by padding frames
+        if self.attention == "sdpa" and (streaming or slots > 0 or any(v < frames for v in valid)):
+            bias = torch.zeros(rows.rows, frames, slots + frames, device=self.device, dtype=self.dtype)
+            rows = replace(rows, attn_bias=bias.masked_fill_(~self.visible(rows), float("-inf")).unsqueeze(1))
+        return rows
+
+    def visible(self, rows: StepRows) -> torch.Tensor:
+        """bool (R, frames, slots + frames): the keys [context slots ‖ new frames] each query sees (the
+        module docstring of :mod:`.attention_triton`), padding queries their own frame too (so that
+        SDPA never takes an empty softmax)."""
+        device, frames, slots = self.device, rows.frames, rows.slots
+        ctx = rows.geometry[0].long()[:, None]
         new = torch.arange(frames, device=device)[None, :]
         slot = torch.arange(slots, device=device)[None, :]
         query_pos = ctx + new
-        key_pos = torch.cat([slot.expand(len(valid), -1), query_pos], dim=1)
-        key_ok = torch.cat([slot < ctx, new < valid_t[:, None]], dim=1)
+        key_pos = torch.cat([slot.expand(rows.rows, -1), query_pos], dim=1)
+        key_ok = torch.cat([slot < ctx, new < rows.valid[:, None]], dim=1)
         visible = key_ok[:, None, :].expand(-1, frames, -1).clone()
-        if streaming:
+        if rows.streaming:
             query_block, key_block = query_pos[:, :, None] // self.chunk, key_pos[:, None, :] // self.chunk
             visible &= key_block <= query_block
             if self.left_chunks >= 0:
                 visible &= key_block >= query_block - self.left_chunks
-        # Every query sees its own frame, so padding queries never have an empty softmax.
         # (an OR with a mask made on the device: assigning a Python True copies it there, blocking)
         visible[:, :, slots:] |= torch.eye(frames, dtype=torch.bool, device=device)
-        bias = None
-        # decided on the host (reading ``visible`` would wait for the device): keys are hidden by
-        # blocks, by empty context slots or by padding frames
-        if streaming or slots > 0 or any(v < frames for v in valid):
-            bias = torch.zeros(visible.shape, device=device, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
-            bias = bias.unsqueeze(1)
-        return StepRows(frames, valid_t, tuple(context), slots, streaming, bias)
+        return visible
 
     @property
     def conv_shapes(self) -> list[tuple[int, int]]:
@@ -493,17 +514,21 @@ class FusedEstimator:
         for j, block in enumerate(blocks):
             kv = next(kvs)
             linear(ws.h, block.qkv, out=ws.q, split=(inner, kv[:, rows.slots:]))
-            attended = self._attention(ws.q, kv, rows.attn_bias)
+            attended = self._attention(ws.q, kv, rows, ws.attended)
             linear(attended, block.out, out=stream, bias=block.out_bias, residual=stream, ln_out=(*block.ln3, ws.h))
             linear(ws.h, block.ff1, out=ws.ff, bias=block.ff1_bias, act=ACT_GELU)
             last = j == len(blocks) - 1
             linear(ws.ff, block.ff2, out=stage_out if last else stream, bias=block.ff2_bias, residual=stream,
                    ln_out=None if last else (*blocks[j + 1].ln1, ws.h))
 
-    def _attention(self, q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """q (R, n, inner), kv (R, keys, 2 inner) -> (R, n, inner)."""
+    def _attention(self, q: torch.Tensor, kv: torch.Tensor, step_rows: StepRows, out: torch.Tensor) -> torch.Tensor:
+        """q (R, n, inner), kv (R, keys, 2 inner) -> (R, n, inner) (``out`` on the Triton path)."""
         rows, frames, inner = q.shape
-        heads = self.heads
+        heads, bias = self.heads, step_rows.attn_bias
+        if self.attention == "triton":
+            from .attention_triton import block_attention
+            return block_attention(q, kv, step_rows.valid, step_rows.geometry, step_rows.slots, heads,
+                                   self.left_chunks, out)
 
         def split_heads(t: torch.Tensor) -> torch.Tensor:
             return t.unflatten(-1, (heads, inner // heads)).transpose(1, 2)
