@@ -79,16 +79,16 @@ class FullPass:
         self.n_timesteps = n_timesteps
         self.graphs = graphs
         _, self._dt, self._time_bias = fused.schedule(n_timesteps)
-        self._captured: dict[tuple[int, int], StepBuffers] = {}
+        self._captured: dict[tuple[int, int, bool], StepBuffers] = {}
 
-    def _buffers(self, count: int, frames: int) -> StepBuffers:
+    def _buffers(self, count: int, frames: int, streaming: bool) -> StepBuffers:
         pairs = next((p for p in GRAPH_PAIRS if count <= p), None)
         padded = next((f for f in GRAPH_FRAMES if frames <= f), None)
         if self.graphs is None or pairs is None or padded is None:
-            return StepBuffers(self.fused, count, -(-frames // FRAME_ALIGN) * FRAME_ALIGN, 0)
-        key = (pairs, padded)
+            return StepBuffers(self.fused, count, -(-frames // FRAME_ALIGN) * FRAME_ALIGN, 0, streaming=streaming)
+        key = (pairs, padded, streaming)
         if key not in self._captured:
-            buffers = StepBuffers(self.fused, pairs, padded, 0, kv=self.graphs.kv)
+            buffers = StepBuffers(self.fused, pairs, padded, 0, kv=self.graphs.kv, streaming=streaming)
             if self.graphs.replay:
                 buffers.capture(self.graphs.pool)
             self._captured[key] = buffers
@@ -98,7 +98,8 @@ class FullPass:
     def capture_all(self) -> None:
         for pairs in GRAPH_PAIRS:
             for frames in GRAPH_FRAMES:
-                self._buffers(pairs, frames)
+                for streaming in (True, False):
+                    self._buffers(pairs, frames, streaming)
 
     @torch.inference_mode()
     def start(self, passes: list[PassInput], streaming: bool = False) -> list[FullPassJob]:
@@ -133,7 +134,7 @@ class FullPass:
         all of them (the input is filled once; each step updates x in place); launched, not waited
         for. The jobs share their attention kind (:attr:`FullPassJob.streaming`)."""
         fused, count = self.fused, len(jobs)
-        buffers = self._buffers(count, max(job.frames for job in jobs))
+        buffers = self._buffers(count, max(job.frames for job in jobs), jobs[0].streaming)
         pairs, frames = buffers.pairs, buffers.frames
         idle = [0] * (pairs - count)  # padding pairs of a captured shape: no frames
         buffers.set_rows(fused.rows(([job.frames for job in jobs] + idle) * 2, [0] * (2 * pairs), frames,

@@ -17,7 +17,7 @@ from ..runtime import bucket
 
 class StepBuffers:
     """What one packed Euler step reads and writes, for ``pairs`` streams of up to ``frames`` new
-    frames and ``slots`` context frames: the rows' layout, their context (:class:`StepState`), the
+    frames and ``slots`` context frames, under one attention kind (``streaming``): the rows' layout, their context (:class:`StepState`), the
     input, the step's time bias and dt, the commit points and the conv context kept at them.
 
     Eager: allocated per run, :meth:`step` calls the fused step. Captured
@@ -26,8 +26,9 @@ class StepBuffers:
     """
 
     def __init__(self, fused: FusedEstimator, pairs: int, frames: int, slots: int,
-                 kv: torch.Tensor | None = None) -> None:
+                 kv: torch.Tensor | None = None, streaming: bool = True) -> None:
         self.fused, self.pairs, self.frames, self.slots = fused, pairs, frames, slots
+        self.streaming = streaming
         rows = 2 * pairs
         device, dtype = fused.device, fused.dtype
         if kv is None:
@@ -44,8 +45,8 @@ class StepBuffers:
         self.geometry = torch.zeros(2, rows, device=device, dtype=torch.int32)
         # (SDPA's mask; the Triton attention computes it from the geometry)
         self.attn_bias = (torch.zeros(rows, 1, frames, slots + frames, device=device, dtype=dtype)
-                          if fused.attention == "sdpa" else None)
-        self.rows = StepRows(frames, self.valid, (0,) * rows, slots, True, self.attn_bias, self.geometry)
+                          if fused.uses_bias(streaming) else None)
+        self.rows = StepRows(frames, self.valid, (0,) * rows, slots, streaming, self.attn_bias, self.geometry)
         self.inp = fused.input_buffer(rows, frames)
         self.time_bias = torch.zeros(len(fused.resnets), rows, fused.width, device=device, dtype=dtype)
         self.dt = torch.zeros(pairs, device=device, dtype=dtype)
@@ -55,7 +56,9 @@ class StepBuffers:
         self.x_out: torch.Tensor | None = None
 
     def set_rows(self, rows: StepRows) -> None:
-        """Take over a packing's valid frames and attention mask (same shape)."""
+        """Take over a packing's valid frames and attention mask (same shape and attention kind)."""
+        if rows.streaming != self.streaming:
+            raise ValueError(f"rows with streaming={rows.streaming} in a step built for streaming={self.streaming}")
         self.valid.copy_(rows.valid)
         self.geometry.copy_(rows.geometry)
         if self.attn_bias is not None:

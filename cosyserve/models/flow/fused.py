@@ -256,9 +256,10 @@ class FusedEstimator:
 
     ``dtype``: compute dtype (default: the estimator's). ``kernels``: "auto" (Triton for fp16/bf16
     on CUDA, the PyTorch reference otherwise), "triton" or "torch". ``attention_backends``: the
-    SDPA backends allowed (None: PyTorch's choice). ``attention``: "triton" (the block attention of
-    :mod:`.attention_triton`: no mask tensor, masked tiles skipped), "sdpa" (SDPA over a bias) or
-    "auto" (Triton with the Triton kernels and no ``attention_backends``, else SDPA).
+    SDPA backends allowed (None: PyTorch's choice). ``attention``: "triton" (block-causal rows through
+    the attention of :mod:`.attention_triton`: no mask tensor, masked tiles skipped; full attention
+    through SDPA), "sdpa" (SDPA over a bias) or "auto" (Triton with the Triton kernels and no
+    ``attention_backends``, else SDPA).
     """
 
     def __init__(self, cfm: CausalConditionalCFM, dtype: torch.dtype | None = None, kernels: str = "auto",
@@ -387,10 +388,16 @@ class FusedEstimator:
         rows = StepRows(frames, packed[0], tuple(context), slots, streaming, None, packed[1:])
         # decided on the host (reading the mask would wait for the device): keys are hidden by
         # blocks, by empty context slots or by padding frames
-        if self.attention == "sdpa" and (streaming or slots > 0 or any(v < frames for v in valid)):
+        if self.uses_bias(streaming) and (streaming or slots > 0 or any(v < frames for v in valid)):
             bias = torch.zeros(rows.rows, frames, slots + frames, device=self.device, dtype=self.dtype)
             rows = replace(rows, attn_bias=bias.masked_fill_(~self.visible(rows), float("-inf")).unsqueeze(1))
         return rows
+
+    def uses_bias(self, streaming: bool) -> bool:
+        """Whether rows of this attention kind run SDPA over a mask: full attention always does (no
+        tile to skip; cuDNN's kernel is faster on dense rows), block-causal rows unless the Triton
+        attention runs."""
+        return self.attention == "sdpa" or not streaming
 
     def visible(self, rows: StepRows) -> torch.Tensor:
         """bool (R, frames, slots + frames): the keys [context slots ‖ new frames] each query sees (the
@@ -525,7 +532,7 @@ class FusedEstimator:
         """q (R, n, inner), kv (R, keys, 2 inner) -> (R, n, inner) (``out`` on the Triton path)."""
         rows, frames, inner = q.shape
         heads, bias = self.heads, step_rows.attn_bias
-        if self.attention == "triton":
+        if not self.uses_bias(step_rows.streaming):
             from .attention_triton import block_attention
             return block_attention(q, kv, step_rows.valid, step_rows.geometry, step_rows.slots, heads,
                                    self.left_chunks, out)
