@@ -573,6 +573,15 @@ def test_first_prompt_pieces_padded_to_fixed_shapes_equal_the_packed_encoder(flo
                 assert _rel(padded[owner].values.committed_frames(), state.values.committed_frames()) < REL_L2
 
 
+def _scheduled_chunks(engine: FlowEngine, streams: list, tokens: torch.Tensor, schedule) -> list[list[torch.Tensor]]:
+    """Every chunk of ``schedule`` (token counts, finalize) of every stream, packed together, on the CPU."""
+    got = [[] for _ in streams]
+    for count, finalize in schedule:
+        for k, mel in enumerate(engine.run([(stream, tokens[:, :count], finalize) for stream in streams])):
+            got[k].append(mel.float().cpu())
+    return got
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_voices_prepared_beside_running_streams_give_the_same_chunks(flow):
     """On a GPU with CUDA graphs: new voices prepared on another thread (their prompts on the prefix
@@ -590,11 +599,7 @@ def test_on_a_gpu_voices_prepared_beside_running_streams_give_the_same_chunks(fl
     schedule = triton_schedule(120)
 
     def chunks(e: FlowEngine, streams: list) -> list[list[torch.Tensor]]:
-        got = [[] for _ in streams]
-        for count, finalize in schedule:
-            for k, mel in enumerate(e.run([(stream, tokens[:, :count], finalize) for stream in streams])):
-                got[k].append(mel.float().cpu())
-        return got
+        return _scheduled_chunks(e, streams, tokens, schedule)
 
     serial.prepare([(*kept, "kept")] + [(*voice, f"new{k}") for k, voice in enumerate(voices)])
     expected_kept = chunks(serial, [serial.open(*kept, key="kept")])[0]
@@ -635,11 +640,7 @@ def test_on_a_gpu_streams_opened_while_their_voices_are_launched_give_the_same_c
     schedule = triton_schedule(120)
 
     def chunks(e: FlowEngine, streams: list) -> list[list[torch.Tensor]]:
-        got = [[] for _ in streams]
-        for count, finalize in schedule:
-            for k, mel in enumerate(e.run([(stream, tokens[:, :count], finalize) for stream in streams])):
-                got[k].append(mel.float().cpu())
-        return got
+        return _scheduled_chunks(e, streams, tokens, schedule)
 
     serial.prepare([(*voice, f"new{k}") for k, voice in enumerate(voices)])
     expected = chunks(serial, [serial.open(*voice, key=f"new{k}") for k, voice in enumerate(voices)])
