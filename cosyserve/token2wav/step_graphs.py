@@ -42,7 +42,7 @@ class StepBuffers:
         self.key_stride = base.size(2)
         self.kv_flat = base.view(base.size(0), base.size(1) * base.size(2), base.size(3))
         self.valid = torch.zeros(rows, device=device, dtype=torch.int32)
-        self.geometry = torch.zeros(2, rows, device=device, dtype=torch.int32)
+        self.geometry = torch.ones(2, rows, device=device, dtype=torch.int32)  # (a block size never 0)
         # (SDPA's mask; the Triton attention computes it from the geometry)
         self.attn_bias = (torch.zeros(rows, 1, frames, slots + frames, device=device, dtype=dtype)
                           if fused.uses_bias(streaming) else None)
