@@ -11,7 +11,9 @@ input frames of every causal convolution (:class:`StepState`). Attention is bloc
 absolute positions (streaming) or full (offline / the final pass, no context).
 
 Per transformer block the step runs five kernels: Q/K/V GEMM (K/V written straight into the
-cache slots after the context), attention (SDPA), ``to_out`` + bias + residual + LayerNorm,
+cache slots after the context), attention (block-causal rows: the Triton kernel of
+:mod:`.attention_triton`, which computes the mask from positions and skips masked tiles; full
+attention and the PyTorch path: SDPA), ``to_out`` + bias + residual + LayerNorm,
 FF1 + bias + GELU, FF2 + bias + residual + the next block's LayerNorm. A ResNet block is two
 kernels: causal conv + bias + LayerNorm + Mish + mask + time bias, then the second causal conv
 with the same epilogue plus the 1x1 residual conv. The final projection of both rows of a
