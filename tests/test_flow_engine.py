@@ -16,7 +16,7 @@ from cosyserve.schedule import plan_chunks
 from cosyserve.models.flow.packed_encoder import EncoderWindow, encode_windows
 from cosyserve.token2wav.flow_engine import PREFIX_LANE, FlowEngine
 from cosyserve.token2wav.prefix_encoder import PrefixEncoder
-from cosyserve.token2wav.step_graphs import PREFIX_SHAPES, EngineGraphs
+from cosyserve.token2wav.step_graphs import PREFIX_SHAPES, EngineGraphs, StepBuffers
 
 torch.set_num_threads(1)
 
@@ -448,6 +448,17 @@ def test_voices_prepared_together_equal_each_prepared_alone(flow, shapes: str):
 
 
 @torch.inference_mode()
+def test_a_step_takes_rows_of_its_own_attention_kind_only(flow):
+    """A step's buffers (and the CUDA graph captured over them) are built for block-causal or full
+    attention; rows of the other kind are refused, not run under the wrong mask."""
+    fused = FlowEngine(flow, pool_pages=8).fused
+    full = StepBuffers(fused, 1, 16, 0, streaming=False)
+    with pytest.raises(ValueError, match="streaming"):
+        full.set_rows(fused.rows([16, 16], [0, 0], 16, streaming=True, slots=0))
+    full.set_rows(fused.rows([16, 9], [0, 0], 16, streaming=False, slots=0))
+    assert full.rows.streaming is False and full.valid.tolist() == [16, 9]
+
+
 def test_first_prompt_pieces_padded_to_fixed_shapes_equal_the_packed_encoder(flow):
     """PrefixEncoder (rows padded to 4, tokens to a multiple of 32, as its CUDA graphs run) gives the mu
     and the encoder state (committed keys and values, conv contexts) of encode_windows over the same pieces."""

@@ -232,3 +232,15 @@ def check_block_attention() -> None:
             for r, v in enumerate(valid):
                 assert _rel(out[r, :v], ref[r, :v]) < 1e-5, (left, streaming, r)
                 assert torch.equal(out[r, v:], torch.zeros_like(out[r, v:]))
+
+
+def test_attention_kind_is_chosen_and_checked(cfm):
+    """The PyTorch path runs SDPA over a mask for every row; full attention always does; an unknown
+    kind is refused."""
+    fused = FusedEstimator(cfm)
+    assert fused.attention == "sdpa" and fused.uses_bias(True) and fused.uses_bias(False)
+    triton_rows = FusedEstimator(cfm, attention="triton")
+    assert not triton_rows.uses_bias(True) and triton_rows.uses_bias(False)
+    assert triton_rows.rows([4, 4], [0, 0], 4, streaming=True).attn_bias is None  # no mask built for it
+    with pytest.raises(ValueError, match="attention"):
+        FusedEstimator(cfm, attention="flash")
