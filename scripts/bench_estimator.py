@@ -22,7 +22,8 @@ def main() -> int:
     parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated fused dtypes (fp16, bf16)")
     parser.add_argument("--no-old", action="store_true", help="skip the old eager path")
     parser.add_argument("--attention-variant", action="store_true",
-                        help="also the fp16 fused step with SDPA over a mask (PyTorch's choice) instead of the Triton attention")
+                        help="also the fp16 fused step with SDPA over a mask (PyTorch's choice) "
+                             "instead of the Triton attention")
     parser.add_argument("--sweep", action="store_true",
                         help="first time the attention and each kind of GEMM kernel under several tiles")
     parser.add_argument("--sweep-sizes", default="small,mid",

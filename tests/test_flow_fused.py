@@ -193,7 +193,7 @@ def check_block_attention() -> None:
     context and new frames, padding, blocks of 8 frames with and without a left limit, full attention;
     padding queries come out as zeros."""
     from cosyserve.models.flow.attention_triton import block_attention
-    from cosyserve.models.flow.fused import FULL_ATTENTION, StepRows, context_slots
+    from cosyserve.models.flow.fused import context_slots
     g = torch.Generator().manual_seed(7)
     heads, head_dim, frames = 2, 16, 20
     inner = heads * head_dim
@@ -203,14 +203,12 @@ def check_block_attention() -> None:
         for valid, context, streaming in cases:
             slots = context_slots(max(context), frames)
             rows = len(valid)
-            chunk = 8 if streaming else FULL_ATTENTION
-            geometry = torch.tensor([context, [chunk] * rows], dtype=torch.int32)
-            step = StepRows(frames, torch.tensor(valid, dtype=torch.int32), tuple(context), slots, streaming, None,
-                            geometry)
+            chunk = 8 if streaming else 1 << 20  # (a block past every position: full attention)
+            valid_t, context_t = torch.tensor(valid, dtype=torch.int32), torch.tensor(context, dtype=torch.int32)
             q = torch.randn(rows, frames, inner, generator=g)
             kv = torch.randn(rows, slots + frames, 2 * inner, generator=g)
             out = torch.full_like(q, float("nan"))
-            block_attention(q, kv, step.valid, geometry, slots, heads, left, out, tile=(8, 16, 4, 1))
+            block_attention(q, kv, valid_t, context_t, slots, heads, chunk, left, out, tile=(8, 16, 4, 1))
             # the reference mask, as rows() builds it for SDPA (blocks of 8 frames, ``left`` blocks back)
             ctx = torch.tensor(context)[:, None]
             new, slot = torch.arange(frames)[None, :], torch.arange(slots)[None, :]

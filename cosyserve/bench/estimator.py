@@ -377,6 +377,23 @@ SWEEP_TILES = {
 SWEEP_SIZES = {"small": (2, 64), "mid": (32, 64), "large": (16, 512)}  # rows, frames
 
 
+def _launch_us(call: Callable[[], None]) -> float:
+    """us per launch of ``call`` in a CUDA graph of 20 launches."""
+    return graph_ms(lambda: [call() for _ in range(20)], iters=10) * 1e3 / 20
+
+
+def _tile_sweep(call: Callable, tiles: list[tuple]) -> tuple[float, str]:
+    """``call(tile)`` timed under the built-in tile (None) and each of ``tiles``: the built-in's us per
+    launch, and every tile's, fastest first (a tile the compiler rejects for resources: its error)."""
+    results = []
+    for tile in tiles:
+        try:
+            results.append((round(_launch_us(lambda: call(tile)), 2), tile))
+        except Exception as error:
+            results.append((float("inf"), f"{tile}: {type(error).__name__}"))
+    return _launch_us(lambda: call(None)), ", ".join(f"{us} {tile}" for us, tile in sorted(results, key=lambda x: x[0]))
+
+
 ATTENTION_SWEEP_TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
                          (128, 32, 4, 2), (64, 128, 4, 2), (32, 32, 4, 2)]
 
@@ -397,21 +414,11 @@ def sweep_attention(log: Callable[[str], None] = print) -> None:
         q = torch.randn(rows.rows, frames, fused.inner, device=device, dtype=dtype, generator=g)
         kv = torch.randn(rows.rows, rows.slots + frames, 2 * fused.inner, device=device, dtype=dtype, generator=g)
         out = torch.empty_like(q)
-        sdpa = graph_ms(lambda: [fused._attention(q, kv, rows, out) for _ in range(20)], iters=10) * 1e3 / 20
-        results = []
-        for tile in ATTENTION_SWEEP_TILES:
-            try:
-                us = graph_ms(lambda: [attention_triton.block_attention(
-                    q, kv, rows.valid, rows.geometry, rows.slots, fused.heads, fused.left_chunks, out, tile=tile)
-                    for _ in range(20)], iters=10) * 1e3 / 20
-                results.append((round(us, 2), tile))
-            except Exception as error:  # a tile the compiler rejects (resources)
-                results.append((float("inf"), f"{tile}: {type(error).__name__}"))
-        default = graph_ms(lambda: [attention_triton.block_attention(
-            q, kv, rows.valid, rows.geometry, rows.slots, fused.heads, fused.left_chunks, out)
-            for _ in range(20)], iters=10) * 1e3 / 20
-        log(f"sweep attention {name}: SDPA {sdpa:.2f} us, Triton default {default:.2f} us; " + ", ".join(
-            f"{us} {tile}" for us, tile in sorted(results, key=lambda x: x[0])))
+        sdpa = _launch_us(lambda: fused._attention(q, kv, rows, out))
+        default, results = _tile_sweep(lambda tile: attention_triton.block_attention(
+            q, kv, rows.valid, rows.device_context, rows.slots, fused.heads, fused.chunk, fused.left_chunks, out,
+            tile=tile), ATTENTION_SWEEP_TILES)
+        log(f"sweep attention {name}: SDPA {sdpa:.2f} us, Triton default {default:.2f} us; {results}")
 
 
 def sweep_linear(rows_frames: dict[str, tuple[int, int]] | None = None, log: Callable[[str], None] = print) -> None:
@@ -449,13 +456,5 @@ def sweep_linear(rows_frames: dict[str, tuple[int, int]] | None = None, log: Cal
         rnd_w = {"qkv": rnd(1536, 256), "out": rnd(256, 512), "ff1": rnd(1024, 256), "b1024": rnd(1024),
                  "ff2": rnd(256, 1024), "conv": rnd(256, 768), "res": rnd(256, 256)}
         for name, (kind, call) in calls.items():
-            results = []
-            for tile in SWEEP_TILES[size][kind]:
-                try:
-                    us = graph_ms(lambda: [call(tile) for _ in range(20)], iters=10) * 1e3 / 20
-                    results.append((round(us, 2), tile))
-                except Exception as error:  # a tile the compiler rejects (resources)
-                    results.append((float("inf"), f"{tile}: {type(error).__name__}"))
-            default = graph_ms(lambda: [call(None) for _ in range(20)], iters=10) * 1e3 / 20
-            log(f"sweep {size} M={m} {name}: default {default:.2f} us; " + ", ".join(
-                f"{us} {tile}" for us, tile in sorted(results, key=lambda x: x[0])))
+            default, results = _tile_sweep(call, SWEEP_TILES[size][kind])
+            log(f"sweep {size} M={m} {name}: default {default:.2f} us; {results}")

@@ -17,8 +17,9 @@ from ..runtime import bucket
 
 class StepBuffers:
     """What one packed Euler step reads and writes, for ``pairs`` streams of up to ``frames`` new
-    frames and ``slots`` context frames, under one attention kind (``streaming``): the rows' layout, their context (:class:`StepState`), the
-    input, the step's time bias and dt, the commit points and the conv context kept at them.
+    frames and ``slots`` context frames, under one attention kind (``streaming``): the rows' layout,
+    their context (:class:`StepState`), the input, the step's time bias and dt, the commit points and
+    the conv context kept at them.
 
     Eager: allocated per run, :meth:`step` calls the fused step. Captured
     (:meth:`capture`): allocated once per shape, :meth:`step` replays a CUDA graph of the same call;
@@ -42,11 +43,11 @@ class StepBuffers:
         self.key_stride = base.size(2)
         self.kv_flat = base.view(base.size(0), base.size(1) * base.size(2), base.size(3))
         self.valid = torch.zeros(rows, device=device, dtype=torch.int32)
-        self.geometry = torch.ones(2, rows, device=device, dtype=torch.int32)  # (a block size never 0)
-        # (SDPA's mask; the Triton attention computes it from the geometry)
+        self.context = torch.zeros(rows, device=device, dtype=torch.int32)
+        # (SDPA's mask; the Triton attention computes it from the context)
         self.attn_bias = (torch.zeros(rows, 1, frames, slots + frames, device=device, dtype=dtype)
                           if fused.uses_bias(streaming) else None)
-        self.rows = StepRows(frames, self.valid, (0,) * rows, slots, streaming, self.attn_bias, self.geometry)
+        self.rows = StepRows(frames, self.valid, (0,) * rows, slots, streaming, self.attn_bias, self.context)
         self.inp = fused.input_buffer(rows, frames)
         self.time_bias = torch.zeros(len(fused.resnets), rows, fused.width, device=device, dtype=dtype)
         self.dt = torch.zeros(pairs, device=device, dtype=dtype)
@@ -60,7 +61,7 @@ class StepBuffers:
         if rows.streaming != self.streaming:
             raise ValueError(f"rows with streaming={rows.streaming} in a step built for streaming={self.streaming}")
         self.valid.copy_(rows.valid)
-        self.geometry.copy_(rows.geometry)
+        self.context.copy_(rows.device_context)
         if self.attn_bias is not None:
             if rows.attn_bias is None:
                 self.attn_bias.zero_()

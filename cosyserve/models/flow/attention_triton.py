@@ -6,9 +6,9 @@ Row ``r`` of a packed step (:class:`~.fused.StepRows`) has ``context[r]`` cached
 ``valid[r]`` are real (positions ``context[r]`` on). A real query at position p sees:
 
 * the real keys (cached frames below ``context[r]``, new frames below ``valid[r]``),
-* of its own block or earlier ones, blocks being ``chunk[r]`` positions from position 0 (block-causal,
-  streaming rows), no earlier than ``left_chunks`` blocks back (when that is >= 0);
-* a row with full attention has a ``chunk`` of :data:`~.fused.FULL_ATTENTION` positions: every real key.
+* of its own block or earlier ones, blocks being ``chunk`` positions from position 0 (block-causal),
+  no earlier than ``left_chunks`` blocks back (when that is >= 0); a ``chunk`` past every position
+  gives full attention.
 
 This is the mask :meth:`~.fused.FusedEstimator.rows` builds as a bias for SDPA. Padding queries (from
 ``valid[r]`` on) are written as zeros: nothing real attends to a padding frame.
@@ -60,16 +60,15 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, kv_si, first, end, key_pos0, q_blo
 
 
 @triton.jit
-def _attention_kernel(q_ptr, q_sr, q_si, kv_ptr, kv_sr, kv_si, o_ptr, o_sr, o_si, valid_ptr, geometry_ptr, geometry_s,
-                      FRAMES, SLOTS, INNER, qk_scale, LEFT_CHUNKS: tl.constexpr, HEADS: tl.constexpr,
+def _attention_kernel(q_ptr, q_sr, q_si, kv_ptr, kv_sr, kv_si, o_ptr, o_sr, o_si, valid_ptr, context_ptr,
+                      FRAMES, SLOTS, INNER, chunk, qk_scale, LEFT_CHUNKS: tl.constexpr, HEADS: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_rh = tl.program_id(1)
     r = pid_rh // HEADS
     h = pid_rh % HEADS
     valid = tl.load(valid_ptr + r)
-    context = tl.load(geometry_ptr + r)
-    chunk = tl.load(geometry_ptr + geometry_s + r)
+    context = tl.load(context_ptr + r)
     q0 = pid_m * BLOCK_M
     offs_m = q0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -109,11 +108,11 @@ def _tile(frames: int) -> tuple[int, int, int, int]:
     return (64, 64, 4, 2) if frames > 32 else (32, 64, 4, 2)
 
 
-def block_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, geometry: torch.Tensor, slots: int,
-                    heads: int, left_chunks: int, out: torch.Tensor, tile: tuple[int, int, int, int] | None = None
-                    ) -> torch.Tensor:
-    """q (R, frames, inner), kv (R, slots + frames, 2 inner) [keys ‖ values], valid (R,) int32,
-    geometry (2, R) int32 [context; chunk] -> ``out`` (R, frames, inner); see the module docstring.
+def block_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, context: torch.Tensor, slots: int,
+                    heads: int, chunk: int, left_chunks: int, out: torch.Tensor,
+                    tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """q (R, frames, inner), kv (R, slots + frames, 2 inner) [keys ‖ values], valid and context (R,)
+    int32 -> ``out`` (R, frames, inner); see the module docstring.
     ``tile``: (block_m, block_n, warps, stages) instead of the built-in choice (for tuning)."""
     rows, frames, inner = q.shape
     head_dim = inner // heads
@@ -123,6 +122,6 @@ def block_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, geom
     grid = (triton.cdiv(frames, block_m), rows * heads)
     _attention_kernel[grid](
         q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.stride(1), out, out.stride(0), out.stride(1),
-        valid, geometry, geometry.stride(0), frames, slots, inner, _LOG2E / math.sqrt(head_dim),
-        LEFT_CHUNKS=left_chunks, HEADS=heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        valid, context, frames, slots, inner, chunk, _LOG2E / math.sqrt(head_dim), LEFT_CHUNKS=left_chunks,
+        HEADS=heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return out

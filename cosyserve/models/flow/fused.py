@@ -44,8 +44,6 @@ from .estimator import CausalBlock1D, CausalConditionalDecoder, CausalResnetBloc
     sinusoidal_time_embedding
 
 ACT_NONE, ACT_GELU, ACT_MISH = 0, 1, 2
-# A row's block size (StepRows.geometry) under full attention: every position is in block 0.
-FULL_ATTENTION = 1 << 24
 # Attention key slots per row are padded so that context slots + new frames is a multiple of this
 # (SDPA's memory-efficient kernel pads its mask to it otherwise, one extra kernel per layer).
 KEY_ALIGN = 16
@@ -139,8 +137,8 @@ def context_slots(max_context: int, frames: int) -> int:
 class StepRows:
     """Where the rows of one packed step sit: new frames per row and the cached context before them.
 
-    ``geometry`` (2, R) int32: context and block size (frames, or :data:`FULL_ATTENTION`) per row,
-    what the Triton attention computes its mask from (:mod:`.attention_triton`).
+    ``device_context`` (R,) int32: ``context`` on the device, from which the Triton attention
+    computes its mask (:mod:`.attention_triton`).
     ``attn_bias`` (R, 1, frames, slots + frames) additive (0 / -inf) over the keys [context slots ‖
     new frames] for SDPA, or None when every key is visible (offline rows of equal length: flash
     attention) or the Triton attention runs.
@@ -152,7 +150,7 @@ class StepRows:
     slots: int  # cached-key slots per row (>= max context)
     streaming: bool
     attn_bias: torch.Tensor | None
-    geometry: torch.Tensor
+    device_context: torch.Tensor
 
     @property
     def rows(self) -> int:
@@ -384,10 +382,9 @@ class FusedEstimator:
         slots = context_slots(max(context), frames) if slots is None else slots
         if slots < max(context):
             raise ValueError(f"{slots} context slots cannot hold {max(context)} cached frames")
-        # one copy to the device: valid frames, then the Triton attention's [context, chunk] per row
-        chunk = self.chunk if streaming else FULL_ATTENTION
-        packed = host_to_device([list(valid), list(context), [chunk] * len(valid)], self.device, torch.int32)
-        rows = StepRows(frames, packed[0], tuple(context), slots, streaming, None, packed[1:])
+        # one copy to the device: valid frames and cached frames per row
+        packed = host_to_device([list(valid), list(context)], self.device, torch.int32)
+        rows = StepRows(frames, packed[0], tuple(context), slots, streaming, None, packed[1])
         # decided on the host (reading the mask would wait for the device): keys are hidden by
         # blocks, by empty context slots or by padding frames
         if self.uses_bias(streaming) and (streaming or slots > 0 or any(v < frames for v in valid)):
@@ -406,7 +403,7 @@ class FusedEstimator:
         module docstring of :mod:`.attention_triton`), padding queries their own frame too (so that
         SDPA never takes an empty softmax)."""
         device, frames, slots = self.device, rows.frames, rows.slots
-        ctx = rows.geometry[0].long()[:, None]
+        ctx = rows.device_context.long()[:, None]
         new = torch.arange(frames, device=device)[None, :]
         slot = torch.arange(slots, device=device)[None, :]
         query_pos = ctx + new
@@ -536,8 +533,8 @@ class FusedEstimator:
         heads, bias = self.heads, step_rows.attn_bias
         if not self.uses_bias(step_rows.streaming):
             from .attention_triton import block_attention
-            return block_attention(q, kv, step_rows.valid, step_rows.geometry, step_rows.slots, heads,
-                                   self.left_chunks, out)
+            return block_attention(q, kv, step_rows.valid, step_rows.device_context, step_rows.slots, heads,
+                                   self.chunk, self.left_chunks, out)
 
         def split_heads(t: torch.Tensor) -> torch.Tensor:
             return t.unflatten(-1, (heads, inner // heads)).transpose(1, 2)
