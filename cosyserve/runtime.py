@@ -5,6 +5,7 @@ stream is kept.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -88,3 +89,42 @@ BURST_MAX_S = 0.012
 def bucket(value: int, sizes: Sequence[int]) -> int | None:
     """The smallest of the ascending ``sizes`` that holds ``value`` (a captured shape), None past them."""
     return next((size for size in sizes if value <= size), None)
+
+
+# The role (role_stream) of the engine loop's CUDA graphs: the flow's chunk steps and full passes, the
+# vocoder's (the loop replays them on its own stream).
+LOOP_ROLE = "main"
+# Streams asked of torch's pool before giving up on one no other role has (the pool holds 32 per
+# priority and hands them out in turn).
+_STREAM_TRIES = 64
+_role_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+_role_streams_lock = threading.Lock()
+
+
+def role_stream(device: torch.device | str, role: str) -> torch.cuda.Stream:
+    """The CUDA stream of ``role`` on ``device``: one per role, made on first use, and never the
+    same CUDA stream as another role's (torch's pool hands its 32 streams out in turn).
+
+    Every family of CUDA graphs whose replays may overlap another's is captured on a role's stream
+    of its own (the LLM's steps, new voices' prompts, the loop's steps and vocoder, each front-end
+    model). Why: torch keys cuBLAS workspaces by (the thread's handle, the stream), and a graph
+    keeps the workspace of the stream it was captured on; graphs captured on one stream by one
+    thread (as every ``torch.cuda.graph`` without a stream is, on torch's one default capture
+    stream) share one workspace, so two of them replayed at once on two streams write each other's
+    split-K partials, and destroying one frees that workspace under all the others. (An H100 ran the
+    LLM's prefill graphs beside new voices' prompt encoder graphs, both captured on the default
+    capture stream, and died on "illegal instruction" in 3 of 6 runs of 8 new clips.)"""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _role_streams_lock:
+        stream = _role_streams.get((index, role))
+        if stream is None:
+            taken = {s.cuda_stream for (i, _), s in _role_streams.items() if i == index}
+            for _ in range(_STREAM_TRIES):
+                stream = torch.cuda.Stream(index)
+                if stream.cuda_stream not in taken:
+                    break
+            else:
+                raise RuntimeError(f"no CUDA stream left for role {role!r}: {len(taken)} roles hold one each")
+            _role_streams[(index, role)] = stream
+        return stream

@@ -14,6 +14,7 @@ from cosyserve.frontend.prompt import voice_key
 from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
 from cosyserve.schedule import plan_chunks
 from cosyserve.models.flow.packed_encoder import EncoderWindow, encode_windows
+from cosyserve.runtime import role_stream
 from cosyserve.token2wav.flow_engine import PREFIX_LANE, PREFIX_STEPS_AHEAD, FlowEngine
 from cosyserve.token2wav.prefix_encoder import PrefixEncoder
 from cosyserve.token2wav.step_graphs import PREFIX_SHAPES, EngineGraphs, StepBuffers
@@ -500,6 +501,20 @@ def test_first_prompt_pieces_padded_to_fixed_shapes_equal_the_packed_encoder(flo
                 assert padded[owner].keys.committed == state.keys.committed > 0
                 assert _rel(padded[owner].keys.committed_frames(), state.keys.committed_frames()) < REL_L2
                 assert _rel(padded[owner].values.committed_frames(), state.values.committed_frames()) < REL_L2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_each_role_has_a_cuda_stream_of_its_own():
+    """Graph families are captured on their roles' streams: a role always gets the same stream, two
+    roles never the same CUDA stream (torch's pool hands out its 32 in turn), so that no two
+    families share a cuBLAS workspace."""
+    device = torch.device("cuda")
+    streams = [role_stream(device, f"test-role-{k}") for k in range(8)]
+    assert len({s.cuda_stream for s in streams}) == len(streams)
+    assert role_stream(device, "test-role-3") is streams[3]
+    for _ in range(40):  # other code taking streams from the pool does not change a role's
+        torch.cuda.Stream(device)
+    assert role_stream(device, "test-role-0") is streams[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -28,7 +28,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..audio.features import WHISPER_HOP, campplus_features, kaldi_frame_count, whisper_log_mel
 from ..errors import InvalidInputError, ModelLoadError
-from ..runtime import device_to_host
+from ..runtime import device_to_host, role_stream
 from .campplus import load_campplus
 from .graphs import GRAPH_BATCHES, ClipGraphs
 from .onnx_models import (
@@ -87,7 +87,8 @@ class _DeviceModel:
         self.device = torch.device(device)
         self.model = loader(self.path).to(self.device)
         cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        # its own stream, where its graphs are captured too (runtime.role_stream: one per model file)
+        self.stream = role_stream(self.device, f"frontend:{self.path}") if cuda else None
         self.graphs = ClipGraphs(self.device, self.forward, lambda: _float32_exact(self.device)) \
             if cuda and cuda_graphs else None
         self._lock = threading.Lock()  # one call at a time: the graphs' buffers are shared

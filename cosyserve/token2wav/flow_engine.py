@@ -67,7 +67,7 @@ from ..models.flow.cfm import N_TIMESTEPS
 from ..models.flow.fused import FusedEstimator, context_slots
 from ..models.flow.lanes import work_lane
 from ..models.flow.packed_encoder import EncoderWindow, encode_windows
-from ..runtime import host_to_device
+from ..runtime import host_to_device, role_stream
 from .graphs import FlowCounters
 from .page_pool import PagePool
 from .prefix_encoder import PrefixEncoder
@@ -227,9 +227,10 @@ class FlowEngine:
         self.graphs = EngineGraphs(self.fused) if cuda_graphs else None
         self.prefix_graphs = EngineGraphs(self.fused, PREFIX_SHAPES, lane=PREFIX_LANE) if cuda_graphs else None
         self.first_pieces = PrefixEncoder(flow, PREFIX_PAIRS, flow.cfg.pre_lookahead_len + PREFIX_FIRST_PIECE_TOKENS,
-                                          PREFIX_TOKEN_BUCKET, replay=cuda_graphs)
-        # new voices' prompts run on a stream of their own, beside the chunks (see prepare)
-        self._prefix_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+                                          PREFIX_TOKEN_BUCKET, replay=cuda_graphs, role=PREFIX_LANE)
+        # new voices' prompts run on a stream of their own, beside the chunks (see prepare), where
+        # their graphs were captured (runtime.role_stream)
+        self._prefix_stream = role_stream(self.device, PREFIX_LANE) if self.device.type == "cuda" else None
         if precapture:
             self.capture_graphs()
         self._voices: OrderedDict[str, VoicePrefix] = OrderedDict()

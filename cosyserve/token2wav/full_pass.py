@@ -90,7 +90,7 @@ class FullPass:
         if key not in self._captured:
             buffers = StepBuffers(self.fused, pairs, padded, 0, kv=self.graphs.kv, streaming=streaming)
             if self.graphs.replay:
-                buffers.capture(self.graphs.pool)
+                buffers.capture(self.graphs.pool, self.graphs.lane)
             self._captured[key] = buffers
         return self._captured[key]
 

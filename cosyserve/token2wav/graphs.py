@@ -31,7 +31,7 @@ outputs cloned out around each replay, so one graph's temporaries may overlap an
 from __future__ import annotations
 
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +41,7 @@ from ..errors import InvalidInputError
 from ..models.flow import CausalConditionalCFM, FlowConditions, fixed_noise
 from ..models.flow.cfm import N_TIMESTEPS, NOISE_FRAMES
 from ..models.hift import HiFTGenerator, SourceNoise
+from ..runtime import LOOP_ROLE, role_stream
 
 TensorFn = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -53,23 +54,28 @@ class _Graph:
 
 
 class GraphCache:
-    """``fn(*tensors) -> tuple of tensors`` replayed from a CUDA graph per input shape (LRU, ``max_graphs``).
+    """``fn(*tensors) -> tuple of tensors`` replayed from a CUDA graph per input shape (at most ``max_graphs``).
 
     ``fn`` must be a pure function of its inputs' values with no host synchronisation. Shapes seen
     at most ``capture_after`` times run eagerly (``None``: every shape not captured with
-    :meth:`capture` runs eagerly). A capture is preceded by ``warmup`` eager runs
-    the first time (library handles, plans), one run later (the new side stream's workspaces).
-    Thread-safe (calls are serialised).
+    :meth:`capture` runs eagerly), and so do new shapes once ``max_graphs`` are held: a graph is
+    never dropped while the process runs (destroying one frees the cuBLAS workspace of every graph
+    captured on its stream: :func:`~cosyserve.runtime.role_stream`). Graphs are captured on the
+    stream of ``role`` (the loop's, "main", unless told otherwise). A capture is preceded by
+    ``warmup`` eager runs the first time (library handles, plans), one run later. Thread-safe (calls
+    are serialised).
     """
 
-    def __init__(self, fn: TensorFn, *, max_graphs: int = 64, capture_after: int | None = 1, warmup: int = 2):
+    def __init__(self, fn: TensorFn, *, max_graphs: int = 64, capture_after: int | None = 1, warmup: int = 2,
+                 role: str = LOOP_ROLE):
         if max_graphs < 1:
             raise InvalidInputError(f"max_graphs must be >= 1, got {max_graphs}")
         self.fn = fn
         self.max_graphs = max_graphs
         self.capture_after = capture_after
         self.warmup = warmup
-        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.role = role
+        self._graphs: dict[tuple, _Graph] = {}
         self._seen: Counter = Counter()
         self._pool = None
         self._lock = threading.Lock()
@@ -85,11 +91,10 @@ class GraphCache:
             entry = self._graphs.get(key)
             if entry is None:
                 self._seen[key] += 1
-                if self.capture_after is None or self._seen[key] <= self.capture_after:
+                if (self.capture_after is None or self._seen[key] <= self.capture_after
+                        or len(self._graphs) >= self.max_graphs):
                     return self.fn(*inputs)
                 entry = self._capture(key, inputs)
-            else:
-                self._graphs.move_to_end(key)
             return self._replay(entry, inputs)
 
     @staticmethod
@@ -116,27 +121,26 @@ class GraphCache:
             self._pool = torch.cuda.graph_pool_handle()
         static = tuple(t.clone(memory_format=torch.contiguous_format) for t in inputs)
         graph, outputs = capture_graph(lambda: self.fn(*static), inputs[0].device, self._pool,
-                                       self.warmup if not self._graphs else 1)
-        if len(self._graphs) >= self.max_graphs:
-            self._graphs.popitem(last=False)
+                                       self.warmup if not self._graphs else 1, self.role)
         entry = self._graphs[key] = _Graph(graph, static, tuple(outputs))
         return entry
 
 
-def capture_graph(run: Callable[[], object], device: torch.device, pool, warmup: int = 1
-                  ) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture_graph(run: Callable[[], object], device: torch.device, pool, warmup: int = 1,
+                  role: str = LOOP_ROLE) -> tuple[torch.cuda.CUDAGraph, object]:
     """``run`` (pure GPU work, no host synchronisation) captured into a CUDA graph sharing ``pool``,
-    after ``warmup`` eager runs on a side stream; returns the graph and what the captured run returned."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up: library handles, cuDNN/cuFFT plans, lazy allocations
+    on the stream of ``role`` (:func:`~cosyserve.runtime.role_stream`), after ``warmup`` eager runs
+    there; returns the graph and what the captured run returned."""
+    stream = role_stream(device, role)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm-up: library handles, cuDNN/cuFFT plans, lazy allocations
         for _ in range(warmup):
             run()
-    torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     # thread_local: other threads may keep running (and allocating) eagerly during the capture.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         outputs = run()
+    torch.cuda.current_stream(device).wait_stream(stream)
     return graph, outputs
 
 

@@ -22,7 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..models.flow import CosyVoice2Flow
 from ..models.flow.config import UP_STRIDE
 from ..models.flow.packed_encoder import encode_first_windows, keep_first_states
-from ..runtime import bucket, host_to_device
+from ..runtime import LOOP_ROLE, bucket, host_to_device
 from .graphs import GraphCache
 
 
@@ -30,17 +30,18 @@ class PrefixEncoder:
     """mu of first prompt pieces (tokens 0..n of new voices' prompts, the last ``pre_lookahead_len`` of
     them look-ahead), their encoder state put in the voices' state dicts. Rows are padded to one of
     ``rows`` (empty rows), tokens to a multiple of ``token_bucket`` up to ``max_tokens``; ``replay``
-    (CUDA only): each shape replayed from a CUDA graph, all captured by :meth:`capture_all`;
+    (CUDA only): each shape replayed from a CUDA graph, all captured by :meth:`capture_all` on the
+    stream of ``role`` (:func:`~cosyserve.runtime.role_stream`: the thread's that replays them);
     otherwise (and past the shapes) the same padded pass runs eagerly."""
 
     def __init__(self, flow: CosyVoice2Flow, rows: tuple[int, ...], max_tokens: int, token_bucket: int, *,
-                 replay: bool = True) -> None:
+                 replay: bool = True, role: str = LOOP_ROLE) -> None:
         self.flow = flow
         self.rows = rows
         self.token_bucket = token_bucket
         self.widths = tuple(range(token_bucket, max_tokens + token_bucket, token_bucket))
         self._layouts: dict[tuple[int, int], list[torch.Size]] = {}  # (rows, tokens) -> the outputs' shapes
-        self.graphs = (GraphCache(self._pass, max_graphs=len(rows) * len(self.widths), capture_after=None)
+        self.graphs = (GraphCache(self._pass, max_graphs=len(rows) * len(self.widths), capture_after=None, role=role)
                        if replay else None)
 
     @property

@@ -12,7 +12,7 @@ import torch
 
 from ..models.flow.fused import FusedEstimator, StepRows, StepState, conv_views
 from ..models.flow.lanes import work_lane
-from ..runtime import bucket
+from ..runtime import bucket, role_stream
 
 
 class StepBuffers:
@@ -73,12 +73,13 @@ class StepBuffers:
                                    keep_context=(self.commit, self.kept))
         return x_out
 
-    def capture(self, pool) -> None:
-        """Run the step once (Triton compiles its kernels), then capture it."""
+    def capture(self, pool, role: str) -> None:
+        """Run the step once (Triton compiles its kernels), then capture it on the stream of ``role``
+        (:func:`~cosyserve.runtime.role_stream`: the work lane whose thread replays it)."""
         self._call()
         torch.cuda.synchronize(self.fused.device)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool, stream=role_stream(self.fused.device, role)):
             self.x_out = self._call()
 
     def step(self, time_bias: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
@@ -169,7 +170,7 @@ class EngineGraphs:
             with work_lane(self.lane):
                 buffers = StepBuffers(self.fused, *key, kv=self.kv)
                 if self.replay:
-                    buffers.capture(self.pool)
+                    buffers.capture(self.pool, self.lane)
             self._buffers[key] = buffers
         return self._buffers[key]
 

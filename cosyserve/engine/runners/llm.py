@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
+from ...llm.engine.model_runner import LLM_ROLE
 from ...llm.prompt import register_voice_prefixes
 from ...llm.sampling import REFERENCE_SAMPLING, SamplingParams
 from ...llm.stream import TokenStream
+from ...runtime import role_stream
 from ..front_end import TokenLimits
 
 
@@ -65,7 +65,7 @@ class FreeRunningLLM(BackendLLM):
         device = engine.runner.device
         # a stream of its own at the flow's priority: its decode steps interleave with the flow's
         # kernels (at a higher priority they starved a first chunk's flow until the reply was decoded)
-        engine.start(torch.cuda.Stream(device) if device.type == "cuda" else None)
+        engine.start(role_stream(device, LLM_ROLE) if device.type == "cuda" else None)
 
     @property
     def generating(self) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ...runtime import device_to_host, host_to_device
+from ...runtime import device_to_host, host_to_device, role_stream
 from ..layers.attention import DecodeMetadata, PrefillMetadata, decode_bias
 from ..layers.fused import fused_decode_available
 from ..models.config import Qwen2Config
@@ -26,6 +26,9 @@ from ..models.loader import load_model
 from ..prompt import layout_for_vocab_size
 from ..sampling import Sampler
 from .kv_cache import KVCache
+
+# The CUDA stream role (runtime.role_stream) of the LLM: its graphs are captured on it, its thread runs on it.
+LLM_ROLE = "llm"
 
 
 @dataclass
@@ -219,7 +222,7 @@ class ModelRunner:
         for graphs, step, shape in sorted(shapes, key=lambda entry: entry[2][0] * entry[2][1], reverse=True):
             step(*shape)  # warm-up: loads kernels, picks GEMM algorithms
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=role_stream(self.device, LLM_ROLE)):
                 step(*shape)
             pool = pool or graph.pool()
             graphs[shape] = graph
