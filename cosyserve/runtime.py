@@ -111,9 +111,10 @@ def role_stream(device: torch.device | str, role: str) -> torch.cuda.Stream:
     keeps the workspace of the stream it was captured on; graphs captured on one stream by one
     thread (as every ``torch.cuda.graph`` without a stream is, on torch's one default capture
     stream) share one workspace, so two of them replayed at once on two streams write each other's
-    split-K partials, and destroying one frees that workspace under all the others. (An H100 ran the
-    LLM's prefill graphs beside new voices' prompt encoder graphs, both captured on the default
-    capture stream, and died on "illegal instruction" in 3 of 6 runs of 8 new clips.)"""
+    split-K partials, and destroying one frees that workspace under all the others. (The likely
+    cause of the CUDA "illegal instruction" that ended three runs of 8 new clips on an H100: the
+    LLM's prefill graphs ran beside new voices' prompt-encoder graphs, all captured on the default
+    capture stream.)"""
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _role_streams_lock:
