@@ -15,7 +15,7 @@ from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_
 from cosyserve.schedule import plan_chunks
 from cosyserve.models.flow.packed_encoder import EncoderWindow, encode_windows
 from cosyserve.runtime import role_stream
-from cosyserve.token2wav.flow_engine import PREFIX_LANE, PREFIX_STEPS_AHEAD, FlowEngine
+from cosyserve.token2wav.flow_engine import PREFIX_LANE, FlowEngine
 from cosyserve.token2wav.prefix_encoder import PrefixEncoder
 from cosyserve.token2wav.step_graphs import PREFIX_SHAPES, EngineGraphs, StepBuffers
 
@@ -366,25 +366,6 @@ def test_a_preparation_does_not_wait_for_a_chunk_run_under_way(flow, monkeypatch
     stream = engine.open(*voice, key="new")
     new_ref = Reference(flow, voice, tokens, [])
     assert _rel(engine.run([(stream, tokens[:, :count], finalize)])[0], new_ref.expected(count, finalize)) < REL_L2
-
-
-def test_a_lone_voice_is_launched_at_once_and_a_burst_paced(flow, monkeypatch):
-    """A lone new voice's prompt solve is launched without pacing (its stream is planned once the
-    prefix is launched, and a paced launch lasts nearly as long as the solve); a solve of several
-    prompts is paced PREFIX_STEPS_AHEAD steps ahead of the device (its ~6,000 queued kernels held up
-    the other threads' launches)."""
-    paced = []
-    solve_windows = FlowEngine._solve_windows
-
-    def recorded_solve(self, windows, graphs, steps_ahead=0):
-        paced.append((len(windows), steps_ahead))
-        return solve_windows(self, windows, graphs, steps_ahead)
-
-    monkeypatch.setattr(FlowEngine, "_solve_windows", recorded_solve)
-    engine = _engine(flow)
-    engine.prepare([(*_voice(60, seed=60), "lone")])
-    engine.prepare([(*_voice(n, seed=61 + n), f"burst{n}") for n in (40, 75)])
-    assert paced == [(1, 0), (2, PREFIX_STEPS_AHEAD)]
 
 
 @pytest.mark.parametrize("shapes", ["exact", "captured"])

@@ -86,18 +86,11 @@ PREFIX_LANE = "prefix"
 # A first prompt piece's encoder pass is padded to a multiple of this many tokens (PrefixEncoder: one
 # CUDA graph per width and rows, captured at load).
 PREFIX_TOKEN_BUCKET = 32
-# Euler steps of a solve of several new voices' prompts queued on the device at most: the preparation
-# thread launches the next once the one this many before it has run. Why: with all 10 step graphs of
-# 8 prompts queued (~6,000 kernels), the other threads' launches blocked until that queue had drained
-# (a trace of 8 new clips on an H100: the loop's and the LLM's graph launches each waited 35-40 ms).
+# Euler steps of new voices' prompts queued on the device at most: the preparation thread launches
+# the next once the one this many before it has run. Why: with all 10 step graphs of 8 prompts queued
+# (~6,000 kernels), the other threads' launches blocked until that queue had drained (a trace of 8
+# new clips on an H100: the loop's and the LLM's graph launches each waited 35-40 ms).
 PREFIX_STEPS_AHEAD = 2
-# ... but a solve of at most this many prompts is launched at once. Why: a stream of a voice is
-# planned once its prefix is launched (FlowEngine.launching), so pacing a lone voice's ~36 ms solve
-# held its first chunk until the solve was nearly done, and only then queued the chunk's own steps
-# (one new clip on an H100: +22.8 / +23.5 ms unpaced, +34.1 to +42.2 paced, its "chunk tokens"
-# stage ~26 -> ~42 ms). Unpaced, the chunk is queued behind the solve on the device as soon as its
-# tokens are there.
-PREFIX_UNPACED_PROMPTS = 1
 
 
 @dataclass
@@ -414,8 +407,7 @@ class FlowEngine:
                     self._prefix_waits_for_consumers()  # its pages may have been freed just now
                 solved = [w for w in windows if w.width]  # (a last piece shorter than a block commits nothing)
                 if solved:
-                    ahead = PREFIX_STEPS_AHEAD if len(solved) > PREFIX_UNPACED_PROMPTS else 0
-                    self._solve_windows(solved, self.prefix_graphs if k == 0 else None, ahead)
+                    self._solve_windows(solved, self.prefix_graphs if k == 0 else None, PREFIX_STEPS_AHEAD)
                 for window in solved:
                     self._commit(window)
                 windows = []
