@@ -24,9 +24,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
-    print("| captured on | rounds | replays corrupted (of 2 x rounds) |\n|---|---:|---:|")
+    print(f"| captured on | rounds | replays corrupted (rel-L2 > {graph_workspaces.CORRUPTED_REL_L2:g}, "
+          "of 2 x rounds) | largest rel-L2 |\n|---|---:|---:|---:|")
     for row in graph_workspaces.measure(args.rounds, torch.device("cuda")):
-        print(f"| {row.capture} | {row.rounds} | {row.corrupted} |")
+        print(f"| {row.capture} | {row.rounds} | {row.corrupted} | {row.worst_rel_l2:.2e} |")
     return 0
 
 

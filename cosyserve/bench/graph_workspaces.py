@@ -5,9 +5,12 @@ captures its graph families).
 
 Each graph computes a few GEMMs of the LLM's decode and prefill sizes (small rows over a long inner
 dimension is where cuBLAS splits K into its workspace). Each is replayed alone first for its
-expected output, then both are replayed together ``rounds`` times, each on its own stream, and every
-output that differs from the expected one counts as corrupted. A replay of the same graph on the
-same inputs computes the same thing, so outputs are compared exactly.
+expected output, then both are replayed together ``rounds`` times, each on its own stream. A replay
+is corrupted when an output is off its expected value by more than :data:`CORRUPTED_REL_L2`; the
+largest deviation of any replay is reported too. (Outputs were first compared exactly: on an H100
+6,000 and 5,998 of 6,000 replays differed from the graph's alone, captured on one stream and on a
+stream each, by amounts not recorded. Reductions that are not reproducible bit for bit differ by
+rounding; another GEMM's partial sums in the workspace would be off by the order of the values.)
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ from ..runtime import role_stream
 
 # (rows, inner, outer) of the GEMMs in each graph: a Qwen2-0.5B decode step's MLP and a prefill's.
 SHAPES = ((8, 4864, 896), (8, 896, 4864), (1024, 896, 4864))
+# rel-L2 from the output alone past which a replay's output is corrupted, not rounded differently
+CORRUPTED_REL_L2 = 1e-2
 
 
 @dataclass
 class Corruption:
     capture: str  # "one stream" | "a stream each"
     rounds: int
-    corrupted: int  # replays, of 2 x rounds, whose output differs from the graph's alone
+    corrupted: int  # replays, of 2 x rounds, with an output off by more than CORRUPTED_REL_L2
+    worst_rel_l2: float  # the largest rel-L2 of any output from the graph's alone
 
 
 def _graph(stream: torch.cuda.Stream | None, seed: int, device: torch.device):
@@ -60,7 +66,7 @@ def measure(rounds: int, device: torch.device) -> list[Corruption]:
             torch.cuda.synchronize(device)
             expected.append([out.clone() for out in outputs])
         replay_streams = [torch.cuda.Stream(device) for _ in graphs]
-        corrupted = 0
+        corrupted, worst = 0, 0.0
         for _ in range(rounds):
             for (graph, _), stream in zip(graphs, replay_streams):
                 stream.wait_stream(torch.cuda.current_stream(device))
@@ -69,7 +75,10 @@ def measure(rounds: int, device: torch.device) -> list[Corruption]:
             for stream in replay_streams:
                 torch.cuda.current_stream(device).wait_stream(stream)
             torch.cuda.synchronize(device)
-            corrupted += sum(any(not torch.equal(out, want) for out, want in zip(outputs, wants))
-                             for (_, outputs), wants in zip(graphs, expected))
-        results.append(Corruption(capture, rounds, corrupted))
+            for (_, outputs), wants in zip(graphs, expected):
+                errors = [float((out.float() - want.float()).norm() / want.float().norm())
+                          for out, want in zip(outputs, wants)]
+                corrupted += max(errors) > CORRUPTED_REL_L2
+                worst = max(worst, *errors)
+        results.append(Corruption(capture, rounds, corrupted, worst))
     return results
