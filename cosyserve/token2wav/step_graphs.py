@@ -12,7 +12,7 @@ import torch
 
 from ..models.flow.fused import FusedEstimator, StepRows, StepState, conv_views
 from ..models.flow.lanes import work_lane
-from ..runtime import bucket, role_stream
+from ..runtime import LOOP_ROLE, bucket, role_stream
 
 
 class StepBuffers:
@@ -142,7 +142,7 @@ class EngineGraphs:
     """
 
     def __init__(self, fused: FusedEstimator, shapes: GraphShapes = CHUNK_SHAPES, *, replay: bool = True,
-                 lane: str = "main") -> None:
+                 lane: str = LOOP_ROLE) -> None:
         self.fused = fused
         self.shapes = shapes
         self.replay = replay

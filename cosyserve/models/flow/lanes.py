@@ -10,6 +10,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ...runtime import LOOP_ROLE
+
 _lane = threading.local()
 
 
@@ -27,5 +29,6 @@ def work_lane(name: str) -> Iterator[None]:
 
 
 def current_lane() -> str:
-    """This thread's lane (:func:`work_lane`); "main" outside every block."""
-    return getattr(_lane, "name", "main")
+    """This thread's lane (:func:`work_lane`); the loop's outside every block (its name is the loop's
+    CUDA stream role, :data:`~cosyserve.runtime.LOOP_ROLE`: a lane's step graphs are captured on its role's stream)."""
+    return getattr(_lane, "name", LOOP_ROLE)
