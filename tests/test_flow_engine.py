@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_
 from cosyserve.schedule import plan_chunks
 from cosyserve.models.flow.packed_encoder import EncoderWindow, encode_windows
 from cosyserve.runtime import role_stream
-from cosyserve.token2wav.flow_engine import PREFIX_LANE, FlowEngine
+from cosyserve.token2wav.flow_engine import (PREFIX_FOLLOWED_PROMPTS, PREFIX_LANE, PREFIX_OPEN_LEAD, FlowEngine,
+                                             StepLaunch)
 from cosyserve.token2wav.prefix_encoder import PrefixEncoder
 from cosyserve.token2wav.step_graphs import PREFIX_SHAPES, EngineGraphs, StepBuffers
 
@@ -368,6 +370,105 @@ def test_a_preparation_does_not_wait_for_a_chunk_run_under_way(flow, monkeypatch
     assert _rel(engine.run([(stream, tokens[:, :count], finalize)])[0], new_ref.expected(count, finalize)) < REL_L2
 
 
+def _hold_launch_after(monkeypatch, steps: int, then=None) -> tuple[threading.Event, threading.Event]:
+    """Hold a preparation thread once it has launched ``steps`` of its last solve's steps, until a
+    stream's window asks for the next (then call ``then``, which may raise); returns (held, asked)."""
+    held, asked = threading.Event(), threading.Event()
+    add, event = StepLaunch.add, StepLaunch.event
+
+    def held_add(self, launched):
+        if self.launched == steps:
+            held.set()
+            assert asked.wait(60), "no window waited for the next step"
+            if then is not None:
+                then()
+        add(self, launched)
+
+    def watched_event(self, step):
+        if step == steps:
+            asked.set()
+        return event(self, step)
+
+    monkeypatch.setattr(StepLaunch, "add", held_add)
+    monkeypatch.setattr(StepLaunch, "event", watched_event)
+    return held, asked
+
+
+def test_a_stream_opened_while_its_voice_is_launched_follows_the_prompt_step_by_step(flow, monkeypatch):
+    """A voice is kept once its prompt's last solve is planned, before its steps are launched, so
+    that a stream can open at once: its first window waits for each of the prompt's steps before
+    its own (here the preparation thread is held after 4 steps until the window asks for the 5th:
+    without the wait it would read pages not written yet), and its chunks equal the full re-run.
+    ``launching`` says "wait" while more than PREFIX_OPEN_LEAD steps are left to launch."""
+    engine = _engine(flow)
+    voice = _voice(75, seed=61)
+    held, _ = _hold_launch_after(monkeypatch, 4)
+    preparing = threading.Thread(target=engine.prepare, args=([(*voice, "new")],))
+    preparing.start()
+    assert held.wait(60) and engine.launching("new") and 10 - 4 > PREFIX_OPEN_LEAD
+    stream = engine.open(*voice, key="new")
+    tokens = _tokens(60, seed=12)
+    ref = Reference(flow, voice, tokens, [])
+    for count, finalize in triton_schedule(60):
+        mel = engine.run([(stream, tokens[:, :count], finalize)])[0]
+        assert _rel(mel, ref.expected(count, finalize)) < REL_L2, count
+        ref.done += mel.size(2)
+    preparing.join()
+    assert not engine.launching("new") and engine.cached_voices == 1
+    assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages
+
+
+def test_a_solve_of_several_prompts_is_followed_only_once_launched(flow, monkeypatch):
+    """Streams follow a prompt solve step by step only when it holds at most PREFIX_FOLLOWED_PROMPTS
+    prompts: for one of two, ``launching`` says "wait" until every step is launched (a stream opened
+    earlier anyway still follows it and gives the full re-run's chunks)."""
+    engine = _engine(flow)
+    voices = [_voice(75, seed=63), _voice(90, seed=64)]
+    held, _ = _hold_launch_after(monkeypatch, 9)
+    preparing = threading.Thread(target=engine.prepare, args=([(*v, f"v{k}") for k, v in enumerate(voices)],))
+    preparing.start()
+    assert held.wait(60) and PREFIX_FOLLOWED_PROMPTS < 2 and 10 - 9 <= PREFIX_OPEN_LEAD
+    assert engine.launching("v0") and engine.launching("v1")
+    stream = engine.open(*voices[1], key="v1")
+    tokens = _tokens(40, seed=13)
+    count, finalize = triton_schedule(40)[0]
+    mel = engine.run([(stream, tokens[:, :count], finalize)])[0]
+    preparing.join()
+    assert _rel(mel, Reference(flow, voices[1], tokens, []).expected(count, finalize)) < REL_L2
+    assert not engine.launching("v0") and not engine.launching("v1")
+    stream.close()
+    assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages
+
+
+def test_a_voice_whose_launch_fails_fails_the_stream_waiting_for_it(flow, monkeypatch):
+    """The preparation fails after a stream opened on its voice: the preparation raises, the voice
+    is not kept, the stream's chunk fails with the reason, and every page comes back."""
+    engine = _engine(flow)
+    voice = _voice(75, seed=62)
+
+    def device_fault():
+        raise RuntimeError("device fault")
+
+    held, _ = _hold_launch_after(monkeypatch, 4, then=device_fault)
+    failures = []
+    preparing = threading.Thread(target=lambda: _record_failure(failures, engine.prepare, [(*voice, "new")]))
+    preparing.start()
+    assert held.wait(60)
+    stream = engine.open(*voice, key="new")
+    with pytest.raises(RuntimeError, match="could not be computed: device fault"):
+        engine.run([(stream, _tokens(18, seed=1), False)])
+    preparing.join()
+    assert [str(exc) for exc in failures] == ["device fault"] and engine.cached_voices == 0
+    assert stream.closed and engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages
+
+
+def _record_failure(failures: list, call, *args) -> None:
+    try:
+        call(*args)
+    except BaseException as exc:  # checked by the test
+        failures.append(exc)
+
+
 @pytest.mark.parametrize("shapes", ["exact", "captured"])
 def test_voices_prepared_on_another_thread_while_a_stream_runs(flow, shapes: str):
     """New voices prepared on a thread of their own (as the engine core's preparation thread does)
@@ -484,6 +585,15 @@ def test_first_prompt_pieces_padded_to_fixed_shapes_equal_the_packed_encoder(flo
                 assert _rel(padded[owner].values.committed_frames(), state.values.committed_frames()) < REL_L2
 
 
+def _scheduled_chunks(engine: FlowEngine, streams: list, tokens: torch.Tensor, schedule) -> list[list[torch.Tensor]]:
+    """Every chunk of ``schedule`` (token counts, finalize) of every stream, packed together, on the CPU."""
+    got = [[] for _ in streams]
+    for count, finalize in schedule:
+        for k, mel in enumerate(engine.run([(stream, tokens[:, :count], finalize) for stream in streams])):
+            got[k].append(mel.float().cpu())
+    return got
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_each_role_has_a_cuda_stream_of_its_own():
     """Graph families are captured on their roles' streams: a role always gets the same stream, two
@@ -515,11 +625,7 @@ def test_on_a_gpu_voices_prepared_beside_running_streams_give_the_same_chunks(fl
     schedule = triton_schedule(120)
 
     def chunks(e: FlowEngine, streams: list) -> list[list[torch.Tensor]]:
-        got = [[] for _ in streams]
-        for count, finalize in schedule:
-            for k, mel in enumerate(e.run([(stream, tokens[:, :count], finalize) for stream in streams])):
-                got[k].append(mel.float().cpu())
-        return got
+        return _scheduled_chunks(e, streams, tokens, schedule)
 
     serial.prepare([(*kept, "kept")] + [(*voice, f"new{k}") for k, voice in enumerate(voices)])
     expected_kept = chunks(serial, [serial.open(*kept, key="kept")])[0]
@@ -538,6 +644,50 @@ def test_on_a_gpu_voices_prepared_beside_running_streams_give_the_same_chunks(fl
     got = chunks(engine, [engine.open(*voice, key=f"new{k}") for k, voice in enumerate(voices)])
     torch.cuda.synchronize()
     for want, have in zip([expected_kept] + expected, [got_kept] + got):
+        assert len(want) == len(have)
+        for a, b in zip(have, want):
+            assert _rel(a, b) < 2e-2
+    assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_streams_opened_while_their_voices_are_launched_give_the_same_chunks(flow, monkeypatch):
+    """On a GPU with CUDA graphs: streams opened on new voices as soon as they are kept, their
+    prompts' last solve still being launched on the prefix stream (each of its steps followed by
+    ~5 ms of GPU sleep there), wait for each prompt step on the device: their chunks equal those of
+    an engine that does everything in order, eagerly (fp16: within rounding; a missed wait would
+    read pages not written yet)."""
+    device = torch.device("cuda")
+    gpu_flow = copy.deepcopy(flow).to(device, torch.float16)
+    engine = FlowEngine(gpu_flow, pool_pages=64, cuda_graphs=True, precapture=True)
+    serial = FlowEngine(gpu_flow, pool_pages=64)
+    voices = [_voice(n, seed=70 + n) for n in (80, 150, 240)]
+    tokens = _tokens(120, seed=4)
+    schedule = triton_schedule(120)
+
+    def chunks(e: FlowEngine, streams: list) -> list[list[torch.Tensor]]:
+        return _scheduled_chunks(e, streams, tokens, schedule)
+
+    serial.prepare([(*voice, f"new{k}") for k, voice in enumerate(voices)])
+    expected = chunks(serial, [serial.open(*voice, key=f"new{k}") for k, voice in enumerate(voices)])
+    add = StepLaunch.add
+
+    def slow_add(self, launched):
+        torch.cuda._sleep(10_000_000)  # on the prefix stream, before the next step
+        add(self, launched)
+
+    monkeypatch.setattr(StepLaunch, "add", slow_add)
+    preparing = threading.Thread(target=engine.prepare, args=([(*voice, f"new{k}") for k, voice in enumerate(voices)],))
+    preparing.start()
+    while engine.cached_voices < len(voices) and preparing.is_alive():
+        time.sleep(0.0005)
+    streams = [engine.open(*voice, key=f"new{k}") for k, voice in enumerate(voices)]
+    opened_early = any(stream._launch is not None for stream in streams)
+    got = chunks(engine, streams)
+    preparing.join()
+    torch.cuda.synchronize()
+    assert opened_early
+    for want, have in zip(expected, got):
         assert len(want) == len(have)
         for a, b in zip(have, want):
             assert _rel(a, b) < 2e-2

@@ -257,8 +257,9 @@ class EngineCore:
                    for state in self._states.values() for seg in state.segments())
 
     def _waits_for_voice(self, state: RequestState, seg: SegmentState) -> bool:
-        """The segment's stream is not open and its voice is being launched on the preparation thread:
-        its first chunk waits (a later iteration) rather than the loop, with every other stream's chunk."""
+        """The segment's stream is not open and its voice is being launched on the preparation thread,
+        too far from done for its first chunk to follow it: that chunk waits (a later iteration)
+        rather than the loop, with every other stream's chunk."""
         return (seg.flow is None and seg.schedule is not None and self._beside is not None
                 and self._beside.launching(state.request.voice.features))
 

@@ -39,7 +39,10 @@ prefix is computed as soon as the voice is known (:meth:`FlowEngine.prepare`, fr
 request's voice as it arrives, while the LLM generates its first tokens), on a CUDA stream and in a
 work lane of its own (its own step graphs, workspaces and scratch), so that it runs beside the
 chunks on the GPU and never holds up the ones queued behind it; a stream of the voice waits for it
-on the device only.
+on the device only. Such a stream may open before the prefix is done: once its last solve is being
+launched, a stream's first window waits for each of the prompt's Euler steps (on the device; on the
+host only for a step not launched yet) right before its own, so that its chunk's steps follow the
+prompt's step by step rather than after all of them.
 
 Every chunk's mel equals the full re-run's (``CosyVoice2Flow.inference`` over prompt + all tokens
 so far, streaming masks) up to float rounding; a final chunk through the engine
@@ -91,6 +94,17 @@ PREFIX_TOKEN_BUCKET = 32
 # (~6,000 kernels), the other threads' launches blocked until that queue had drained (a trace of 8
 # new clips on an H100: the loop's and the LLM's graph launches each waited 35-40 ms).
 PREFIX_STEPS_AHEAD = 2
+# A stream may be started on a voice whose prompt's last solve has at most this many Euler steps left
+# to launch (:meth:`FlowEngine.launching`): its first window then waits, on the host, for at most as
+# many of the prompt's steps to be launched (~3 prompt steps of GPU time) while the steps before
+# run together with the prompt's. Why: a new voice's first chunk followed the prompt's whole solve
+# (~36 ms for one voice on an H100), its own ten steps only then.
+PREFIX_OPEN_LEAD = 3
+# ... but only for a solve of at most this many prompts; a bigger one is followed once launched. Why:
+# one prompt leaves the GPU room for a chunk beside it, eight fill it (~110 ms of kernels on an
+# H100), and a chunk that follows them holds the loop for their last steps with no gain (same call,
+# old and new code: one new clip +39.6 -> +31.6 ms, eight +58.9 -> +123.2 ms p95).
+PREFIX_FOLLOWED_PROMPTS = 1
 
 
 @dataclass
@@ -105,6 +119,46 @@ class _FlowState:
     frame_commit: int = 0  # frames (prompt included) in complete estimator blocks
 
 
+class StepLaunch:
+    """The Euler steps of a prompt solve as the preparation thread launches them, one event each (None
+    on the CPU, where a launched step is computed): a stream forked from one of its voices before it
+    is done waits for step k (:meth:`event`) before its own step k."""
+
+    def __init__(self, open_from: int) -> None:
+        self.open_from = open_from  # steps launched from which streams may open (FlowEngine.launching)
+        self._launched = threading.Condition()
+        self._events: list[torch.cuda.Event | None] = []
+        self._error: BaseException | None = None
+
+    @property
+    def launched(self) -> int:
+        with self._launched:
+            return len(self._events)
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def add(self, event: torch.cuda.Event | None) -> None:
+        with self._launched:
+            self._events.append(event)
+            self._launched.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._launched:
+            self._error = error
+            self._launched.notify_all()
+
+    def event(self, step: int) -> torch.cuda.Event | None:
+        """Step ``step``'s event, once launched (waits for it, the GIL let go); RuntimeError if the
+        launch failed first."""
+        with self._launched:
+            self._launched.wait_for(lambda: len(self._events) > step or self._error is not None)
+            if len(self._events) <= step:
+                raise RuntimeError(f"the voice's prompt could not be computed: {self._error}")
+            return self._events[step]
+
+
 @dataclass
 class VoicePrefix:
     """A voice's flow state after its prompt alone (read-only; streams fork it)."""
@@ -116,6 +170,10 @@ class VoicePrefix:
     state: _FlowState
     streams: int = 0  # open streams forked from it
     ready: torch.cuda.Event | None = None  # on a GPU: recorded on the prefix stream once it is computed
+    # While its prompt's last solve is being launched (kept from then on, ready not yet set): the
+    # solve's steps, and (on a GPU) an event recorded before them (its encoder state and earlier pieces).
+    launch: StepLaunch | None = None
+    encoded: torch.cuda.Event | None = None
 
     @property
     def frames(self) -> int:
@@ -130,8 +188,11 @@ class EngineStream:
         self.voice = voice
         prefix = voice.state
         engine.pool.share(prefix.pages)
-        self._state = _FlowState(copy_states(prefix.encoder_states), prefix.mu.copy(), prefix.conv.clone(),
+        # conv is shared, never written in place (a commit replaces it): the prompt's steps may still write it
+        self._state = _FlowState(copy_states(prefix.encoder_states), prefix.mu.copy(), prefix.conv,
                                  list(prefix.pages), prefix.token_commit, prefix.frame_commit)
+        # the prompt's steps that the first window waits for, one by one (a voice still being launched)
+        self._launch = voice.launch
         # target tokens so far, kept on the CPU: checking that a chunk extends them must not wait on the GPU
         self._target = torch.zeros(1, 0, dtype=torch.long)
         self._prompt_frames = voice.prompt_feat.size(1)
@@ -184,6 +245,22 @@ class _Window:
     @property
     def done(self) -> bool:
         return self.kept is not None
+
+
+@dataclass
+class _Steps:
+    """A packed solve as planned (:meth:`FlowEngine._plan_steps`), ready to launch."""
+
+    windows: list[_Window]
+    buffers: StepBuffers
+    rows: torch.Tensor  # the windows' rows of the call (conditional ones, then unconditional)
+    context_pages: torch.Tensor | None
+    context_keys: torch.Tensor | None
+    new_pages: torch.Tensor | None
+    new_keys: torch.Tensor | None
+    conv: torch.Tensor | None  # (steps, rows, conv width), or None: stacked at each step
+    kept: torch.Tensor  # (steps, rows, conv width): the windows' conv context at their commits, once run
+    waits: list[StepLaunch]  # prompt solves whose steps the windows' steps follow
 
 
 class FlowEngine:
@@ -275,8 +352,9 @@ class FlowEngine:
         tensors back).
 
         A voice not kept is computed here and kept; better, :meth:`prepare` computes it as soon as
-        the voice is known (a voice being prepared on another thread is waited for until launched).
-        The stream's work on the caller's CUDA stream waits, on the device, for the prefix's."""
+        the voice is known (a voice being prepared on another thread is waited for until its last
+        solve is being launched). The stream's work on the caller's CUDA stream waits, on the device,
+        for the prefix's (its first window for each of the prompt's steps still under way)."""
         key = key or voice_key(prompt_tokens, prompt_feat, embedding)
         while True:
             with self._lock:
@@ -294,9 +372,16 @@ class FlowEngine:
                 self.prepare([(prompt_tokens, prompt_feat, embedding, key)])
 
     def launching(self, key: str) -> bool:
-        """Another thread is launching the prefix of this voice (:meth:`prepare`): :meth:`open` would wait for it."""
+        """Another thread is launching the prefix of this voice (:meth:`prepare`) and has more than
+        :data:`PREFIX_OPEN_LEAD` of its last solve's steps left to launch (any, for a solve of more
+        than :data:`PREFIX_FOLLOWED_PROMPTS` prompts): :meth:`open` would wait for its launch, or a
+        stream's first window for more of its steps than that."""
         with self._lock:
-            return key in self._preparing
+            if key in self._preparing:
+                return True
+            voice = self._voices.get(key)
+            launch = voice.launch if voice is not None else None
+        return launch is not None and not launch.failed and launch.launched < launch.open_from
 
     def wait_prepared(self, key: str) -> None:
         """Block the calling thread (not the GIL) until the device has computed the prefix of this
@@ -307,11 +392,14 @@ class FlowEngine:
             voice.ready.synchronize()
 
     def _wait_for(self, voice: VoicePrefix) -> None:
-        """Make the caller's CUDA stream wait for the voice's prefix (computed on the prefix stream)."""
-        if voice.ready is None:
+        """Make the caller's CUDA stream wait for the voice's prefix (computed on the prefix stream);
+        for one still being launched, for what precedes its last solve's steps (the stream's first
+        window waits for each of those)."""
+        event = voice.ready if voice.ready is not None else voice.encoded
+        if event is None:
             return
         stream = torch.cuda.current_stream(self.device)
-        stream.wait_event(voice.ready)
+        stream.wait_event(event)
         self._consumers.add(stream)
 
     def _prefix_waits_for_consumers(self) -> None:
@@ -331,7 +419,9 @@ class FlowEngine:
         Any thread may call it while another runs chunks: on a GPU the prompts run on the engine's
         prefix stream, in a work lane of their own (:data:`PREFIX_LANE`: their own graphs, workspaces
         and scratch), so that a new voice never holds up the chunks queued on the chunks' stream, and
-        each stream of the voice waits for it on the device (:meth:`open`)."""
+        each stream of the voice waits for it on the device (:meth:`open`). The voices are kept from
+        the moment their last solve is planned, before its steps are launched: a stream may open then
+        (see :meth:`launching`)."""
         with self._prepare_lock, torch.inference_mode():
             with self._lock:
                 new: dict[str, tuple] = {}
@@ -342,6 +432,7 @@ class FlowEngine:
                 if not new:
                     return
                 self._follow_caller(list(new.values()))
+            kept_voices: list[VoicePrefix] = []  # kept so far (a group's, before its last solve's steps)
             try:
                 with work_lane(PREFIX_LANE), self._on_prefix_stream():
                     prefixes = []
@@ -349,17 +440,27 @@ class FlowEngine:
                         self.flow.check_prompt(prompt_tokens, prompt_feat, embedding, batch=1)
                         prefixes.append(self._empty_prefix(key, prompt_tokens, prompt_feat, embedding))
                     for group in range(0, len(prefixes), PREFIX_PAIRS[-1]):
-                        self._compute_prefixes(prefixes[group:group + PREFIX_PAIRS[-1]])
+                        self._compute_prefixes(prefixes[group:group + PREFIX_PAIRS[-1]], kept_voices)
                     ready = self._prefix_stream.record_event() if self._prefix_stream is not None else None
                 with self._lock:
                     for voice in prefixes:
-                        voice.ready = ready
-                        self._voices[voice.key] = voice
+                        voice.ready, voice.launch, voice.encoded = ready, None, None
                     self._trim_voices(max(self.max_voices, len(prefixes)))
+            except BaseException as exc:
+                with self._lock:  # streams opened on these voices fail at the steps they wait for
+                    for voice in kept_voices:
+                        if voice.launch is not None:
+                            voice.launch.fail(exc)
+                        if self._voices.get(voice.key) is voice:
+                            del self._voices[voice.key]
+                            self.pool.release(voice.state.pages)
+                raise
             finally:
                 with self._lock:
                     for key in new:
-                        self._preparing.pop(key).set()
+                        waiting = self._preparing.pop(key, None)
+                        if waiting is not None:
+                            waiting.set()
 
     def _follow_caller(self, inputs: list[tuple]) -> None:
         """Order the prefix stream after the caller's CUDA stream (where the prompts' tensors were
@@ -383,12 +484,14 @@ class FlowEngine:
                            host_to_device(prompt_feat, self.device).to(self.dtype), spks,
                            _FlowState({}, FrameBuffer(dim=2), conv))
 
-    def _compute_prefixes(self, voices: list[VoicePrefix]) -> None:
+    def _compute_prefixes(self, voices: list[VoicePrefix], kept_voices: list[VoicePrefix]) -> None:
         """Each voice's prompt alone, as non-final chunks without output: their complete blocks are
         the prefix. The k-th pieces of all voices are one packed solve: the first pieces
         (PREFIX_FIRST_PIECE_TOKENS, no context) through :class:`PrefixEncoder` and the prompts'
         captured step shapes, the later ones
-        (PREFIX_PIECE_TOKENS, prompts over 10 s) eagerly (the chunks' graphs belong to their lane)."""
+        (PREFIX_PIECE_TOKENS, prompts over 10 s) eagerly (the chunks' graphs belong to their lane).
+        The voices are kept (:meth:`_keep`, added to ``kept_voices``) once the last solve is planned and
+        committed, before its steps are launched."""
         lookahead = self.flow.cfg.pre_lookahead_len
         streams, pieces = [], []
         with self._lock:
@@ -397,20 +500,30 @@ class FlowEngine:
                 streams.append(EngineStream(self, voice))
                 pieces.append(list(range(lookahead + PREFIX_FIRST_PIECE_TOKENS, total, PREFIX_PIECE_TOKENS))
                               + [total] if total - lookahead >= self.flow.cfg.encoder.static_chunk_size else [])
+        rounds = max(len(ends) for ends in pieces)
         windows: list[_Window] = []
         try:
-            for k in range(max(len(ends) for ends in pieces)):
+            for k in range(rounds):
                 chunks = [(stream, stream.voice.prompt_tokens[:, :ends[k]], False)
                           for stream, ends in zip(streams, pieces) if k < len(ends)]
                 windows = [_complete_blocks(w) for w in self._windows(chunks, self.first_pieces if k == 0 else None)]
                 with self._lock:
                     self._prefix_waits_for_consumers()  # its pages may have been freed just now
                 solved = [w for w in windows if w.width]  # (a last piece shorter than a block commits nothing)
-                if solved:
-                    self._solve_windows(solved, self.prefix_graphs if k == 0 else None, PREFIX_STEPS_AHEAD)
+                plan = self._plan_steps(solved, self.prefix_graphs if k == 0 else None) if solved else None
                 for window in solved:
-                    self._commit(window)
+                    self._commit(window, share=True)  # (written by the steps launched below)
                 windows = []
+                launch = None
+                if plan is not None and k == rounds - 1:
+                    lead = PREFIX_OPEN_LEAD if len(solved) <= PREFIX_FOLLOWED_PROMPTS else 0
+                    launch = StepLaunch(self.n_timesteps - lead)
+                if k == rounds - 1:
+                    kept_voices += self._keep(voices, streams, launch)
+                if plan is not None:
+                    self._launch_steps(plan, PREFIX_STEPS_AHEAD, launch)
+            if not rounds:
+                kept_voices += self._keep(voices, streams, None)
         except BaseException:
             if self._prefix_stream is not None:
                 self._prefix_stream.synchronize()  # what it launched writes to the pages freed here
@@ -418,12 +531,24 @@ class FlowEngine:
                 for window in windows:
                     self.pool.release(window.new_pages)
                 for stream in streams:
-                    self.pool.release(stream._state.pages)
+                    if stream._state is not None:  # (a kept voice's pages are released with it)
+                        self.pool.release(stream._state.pages)
             raise
-        for voice, stream in zip(voices, streams):
-            voice.state = stream._state
-            stream._state = None  # its pages now belong to the voice
-            stream.closed = True
+
+    def _keep(self, voices: list[VoicePrefix], streams: list[EngineStream], launch: StepLaunch | None) -> list[VoicePrefix]:
+        """Keep these voices now, each with its stream's state, and let their :meth:`open` go on: on
+        a GPU, streams then wait for what the prefix stream has launched so far (``encoded``) and,
+        their first windows, for each step of ``launch`` (the last solve, not launched yet)."""
+        encoded = self._prefix_stream.record_event() if self._prefix_stream is not None else None
+        with self._lock:
+            for voice, stream in zip(voices, streams):
+                voice.state, stream._state, stream.closed = stream._state, None, True  # its pages are the voice's
+                voice.launch, voice.encoded = launch, encoded
+                self._voices[voice.key] = voice
+                waiting = self._preparing.pop(voice.key, None)
+                if waiting is not None:
+                    waiting.set()
+        return voices
 
     def _trim_voices(self, keep: int, free_pages: int = 0) -> int:
         """Drop least recently used voices without open streams down to ``keep`` voices, or (with
@@ -438,7 +563,8 @@ class FlowEngine:
             if enough:
                 break
             voice = self._voices[key]
-            if voice.streams == 0 and (voice.ready is None or voice.ready.query()):
+            if (voice.streams == 0 and voice.launch is None and voice.encoded is None
+                    and (voice.ready is None or voice.ready.query())):
                 del self._voices[key]
                 self.pool.release(voice.state.pages)
                 freed += len(voice.state.pages)
@@ -622,15 +748,17 @@ class FlowEngine:
                                         "from unused voices); retry later")
             return allocated
 
-    def _solve_windows(self, windows: list[_Window], graphs: EngineGraphs | None, steps_ahead: int = 0) -> None:
-        """Every guided Euler step of every window (all at step 0), packed into one estimator call
-        per step, replayed from ``graphs`` where they hold its shape; with ``steps_ahead`` (on a GPU)
-        a step is launched once the one that many before it has run. What the steps share is built
-        once: the rows' layout and mask, the input (later steps update x in place), the page and key
-        indices of the windows' context and of the blocks they complete. Each step then gathers the
-        context at its step from the pages, runs (or replays) the fused step and writes the completed
-        blocks back: a few device ops per step, no host work per window or page, no host sync."""
-        fused, pool, page = self.fused, self.pool, self.pool.page_frames
+    def _solve_windows(self, windows: list[_Window], graphs: EngineGraphs | None) -> None:
+        """Every guided Euler step of every window (all at step 0), launched: :meth:`_plan_steps`,
+        then :meth:`_launch_steps`."""
+        self._launch_steps(self._plan_steps(windows, graphs))
+
+    def _plan_steps(self, windows: list[_Window], graphs: EngineGraphs | None) -> _Steps:
+        """What the windows' steps share, built once: the step's buffers (replayed from ``graphs``
+        where they hold its shape), the rows' layout and mask, the input (later steps update x in
+        place), the page and key indices of the windows' context and of the blocks they complete,
+        and each window's conv context at its commit per step (``w.kept``, written by the steps)."""
+        fused, page = self.fused, self.pool.page_frames
         count, steps = len(windows), self.n_timesteps
         widths = [w.width for w in windows]
         contexts = [w.frame_start for w in windows]
@@ -666,35 +794,62 @@ class FlowEngine:
         context_pages, context_keys, new_pages, new_keys = (
             host_to_device(v, self.device, torch.long) if len(v) else None
             for v in (context_pages, context_keys, new_pages, new_keys))
-        kv, conv_all = buffers.kv_flat, buffers.state.conv_all
-        layers, width = kv.size(0), kv.size(2)
-        # conv context of every window at every step, (steps, rows of the call, conv width)
-        conv = torch.stack([w.state.conv for w in windows], dim=2).flatten(1, 2)
-        kept = torch.empty_like(conv)
-        launched: list[torch.cuda.Event] = []  # (with steps_ahead) the steps on the device
-        for step in range(steps):
-            if steps_ahead and len(launched) == steps_ahead:
-                launched.pop(0).synchronize()
-            if context_pages is not None:
-                context = pool.data[context_pages, step]  # (pages, layers, 2, page, width)
-                kv.index_copy_(1, context_keys, context.transpose(0, 1).reshape(layers, -1, width))
-            conv_all.index_copy_(0, rows, conv[step])
-            x_out = buffers.step(self._time_bias[step], self._dt[step])
-            kept[step] = buffers.kept.index_select(0, rows)
-            if new_pages is not None:
-                blocks = kv.index_select(1, new_keys).unflatten(1, (len(new_pages), 2, page))
-                pool.data[new_pages, step] = blocks.transpose(0, 1)
-            if steps_ahead and self.device.type == "cuda":
-                launched.append(torch.cuda.current_stream(self.device).record_event())
-        kept = kept.unflatten(1, (2, count))
+        # the prompt solves that streams opened before their end wait for, step by step (first windows)
+        waits = list({id(w.stream._launch): w.stream._launch for w in windows if w.stream._launch is not None}.values())
+        # conv context of every window at every step, (steps, rows of the call, conv width); stacked
+        # per step instead when a prompt's steps may still be writing some of it
+        conv = None if waits else torch.stack([w.state.conv for w in windows], dim=2).flatten(1, 2)
+        kept = torch.empty(steps, 2, count, fused.conv_width, device=self.device, dtype=self.dtype)
         for j, w in enumerate(windows):
             w.kept = kept[:, :, j]
-            w.x = x_out[j, :w.width].T[None].clone()  # x_out is the shape's workspace
+        return _Steps(windows, buffers, rows, context_pages, context_keys, new_pages, new_keys, conv,
+                      kept.flatten(1, 2), waits)
 
-    def _commit(self, w: _Window) -> None:
-        """A done window's complete blocks and conv context become its stream's state."""
+    def _launch_steps(self, plan: _Steps, steps_ahead: int = 0, launch: StepLaunch | None = None) -> None:
+        """The planned steps: each gathers the context at its step from the pages, runs (or replays)
+        the fused step and writes the completed blocks back; a few device ops per step, no host work
+        per window or page, no host sync. A step first waits for that step of the prompt solves in
+        ``plan.waits``. With ``steps_ahead`` (on a GPU) a step is launched once the one that many
+        before it has run; ``launch`` is told of each step launched."""
+        pool, buffers, windows, rows = self.pool, plan.buffers, plan.windows, plan.rows
+        kv, conv_all = buffers.kv_flat, buffers.state.conv_all
+        layers, width = kv.size(0), kv.size(2)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        launched: list[torch.cuda.Event] = []  # (with steps_ahead) the steps on the device
+        for step in range(self.n_timesteps):
+            for prompt in plan.waits:
+                event = prompt.event(step)
+                if event is not None:
+                    stream.wait_event(event)
+            if steps_ahead and len(launched) == steps_ahead:
+                launched.pop(0).synchronize()
+            if plan.context_pages is not None:
+                context = pool.data[plan.context_pages, step]  # (pages, layers, 2, page, width)
+                kv.index_copy_(1, plan.context_keys, context.transpose(0, 1).reshape(layers, -1, width))
+            conv = (plan.conv[step] if plan.conv is not None
+                    else torch.stack([w.state.conv[step] for w in windows], dim=1).flatten(0, 1))
+            conv_all.index_copy_(0, rows, conv)
+            x_out = buffers.step(self._time_bias[step], self._dt[step])
+            plan.kept[step] = buffers.kept.index_select(0, rows)
+            if plan.new_pages is not None:
+                blocks = kv.index_select(1, plan.new_keys).unflatten(1, (len(plan.new_pages), 2, pool.page_frames))
+                pool.data[plan.new_pages, step] = blocks.transpose(0, 1)
+            event = stream.record_event() if stream is not None and (steps_ahead or launch is not None) else None
+            if steps_ahead and event is not None:
+                launched.append(event)
+            if launch is not None:
+                launch.add(event)
+        for j, w in enumerate(windows):
+            w.x = x_out[j, :w.width].T[None].clone()  # x_out is the shape's workspace
+            w.stream._launch = None  # its later windows follow this one on its CUDA stream
+
+    def _commit(self, w: _Window, *, share: bool = False) -> None:
+        """A solved (or, ``share``, planned) window's complete blocks and conv context become its
+        stream's state. The conv context is replaced, never written in place (streams share their
+        voice's): with ``share``, by the call's tensor that the steps write (a prompt piece, committed
+        before its steps are launched), else by a copy of its own."""
         if not w.finalize:
-            w.state.conv.copy_(w.kept)
+            w.state.conv = w.kept if share else w.kept.clone()
         self._take_blocks(w)
 
     @staticmethod

@@ -144,7 +144,8 @@ class CosyVoice2Kind:
         return Voicing(features, prompt, flow, HiftStream(self.model.hift, sine_noise=self.sine_noise))
 
     def launching(self, features: PromptFeatures) -> bool:
-        """The preparation thread is launching this voice's prefix (open would wait for it)."""
+        """The preparation thread is launching this voice's prefix, more than a few of its last
+        solve's steps still to go (:meth:`~cosyserve.token2wav.flow_engine.FlowEngine.launching`)."""
         return self.flow_engine.launching(features.key())
 
     def wait_prepared(self, voices: list[PromptFeatures]) -> None:

@@ -110,8 +110,9 @@ class PreparesBeside(Kind, Protocol):
     calls ``prepare_voices`` while the loop runs)."""
 
     def launching(self, features: PromptFeatures) -> bool:
-        """Another thread is launching this voice's state now, so that ``open`` would wait for it:
-        the core plans the voice's streams' first chunks later instead of holding up the others'."""
+        """Another thread is launching this voice's state now, so that ``open``, or the first chunk
+        of a stream opened now, would wait long for it: the core plans the voice's streams' first
+        chunks later instead of holding up the others'."""
 
     def wait_prepared(self, voices: list[PromptFeatures]) -> None:
         """Block (the GIL released) until the device has computed these voices' state, launched by
