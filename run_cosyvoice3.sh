@@ -49,7 +49,7 @@ VOICES_DIR=${VOICES_DIR:-}
 MAX_TOKENS=${MAX_TOKENS:-$([ "$MODEL_SOURCE" = tiny ] && echo 200 || echo 750)}
 MIN_TOKENS=${MIN_TOKENS:-0}
 TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-1}    # the reference's
-FRONTEND_BACKEND=${FRONTEND_BACKEND:-auto}   # speech tokenizer + CAM++: auto (torch on CUDA, onnxruntime on CPU) | torch | onnxruntime
+FRONTEND_BACKEND=${FRONTEND_BACKEND:-auto}   # speech tokenizer + CAM++: auto (torch on CUDA, onnxruntime on CPU) | torch (TF32 on CUDA) | torch-fp32 | onnxruntime
 TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # the DiT flow: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
 # Streaming flow: true = incremental (block-masked DiT, only the new frames); false = the reference's
 # full-attention re-run over the whole prefix every chunk (docs/benchmarks.md compares them)

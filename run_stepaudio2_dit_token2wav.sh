@@ -59,7 +59,7 @@ ENGINE_WARM_UP=${ENGINE_WARM_UP:-auto}        # voice a few requests before read
 TRITON_MAX_BATCH_SIZE=${TRITON_MAX_BATCH_SIZE:-1}
 MAX_TOKENS=${MAX_TOKENS:-750}                 # speech tokens per request (the engine's LLM limits)
 MIN_TOKENS=${MIN_TOKENS:-0}
-FRONTEND_BACKEND=${FRONTEND_BACKEND:-auto}   # speech tokenizer + CAM++: auto (torch on CUDA, onnxruntime on CPU) | torch | onnxruntime
+FRONTEND_BACKEND=${FRONTEND_BACKEND:-auto}   # speech tokenizer + CAM++: auto (torch on CUDA, onnxruntime on CPU) | torch (TF32 on CUDA) | torch-fp32 | onnxruntime
 TOKEN2WAV_DTYPE=${TOKEN2WAV_DTYPE:-auto}      # the DiT flow: auto (float16 on CUDA, float32 on CPU) | float16 | bfloat16 | float32
 # Voices whose prompt state (the prompt run once through the flow) streams share: ~0.6 MiB per prompt
 # frame in float16, ~150 MB for a 5 s prompt

@@ -28,7 +28,7 @@ def main() -> int:
     parser.add_argument("--tokenizer", default="speech_tokenizer_v2.onnx", help="the tokenizer's file name")
     parser.add_argument("--devices", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="comma-separated torch devices (default: cuda when present, else cpu)")
-    parser.add_argument("--backends", default=",".join(FRONTEND_BACKENDS), help="comma-separated, of torch,onnxruntime")
+    parser.add_argument("--backends", default=",".join(FRONTEND_BACKENDS), help="comma-separated, of " + ",".join(FRONTEND_BACKENDS))
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (clips arriving together)")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds per row (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")

@@ -86,6 +86,7 @@ ENGINE_NEW_CLIP_ROUNDS=${ENGINE_NEW_CLIP_ROUNDS:-5}  # each new-clip level this 
 ENGINE_EXTRA_ARGS=${ENGINE_EXTRA_ARGS:-}
 ENGINE_TIMEOUT=${ENGINE_TIMEOUT:-200}
 FRONTEND_BATCHES=${FRONTEND_BATCHES-1,8}           # bench_frontend.py's batch sizes (empty: not run)
+FRONTEND_BACKENDS=${FRONTEND_BACKENDS:-torch,torch-fp32}  # ... and its back ends (TF32, what servers run; exact)
 FRONTEND_TIMEOUT=${FRONTEND_TIMEOUT:-120}
 
 # stage 4: Triton (run.sh's variables pass through: DEVICE, CUDA_MPS, ports, ...) and client_grpc.py
@@ -301,10 +302,10 @@ if wanted 3; then
   rm -f "$OUT/engine.json" "$OUT/frontend.md"
   if [ -n "$FRONTEND_BATCHES" ]; then
     step frontend "$FRONTEND_TIMEOUT" "$PY" "$repo_root/scripts/bench_frontend.py" \
-      --model-dir "$MODELS_DIR/CosyVoice2-0.5B" --backends torch --batches "$FRONTEND_BATCHES" --out "$OUT/frontend.md"
+      --model-dir "$MODELS_DIR/CosyVoice2-0.5B" --backends "$FRONTEND_BACKENDS" --batches "$FRONTEND_BATCHES" --out "$OUT/frontend.md"
     case " $ENGINE_MODELS " in *" cosyvoice3 "*)  # CosyVoice3's own speech tokenizer (v3)
       step frontend_v3 "$FRONTEND_TIMEOUT" "$PY" "$repo_root/scripts/bench_frontend.py" \
-        --model-dir "$MODELS_DIR/Fun-CosyVoice3-0.5B-2512" --tokenizer speech_tokenizer_v3.onnx --backends torch \
+        --model-dir "$MODELS_DIR/Fun-CosyVoice3-0.5B-2512" --tokenizer speech_tokenizer_v3.onnx --backends "$FRONTEND_BACKENDS" \
         --batches "$FRONTEND_BATCHES" --out "$OUT/frontend_v3.md" ;;
     esac
   fi

@@ -131,6 +131,11 @@ def test_backend_choice(tokenizer_pair, encoder_pair):
     assert isinstance(tokenizer, SpeechTokenizer) and isinstance(encoder, SpeakerEncoder)
     tokenizer, encoder = load_frontend_models(torch_tok.path, torch_enc.path, "cpu", backend="torch")
     assert isinstance(tokenizer, TorchSpeechTokenizer) and isinstance(encoder, TorchSpeakerEncoder)
+    assert tokenizer.tf32 and encoder.tf32  # TF32 on CUDA, as onnxruntime's CUDA provider
+    exact = load_frontend_models(torch_tok.path, torch_enc.path, "cpu", backend="torch-fp32")
+    assert all(isinstance(model, cls) and not model.tf32
+               for model, cls in zip(exact, (TorchSpeechTokenizer, TorchSpeakerEncoder)))
+    assert frontend_backend("cuda", "torch-fp32") == "torch-fp32"
 
 
 def test_stand_ins_have_the_released_graph_forms(tokenizer_pair, encoder_pair):

@@ -5,9 +5,11 @@ device and batch size.
 Each round draws ``batch`` fresh synthetic clips of 3-8 s (no cache anywhere on this path) and
 times ``tokenize_batch``, ``embed_batch`` and :func:`~cosyserve.frontend.prompt.build_prompt_features_batch`
 (the prompt mel on the models' device) on three separate draws; a row is the median over the rounds.
-On CUDA the PyTorch back end is timed twice: eager, and replaying its CUDA graphs (what the servers run). Outputs are CPU tensors, so every
-call has waited for the device. Each PyTorch row also checks its clips against onnxruntime:
-clips whose tokens are all equal, largest embedding rel-L2.
+On CUDA each PyTorch back end (``torch``: TF32, what the servers run; ``torch-fp32``: exact float32)
+is timed twice: eager, and replaying its CUDA graphs (what the servers run). Outputs are CPU
+tensors, so every call has waited for the device. Each PyTorch row also checks its clips against
+onnxruntime on the CPU (float32): clips whose codes are all equal and the share of equal codes,
+largest embedding rel-L2.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..audio.io import PromptAudio, prompt_audio_from_array
 from ..bundle import synthetic_prompt_wave
 from ..frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from ..frontend.prompt import COSYVOICE2_MEL_FMAX, build_prompt_features_batch
-from ..frontend.torch_models import (ONNXRUNTIME, TORCH, TorchSpeakerEncoder, TorchSpeechTokenizer,
+from ..frontend.torch_models import (ONNXRUNTIME, TORCH, TORCH_FP32, TorchSpeakerEncoder, TorchSpeechTokenizer,
                                      load_speaker_encoder, load_speech_tokenizer)
 from .report import fmt, table
 
@@ -98,23 +100,29 @@ def check_against_onnxruntime(row: Row, tokenizer, encoder, reference_tokenizer:
                               reference_encoder: SpeakerEncoder, clips: NewClips) -> None:
     wavs = [audio.wav16 for audio in clips.draw(row.batch)]
     tokens, embeddings = tokenizer.tokenize_batch(wavs), encoder.embed_batch(wavs)
-    equal = sum(torch.equal(ours, reference_tokenizer.tokenize(wav)) for ours, wav in zip(tokens, wavs))
-    row.tokens_equal = f"{equal}/{len(wavs)}"
+    references = [reference_tokenizer.tokenize(wav) for wav in wavs]
+    equal = sum(torch.equal(ours, ref) for ours, ref in zip(tokens, references))
+    # codes equal position by position (a clip whose length differs counts its extra codes as unequal)
+    same = sum(int((ours[:len(ref)] == ref[:len(ours)]).sum()) for ours, ref in zip(tokens, references))
+    total = sum(max(len(ours), len(ref)) for ours, ref in zip(tokens, references))
+    row.tokens_equal = f"{equal}/{len(wavs)} clips, {100 * same / max(total, 1):.2f} % of codes"
     row.embedding_rel_l2 = max(float((ours - ref).norm() / ref.norm()) for ours, ref in
                                zip(embeddings, (reference_encoder.embed(wav) for wav in wavs)))
 
 
 def _variants(device: str, backends: Sequence[str]) -> list[str]:
-    """The back ends to time on ``device``: on CUDA the PyTorch one twice, eager and with its graphs."""
+    """The back ends to time on ``device``: on CUDA each PyTorch one twice, eager and with its graphs."""
     cuda = torch.device(device).type == "cuda"
     return [variant for backend in backends
-            for variant in ((f"{TORCH} eager", f"{TORCH} graphs") if backend == TORCH and cuda else (backend,))]
+            for variant in ((f"{backend} eager", f"{backend} graphs") if backend != ONNXRUNTIME and cuda
+                            else (backend,))]
 
 
 def _load(variant: str, tokenizer_path: Path, speaker_path: Path, device: str):
     if variant.startswith(TORCH):
-        graphs = variant.endswith("graphs")
-        models = TorchSpeechTokenizer(tokenizer_path, device, graphs), TorchSpeakerEncoder(speaker_path, device, graphs)
+        graphs, tf32 = variant.endswith("graphs"), not variant.startswith(TORCH_FP32)
+        models = (TorchSpeechTokenizer(tokenizer_path, device, graphs, tf32),
+                  TorchSpeakerEncoder(speaker_path, device, graphs, tf32))
         for model in models:
             model.capture_all()  # at load, as the servers do (not timed)
         return models

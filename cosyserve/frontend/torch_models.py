@@ -14,6 +14,14 @@ other stream of the device), replaying CUDA graphs per shape bucket (:class:`~.g
 ``cuda_graphs=False``: eager launches).
 :func:`load_frontend_models` picks the back end: PyTorch on CUDA, onnxruntime (the released
 graphs, the parity reference) on the CPU, unless told otherwise.
+
+Precision on CUDA: back end ``torch`` runs the models' float32 matmuls and convolutions as TF32 on
+tensor cores, as onnxruntime's CUDA execution provider does by default (its ``use_tf32``), which is
+how upstream CosyVoice computes a new clip's tokens and embedding on a GPU. Exact float32 is
+several times slower there (the v2 S3 tokenizer applies ~120M parameters to every 40 ms frame:
+~0.4 TFLOP for 8 clips of 8 s), and it is what ``torch-fp32`` runs: codes equal to onnxruntime's on the CPU. TF32 may
+move an FSQ code that sits on a rounding edge; ``scripts/bench_frontend.py`` counts them. On the
+CPU both back ends compute in float32.
 """
 
 from __future__ import annotations
@@ -43,8 +51,9 @@ from .onnx_models import (
 from .s3_tokenizer import load_s3_tokenizer
 
 TORCH = "torch"
+TORCH_FP32 = "torch-fp32"
 ONNXRUNTIME = "onnxruntime"
-FRONTEND_BACKENDS = (TORCH, ONNXRUNTIME)
+FRONTEND_BACKENDS = (TORCH, TORCH_FP32, ONNXRUNTIME)
 
 
 def _existing(path: str | Path) -> Path:
@@ -55,17 +64,17 @@ def _existing(path: str | Path) -> Path:
 
 
 @contextmanager
-def _float32_exact(device: torch.device):
-    """No TF32 in the models' matmuls and convolutions on CUDA: the codes are rounded FSQ outputs and
-    the parity target is onnxruntime's float32 (the process-wide flags are restored afterwards).
+def _float32_math(device: torch.device, tf32: bool):
+    """The models' float32 matmuls and convolutions on CUDA: TF32 (``tf32``) or exact float32 (the
+    process-wide flags are restored afterwards; a CUDA graph keeps the modes it was captured with).
     (cuDNN's autotuning is left off: timing every convolution of every captured shape took minutes.)"""
     if device.type != "cuda":
         yield
         return
     precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
     try:
-        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
             yield
     finally:
         torch.set_float32_matmul_precision(precision)
@@ -80,21 +89,26 @@ def _padded(wavs16: Sequence[torch.Tensor], device: torch.device) -> tuple[torch
 class _DeviceModel:
     """A model loaded from its ONNX file onto ``device``, run on zero-padded batches of clips:
     ``forward(batch (B, N), lengths (B,))`` (a subclass's), at most :data:`~.graphs.GRAPH_BATCHES`'s
-    largest clips per call on CUDA (larger calls are split)."""
+    largest clips per call on CUDA (larger calls are split). ``tf32``: TF32 math on CUDA (see the
+    module's doc), else exact float32."""
 
-    def __init__(self, path: str | Path, device: str | torch.device, loader, cuda_graphs: bool = True):
+    def __init__(self, path: str | Path, device: str | torch.device, loader, cuda_graphs: bool = True,
+                 tf32: bool = True):
         self.path = _existing(path)
         self.device = torch.device(device)
         self.model = loader(self.path).to(self.device)
+        self.tf32 = tf32
         cuda = self.device.type == "cuda"
         # its own stream, where its graphs are captured too (runtime.role_stream: one per model file)
         self.stream = role_stream(self.device, f"frontend:{self.path}") if cuda else None
-        self.graphs = ClipGraphs(self.device, self.forward, lambda: _float32_exact(self.device)) \
-            if cuda and cuda_graphs else None
+        self.graphs = ClipGraphs(self.device, self.forward, self._math) if cuda and cuda_graphs else None
         self._lock = threading.Lock()  # one call at a time: the graphs' buffers are shared
 
     def forward(self, batch: torch.Tensor, lengths: torch.Tensor):
         raise NotImplementedError
+
+    def _math(self):
+        return _float32_math(self.device, self.tf32)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -110,7 +124,7 @@ class _DeviceModel:
         so that the caller can launch other work first (on the CPU: computed now)."""
         clips = [check(wav) for wav in wavs16]
         if self.stream is None:
-            with _float32_exact(self.device):
+            with self._math():
                 results = gather(self.forward(*_padded(clips, self.device)), len(clips))
             return lambda: results
         calls = []
@@ -119,7 +133,7 @@ class _DeviceModel:
                 part = clips[start:start + GRAPH_BATCHES[-1]]
                 replayed = self.graphs.run(part) if self.graphs is not None else None
                 if replayed is None:
-                    with _float32_exact(self.device):
+                    with self._math():
                         calls.append((self.forward(*_padded(part, self.device)), len(part)))
                     continue
                 outputs, count = replayed
@@ -136,8 +150,9 @@ class _DeviceModel:
 class TorchSpeechTokenizer(_DeviceModel):
     """``tokenize(wav16 (N,)) -> int32 (T',)``; ``tokenize_batch`` runs the clips together."""
 
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu", cuda_graphs: bool = True):
-        super().__init__(path, device, load_s3_tokenizer, cuda_graphs)
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu", cuda_graphs: bool = True,
+                 tf32: bool = True):
+        super().__init__(path, device, load_s3_tokenizer, cuda_graphs, tf32)
 
     def forward(self, batch: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model(whisper_log_mel(batch, WHISPER_N_MELS, lengths), lengths // WHISPER_HOP)
@@ -159,8 +174,9 @@ class TorchSpeechTokenizer(_DeviceModel):
 class TorchSpeakerEncoder(_DeviceModel):
     """``embed(wav16 (N,)) -> float32 (192,)`` raw CAM++ x-vector; ``embed_batch`` runs the clips together."""
 
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu", cuda_graphs: bool = True):
-        super().__init__(path, device, load_campplus, cuda_graphs)
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu", cuda_graphs: bool = True,
+                 tf32: bool = True):
+        super().__init__(path, device, load_campplus, cuda_graphs, tf32)
 
     def forward(self, batch: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         return self.model(campplus_features(batch, lengths), kaldi_frame_count(lengths))
@@ -180,8 +196,9 @@ class TorchSpeakerEncoder(_DeviceModel):
 
 
 def frontend_backend(device: str | torch.device, backend: str | None = None) -> str:
-    """``backend`` as given (``torch`` or ``onnxruntime``), or the default for ``device``: PyTorch
-    on CUDA (batched on the GPU), onnxruntime on the CPU (the released graphs themselves)."""
+    """``backend`` as given (``torch``, ``torch-fp32`` or ``onnxruntime``), or the default for
+    ``device``: PyTorch on CUDA (batched on the GPU, TF32), onnxruntime on the CPU (the released
+    graphs themselves)."""
     if backend in (None, "", "auto"):
         return TORCH if torch.device(device).type == "cuda" else ONNXRUNTIME
     if backend not in FRONTEND_BACKENDS:
@@ -193,16 +210,18 @@ def load_speech_tokenizer(path: str | Path, device: str | torch.device = "cpu",
                           backend: str | None = None) -> TorchSpeechTokenizer | SpeechTokenizer:
     """The speech tokenizer of ``path`` on ``device`` with the chosen back end (:func:`frontend_backend`);
     onnxruntime takes its CUDA provider for a CUDA device when it has one."""
-    if frontend_backend(device, backend) == TORCH:
-        return TorchSpeechTokenizer(path, device)
+    backend = frontend_backend(device, backend)
+    if backend != ONNXRUNTIME:
+        return TorchSpeechTokenizer(path, device, tf32=backend == TORCH)
     return SpeechTokenizer(path, None if torch.device(device).type == "cuda" else ["CPUExecutionProvider"])
 
 
 def load_speaker_encoder(path: str | Path, device: str | torch.device = "cpu",
                          backend: str | None = None) -> TorchSpeakerEncoder | SpeakerEncoder:
     """CAM++ of ``path`` on ``device`` with the chosen back end (onnxruntime: its CPU provider, as upstream)."""
-    if frontend_backend(device, backend) == TORCH:
-        return TorchSpeakerEncoder(path, device)
+    backend = frontend_backend(device, backend)
+    if backend != ONNXRUNTIME:
+        return TorchSpeakerEncoder(path, device, tf32=backend == TORCH)
     return SpeakerEncoder(path)
 
 
