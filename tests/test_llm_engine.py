@@ -229,12 +229,16 @@ class _EagerGraph:
         self.body(*self.shape)
 
 
-def test_lone_prefill_graph_body_matches_hf(hf, llm_dir):
-    # The body captured on GPU for a lone request's prefill (with prefix-cache hits too), run eagerly.
-    engine = LLMEngine(llm_dir, max_slots=2, max_model_len=256)
+def _eager_prefill_graphs(engine: LLMEngine) -> None:
+    """The bodies captured on a GPU for every prefill shape, run eagerly when replayed."""
     runner = engine.runner
-    runner.prefill_graphs = {(t, kv): _EagerGraph(runner.prefill_step, (t, kv))
-                             for t in runner.prefill_buckets for kv in runner.length_buckets if kv >= t}
+    runner.prefill_graphs = {shape: _EagerGraph(runner.prefill_step, shape) for shape in runner.prefill_shapes()}
+
+
+def test_lone_prefill_graph_body_matches_hf(hf, llm_dir):
+    # A lone request's prefill (with prefix-cache hits too) through the graph body.
+    engine = LLMEngine(llm_dir, max_slots=2, max_model_len=256)
+    _eager_prefill_graphs(engine)
     engine.register_prefix("voice", PROMPTS[1][:12])
     params = SamplingParams.greedy(max_tokens=8)
     for ids in (PROMPTS[0], PROMPTS[1]):
@@ -242,6 +246,58 @@ def test_lone_prefill_graph_body_matches_hf(hf, llm_dir):
         while engine.num_active:
             engine.step()
         assert list(stream) == hf.generate(ids, params)
+
+
+def test_requests_admitted_together_share_a_prefill_graph_and_each_match_hf(hf, llm_dir):
+    # Three requests of different lengths, one of them after a prefix-cache hit, admitted in one
+    # step: one replay of the 4-row graph (its fourth row is padding on the spare slot), then
+    # decode. Each stream is what the request alone gives, and sampled requests keep their seeds.
+    def engine_of_graph_bodies() -> tuple[LLMEngine, list]:
+        engine = LLMEngine(llm_dir, max_slots=4, max_model_len=256)
+        replays, body = [], engine.runner.prefill_step
+        engine.runner.prefill_step = lambda *shape: (replays.append(shape), body(*shape))
+        _eager_prefill_graphs(engine)
+        engine.register_prefix("voice", PROMPTS[1][:12])
+        return engine, replays
+
+    def run(engine: LLMEngine, cases) -> list[list[int]]:
+        streams = [engine.submit(ids, params) for ids, params in cases]
+        while engine.num_active:
+            engine.step()
+        return [list(stream) for stream in streams]
+
+    greedy = SamplingParams.greedy(max_tokens=8)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_tokens=8, seed=7)
+    cases = [(PROMPTS[0], greedy), (PROMPTS[1], sampled), (PROMPTS[2], greedy)]
+    together, replays = engine_of_graph_bodies()
+    results = run(together, cases)
+    assert [shape[0] for shape in replays] == [4]
+    alone, _ = engine_of_graph_bodies()
+    for tokens, case in zip(results, cases):
+        assert len(tokens) == 8 and tokens == run(alone, [case])[0]
+        if case[1] is greedy:
+            assert tokens == hf.generate(*case)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_requests_prefilled_together_get_what_each_gets_alone(llm_dir):
+    # The captured graphs themselves: three requests in one 4-row prefill replay, then each alone in
+    # a 1-row one (float32, so that the two batch shapes' rounding cannot tip a greedy choice).
+    engine = LLMEngine(llm_dir, "cuda", torch.float32, max_slots=4, max_model_len=256)
+    assert (4, 64, 128) in engine.runner.prefill_graphs
+    engine.register_prefix("voice", PROMPTS[1][:12])
+    params = SamplingParams.greedy(max_tokens=8)
+    streams = [engine.submit(ids, params) for ids in PROMPTS]
+    while engine.num_active:
+        engine.step()
+    together = [list(stream) for stream in streams]
+    alone = []
+    for ids in PROMPTS:
+        stream = engine.submit(ids, params)
+        while engine.num_active:
+            engine.step()
+        alone.append(list(stream))
+    assert together == alone and all(len(tokens) == 8 for tokens in together)
 
 
 def test_token_stream_bursts_hold_every_token_once_and_end_like_iteration():

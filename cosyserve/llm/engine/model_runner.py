@@ -5,14 +5,18 @@ itself advances, so a graph replay needs no host-to-device copy; the host only r
 sampled tokens. Decode graphs exist per (batch bucket, KV-length bucket): rows beyond the running
 requests belong to free slots and compute harmless garbage.
 
-Prefill replays a graph per (new-token bucket, KV-length bucket) that also samples the first token,
-one replay per request admitted, their first tokens read back together. An eager padded batch would
-take less device time, but it is hundreds of launches, each needing the GIL that the engine's loop
-holds most of the time: 8 requests arriving together waited ~30 ms each for their prefill.
+Prefill replays a graph per (rows, new-token bucket, KV-length bucket) that also samples each row's
+first token: the requests admitted together are one padded batch of up to :data:`PREFILL_ROWS`'s
+largest rows per replay (rows past them read and write the spare slot), their first tokens read back
+together. An eager padded batch is hundreds of launches, each needing the GIL that the engine's loop
+holds most of the time (8 requests arriving together waited ~30 ms each for their prefill); a replay
+per request serialises them on the device (on an H100, 8 prompts of new voices: ~5 ms each, ~40 ms
+until the last first token), where one replay of 8 rows reads the weights once.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,11 +28,14 @@ from ..layers.fused import fused_decode_available
 from ..models.config import Qwen2Config
 from ..models.loader import load_model
 from ..prompt import layout_for_vocab_size
-from ..sampling import Sampler
+from ..sampling import Sampler, SamplingParams
 from .kv_cache import KVCache
 
 # The CUDA stream role (runtime.role_stream) of the LLM: its graphs are captured on it, its thread runs on it.
 LLM_ROLE = "llm"
+# Rows of the captured prefill graphs, and the most padded tokens (rows x new-token bucket) of one.
+PREFILL_ROWS = (1, 2, 4, 8)
+MAX_PREFILL_GRAPH_TOKENS = 4096
 
 
 @dataclass
@@ -52,7 +59,7 @@ def length_buckets(max_len: int, smallest: int = 128) -> list[int]:
     return buckets + [max_len]
 
 
-def _bucket(buckets: list[int], value: int) -> int:
+def _bucket(buckets: list[int] | tuple[int, ...], value: int) -> int:
     return next(b for b in buckets if b >= value)
 
 
@@ -68,20 +75,24 @@ class ModelRunner:
         self.model = load_model(model_dir, device, dtype, max_model_len, self.config)
         self.model.fused_decode = fused_decode_available(device, dtype) if fused_decode is None else fused_decode
         self.kv = KVCache(self.config, max_slots, max_model_len, device, dtype)
-        self.sampler = Sampler(max_slots, device, self.layout.output_window_size)
+        # Per-slot state has a row for the spare slot too: a prefill graph's padding rows sample there.
+        self.sampler = Sampler(max_slots + 1, device, self.layout.output_window_size)
+        self.sampler.set_requests([self.kv.spare_slot], [SamplingParams.greedy()], [0], [[]])
         long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(max_slots, **long)
-        self.positions = torch.zeros(max_slots, **long)
-        self.out_tokens = torch.zeros(max_slots, **long)
+        self.input_ids = torch.zeros(max_slots + 1, **long)
+        self.positions = torch.zeros(max_slots + 1, **long)
+        self.out_tokens = torch.zeros(max_slots + 1, **long)
         self.rows = torch.arange(max_slots, **long)
-        # Lone-request prefill graph inputs: token ids / positions / write slots, and slot / last / length.
-        self.prefill_tokens = torch.zeros(3, max_model_len, **long)
-        self.prefill_request = torch.zeros(3, **long)
+        # Prefill graph inputs: token ids / positions / write slots of rows x new tokens (row-major),
+        # and each row's slot / last token's index / prompt length.
+        self.prefill_rows = tuple(rows for rows in PREFILL_ROWS if rows == 1 or rows <= max_slots)
+        self.prefill_tokens = torch.zeros(3, self.prefill_rows[-1] * max_model_len, **long)
+        self.prefill_request = torch.zeros(3, self.prefill_rows[-1], **long)
         self.batch_buckets = batch_buckets(max_slots)
         self.length_buckets = length_buckets(max_model_len)
         self.prefill_buckets = length_buckets(max_model_len, smallest=16)
         self.decode_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.prefill_graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         if use_cuda_graphs:
             self._capture_graphs()
 
@@ -91,8 +102,8 @@ class ModelRunner:
         """Cache the KV of each item's new tokens, sample its first token (window index) and make
         that token the slot's next decode input."""
         if self.prefill_graphs:
-            for item in items:
-                self._replay_prefill(item)
+            for group in self._prefill_groups(items):
+                self._replay_prefill(group)
             slots = host_to_device([item.slot for item in items], self.device)
             return device_to_host(self.out_tokens.index_select(0, slots)).tolist()
         slots = [item.slot for item in items]
@@ -132,33 +143,62 @@ class ModelRunner:
         last = torch.tensor(lengths) - 1 + torch.arange(num_seqs) * seq_len
         return self.model.logits(hidden[last.to(**to_device)])
 
-    def prefill_step(self, seq_len: int, kv_len: int) -> None:
-        """Graph body: prefill the request described by the static prefill buffers, sample its first token."""
-        ids, positions, write_slots = self.prefill_tokens[:, :seq_len]
-        slot, last, length = self.prefill_request[0:1], self.prefill_request[1:2], self.prefill_request[2:3]
-        mask = (torch.arange(kv_len, device=self.device) <= positions[:, None])[None, None]
-        meta = PrefillMetadata(write_slots, positions, slot, mask, num_seqs=1, seq_len=seq_len)
-        hidden = self.model(ids, positions, self.kv, meta)
-        tokens = self.sampler.sample(self.model.logits(hidden.index_select(0, last)), slot)
-        self.out_tokens.index_copy_(0, slot, tokens)
-        self.input_ids.index_copy_(0, slot, tokens + self.window_start)
-        self.positions.index_copy_(0, slot, length)
+    def prefill_shapes(self) -> list[tuple[int, int, int]]:
+        """(rows, new-token bucket, KV-length bucket) of every prefill graph."""
+        return [(rows, seq_len, kv_len) for rows in self.prefill_rows for seq_len in self.prefill_buckets
+                for kv_len in self.length_buckets
+                if kv_len >= seq_len and (rows == 1 or rows * seq_len <= MAX_PREFILL_GRAPH_TOKENS)]
 
-    def _replay_prefill(self, item: PrefillItem) -> None:
-        """Launch the item's prefill graph; its first token lands in ``out_tokens[item.slot]``. The
-        inputs are copied without waiting (pageable memory is staged at the call), in stream order
-        behind the previous item's replay, which reads the same buffers."""
-        new = len(item.ids) - item.start
-        seq_len = _bucket(self.prefill_buckets, new)
-        host = torch.empty(3, seq_len, dtype=torch.long)
+    def prefill_step(self, rows: int, seq_len: int, kv_len: int) -> None:
+        """Graph body: prefill the rows described by the static prefill buffers, sample each row's first token."""
+        ids, positions, write_slots = self.prefill_tokens[:, :rows * seq_len]
+        slots, last, length = self.prefill_request[:, :rows]
+        mask = (torch.arange(kv_len, device=self.device) <= positions.view(rows, seq_len, 1)).unsqueeze(1)
+        meta = PrefillMetadata(write_slots, positions, slots, mask, num_seqs=rows, seq_len=seq_len)
+        hidden = self.model(ids, positions, self.kv, meta)
+        tokens = self.sampler.sample(self.model.logits(hidden.index_select(0, last)), slots)
+        self.out_tokens.index_copy_(0, slots, tokens)
+        self.input_ids.index_copy_(0, slots, tokens + self.window_start)
+        self.positions.index_copy_(0, slots, length)
+
+    def _graph_key(self, items: list[PrefillItem]) -> tuple[int, int, int] | None:
+        rows = next((r for r in self.prefill_rows if r >= len(items)), None)
+        if rows is None:
+            return None
+        return (rows, _bucket(self.prefill_buckets, max(len(item.ids) - item.start for item in items)),
+                _bucket(self.length_buckets, max(len(item.ids) for item in items)))
+
+    def _prefill_groups(self, items: list[PrefillItem]) -> list[list[PrefillItem]]:
+        """``items`` in order, cut into the largest runs that one captured graph takes."""
+        groups: list[list[PrefillItem]] = []
+        for item in items:
+            if groups and self._graph_key(groups[-1] + [item]) in self.prefill_graphs:
+                groups[-1].append(item)
+            else:
+                groups.append([item])
+        return groups
+
+    def _replay_prefill(self, items: list[PrefillItem]) -> None:
+        """Launch the prefill graph of ``items``; each first token lands in ``out_tokens[item.slot]``.
+        Rows past the items are padding that reads and writes the spare slot. The inputs are copied
+        without waiting (pageable memory is staged at the call), in stream order behind the previous
+        replay, which reads the same buffers."""
+        rows, seq_len, kv_len = key = self._graph_key(items)
+        spare = self.kv.spare_slot
+        host = torch.empty(3, rows, seq_len, dtype=torch.long)
         host[0].zero_()
-        host[0, :new] = torch.tensor(item.ids[item.start:])
-        torch.clamp(torch.arange(seq_len) + item.start, max=self.kv.max_len - 1, out=host[1])
-        host[2].fill_(self.kv.spare_slot)
-        host[2, :new] = item.slot
-        self.prefill_tokens[:, :seq_len].copy_(host, non_blocking=True)
-        self.prefill_request.copy_(torch.tensor([item.slot, new - 1, len(item.ids)]), non_blocking=True)
-        self.prefill_graphs[(seq_len, _bucket(self.length_buckets, len(item.ids)))].replay()
+        host[2].fill_(spare)
+        request = torch.tensor([[spare] * rows, [row * seq_len for row in range(rows)], [0] * rows])
+        for row, item in enumerate(items):
+            new = len(item.ids) - item.start
+            host[0, row, :new] = torch.tensor(item.ids[item.start:])
+            host[2, row, :new] = item.slot
+            request[:, row] = torch.tensor([item.slot, row * seq_len + new - 1, len(item.ids)])
+        starts = torch.tensor([item.start for item in items] + [0] * (rows - len(items)))
+        torch.clamp(starts[:, None] + torch.arange(seq_len), max=self.kv.max_len - 1, out=host[1])
+        self.prefill_tokens[:, :rows * seq_len].copy_(host.view(3, -1), non_blocking=True)
+        self.prefill_request[:, :rows].copy_(request, non_blocking=True)
+        self.prefill_graphs[key].replay()
 
     @torch.inference_mode()
     def compute_prefix_kv(self, ids: list[int]) -> torch.Tensor:
@@ -213,13 +253,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        shapes = [(self.prefill_graphs, self.prefill_step, (seq_len, kv_len))
-                  for seq_len in self.prefill_buckets for kv_len in self.length_buckets if kv_len >= seq_len]
+        shapes = [(self.prefill_graphs, self.prefill_step, shape) for shape in self.prefill_shapes()]
         shapes += [(self.decode_graphs, self.decode_step, (batch, kv_len))
                    for batch in self.batch_buckets for kv_len in self.length_buckets]
         pool = None
         # Largest first, so smaller graphs fit in the memory the pool already holds.
-        for graphs, step, shape in sorted(shapes, key=lambda entry: entry[2][0] * entry[2][1], reverse=True):
+        for graphs, step, shape in sorted(shapes, key=lambda entry: math.prod(entry[2]), reverse=True):
             step(*shape)  # warm-up: loads kernels, picks GEMM algorithms
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=role_stream(self.device, LLM_ROLE)):
