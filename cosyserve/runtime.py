@@ -94,13 +94,6 @@ def bucket(value: int, sizes: Sequence[int]) -> int | None:
 # The role (role_stream) of the engine loop's CUDA graphs: the flow's chunk steps and full passes, the
 # vocoder's (the loop replays them on its own stream).
 LOOP_ROLE = "main"
-# The role of new voices' prompt solves (their graphs, and the stream they are launched on). Its
-# stream has a higher priority than the other roles': while a burst of new voices' prompts is solved,
-# the device runs their kernels before the LLM's and the loop's, which do not wait for them. Why: the
-# solve is what gates those voices' first chunks (8 new clips on an H100: ~6 ms a step alone, ~10 ms
-# a step beside the LLM's decode steps), while the others' work is mostly ahead of need.
-PREFIX_ROLE = "prefix"
-_ROLE_PRIORITIES = {PREFIX_ROLE: -1}  # torch's stream priorities: lower is higher, 0 the default
 # Streams asked of torch's pool before giving up on one no other role has (the pool holds 32 per
 # priority and hands them out in turn).
 _STREAM_TRIES = 64
@@ -109,9 +102,8 @@ _role_streams_lock = threading.Lock()
 
 
 def role_stream(device: torch.device | str, role: str) -> torch.cuda.Stream:
-    """The CUDA stream of ``role`` on ``device``: one per role, made on first use (with the role's
-    priority: :data:`PREFIX_ROLE`'s is high), and never the same CUDA stream as another role's
-    (torch's pool hands its 32 streams of each priority out in turn).
+    """The CUDA stream of ``role`` on ``device``: one per role, made on first use, and never the
+    same CUDA stream as another role's (torch's pool hands its 32 streams out in turn).
 
     Every family of CUDA graphs whose replays may overlap another's is captured on a role's stream
     of its own (the LLM's steps, new voices' prompts, the loop's steps and vocoder, each front-end
@@ -130,7 +122,7 @@ def role_stream(device: torch.device | str, role: str) -> torch.cuda.Stream:
         if stream is None:
             taken = {s.cuda_stream for (i, _), s in _role_streams.items() if i == index}
             for _ in range(_STREAM_TRIES):
-                stream = torch.cuda.Stream(index, priority=_ROLE_PRIORITIES.get(role, 0))
+                stream = torch.cuda.Stream(index)
                 if stream.cuda_stream not in taken:
                     break
             else:

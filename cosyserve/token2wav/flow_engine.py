@@ -70,7 +70,7 @@ from ..models.flow.cfm import N_TIMESTEPS
 from ..models.flow.fused import FusedEstimator, context_slots
 from ..models.flow.lanes import work_lane
 from ..models.flow.packed_encoder import EncoderWindow, encode_windows
-from ..runtime import PREFIX_ROLE, host_to_device, role_stream
+from ..runtime import host_to_device, role_stream
 from .graphs import FlowCounters
 from .page_pool import PagePool
 from .prefix_encoder import PrefixEncoder
@@ -84,9 +84,8 @@ DEFAULT_MAX_VOICES = 64
 # of PREFIX_PIECE_TOKENS (windows of at most 250 frames, eager).
 PREFIX_FIRST_PIECE_TOKENS = 250
 PREFIX_PIECE_TOKENS = 125
-# The work lane (models.flow.lanes.work_lane) of new voices' prompts: their workspaces and scratch; as a
-# stream role, their graphs' and their launches' high-priority stream (runtime.PREFIX_ROLE).
-PREFIX_LANE = PREFIX_ROLE
+# The work lane (models.flow.lanes.work_lane) of new voices' prompts: their workspaces and scratch.
+PREFIX_LANE = "prefix"
 # A first prompt piece's encoder pass is padded to a multiple of this many tokens (PrefixEncoder: one
 # CUDA graph per width and rows, captured at load).
 PREFIX_TOKEN_BUCKET = 32
