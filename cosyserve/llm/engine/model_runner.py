@@ -59,7 +59,7 @@ def length_buckets(max_len: int, smallest: int = 128) -> list[int]:
     return buckets + [max_len]
 
 
-def _bucket(buckets: list[int] | tuple[int, ...], value: int) -> int:
+def _bucket(buckets: list[int], value: int) -> int:
     return next(b for b in buckets if b >= value)
 
 
