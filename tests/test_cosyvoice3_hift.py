@@ -8,7 +8,8 @@ import torch
 from cosyserve.config import dump_hyperpyyaml
 from cosyserve.errors import InvalidInputError, ModelLoadError
 from cosyserve.models.cosyvoice3.config import CausalHiftConfig
-from cosyserve.models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, load_causal_hift
+from cosyserve.models.cosyvoice3.hift import (CausalHiFTGenerator, CausalHiftStream, decode_calls, load_causal_hift,
+                                              prepare_calls)
 from cosyserve.parity import cv3_hift, cv3_token2wav
 
 
@@ -48,6 +49,49 @@ def test_incremental_stream_equals_one_final_pass(tiny_hift):
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     assert stream.mel.shape[2] < 60, "the stream keeps a bounded mel window"
+
+
+def test_streams_prepared_together_get_what_each_gets_alone(tiny_hift):
+    """Streams at different points (a first chunk, a long one, a one-frame one, a final one, one with no
+    F0 due) have their F0 and excitation computed in one batched call, rows of different lengths
+    left-padded: each emits the samples it emits pushed alone."""
+    gen = torch.Generator().manual_seed(5)
+    mels = [torch.randn(1, 80, 120, generator=gen) * 2 - 4 for _ in range(5)]
+    pushes = [[(12, False), (30, False), (50, True)], [(40, False), (1, False), (44, False)],
+              [(3, False), (60, False), (2, True)], [(25, False), (25, False), (25, False)],
+              [(9, False), (2, False), (70, False)]]
+    alone, together = [CausalHiftStream(tiny_hift) for _ in mels], [CausalHiftStream(tiny_hift) for _ in mels]
+    starts = [0] * len(mels)
+    for step in range(3):
+        items, expected = [], []
+        for i, mel in enumerate(mels):
+            size, final = pushes[i][step]
+            piece = mel[:, :, starts[i]:starts[i] + size]
+            items.append((together[i], piece, final))
+            expected.append(alone[i].push(piece, final))
+            starts[i] += size
+        calls = prepare_calls(items)
+        for (stream, _, _), call, speech, want in zip(items, calls, decode_calls(tiny_hift, calls), expected):
+            got = stream.complete(call, speech)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for a, b in zip(alone, together):
+        torch.testing.assert_close(b.phase_sum, a.phase_sum, rtol=0, atol=1e-9)
+        assert (a.f0_frames, a.emitted, a.finished) == (b.f0_frames, b.emitted, b.finished)
+
+
+def test_the_excitation_of_rows_at_their_own_frames_equals_each_row_alone(tiny_hift):
+    """compute_source with one start frame per row (one row left-padded before frame 0 with F0 0) gives
+    each row the excitation and phase sum it gets alone."""
+    gen = torch.Generator().manual_seed(6)
+    f0 = torch.rand(3, 20, generator=gen) * 300
+    f0[2, :4] = 0  # padding: the row's frames start at 4
+    phase = torch.rand(3, tiny_hift.m_source.num_harmonics, generator=gen, dtype=torch.float64)
+    source, sums = tiny_hift.compute_source(f0, [7, 130, -4], phase)
+    for row, (start, cut) in enumerate([(7, 0), (130, 0), (0, 4)]):
+        alone, alone_sum = tiny_hift.compute_source(f0[row:row + 1, cut:], start, phase[row:row + 1])
+        torch.testing.assert_close(source[row:row + 1, :, cut * 480:], alone, rtol=0, atol=1e-6)
+        torch.testing.assert_close(sums[row:row + 1], alone_sum, rtol=0, atol=1e-12)
 
 
 def test_finished_stream_and_bad_mels_are_rejected(tiny_hift):

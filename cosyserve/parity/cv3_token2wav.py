@@ -48,8 +48,8 @@ class _SilentNoise:
     def __init__(self, harmonics: int):
         self.harmonics = harmonics
 
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        return torch.zeros(1, stop - start, self.harmonics)
+    def samples(self, stop: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(1, stop, self.harmonics, device=device)
 
 
 def run(fixture_dir: Path) -> list[CaseResult]:

@@ -31,7 +31,8 @@ from ...frontend.prompt import PromptFeatures
 from ...lru import LruCache
 from ...models.cosyvoice3.dit import WindowState
 from ...models.cosyvoice3.flow import CosyVoice3Flow, Cv3VoicePrefix, load_cosyvoice3_flow
-from ...models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream, decode_calls, load_causal_hift
+from ...models.cosyvoice3.hift import (CausalHiFTGenerator, CausalHiftStream, decode_calls, load_causal_hift,
+                                       prepare_calls)
 from ...models.flow.cfm import N_TIMESTEPS, NOISE_FRAMES, fixed_noise
 from ...runtime import host_to_device
 from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
@@ -393,14 +394,13 @@ class CosyVoice3Kind:
     @torch.inference_mode()
     def vocode(self, items: list[tuple[Cv3Voicing | None, torch.Tensor, bool]]) -> list[torch.Tensor]:
         """PCM (1-D float32 on the device, launched) of each (stream's voicing, or None for an
-        offline request; mel; final chunk):
-        each stream's F0 and excitation on its own, the decoder batched over streams whose windows
-        have one shape."""
-        streams = [(i, voicing.vocoder, voicing.vocoder.prepare(mel, final))
-                   for i, (voicing, mel, final) in enumerate(items) if voicing is not None]
-        decoded = decode_calls(self.hift, [call for _, _, call in streams])
+        offline request; mel; final chunk): the streams' F0 and excitation in one batched call, the
+        decoder batched over streams whose windows have one shape."""
+        streams = [(i, voicing.vocoder, mel, final) for i, (voicing, mel, final) in enumerate(items)
+                   if voicing is not None]
+        calls = prepare_calls([(vocoder, mel, final) for _, vocoder, mel, final in streams])
         speech: list[torch.Tensor | None] = [None] * len(items)
-        for (i, vocoder, call), window in zip(streams, decoded):
+        for (i, vocoder, _, _), call, window in zip(streams, calls, decode_calls(self.hift, calls)):
             speech[i] = vocoder.complete(call, window)
         for i, (voicing, mel, _) in enumerate(items):
             if voicing is None:

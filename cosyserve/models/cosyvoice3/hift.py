@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from ...errors import InvalidInputError, ModelLoadError
+from ...runtime import host_to_device
 from ...schedule import OUTPUT_SAMPLE_RATE
 from ..hift.generator import MAX_MAGNITUDE, POST_LRELU_SLOPE, ResBlock
 from ..hift.loading import _read_state_dict, normalise_hift_keys
@@ -49,6 +51,7 @@ STREAM_CONTEXT_FRAMES = 36
 # reseeds torch with 0 and draws its noise, the flow builds its token embedding and speaker
 # projection, the HiFT its F0 predictor; then SineGen2 draws rand_ini and the noise buffer.
 NOISE_SAMPLES = 300 * OUTPUT_SAMPLE_RATE  # upstream's buffer: 300 s at 24 kHz
+NOISE_GROWTH = 10 * OUTPUT_SAMPLE_RATE  # the least a device copy of it grows by
 
 
 class CausalResBlock(ResBlock):
@@ -80,11 +83,19 @@ class CausalF0Predictor(nn.Module):
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cond_channels, num_class)
 
-    def forward(self, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
+    def forward(self, mel: torch.Tensor, finalize: bool, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """``starts`` (B,) int64: each row's first real frame (rows of different lengths left-padded into
+        one batch). Every layer's output before it is zeroed, as a row alone would see the causal
+        convolutions' zero padding there, so each row's F0 is the one it gets alone."""
         h = F.pad(mel, (0, F0_LOOKAHEAD)) if finalize else mel
+        real = None
+        if starts is not None:
+            real = (torch.arange(h.shape[2] - F0_LOOKAHEAD, device=h.device)[None] >= starts[:, None])[:, None]
         for i in range(0, len(self.condnet), 2):
             conv, act = self.condnet[i], self.condnet[i + 1]
             h = act(conv(h if i == 0 else F.pad(h, (conv.kernel_size[0] - 1, 0))))
+            if real is not None:
+                h = h * real
         return self.classifier(h.transpose(1, 2)).squeeze(-1).abs()
 
 
@@ -105,6 +116,7 @@ class SourceNoiseBuffer:
         self._generator: torch.Generator | None = None  # replayed on first use
         self._rand_ini = torch.empty(0)
         self._rows = torch.empty(1, 0, harmonics)
+        self._on_device: dict[torch.device, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def _replay(self) -> torch.Generator:
@@ -146,13 +158,35 @@ class SourceNoiseBuffer:
         if stop > NOISE_SAMPLES:
             raise InvalidInputError(f"the causal HiFT's noise covers {NOISE_SAMPLES} samples (300 s); {stop} asked")
         with self._lock:
-            if self._generator is None:
-                self._generator = self._replay()
-            if stop > self._rows.shape[1]:
-                more = torch.rand(1, stop - self._rows.shape[1], self.harmonics, generator=self._generator,
-                                  device="cpu")
-                self._rows = torch.cat([self._rows, more], dim=1)
-            return self._rows[:, start:stop]
+            return self._drawn(stop)[:, start:stop]
+
+    def samples(self, stop: int, device: torch.device) -> torch.Tensor:
+        """The noise of output samples [0, ≥ stop) on ``device`` (1, samples, harmonics) float32.
+
+        On a GPU the copy is kept and grown (doubling, at least 10 s) through pinned memory: a stream's
+        chunk reads its rows there. Why: copying each chunk's rows from pageable memory made the host
+        wait for the device's whole queue (the flow's steps) once per stream and chunk."""
+        if stop > NOISE_SAMPLES:
+            raise InvalidInputError(f"the causal HiFT's noise covers {NOISE_SAMPLES} samples (300 s); {stop} asked")
+        if device.type == "cpu":
+            with self._lock:
+                return self._drawn(stop)
+        with self._lock:
+            kept = self._on_device.get(device)
+            if kept is None or kept.shape[1] < stop:
+                grown = min(NOISE_SAMPLES, max(stop, 2 * (0 if kept is None else kept.shape[1]), NOISE_GROWTH))
+                kept = host_to_device(self._drawn(grown)[:, :grown], device)
+                self._on_device[device] = kept
+            return kept
+
+    def _drawn(self, stop: int) -> torch.Tensor:
+        """The CPU rows, drawn up to ``stop`` at least (the caller holds the lock)."""
+        if self._generator is None:
+            self._generator = self._replay()
+        if stop > self._rows.shape[1]:
+            more = torch.rand(1, stop - self._rows.shape[1], self.harmonics, generator=self._generator, device="cpu")
+            self._rows = torch.cat([self._rows, more], dim=1)
+        return self._rows
 
 
 def _linear_init_shapes(in_features: int, out_features: int) -> tuple[tuple[int, ...], ...]:
@@ -241,20 +275,30 @@ class CausalHiFTGenerator(nn.Module):
 
     # ----- pieces -----
 
-    def predict_f0(self, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
-        """mel (B, 80, M) -> F0 (B, M or M − 3) float32, computed in the F0 predictor's dtype (float64)."""
+    def predict_f0(self, mel: torch.Tensor, finalize: bool, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """mel (B, 80, M) -> F0 (B, M or M − 3) float32, computed in the F0 predictor's dtype (float64).
+        ``starts``: rows of different lengths left-padded, each row's first real frame (:class:`CausalF0Predictor`)."""
         dtype = self.f0_predictor.classifier.weight.dtype
         cudnn = torch.backends.cudnn
         with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
                          allow_tf32=False):
-            return self.f0_predictor(mel.to(dtype), finalize).float()
+            return self.f0_predictor(mel.to(dtype), finalize, starts).float()
 
-    def compute_source(self, f0: torch.Tensor, start_frame: int = 0,
+    def compute_source(self, f0: torch.Tensor, start_frames: int | Sequence[int] = 0,
                        phase_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """F0 (1, T) of frames [start_frame, start_frame + T) -> excitation (1, 1, 480·T) and the phase sum."""
-        hop = self.hop_length
-        noise = self.noise.rows(start_frame * hop, (start_frame + f0.shape[1]) * hop)
-        return self.m_source(f0, noise.expand(f0.shape[0], -1, -1), phase_sum)
+        """F0 (B, T) of frames [start, start + T) of each row's utterance (``start_frames``: one for every
+        row, or one per row; a row left-padded with F0 0 starts before frame 0) -> excitation
+        (B, 1, 480·T) and the phase sums (B, harmonics) after them (``phase_sum``: before them)."""
+        hop, frames = self.hop_length, f0.shape[1]
+        starts = [start_frames] * f0.shape[0] if isinstance(start_frames, int) else list(start_frames)
+        noise = self.noise.samples((max(starts) + frames) * hop, f0.device)
+        if min(starts) == max(starts) >= 0:
+            noise = noise[:, starts[0] * hop:(starts[0] + frames) * hop].expand(f0.shape[0], -1, -1)
+        else:  # each row's own samples, gathered on the device (a padded row's samples before 0: any)
+            first = host_to_device(torch.tensor(starts, dtype=torch.long) * hop, f0.device)
+            index = (first[:, None] + torch.arange(frames * hop, device=f0.device)).clamp_(min=0)
+            noise = noise[0][index]
+        return self.m_source(f0, noise, phase_sum)
 
     def _stft(self, x: torch.Tensor) -> torch.Tensor:
         n_fft = self.cfg.istft_n_fft
@@ -335,6 +379,60 @@ class CausalHiftCall:
 
 
 @torch.inference_mode()
+def prepare_calls(items: list[tuple["CausalHiftStream", torch.Tensor, bool]]) -> list[CausalHiftCall]:
+    """:meth:`CausalHiftStream.prepare` of many streams of one vocoder: every (stream, new mel frames
+    (1, 80, n), finalize)'s new F0 in one float64 call and its excitation in one call, the rows of
+    different lengths left-padded (each row gets the values it gets alone). Why: stream by stream it
+    was ~50 operator calls a stream and chunk (a CPU profile of 16 streams' call: 1,962 top-level
+    operators, 1,132 batched), on the loop's thread, which measured ~165 ms of host time an iteration
+    at 16 CosyVoice3 streams. Every stream is checked before any changes."""
+    for stream, mel, _ in items:
+        if stream.finished:
+            raise InvalidInputError("this vocoder stream is finished")
+        stream.hift._check_mel(mel, 0)
+    if len({id(stream.hift) for stream, _, _ in items}) > 1:
+        raise ValueError("prepare_calls takes streams of one vocoder")
+    due = [(stream, stream._append(mel, finalize)) for stream, mel, finalize in items]
+    due = [(stream, f0_end) for stream, f0_end in due if f0_end is not None]
+    if due:
+        _excite(due)
+    return [stream._decoder_call() for stream, _, _ in items]
+
+
+def _excite(due: list[tuple["CausalHiftStream", int]]) -> None:
+    """Each (stream, end)'s F0 and excitation of frames [stream.f0_frames, end), rows batched."""
+    hift = due[0][0].hift
+    hop, device = hift.hop_length, due[0][0].mel.device
+    windows = [stream._f0_window() for stream, _ in due]
+    width = max(w.shape[2] for w in windows)
+    if all(w.shape[2] == width for w in windows):
+        f0 = hift.predict_f0(torch.cat(windows), False)
+    else:
+        mel = windows[0].new_zeros(len(windows), windows[0].shape[1], width)
+        for row, window in enumerate(windows):
+            mel[row, :, width - window.shape[2]:] = window[0]
+        pads = [width - w.shape[2] for w in windows]
+        f0 = hift.predict_f0(mel, False, host_to_device(torch.tensor(pads, dtype=torch.long), device))
+    # every row's last column is its frame end - 1; its new frames are its last ones, the columns before
+    # them get F0 0 (no phase, so the phase sums carry over exactly)
+    new = [end - stream.f0_frames for stream, end in due]
+    frames = max(new)
+    f0 = f0[:, f0.shape[1] - frames:]
+    if min(new) < frames:
+        first = host_to_device(torch.tensor([frames - n for n in new], dtype=torch.long), device)
+        f0 = f0 * (torch.arange(frames, device=device)[None] >= first[:, None])
+    harmonics = hift.m_source.num_harmonics
+    phase = torch.cat([stream.phase_sum if stream.phase_sum is not None else
+                       torch.zeros(1, harmonics, dtype=torch.float64, device=device) for stream, _ in due])
+    source, sums = hift.compute_source(f0, [stream.f0_frames - (frames - n) for (stream, _), n in zip(due, new)],
+                                       phase)
+    for row, ((stream, end), n) in enumerate(zip(due, new)):
+        stream.source = torch.cat([stream.source, source[row:row + 1, :, (frames - n) * hop:]], dim=2)
+        stream.phase_sum = sums[row:row + 1]
+        stream.f0_frames = end
+
+
+@torch.inference_mode()
 def decode_calls(hift: "CausalHiFTGenerator", calls: list[CausalHiftCall]) -> list[torch.Tensor | None]:
     """Every call's decoded window, calls of one shape (frames, finalize) in one batched decoder call:
     streams at the same point of the chunk schedule share a shape. Each row's output is the one it
@@ -385,27 +483,33 @@ class CausalHiftStream:
     @torch.inference_mode()
     def prepare(self, mel: torch.Tensor, finalize: bool = False) -> "CausalHiftCall":
         """:meth:`push` up to the decoder: the new frames' F0 and excitation, and the decoder's window
-        (decoded by the caller, with other streams' windows of the same shape: :func:`decode_calls`)."""
-        if self.finished:
-            raise InvalidInputError("this vocoder stream is finished")
-        self.hift._check_mel(mel, 0)
-        hop = self.hift.hop_length
+        (decoded by the caller, with other streams' windows: :func:`decode_calls`; many streams'
+        preparations in one call: :func:`prepare_calls`)."""
+        return prepare_calls([(self, mel, finalize)])[0]
+
+    def _append(self, mel: torch.Tensor, finalize: bool) -> int | None:
+        """Take the new mel frames; the end of the frames whose F0 is now known, if it moved."""
         self.mel = torch.cat([self.mel, mel.to(self.mel.device, torch.float32)], dim=2)
         self.frames += mel.shape[2]
         self.finished = finalize
         f0_end = self.frames if finalize else self.frames - F0_LOOKAHEAD
-        if f0_end > self.f0_frames:
-            first = max(0, self.f0_frames - F0_LEFT_REACH)
-            f0 = self.hift.predict_f0(self._mel(first, self.frames), finalize)[:, self.f0_frames - first:]
-            source, self.phase_sum = self.hift.compute_source(f0, self.f0_frames, self.phase_sum)
-            self.source = torch.cat([self.source, source], dim=2)
-            self.f0_frames = f0_end
-        speech_end = hop * (self.frames if finalize else self.frames - self.hift.lookahead_frames)
+        return f0_end if f0_end > self.f0_frames else None
+
+    def _f0_window(self) -> torch.Tensor:
+        """The mel the F0 of the frames after :attr:`f0_frames` reads (1, 80, L): their look-back, and
+        zeros after the last frame when finished."""
+        window = self._mel(max(0, self.f0_frames - F0_LEFT_REACH), self.frames)
+        return F.pad(window, (0, F0_LOOKAHEAD)) if self.finished else window
+
+    def _decoder_call(self) -> "CausalHiftCall":
+        """The decoder's window after the excitation is known (nothing to decode: mel None)."""
+        hop = self.hift.hop_length
+        speech_end = hop * (self.frames if self.finished else self.frames - self.hift.lookahead_frames)
         if speech_end <= self.emitted:
-            return CausalHiftCall(None, None, finalize, 0, 0)
+            return CausalHiftCall(None, None, self.finished, 0, 0)
         start = max(0, self.emitted // hop - self.context)
         call = CausalHiftCall(self._mel(start, self.f0_frames), self.source[:, :, (start - self.source_start) * hop:],
-                              finalize, self.emitted - start * hop, speech_end - self.emitted)
+                              self.finished, self.emitted - start * hop, speech_end - self.emitted)
         self.emitted = speech_end
         return call
 
