@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import threading
 import time
@@ -157,7 +158,8 @@ def run(args: argparse.Namespace) -> dict:
                          sync_stages=args.sync_stages, warm_up=not args.cold,
                          spk2info=models / spk2info if spk2info else None)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
-              "load_s": time.perf_counter() - loading, "tokens": args.tokens, "final": args.final, "levels": []}
+              "load_s": time.perf_counter() - loading, "load_phases_s": engine.load_phases, "tokens": args.tokens,
+              "final": args.final, "levels": []}
     voice, prompt_text = registered_voice(engine, args)
     counter = iter(range(1 << 30))
     rng = np.random.default_rng(args.seed)
@@ -366,7 +368,9 @@ def table(report: dict, levels: list[dict] | None = None) -> str:
     """The report as a markdown table (only ``levels``, when given: one level as it is measured)."""
     def cell(value) -> str:
         return f"{value:.1f}" if isinstance(value, float) else str(value)
-    lines = [f"{report.get('model', 'cosyvoice2')} on device {report['device']}, load {report['load_s']:.1f} s, {report['tokens']} tokens a reply, "
+    phases = ", ".join(f"{name} {s:.1f}" for name, s in report.get("load_phases_s", {}).items())
+    lines = [f"{report.get('model', 'cosyvoice2')} on device {report['device']}, load {report['load_s']:.1f} s"
+             f"{f' ({phases})' if phases else ''}, {report['tokens']} tokens a reply, "
              f"final {report['final']}, first request after load: first chunk "
              f"{cell(report.get('first_request_ms'))} ms",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -432,6 +436,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
+    # the load's own lines (graphs captured and their seconds, the load's phases), before the tables
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     report = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

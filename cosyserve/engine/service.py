@@ -18,8 +18,11 @@ and the loop are one.
 
 from __future__ import annotations
 
+import logging
 import queue
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +50,8 @@ from .runners.llm import BackendLLM, FreeRunningLLM
 from .scheduler import Scheduler
 from .wire import EngineStats
 
+log = logging.getLogger(__name__)
+
 WARM_UP_TEXT = "你好，欢迎使用语音合成服务。"
 
 
@@ -59,6 +64,7 @@ class TTSEngine:
         self.prompter = prompter
         self.voices = voices
         self.warm_voice = warm_voice  # voices the warm-up (the default speaker, or a synthetic clip)
+        self.load_phases: dict[str, float] = {}  # load_engine's phases, seconds each
 
     @property
     def sample_rate(self) -> int:
@@ -219,24 +225,41 @@ def load_engine(model: str, model_dir: str | Path, llm_dir: str | Path, device: 
     if model not in MODEL_KINDS:
         raise ValueError(f"unknown model kind {model!r}; choose one of {sorted(MODEL_KINDS)}")
     spec = MODEL_KINDS[model]
-    prompter, voices, warm_voice = load_frontend(model, model_dir, llm_dir, device, voices_dir=voices_dir,
-                                                 max_text_chars=max_text_chars, frontend_backend=frontend_backend,
-                                                 spk2info=spk2info)
+    phases: dict[str, float] = {}
+    with _timed(phases, "front end"):
+        prompter, voices, warm_voice = load_frontend(model, model_dir, llm_dir, device, voices_dir=voices_dir,
+                                                     max_text_chars=max_text_chars,
+                                                     frontend_backend=frontend_backend, spk2info=spk2info)
     # the LLM first: the flow's state is sized from the memory it leaves
-    if llm_backend is None:
-        llm = FreeRunningLLM(LLMEngine(llm_dir, device, **{"pacing": Pacing(), **(llm_options or {})}), spec.sampling)
-    else:
-        llm = BackendLLM(llm_backend, spec.sampling)
-    llm.register_voices(prompter.text_tokenizer, voices.registry)
-    kind = spec.load_kind(Path(model_dir), device, kind_options or {}, sine_noise)
-    kind.prepare_voices([voice.features for voice in _kept_voices(voices, kind.max_voices)])
-    if warm_up:
-        kind.warm_up(warm_voice.features)
-    core = EngineCore(kind, llm, strategy=strategy, scheduler=scheduler, sync_stages=sync_stages).start()
-    engine = TTSEngine(core, prompter, voices, warm_voice)
-    if warm_up:
-        engine.warm_up()
+    with _timed(phases, "llm"):
+        if llm_backend is None:
+            llm = FreeRunningLLM(LLMEngine(llm_dir, device, **{"pacing": Pacing(), **(llm_options or {})}),
+                                 spec.sampling)
+        else:
+            llm = BackendLLM(llm_backend, spec.sampling)
+        llm.register_voices(prompter.text_tokenizer, voices.registry)
+    with _timed(phases, "token2wav"):
+        kind = spec.load_kind(Path(model_dir), device, kind_options or {}, sine_noise)
+        kind.prepare_voices([voice.features for voice in _kept_voices(voices, kind.max_voices)])
+    with _timed(phases, "token2wav warm-up"):
+        if warm_up:
+            kind.warm_up(warm_voice.features)
+    with _timed(phases, "engine warm-up"):
+        core = EngineCore(kind, llm, strategy=strategy, scheduler=scheduler, sync_stages=sync_stages).start()
+        engine = TTSEngine(core, prompter, voices, warm_voice)
+        if warm_up:
+            engine.warm_up()
+    engine.load_phases = phases
+    log.info("%s loaded on %s: %s", model, device, ", ".join(f"{name} {s:.1f} s" for name, s in phases.items()))
     return engine
+
+
+@contextmanager
+def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Seconds the block took, as ``phases[name]`` (the load's phases: where a slow start goes)."""
+    began = time.perf_counter()
+    yield
+    phases[name] = time.perf_counter() - began
 
 
 def load_frontend(model: str, model_dir: str | Path, llm_dir: str | Path, device: torch.device, *,

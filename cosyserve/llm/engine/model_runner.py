@@ -16,7 +16,9 @@ until the last first token), where one replay of 8 rows reads the weights once.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,8 @@ from ..models.loader import load_model
 from ..prompt import layout_for_vocab_size
 from ..sampling import Sampler, SamplingParams
 from .kv_cache import KVCache
+
+log = logging.getLogger(__name__)
 
 # The CUDA stream role (runtime.role_stream) of the LLM: its graphs are captured on it, its thread runs on it.
 LLM_ROLE = "llm"
@@ -256,16 +260,20 @@ class ModelRunner:
         shapes = [(self.prefill_graphs, self.prefill_step, shape) for shape in self.prefill_shapes()]
         shapes += [(self.decode_graphs, self.decode_step, (batch, kv_len))
                    for batch in self.batch_buckets for kv_len in self.length_buckets]
-        pool = None
+        pool, seconds = None, {id(self.prefill_graphs): 0.0, id(self.decode_graphs): 0.0}
         # Largest first, so smaller graphs fit in the memory the pool already holds.
         for graphs, step, shape in sorted(shapes, key=lambda entry: math.prod(entry[2]), reverse=True):
+            began = time.perf_counter()
             step(*shape)  # warm-up: loads kernels, picks GEMM algorithms
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=role_stream(self.device, LLM_ROLE)):
                 step(*shape)
             pool = pool or graph.pool()
             graphs[shape] = graph
+            seconds[id(graphs)] += time.perf_counter() - began
         self.positions.zero_()
+        log.info("LLM CUDA graphs captured: %d prefill in %.1f s, %d decode in %.1f s", len(self.prefill_graphs),
+                 seconds[id(self.prefill_graphs)], len(self.decode_graphs), seconds[id(self.decode_graphs)])
 
     # ---- slot management ---------------------------------------------------------------
     @torch.inference_mode()
