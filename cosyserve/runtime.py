@@ -94,6 +94,10 @@ def bucket(value: int, sizes: Sequence[int]) -> int | None:
 # The role (role_stream) of the engine loop's CUDA graphs: the flow's chunk steps and full passes, the
 # vocoder's (the loop replays them on its own stream).
 LOOP_ROLE = "main"
+# Roles whose streams have a priority other than the default 0 (torch's: lower runs first). A role
+# ending in HIGH_PRIORITY has the highest (-1): while its kernels and other roles' wait for the
+# device, its own run first.
+HIGH_PRIORITY = ":high-priority"
 # Streams asked of torch's pool before giving up on one no other role has (the pool holds 32 per
 # priority and hands them out in turn).
 _STREAM_TRIES = 64
@@ -102,8 +106,9 @@ _role_streams_lock = threading.Lock()
 
 
 def role_stream(device: torch.device | str, role: str) -> torch.cuda.Stream:
-    """The CUDA stream of ``role`` on ``device``: one per role, made on first use, and never the
-    same CUDA stream as another role's (torch's pool hands its 32 streams out in turn).
+    """The CUDA stream of ``role`` on ``device``: one per role, made on first use (of priority -1 for
+    a role ending in :data:`HIGH_PRIORITY`, else 0), and never the same CUDA stream as another role's
+    (torch's pool hands its 32 streams of each priority out in turn).
 
     Every family of CUDA graphs whose replays may overlap another's is captured on a role's stream
     of its own (the LLM's steps, new voices' prompts, the loop's steps and vocoder, each front-end
@@ -122,7 +127,7 @@ def role_stream(device: torch.device | str, role: str) -> torch.cuda.Stream:
         if stream is None:
             taken = {s.cuda_stream for (i, _), s in _role_streams.items() if i == index}
             for _ in range(_STREAM_TRIES):
-                stream = torch.cuda.Stream(index)
+                stream = torch.cuda.Stream(index, priority=-1 if role.endswith(HIGH_PRIORITY) else 0)
                 if stream.cuda_stream not in taken:
                     break
             else:

@@ -15,7 +15,7 @@ from cosyserve.frontend.prompt import voice_key
 from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_dict
 from cosyserve.schedule import plan_chunks
 from cosyserve.models.flow.packed_encoder import EncoderWindow, encode_windows
-from cosyserve.runtime import role_stream
+from cosyserve.runtime import HIGH_PRIORITY, LOOP_ROLE, role_stream
 from cosyserve.token2wav.flow_engine import (PREFIX_FOLLOWED_PROMPTS, PREFIX_LANE, PREFIX_OPEN_LEAD, FlowEngine,
                                              StepLaunch)
 from cosyserve.token2wav.prefix_encoder import PrefixEncoder
@@ -57,7 +57,7 @@ def _captured_shapes(engine: FlowEngine) -> None:
     """The CUDA-graph path's fixed shapes (padding pairs, frames and context slots, one shared context
     buffer per graph set: the chunks' and the prompts'), run eagerly."""
     engine.graphs = EngineGraphs(engine.fused, replay=False)
-    engine.prefix_graphs = EngineGraphs(engine.fused, PREFIX_SHAPES, replay=False, lane=PREFIX_LANE)
+    engine.prefix_graphs = EngineGraphs(engine.fused, PREFIX_SHAPES, replay=False, lane=engine.prefix_lane)
 
 
 def upstream_schedule(prompt_tokens: int, total: int) -> list[tuple[int, bool]]:
@@ -516,14 +516,15 @@ def test_voices_prepared_on_another_thread_while_a_stream_runs(flow, shapes: str
     assert engine.open_streams == 0 and engine.pool.free_pages == engine.pool.pages - engine.voice_pages
 
 
-@pytest.mark.parametrize("shapes", ["exact", "captured"])
-def test_voices_prepared_together_equal_each_prepared_alone(flow, shapes: str):
+@pytest.mark.parametrize("shapes, prefix_priority", [("exact", False), ("captured", False), ("captured", True)])
+def test_voices_prepared_together_equal_each_prepared_alone(flow, shapes: str, prefix_priority: bool):
     """New voices of several lengths (one prompt piece for 60 and 240 tokens, two for 300, none for
     one too short for a prefix) prepared in one call: the k-th pieces of all of them share a packed
     solve, and each voice's streams then give the chunks of the full re-run; a voice kept already
     costs nothing. "captured": the first pieces (up to 500 frames) run in the no-context shape of
-    their width (512)."""
-    engine = _engine(flow)
+    their width (512); ``prefix_priority``: in the high-priority prompt lane."""
+    engine = _engine(flow, prefix_priority=prefix_priority)
+    assert engine.prefix_lane == (PREFIX_LANE + HIGH_PRIORITY if prefix_priority else PREFIX_LANE)
     if shapes == "captured":
         _captured_shapes(engine)
     lengths = (60, 240, 300, 20)
@@ -606,18 +607,21 @@ def test_on_a_gpu_each_role_has_a_cuda_stream_of_its_own():
     for _ in range(40):  # other code taking streams from the pool does not change a role's
         torch.cuda.Stream(device)
     assert role_stream(device, "test-role-0") is streams[0]
+    # a high-priority role's kernels run before the others' on the device (new voices' prompts, opted in)
+    assert role_stream(device, PREFIX_LANE + HIGH_PRIORITY).priority < role_stream(device, LOOP_ROLE).priority == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_a_gpu_voices_prepared_beside_running_streams_give_the_same_chunks(flow):
+@pytest.mark.parametrize("prefix_priority", [False, True])
+def test_on_a_gpu_voices_prepared_beside_running_streams_give_the_same_chunks(flow, prefix_priority: bool):
     """On a GPU with CUDA graphs: new voices prepared on another thread (their prompts on the prefix
-    stream, in the prompts' lane: own graphs, workspaces and scratch) while a stream of a kept voice
-    runs chunks behind long GPU work on this thread's stream, then the new voices' streams packed
-    together, give the chunks of an engine that does everything in order on one thread, eagerly
-    (fp16: within rounding; a race would show as garbage)."""
+    stream, in the prompts' lane: own graphs, workspaces and scratch; of high priority, opted in)
+    while a stream of a kept voice runs chunks behind long GPU work on this thread's stream, then the
+    new voices' streams packed together, give the chunks of an engine that does everything in order
+    on one thread, eagerly (fp16: within rounding; a race would show as garbage)."""
     device = torch.device("cuda")
     gpu_flow = copy.deepcopy(flow).to(device, torch.float16)
-    engine = FlowEngine(gpu_flow, pool_pages=64, cuda_graphs=True, precapture=True)
+    engine = FlowEngine(gpu_flow, pool_pages=64, cuda_graphs=True, precapture=True, prefix_priority=prefix_priority)
     serial = FlowEngine(gpu_flow, pool_pages=64)
     kept = _voice(60, seed=40)
     voices = [_voice(n, seed=50 + n) for n in (30, 80, 150, 240)]

@@ -144,7 +144,12 @@ def kind_options(args: argparse.Namespace, models: Path, device: torch.device) -
     settings = EngineSettings(models / model_dir, models / llm_dir, model_kind=args.model, final=args.final,
                               incremental_stream=not args.rerun, state_pool_gb=args.state_pool_gb,
                               hift_max_tokens=args.tokens)
-    return settings.kind_options(device)
+    options = settings.kind_options(device)
+    if args.prefix_priority:  # an experiment's option, not a served setting (yet)
+        if args.model != "cosyvoice2":
+            raise SystemExit("--prefix-priority: CosyVoice2's flow engine only")
+        options["prefix_priority"] = True
+    return options
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -158,7 +163,8 @@ def run(args: argparse.Namespace) -> dict:
                          sync_stages=args.sync_stages, warm_up=not args.cold,
                          spk2info=models / spk2info if spk2info else None)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
-              "load_s": time.perf_counter() - loading, "load_phases_s": engine.load_phases, "tokens": args.tokens,
+              "load_s": time.perf_counter() - loading, "load_phases_s": engine.load_phases,
+              "prefix_priority": args.prefix_priority, "tokens": args.tokens,
               "final": args.final, "levels": []}
     voice, prompt_text = registered_voice(engine, args)
     counter = iter(range(1 << 30))
@@ -370,7 +376,9 @@ def table(report: dict, levels: list[dict] | None = None) -> str:
         return f"{value:.1f}" if isinstance(value, float) else str(value)
     phases = ", ".join(f"{name} {s:.1f}" for name, s in report.get("load_phases_s", {}).items())
     lines = [f"{report.get('model', 'cosyvoice2')} on device {report['device']}, load {report['load_s']:.1f} s"
-             f"{f' ({phases})' if phases else ''}, {report['tokens']} tokens a reply, "
+             f"{f' ({phases})' if phases else ''}"
+             f"{', the prompts of new voices on a high-priority stream' if report.get('prefix_priority') else ''}, "
+             f"{report['tokens']} tokens a reply, "
              f"final {report['final']}, first request after load: first chunk "
              f"{cell(report.get('first_request_ms'))} ms",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -419,6 +427,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-frames", type=int, default=DEFAULT_MAX_BATCH_FRAMES)
     p.add_argument("--max-batch-jobs", type=int, default=DEFAULT_MAX_BATCH_JOBS)
     p.add_argument("--state-pool-gb", type=float, default=0.0, help="0: a third of the free GPU memory")
+    p.add_argument("--prefix-priority", action="store_true",
+                   help="CosyVoice2: new voices' prompts on a high-priority CUDA stream (Token2WavOptions.prefix_priority)")
     p.add_argument("--sync-stages", action="store_true", help="wait for the GPU after each stage (a true split)")
     p.add_argument("--cold", action="store_true", help="no warm-up at load (graphs and kernels on first use)")
     p.add_argument("--profile-rate", type=float, default=0.0, help="last, an open-loop level at this rate under "

@@ -111,6 +111,9 @@ class Token2WavOptions:
     chunk's frames then differ from the reference's).
     ``tensorrt_plan`` / ``tensorrt_streaming_plan``: run the estimator from TensorRT plans
     (:mod:`.tensorrt`; non-streaming / streaming attention), CUDA only, not with ``cuda_graphs``.
+    ``prefix_priority`` (with ``incremental_stream``, on CUDA): new voices' prompts run on a stream of
+    high priority (the device runs their kernels first while others wait too; the flow engine's
+    ``prefix_priority``).
     ``hift_dtype``: dtype of HiFT's up-sampling network ("float32", "float16", "bfloat16"; its F0,
     excitation and inverse STFT stay float32); "auto" is float32 on the CPU (the reference) and
     :data:`AUTO_CUDA_HIFT_DTYPE` on CUDA.
@@ -126,6 +129,7 @@ class Token2WavOptions:
     final: str = "reference"
     state_pool_bytes: int = 0
     max_voices: int = 64
+    prefix_priority: bool = False
     hift_precapture_frames: tuple[int, ...] = ()
     bucket_frames: int = 50
     max_graphs: int = 256
@@ -224,7 +228,8 @@ class CosyVoice2Token2Wav:
             # after the flow and HiFT graphs: the pool is sized from the memory they leave free
             self.engine = FlowEngine(self.flow, options.state_pool_bytes or default_state_pool_bytes(self.device),
                                      max_voices=options.max_voices, cuda_graphs=options.cuda_graphs,
-                                     precapture=options.precapture_frames > 0, counters=self.sampler.counters)
+                                     precapture=options.precapture_frames > 0, counters=self.sampler.counters,
+                                     prefix_priority=options.prefix_priority)
         self.counters = Token2WavCounters()
         self.sample_rate = self.hift.cfg.sampling_rate
         self._open_streams = 0  # a count for leak checks; the streams' owners keep the streams

@@ -70,7 +70,7 @@ from ..models.flow.cfm import N_TIMESTEPS
 from ..models.flow.fused import FusedEstimator, context_slots
 from ..models.flow.lanes import work_lane
 from ..models.flow.packed_encoder import EncoderWindow, encode_windows
-from ..runtime import host_to_device, role_stream
+from ..runtime import HIGH_PRIORITY, host_to_device, role_stream
 from .graphs import FlowCounters
 from .page_pool import PagePool
 from .prefix_encoder import PrefixEncoder
@@ -84,7 +84,9 @@ DEFAULT_MAX_VOICES = 64
 # of PREFIX_PIECE_TOKENS (windows of at most 250 frames, eager).
 PREFIX_FIRST_PIECE_TOKENS = 250
 PREFIX_PIECE_TOKENS = 125
-# The work lane (models.flow.lanes.work_lane) of new voices' prompts: their workspaces and scratch.
+# The work lane (models.flow.lanes.work_lane) of new voices' prompts: their workspaces and scratch; as a
+# stream role (runtime.role_stream), the stream their graphs are captured and launched on. With
+# FlowEngine's ``prefix_priority``, PREFIX_LANE + runtime.HIGH_PRIORITY: a high-priority stream.
 PREFIX_LANE = "prefix"
 # A first prompt piece's encoder pass is padded to a multiple of this many tokens (PrefixEncoder: one
 # CUDA graph per width and rows, captured at load).
@@ -277,8 +279,13 @@ class FlowEngine:
 
     def __init__(self, flow: CosyVoice2Flow, pool_bytes: int = 0, *, pool_pages: int = 0,
                  max_voices: int = DEFAULT_MAX_VOICES, kernels: str = "auto", n_timesteps: int = N_TIMESTEPS,
-                 cuda_graphs: bool = False, precapture: bool = False, counters: FlowCounters | None = None) -> None:
+                 cuda_graphs: bool = False, precapture: bool = False, counters: FlowCounters | None = None,
+                 prefix_priority: bool = False) -> None:
         self.flow = flow
+        # new voices' prompts: their lane and stream role (prefix_priority: a stream whose kernels the
+        # device runs before the LLM's and the chunks' while both wait: the solve gates those voices'
+        # first chunks, the others' work is mostly ahead of need then)
+        self.prefix_lane = PREFIX_LANE + HIGH_PRIORITY if prefix_priority else PREFIX_LANE
         weight = flow.spk_embed_affine_layer.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.fused = FusedEstimator(flow.decoder, kernels=kernels)
@@ -295,12 +302,12 @@ class FlowEngine:
         self.max_voices = max_voices
         self.counters = counters or FlowCounters()
         self.graphs = EngineGraphs(self.fused) if cuda_graphs else None
-        self.prefix_graphs = EngineGraphs(self.fused, PREFIX_SHAPES, lane=PREFIX_LANE) if cuda_graphs else None
+        self.prefix_graphs = EngineGraphs(self.fused, PREFIX_SHAPES, lane=self.prefix_lane) if cuda_graphs else None
         self.first_pieces = PrefixEncoder(flow, PREFIX_PAIRS, flow.cfg.pre_lookahead_len + PREFIX_FIRST_PIECE_TOKENS,
-                                          PREFIX_TOKEN_BUCKET, replay=cuda_graphs, role=PREFIX_LANE)
+                                          PREFIX_TOKEN_BUCKET, replay=cuda_graphs, role=self.prefix_lane)
         # new voices' prompts run on a stream of their own, beside the chunks (see prepare), where
         # their graphs were captured (runtime.role_stream)
-        self._prefix_stream = role_stream(self.device, PREFIX_LANE) if self.device.type == "cuda" else None
+        self._prefix_stream = role_stream(self.device, self.prefix_lane) if self.device.type == "cuda" else None
         if precapture:
             self.capture_graphs()
         self._voices: OrderedDict[str, VoicePrefix] = OrderedDict()
@@ -417,7 +424,7 @@ class FlowEngine:
         voice of the call is then kept).
 
         Any thread may call it while another runs chunks: on a GPU the prompts run on the engine's
-        prefix stream, in a work lane of their own (:data:`PREFIX_LANE`: their own graphs, workspaces
+        prefix stream, in a work lane of their own (:attr:`prefix_lane`: their own graphs, workspaces
         and scratch), so that a new voice never holds up the chunks queued on the chunks' stream, and
         each stream of the voice waits for it on the device (:meth:`open`). The voices are kept from
         the moment their last solve is planned, before its steps are launched: a stream may open then
@@ -434,7 +441,7 @@ class FlowEngine:
                 self._follow_caller(list(new.values()))
             kept_voices: list[VoicePrefix] = []  # kept so far (a group's, before its last solve's steps)
             try:
-                with work_lane(PREFIX_LANE), self._on_prefix_stream():
+                with work_lane(self.prefix_lane), self._on_prefix_stream():
                     prefixes = []
                     for key, (prompt_tokens, prompt_feat, embedding) in new.items():
                         self.flow.check_prompt(prompt_tokens, prompt_feat, embedding, batch=1)
