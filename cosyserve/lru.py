@@ -47,6 +47,11 @@ class LruCache(Generic[K, T]):
             while len(self._values) > self.size:
                 self._values.popitem(last=False)
 
+    def peek(self, key: K) -> T | None:
+        """The value, or None, leaving its recency and the counts as they are."""
+        with self._lock:
+            return self._values.get(key)
+
     def __contains__(self, key: object) -> bool:
         with self._lock:
             return key in self._values

@@ -177,7 +177,7 @@ def test_streams_start_after_the_voices_shared_prefix(models, features):
     assert prefix is not None and prefix.frames == 50
     got = drive(kind, features)
     assert max_diff(got, [flow_stream_mels(flow, features, ids, prefix) for ids in STREAMS]) < MEL_ATOL
-    assert kind.prefix_hits == 1 + len(STREAMS)
+    assert kind.prefix_hits == len(STREAMS)  # each stream's open (voice_prefix counts nothing)
 
     other = random_features(30, 2)
     starts = [0, 12]  # the second stream opens after the first one's first window committed
@@ -191,6 +191,38 @@ def test_streams_start_after_the_voices_shared_prefix(models, features):
                          other.embedding[None], keep_prefix=True)
     kept.push(torch.tensor([STREAMS[0][:18]]))
     torch.testing.assert_close(offered.state.kv, kept.prefix.state.kv, rtol=0, atol=MEL_ATOL)
+    assert kind.open_streams == 0
+
+
+def test_voices_prepared_beside_the_loop_start_their_streams_after_their_prefix(models, features):
+    """prepare_beside: a new voice's prefix is computed on another thread (the core's preparation
+    thread) by the prefixes' own sampler while the loop's sampler steps another voice's stream;
+    launching says so meanwhile. The playing stream is unchanged; the new voice's streams then start
+    after its prefix (no cold first window) and equal pushes from it."""
+    flow, hift = models
+    kind = CosyVoice3Kind(flow, hift, max_voices=2, padded=True, prepare_beside=True, **SMALL_GRID)
+    assert kind.prepares_beside and not kind.cold_start and kind._prefix_sampler is not kind.sampler
+    other = random_features(30, 2)
+    launching, step = [], kind._prefix_sampler.step
+
+    def watched(jobs):
+        launching.append(kind.launching(other))
+        step(jobs)
+
+    kind._prefix_sampler.step = watched
+    preparing = threading.Thread(target=kind.prepare_voices, args=([other],))
+    preparing.start()
+    playing = drive(kind, features, STREAMS[:1], [0])
+    preparing.join()
+    assert max_diff(playing, [flow_stream_mels(flow, features, STREAMS[0])]) < MEL_ATOL
+    assert launching == [True] * 10 and not kind.launching(other) and kind._prefix_sampler.calls == 10
+    prefix = kind.voice_prefix(other)
+    assert prefix is not None and prefix.frames == 50
+    hits = kind.prefix_hits
+    got = drive(kind, other, STREAMS[1:], [0, 5])
+    assert kind.prefix_hits == hits + 2  # both streams opened after the prefix: none started cold
+    assert max_diff(got, [flow_stream_mels(flow, other, ids, prefix) for ids in STREAMS[1:]]) < MEL_ATOL
+    kind.wait_prepared([other])  # on the CPU, at once
     assert kind.open_streams == 0
 
 
@@ -221,6 +253,34 @@ def test_graphs_replay_the_eager_steps(features):
     graphs = graphed.sampler.num_graphs
     assert max_diff(drive(graphed, features), drive(eager, features)) < MEL_ATOL
     assert graphed.sampler.replays > 0 and graphed.sampler.num_graphs == graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_a_gpu_voices_prepared_beside_running_streams_give_the_same_mels(features):
+    """With CUDA graphs and prepare_beside: a new voice's prefix launched on another thread (the
+    prefixes' sampler, its graphs and its CUDA stream) while a stream of another voice replays the
+    loop's graphs behind long GPU work; the new voice's streams, which wait for its event on the
+    device, equal an eager kind's that does everything in order (a missed wait would read garbage)."""
+    flow, hift = (m.to("cuda") for m in tiny_models())
+    eager = CosyVoice3Kind(flow, hift, "cuda", max_voices=2, padded=True, **SMALL_GRID)
+    graphed = CosyVoice3Kind(flow, hift, "cuda", max_voices=2, cuda_graphs=True, prepare_beside=True, **SMALL_GRID)
+    for kind in (eager, graphed):  # graphed: both samplers' grids captured; each: the voice's prefix offered
+        kind.warm_up(features)
+    assert graphed._prefix_sampler.num_graphs == len(graphed._prefix_sampler.grid()) > 0
+    other = random_features(30, 2)
+    eager.prepare_voices([other])  # the same padded shapes, in order on one thread
+    expected = drive(eager, other, STREAMS[1:], [0, 5])
+    expected_playing = drive(eager, features, STREAMS[:1], [0])
+    torch.cuda._sleep(50_000_000)  # the loop's stream busy while the prefix is launched beside it
+    preparing = threading.Thread(target=graphed.prepare_voices, args=([other],))
+    preparing.start()
+    playing = drive(graphed, features, STREAMS[:1], [0])
+    preparing.join()
+    got = drive(graphed, other, STREAMS[1:], [0, 5])
+    torch.cuda.synchronize()
+    assert max_diff(got, expected) < MEL_ATOL
+    assert max_diff(playing, expected_playing) < MEL_ATOL
+    assert graphed._prefix_sampler.replays == 10 and graphed.open_streams == 0
 
 
 def test_the_rerun_and_offline_passes_equal_the_references_computation(models, features):
@@ -417,11 +477,13 @@ def run_scripted(kind, features, scripts: dict[str, list[int]], offline: tuple[s
     return pieces, ends, core
 
 
-def test_the_engine_core_voices_streams_and_offline_requests(models, features):
+@pytest.mark.parametrize("prepare_beside", [False, True], ids=["cold", "beside"])
+def test_the_engine_core_voices_streams_and_offline_requests(models, features, prepare_beside):
     """Through EngineCore: concurrent streams and an offline request give the reference's audio,
-    and every voicing is closed when they end."""
+    and every voicing is closed when they end. "beside": the voice's prefix computed on the core's
+    preparation thread as the requests arrive, the streams starting after it."""
     flow, hift = models
-    kind = CosyVoice3Kind(flow, hift, padded=True, **SMALL_GRID)
+    kind = CosyVoice3Kind(flow, hift, padded=True, prepare_beside=prepare_beside, **SMALL_GRID)
     scripts = {"s0": STREAMS[0], "s1": STREAMS[1], "off": tokens(50, 41)}
     pieces, ends, core = run_scripted(kind, features, scripts, offline=("off",))
     assert all(error is None for error in ends.values()), ends
@@ -435,6 +497,8 @@ def test_the_engine_core_voices_streams_and_offline_requests(models, features):
     offline = np.concatenate(pieces["off"])
     assert np.abs(offline - offline_pcm(flow, hift, features, scripts["off"])).max() < 1e-4
     assert kind.open_streams == 0 and core.active_requests == 0
+    if prepare_beside:  # the voice's ten prompt steps on the prefixes' own sampler (the scripted tokens come
+        assert kind._prefix_sampler.calls == 10  # at once, so the streams may open before it: cold, as without)
 
 
 REFUSED_TOKEN = 4321  # a valid id that RefusingKind will not start a chunk with

@@ -145,10 +145,15 @@ def kind_options(args: argparse.Namespace, models: Path, device: torch.device) -
                               incremental_stream=not args.rerun, state_pool_gb=args.state_pool_gb,
                               hift_max_tokens=args.tokens)
     options = settings.kind_options(device)
-    if args.prefix_priority:  # an experiment's option, not a served setting (yet)
+    # experiments' options, not served settings (yet)
+    if args.prefix_priority:
         if args.model != "cosyvoice2":
             raise SystemExit("--prefix-priority: CosyVoice2's flow engine only")
         options["prefix_priority"] = True
+    if args.prepare_beside:
+        if args.model != "cosyvoice3":
+            raise SystemExit("--prepare-beside: CosyVoice3 only (CosyVoice2 always prepares beside the loop)")
+        options["prepare_beside"] = True
     return options
 
 
@@ -164,7 +169,7 @@ def run(args: argparse.Namespace) -> dict:
                          spk2info=models / spk2info if spk2info else None)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
               "load_s": time.perf_counter() - loading, "load_phases_s": engine.load_phases,
-              "prefix_priority": args.prefix_priority, "tokens": args.tokens,
+              "prefix_priority": args.prefix_priority, "prepare_beside": args.prepare_beside, "tokens": args.tokens,
               "final": args.final, "levels": []}
     voice, prompt_text = registered_voice(engine, args)
     counter = iter(range(1 << 30))
@@ -377,7 +382,8 @@ def table(report: dict, levels: list[dict] | None = None) -> str:
     phases = ", ".join(f"{name} {s:.1f}" for name, s in report.get("load_phases_s", {}).items())
     lines = [f"{report.get('model', 'cosyvoice2')} on device {report['device']}, load {report['load_s']:.1f} s"
              f"{f' ({phases})' if phases else ''}"
-             f"{', the prompts of new voices on a high-priority stream' if report.get('prefix_priority') else ''}, "
+             f"{', the prompts of new voices on a high-priority stream' if report.get('prefix_priority') else ''}"
+             f"{', new voices prepared beside the loop' if report.get('prepare_beside') else ''}, "
              f"{report['tokens']} tokens a reply, "
              f"final {report['final']}, first request after load: first chunk "
              f"{cell(report.get('first_request_ms'))} ms",
@@ -429,6 +435,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-pool-gb", type=float, default=0.0, help="0: a third of the free GPU memory")
     p.add_argument("--prefix-priority", action="store_true",
                    help="CosyVoice2: new voices' prompts on a high-priority CUDA stream (Token2WavOptions.prefix_priority)")
+    p.add_argument("--prepare-beside", action="store_true",
+                   help="CosyVoice3: new voices' prefixes computed beside the loop as their requests arrive "
+                        "(CosyVoice3Kind's prepare_beside)")
     p.add_argument("--sync-stages", action="store_true", help="wait for the GPU after each stage (a true split)")
     p.add_argument("--cold", action="store_true", help="no warm-up at load (graphs and kernels on first use)")
     p.add_argument("--profile-rate", type=float, default=0.0, help="last, an open-loop level at this rate under "

@@ -37,7 +37,7 @@ import torch
 from ..models.cosyvoice3.dit import POS_CONV_KERNEL, Cv3DiT, WindowState, commit_window
 from ..models.cosyvoice3.flow import Cv3CFM, CosyVoice3Flow
 from ..models.flow.cfm import N_TIMESTEPS, cosine_time_grid
-from ..runtime import bucket
+from ..runtime import LOOP_ROLE, bucket
 from .graphs import capture_graph
 
 log = logging.getLogger(__name__)
@@ -167,9 +167,11 @@ class PackedWindowSampler:
     """Steps :class:`WindowJob` s of one flow decoder (see the module docstring). ``padded``: run the
     bucketed shapes (eagerly unless ``cuda_graphs``); ``cuda_graphs`` implies ``padded``. A shape is
     captured the first time it is seen after ``capture_after`` eager runs (None: only shapes of
-    :meth:`capture_all`; a capture that fails leaves that shape eager). Thread-safe (steps are serialised)."""
+    :meth:`capture_all`; a capture that fails leaves that shape eager). Its graphs are captured on the
+    CUDA stream of ``role`` (:func:`~cosyserve.runtime.role_stream`: a sampler whose steps may run beside
+    another's has a role of its own). Thread-safe (steps are serialised)."""
 
-    def __init__(self, decoder: Cv3CFM, *, padded: bool = False, cuda_graphs: bool = False,
+    def __init__(self, decoder: Cv3CFM, *, padded: bool = False, cuda_graphs: bool = False, role: str = LOOP_ROLE,
                  job_buckets: tuple[int, ...] = JOB_BUCKETS, past_buckets: tuple[int, ...] = PAST_BUCKETS,
                  width_buckets: tuple[int, ...] = WIDTH_BUCKETS, past_budget: int = DEFAULT_PAST_BUDGET,
                  width_budget: int = DEFAULT_WIDTH_BUDGET, capture_after: int | None = 0):
@@ -177,6 +179,7 @@ class PackedWindowSampler:
         param = next(decoder.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cuda_graphs = cuda_graphs
+        self.role = role
         self.padded = padded or cuda_graphs
         self.job_buckets, self.past_buckets, self.width_buckets = job_buckets, past_buckets, width_buckets
         self.past_budget, self.width_budget = past_budget, width_budget
@@ -402,7 +405,7 @@ class PackedWindowSampler:
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph, _ = capture_graph(run, self.device, self._pool)
+            graph, _ = capture_graph(run, self.device, self._pool, role=self.role)
         except Exception:  # a failed capture (CUDA's error, or no CUDA device) costs speed, never the request
             log.exception("capturing the packed CosyVoice3 window graph %s failed; that shape runs eagerly", shape)
             self._failed.add(shape)

@@ -8,7 +8,10 @@ A stream's chunk is, by ``incremental``:
   after the job's last step). Streams of one voice start after the voice's prefix (its prompt-only
   blocks), kept for the last ``max_voices`` voices: computed at :meth:`CosyVoice3Kind.prepare_voices`,
   or taken from the first window of a voice's first stream (those frames do not depend on the
-  target tokens), so a new voice costs no extra pass and never holds up the loop;
+  target tokens), so a new voice costs no extra pass and never holds up the loop. With
+  ``prepare_beside``, a new voice's prefix is computed as its request arrives, on the core's
+  preparation thread, by a sampler of its own on a CUDA stream of its own (:data:`PREFIX_ROLE`), and
+  its first stream starts after it as later ones do: the loop's steps never carry a whole prompt;
 * ``False``: the reference's re-run, a full-attention pass over prompt + every token so far whose
   frames already sent are dropped (the reference Triton runtime's flow).
 
@@ -20,6 +23,8 @@ Each stream vocodes its new frames with its :class:`~cosyserve.models.cosyvoice3
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +39,7 @@ from ...models.cosyvoice3.flow import CosyVoice3Flow, Cv3VoicePrefix, load_cosyv
 from ...models.cosyvoice3.hift import (CausalHiFTGenerator, CausalHiftStream, decode_calls, load_causal_hift,
                                        prepare_calls)
 from ...models.flow.cfm import N_TIMESTEPS, NOISE_FRAMES, fixed_noise
-from ...runtime import host_to_device
+from ...runtime import host_to_device, role_stream
 from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
 from ...speech_tokens import speech_token_ids
 from ...token2wav.cosyvoice3_packed import EMPTY_STATE, PackedWindowSampler, WindowJob, token_conditions
@@ -43,6 +48,18 @@ from ..device import synchronize
 
 DEFAULT_VOICE_PREFIXES = 8  # voices whose prompt-only flow states are kept (~360 MB each, bfloat16, a 5 s prompt)
 RESERVE_TOKENS = 750  # a new incremental stream needs room for this long a reply's state (30 s)
+# The stream role (runtime.role_stream) of voices' prefixes computed beside the loop: their sampler's
+# graphs are captured on it and their steps run on it.
+PREFIX_ROLE = "cosyvoice3-prefix"
+
+
+@dataclass(eq=False)
+class _KeptPrefix:
+    """A voice's kept prefix and, when it was computed beside the loop on a GPU, the event after
+    which the device has it (a stream's CUDA stream waits for it before reading it)."""
+
+    prefix: Cv3VoicePrefix
+    ready: torch.cuda.Event | None = None
 
 
 @dataclass(eq=False)
@@ -107,18 +124,18 @@ class CosyVoice3Kind:
     """Over a CosyVoice3 flow (in ``dtype`` on ``device``) and causal HiFT (float32, F0 in float64).
     ``cuda_graphs`` / ``padded``: the sampler's (:class:`PackedWindowSampler`, ``sampler_options``:
     its buckets and budgets). ``max_voices``: voices whose prefix is kept (real size, a 5 s prompt's
-    holds ~360 MB in bfloat16)."""
+    holds ~360 MB in bfloat16). ``prepare_beside``: new voices' prefixes computed beside the loop
+    (see the module docstring; incremental streams only)."""
 
     name = "cosyvoice3"
     final_full_pass = False  # a final chunk is one more window (offline requests are passes)
-    cold_start = True  # a new voice's first stream offers its prefix (no pass of its own)
-    prepares_beside = False  # its voices' state is computed on the loop's stream and thread
     sample_rate = OUTPUT_SAMPLE_RATE
 
     def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFTGenerator, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, *, incremental: bool = True,
                  max_voices: int = DEFAULT_VOICE_PREFIXES, cuda_graphs: bool = False, padded: bool = False,
-                 free_memory: Callable[[], int] | None = None, **sampler_options) -> None:
+                 free_memory: Callable[[], int] | None = None, prepare_beside: bool = False,
+                 **sampler_options) -> None:
         self.device, self.dtype = torch.device(device), dtype
         self.flow = flow.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
         self.hift = hift.to(device=self.device).eval().requires_grad_(False)
@@ -127,7 +144,20 @@ class CosyVoice3Kind:
                                            **sampler_options)
         self.incremental = incremental
         self.max_voices = max_voices if incremental else 0
-        self._prefixes: LruCache[str, Cv3VoicePrefix] = LruCache(self.max_voices)
+        self._prefixes: LruCache[str, _KeptPrefix] = LruCache(self.max_voices)
+        # Beside the loop (the core's preparation thread): a new voice's prefix as its request arrives.
+        # Else on the loop, behind its batch, and a new voice's first stream offers it (cold start).
+        self.prepares_beside = prepare_beside and self.max_voices > 0
+        self.cold_start = not self.prepares_beside
+        # the prefixes' own sampler (prompt-only windows: no committed frames), so that they share no
+        # buffer or graph with the loop's steps, and their CUDA stream
+        self._prefix_sampler = (PackedWindowSampler(self.flow.decoder, padded=padded, cuda_graphs=cuda_graphs,
+                                                    role=PREFIX_ROLE, **{**sampler_options, "past_buckets": (0,)})
+                                if self.prepares_beside else self.sampler)
+        self._prefix_stream = (role_stream(self.device, PREFIX_ROLE)
+                               if self.prepares_beside and self.device.type == "cuda" else None)
+        self._launching: set[str] = set()  # voices whose prefix the preparation thread is launching
+        self._launching_lock = threading.Lock()
         self._open = 0
         # An incremental stream keeps every committed frame's keys/values for all Euler steps (~1.8 MB
         # a frame in bfloat16 at real size) and grows with its reply: one opens only while the device
@@ -159,7 +189,9 @@ class CosyVoice3Kind:
                 "voice_prefix_misses": ("streams whose voice had no kept prefix", self.prefix_misses),
                 "rerun_fallbacks": ("streams that re-ran their chunks because the device had no room for "
                                     "their flow state", self.fallbacks),
-                "window_graphs": ("packed window shapes captured as CUDA graphs", self.sampler.num_graphs),
+                "window_graphs": ("packed window shapes captured as CUDA graphs (the voices' prefixes' sampler "
+                                  "included)", self.sampler.num_graphs
+                                  + (self._prefix_sampler.num_graphs if self.prepares_beside else 0)),
                 "window_calls": ("packed estimator calls (one Euler step of their jobs)", self.sampler.calls),
                 "window_eager_calls": ("packed estimator calls outside every graphed shape", self.sampler.eager_calls)}
 
@@ -189,17 +221,34 @@ class CosyVoice3Kind:
         incremental = self.incremental and self.free_memory() >= self.stream_reserve_bytes
         self.fallbacks += self.incremental and not incremental
         voicing = Cv3Voicing(self, prompt, CausalHiftStream(self.hift), emitted=prompt.frames, incremental=incremental)
-        prefix = self.voice_prefix(features, prompt) if incremental else None
-        if prefix is not None:
-            voicing.state = prefix.state
+        kept = self._prefixes.get(prompt.key) if incremental and self.max_voices else None
+        if kept is not None:
+            voicing.state = kept.prefix.state
+            if kept.ready is not None:  # computed on the prefixes' stream: this stream reads it after that
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(kept.ready)
+                for tensor in (voicing.state.kv, voicing.state.conv_context):
+                    tensor.record_stream(stream)  # its memory is not reused while this stream may read it
         self._open += 1
         return voicing
 
-    def voice_prefix(self, features: PromptFeatures, prompt: Cv3Prompt | None = None) -> Cv3VoicePrefix | None:
-        """The kept prefix of a voice (counted as a hit or a miss), None if none is kept."""
-        if not self.max_voices:
-            return None
-        return self._prefixes.get((prompt or self._prompt(features)).key)
+    def voice_prefix(self, features: PromptFeatures) -> Cv3VoicePrefix | None:
+        """The kept prefix of a voice, None if none is kept (its recency and the hit counts unchanged)."""
+        kept = self._prefixes.peek(self._prompt(features).key) if self.max_voices else None
+        return None if kept is None else kept.prefix
+
+    def launching(self, features: PromptFeatures) -> bool:
+        """The preparation thread is launching this voice's prefix: a stream opened now would start cold
+        (the core plans its first chunk once the launch is done)."""
+        with self._launching_lock:
+            return features.key() in self._launching
+
+    def wait_prepared(self, voices: list[PromptFeatures]) -> None:
+        """Until the device has computed these voices' prefixes (computed beside the loop)."""
+        for features in voices:
+            kept = self._prefixes.peek(features.key())
+            if kept is not None and kept.ready is not None:
+                kept.ready.synchronize()
 
     @property
     def prefix_hits(self) -> int:
@@ -220,31 +269,50 @@ class CosyVoice3Kind:
 
     @torch.inference_mode()
     def prepare_voices(self, voices: list[PromptFeatures]) -> None:
-        """Compute and keep the prefixes of the voices not kept yet, their Euler steps packed together."""
+        """Compute and keep the prefixes of the voices not kept yet, their Euler steps packed together:
+        with :attr:`prepares_beside`, launched on the prefixes' stream (any thread, beside the loop),
+        else in the caller's stream order (the loop's)."""
         if not self.max_voices:
             return
-        jobs, kept = [], {}
-        for features in voices:
-            if features.key() in self._prefixes or features.key() in kept:
-                continue  # a kept voice costs no copy to the device (the core asks again for each request)
-            prompt = self._prompt(features)
-            frames = prompt.prefix_frames
-            if not frames:
-                continue
-            mu, cond = token_conditions(self.flow, prompt.tokens, prompt.feat, finalize=False)
-            jobs.append(self.sampler.new_job(EMPTY_STATE, self._noise(0, frames), mu[:, :, :frames],
-                                             cond[:, :, :frames], prompt.spks, keep=frames))
-            kept[prompt.key] = frames
-        while any(not job.done for job in jobs):
-            self.sampler.step([job for job in jobs if not job.done])
-        for job, (key, frames) in zip(jobs, kept.items()):
-            self._prefixes.put(key, Cv3VoicePrefix(job.state_after(frames)))
+        prompts: dict[str, Cv3Prompt] = {}
+        with self._on_prefix_stream():
+            for features in voices:
+                key = features.key()
+                if key not in prompts and key not in self._prefixes:  # a kept voice costs no copy to the device
+                    prompts[key] = self._prompt(features)  # a bad voice raises here, before any launch
+            prompts = {key: prompt for key, prompt in prompts.items() if prompt.prefix_frames}
+            with self._launching_lock:
+                self._launching.update(prompts)
+            try:
+                jobs = []
+                for prompt in prompts.values():
+                    frames = prompt.prefix_frames
+                    mu, cond = token_conditions(self.flow, prompt.tokens, prompt.feat, finalize=False)
+                    jobs.append(self._prefix_sampler.new_job(EMPTY_STATE, self._noise(0, frames), mu[:, :, :frames],
+                                                             cond[:, :, :frames], prompt.spks, keep=frames))
+                while any(not job.done for job in jobs):
+                    self._prefix_sampler.step([job for job in jobs if not job.done])
+                states = [job.state_after(prompt.prefix_frames) for job, prompt in zip(jobs, prompts.values())]
+                ready = self._prefix_stream.record_event() if self._prefix_stream is not None else None
+                for key, state in zip(prompts, states):
+                    self._prefixes.put(key, _KeptPrefix(Cv3VoicePrefix(state), ready))
+            finally:
+                with self._launching_lock:
+                    self._launching.difference_update(prompts)
+
+    def _on_prefix_stream(self):
+        """Work of the voices' prefixes on their own CUDA stream (beside the loop, on a GPU). It waits for
+        no other stream: a voice's features are host tensors, copied in its order, and the prefixes'
+        memory is allocated on it (a stream that reads a prefix keeps it from reuse: :meth:`open`)."""
+        return torch.cuda.stream(self._prefix_stream) if self._prefix_stream is not None else contextlib.nullcontext()
 
     def warm_up(self, features: PromptFeatures, tokens: int = 120) -> None:
         """Capture the sampler's graphs (CUDA graphs on) and run every stage once: a stream of
         ``tokens`` tokens through its chunk schedule, and an offline request (at load)."""
         if self.sampler.cuda_graphs:
             self.sampler.capture_all()
+            if self.prepares_beside:
+                self._prefix_sampler.capture_all()
         ids = [0] * tokens
         voicing, schedule = self.open(features), self.chunk_schedule("exponential")
         try:
@@ -367,7 +435,7 @@ class CosyVoice3Kind:
         v, window = job.voicing, job.window
         if v is not None and v.incremental:
             if job.offer:
-                self._prefixes.put(v.prompt.key, Cv3VoicePrefix(window.state_after(job.offer)))
+                self._prefixes.put(v.prompt.key, _KeptPrefix(Cv3VoicePrefix(window.state_after(job.offer))))
             v.state = window.state_after(job.commit)
         window.release()
         if v is not None:
