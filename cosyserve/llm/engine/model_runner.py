@@ -257,12 +257,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        shapes = [(self.prefill_graphs, self.prefill_step, shape) for shape in self.prefill_shapes()]
-        shapes += [(self.decode_graphs, self.decode_step, (batch, kv_len))
+        shapes = [("prefill", self.prefill_graphs, self.prefill_step, shape) for shape in self.prefill_shapes()]
+        shapes += [("decode", self.decode_graphs, self.decode_step, (batch, kv_len))
                    for batch in self.batch_buckets for kv_len in self.length_buckets]
-        pool, seconds = None, {id(self.prefill_graphs): 0.0, id(self.decode_graphs): 0.0}
+        pool, seconds = None, {"prefill": 0.0, "decode": 0.0}
         # Largest first, so smaller graphs fit in the memory the pool already holds.
-        for graphs, step, shape in sorted(shapes, key=lambda entry: math.prod(entry[2]), reverse=True):
+        for kind, graphs, step, shape in sorted(shapes, key=lambda entry: math.prod(entry[3]), reverse=True):
             began = time.perf_counter()
             step(*shape)  # warm-up: loads kernels, picks GEMM algorithms
             graph = torch.cuda.CUDAGraph()
@@ -270,10 +270,10 @@ class ModelRunner:
                 step(*shape)
             pool = pool or graph.pool()
             graphs[shape] = graph
-            seconds[id(graphs)] += time.perf_counter() - began
+            seconds[kind] += time.perf_counter() - began
         self.positions.zero_()
         log.info("LLM CUDA graphs captured: %d prefill in %.1f s, %d decode in %.1f s", len(self.prefill_graphs),
-                 seconds[id(self.prefill_graphs)], len(self.decode_graphs), seconds[id(self.decode_graphs)])
+                 seconds["prefill"], len(self.decode_graphs), seconds["decode"])
 
     # ---- slot management ---------------------------------------------------------------
     @torch.inference_mode()

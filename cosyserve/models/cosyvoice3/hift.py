@@ -168,10 +168,9 @@ class SourceNoiseBuffer:
         wait for the device's whole queue (the flow's steps) once per stream and chunk."""
         if stop > NOISE_SAMPLES:
             raise InvalidInputError(f"the causal HiFT's noise covers {NOISE_SAMPLES} samples (300 s); {stop} asked")
-        if device.type == "cpu":
-            with self._lock:
-                return self._drawn(stop)
         with self._lock:
+            if device.type == "cpu":
+                return self._drawn(stop)
             kept = self._on_device.get(device)
             if kept is None or kept.shape[1] < stop:
                 grown = min(NOISE_SAMPLES, max(stop, 2 * (0 if kept is None else kept.shape[1]), NOISE_GROWTH))
