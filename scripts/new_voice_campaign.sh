@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 35's GPU campaign (new voices), in parts, each a named run of scripts/gpu_campaign.sh:
+#
+#   OUT=$OUT bash scripts/new_voice_campaign.sh <part> [<part> ...]
+#
+#   setup         the overlay venv (stage 0) and both real-size bundles (stage 2); kept while the machine is
+#   gpu-tests     the GPU tests of the engine, flow engine, LLM, CosyVoice3 kind and front-end graphs
+#   cv2           CosyVoice2 in-process: 1 and 8 new clips against the registered voice, and 8 new clips
+#                 while 16 streams play (stage 3) -> $OUT/cv2/engine.json
+#   cv2-priority  the same with new voices' prompts on the high-priority stream (--prefix-priority)
+#   cv3           CosyVoice3 the same, with an open-loop rate of CV3_RATE under torch's sync debug mode
+#   cv3-beside    CosyVoice3 with new voices prepared beside the loop (--prepare-beside)
+#   served        Triton + NVIDIA's client, the API at API_RATES in English and Chinese, voice uploads
+#                 (stages 4-7) -> $OUT/served/report.md
+#
+# Every variable can be set from the environment (ROUNDS, PART_BUDGET_S, CV3_RATE, ...). Each part's log:
+# $OUT/<part>.log; its table's rows are printed at its end. Exit status: 1 when any part failed.
+set -uo pipefail
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo_root" || exit 1
+
+OUT=${OUT:-$repo_root/outputs/new_voices}
+ROUNDS=${ROUNDS:-6}                  # each new-clip level this many times (CosyVoice2)
+CV3_ROUNDS=${CV3_ROUNDS:-4}
+CV3_RATE=${CV3_RATE:-5}              # req/s of cv3's open-loop level under the sync debug mode (0: none)
+PART_BUDGET_S=${PART_BUDGET_S:-275}  # one stage-3 part, load included
+GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-130}
+VENV=${VENV:-/tmp/venv}
+mkdir -p "$OUT"
+
+engine_part() {  # $1: part name, $2: model, $3: bench_engine.py's extra arguments, $4: rounds, $5: open-loop rate
+  local rates="" sync_rate=0
+  [ "${5:-0}" != 0 ] && { rates=$5; sync_rate=$5; }
+  FRONTEND_BATCHES= ENGINE_MODELS=$2 ENGINE_MODEL=$2 ENGINE_CONCURRENCY=1 ENGINE_REQUESTS_PER_SENDER=2 \
+    ENGINE_RATES=$rates ENGINE_PROFILE_RATE=0 ENGINE_SYNC_DEBUG_RATE=$sync_rate ENGINE_NEW_CLIPS="1 8" \
+    ENGINE_NEW_CLIP_ROUNDS=$4 ENGINE_NEW_CLIPS_WHILE_PLAYING=16 ENGINE_TIMEOUT=$((PART_BUDGET_S - 5)) \
+    TOTAL_BUDGET_S=$PART_BUDGET_S ENGINE_EXTRA_ARGS="$3" OUT="$OUT/$1" VENV=$VENV \
+    bash scripts/gpu_campaign.sh 3 3
+}
+
+failed=0
+for part in "$@"; do
+  echo "== $part ($(date -u +%H:%M:%S))"
+  case $part in
+    setup) { OUT=$OUT/setup VENV=$VENV bash scripts/gpu_campaign.sh 0 0 &&
+             OUT=$OUT/setup VENV=$VENV ENGINE_MODELS="cosyvoice2 cosyvoice3" bash scripts/gpu_campaign.sh 2 2; } ;;
+    gpu-tests) timeout "$GPU_TESTS_TIMEOUT" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+                 tests/test_flow_engine.py tests/test_engine_core.py tests/test_engine_cosyvoice3.py \
+                 tests/test_llm_engine.py tests/test_frontend_graphs.py -k "gpu or cuda" ;;
+    cv2) engine_part cv2 cosyvoice2 "" "$ROUNDS" 0 ;;
+    cv2-priority) engine_part cv2-priority cosyvoice2 --prefix-priority "$ROUNDS" 0 ;;
+    cv3) engine_part cv3 cosyvoice3 "" "$CV3_ROUNDS" "$CV3_RATE" ;;
+    cv3-beside) engine_part cv3-beside cosyvoice3 --prepare-beside "$CV3_ROUNDS" 0 ;;
+    served) GRPC_LEVELS=${GRPC_LEVELS:-1:8 16:32} API_RATES=${API_RATES:-10} API_LANGS=${API_LANGS:-en zh} \
+              UPLOAD_ROUNDS=${UPLOAD_ROUNDS:-2} SOCKET_LEVELS=${SOCKET_LEVELS-} OUT=$OUT/served VENV=$VENV \
+              bash scripts/gpu_campaign.sh 4 7 ;;
+    *) echo "unknown part: $part" >&2; false ;;
+  esac > "$OUT/$part.log" 2>&1
+  rc=$?
+  [ $rc = 0 ] || failed=1
+  echo "   rc=$rc; last lines:"; grep -v '^|' "$OUT/$part.log" | tail -n 3
+  # bench_engine.py's table is printed again after every level: each row once, in order
+  grep -E '^\| [a-z0-9]' "$OUT/$part.log" | awk '!seen[$0]++' | cut -d'|' -f2-27
+done
+exit $failed
