@@ -8,6 +8,7 @@ import torch
 from cosyserve.config import Tagged, dump_hyperpyyaml, load_hyperpyyaml
 from cosyserve.errors import InvalidInputError, ModelLoadError
 from cosyserve.models.hift import HiFTGenerator, HiftConfig, load_hift
+from cosyserve.models.hift.generator import MAX_MAGNITUDE, spectrum_to_wave
 from cosyserve.parity import cv2_hift
 
 
@@ -181,3 +182,34 @@ def test_generator_determinism_and_noise_injection(tiny_hift):
 def test_bad_inference_inputs(tiny_hift, kwargs):
     with pytest.raises(InvalidInputError):
         tiny_hift.inference(**kwargs)
+
+
+def _reference_wave(spectrum: torch.Tensor, n_fft: int, hop: int, window: torch.Tensor, limit: float) -> torch.Tensor:
+    """What both vocoders computed before: torch.istft (which checks the window envelope on the host)."""
+    bins = n_fft // 2 + 1
+    magnitude = torch.exp(spectrum[:, :bins]).clamp(max=MAX_MAGNITUDE)
+    phase = torch.sin(spectrum[:, bins:])
+    complex_spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+    return torch.istft(complex_spec, n_fft, hop, n_fft, window=window).clamp(-limit, limit)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_spectrum_to_wave_is_torch_istft_without_a_host_sync(device):
+    cfg = HiftConfig.tiny()
+    n_fft, hop = cfg.istft_n_fft, cfg.istft_hop_len
+    window = torch.hann_window(n_fft, periodic=True, device=device)
+    generator = torch.Generator().manual_seed(0)
+    for batch, frames in ((1, 2), (3, 37), (16, 241)):
+        spectrum = (torch.randn(batch, n_fft + 2, frames, generator=generator) * 2).to(device)
+        expected = _reference_wave(spectrum, n_fft, hop, window, cfg.audio_limit)
+        if device == "cuda":  # a host sync inside raises here
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            wave = spectrum_to_wave(spectrum, n_fft, hop, window, cfg.audio_limit)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        assert wave.shape == (batch, hop * (frames - 1))
+        torch.testing.assert_close(wave, expected, rtol=1e-5, atol=1e-5)

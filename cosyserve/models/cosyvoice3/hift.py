@@ -32,7 +32,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from ...errors import InvalidInputError, ModelLoadError
 from ...runtime import host_to_device
 from ...schedule import OUTPUT_SAMPLE_RATE
-from ..hift.generator import MAX_MAGNITUDE, POST_LRELU_SLOPE, ResBlock
+from ..hift.generator import POST_LRELU_SLOPE, ResBlock, spectrum_to_wave
 from ..hift.loading import _read_state_dict, normalise_hift_keys
 from ..flow.cfm import NOISE_CHANNELS, NOISE_FRAMES, NOISE_SEED
 from ..hift.source import HarmonicSource
@@ -331,16 +331,9 @@ class CausalHiFTGenerator(nn.Module):
 
     def spectrum_to_wave(self, spectrum: torch.Tensor, finalize: bool) -> torch.Tensor:
         """conv_post output -> speech (B, 4·(frames − 1)), minus the last 480 samples unless finalizing."""
-        bins = self.cfg.istft_n_fft // 2 + 1
-        spectrum = spectrum.float()
-        magnitude = torch.exp(spectrum[:, :bins]).clamp(max=MAX_MAGNITUDE)
-        phase = torch.sin(spectrum[:, bins:])  # upstream: a sine of the raw output, used as the angle
-        complex_spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        n_fft = self.cfg.istft_n_fft
-        wave = torch.istft(complex_spec, n_fft, self.cfg.istft_hop_len, n_fft, window=self.stft_window)
-        if not finalize:
-            wave = wave[:, :wave.shape[1] - self.hop_length]
-        return wave.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
+        wave = spectrum_to_wave(spectrum, self.cfg.istft_n_fft, self.cfg.istft_hop_len, self.stft_window,
+                                self.cfg.audio_limit)
+        return wave if finalize else wave[:, :wave.shape[1] - self.hop_length]
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool) -> torch.Tensor:
         """Decoder input mel (B, 80, F) + excitation (B, 1, 480·F) -> speech (B, 480·F) or (B, 480·(F − 5))."""

@@ -33,6 +33,31 @@ NETWORK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT32_CHILDREN = ("m_source", "f0_predictor")
 
 
+def spectrum_to_wave(spectrum: torch.Tensor, n_fft: int, hop: int, window: torch.Tensor,
+                     audio_limit: float) -> torch.Tensor:
+    """conv_post output (B, n_fft + 2, frames), log-magnitudes then raw phases -> waveform
+    (B, hop·(frames − 1)) clamped to ±audio_limit, for both vocoders.
+
+    The inverse STFT is ``torch.istft``'s (centred, window-normalised) computed as inverse FFT,
+    windowing and overlap-add, without its check of the window envelope on the host: that check is a
+    device sync per call, which makes the loop's host wait for everything queued on the device (the
+    flow's steps, a new voice's prompt) before it can plan the next chunks. The Hann envelope at
+    these hops never vanishes inside the output."""
+    bins = n_fft // 2 + 1
+    spectrum = spectrum.float()
+    magnitude = torch.exp(spectrum[:, :bins]).clamp(max=MAX_MAGNITUDE)
+    phase = torch.sin(spectrum[:, bins:])  # upstream: a sine of the raw output, used as the angle
+    complex_spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+    frames = torch.fft.irfft(complex_spec, n=n_fft, dim=1) * window[:, None]  # (B, n_fft, frames)
+    count = frames.size(2)
+    length = n_fft + hop * (count - 1)
+    fold = dict(output_size=(1, length), kernel_size=(1, n_fft), stride=(1, hop))
+    wave = F.fold(frames, **fold)[:, 0, 0]
+    envelope = F.fold(window.square()[None, :, None].expand(1, -1, count), **fold)[:, 0, 0]
+    trim = slice(n_fft // 2, length - n_fft // 2)
+    return (wave[:, trim] / envelope[:, trim]).clamp(-audio_limit, audio_limit)
+
+
 class ResBlock(nn.Module):
     """For each dilation d: x ← x + conv_k(Snake(conv_k,d(Snake(x))))."""
 
@@ -162,31 +187,8 @@ class HiFTGenerator(nn.Module):
 
     def spectrum_to_wave(self, spectrum: torch.Tensor) -> torch.Tensor:
         """conv_post output → waveform (B, istft_hop·(frames−1)), clamped to ±audio_limit."""
-        return self.inverse_stft(self.complex_spectrum(spectrum))
-
-    def complex_spectrum(self, spectrum: torch.Tensor) -> torch.Tensor:
-        """conv_post output → complex float32 spectrum (B, n_fft/2 + 1, frames)."""
-        bins = self.cfg.istft_n_fft // 2 + 1
-        spectrum = spectrum.float()
-        magnitude = torch.exp(spectrum[:, :bins]).clamp(max=MAX_MAGNITUDE)
-        phase = torch.sin(spectrum[:, bins:])  # upstream: a sine of the raw output, used as the angle
-        return torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-
-    def inverse_stft(self, complex_spec: torch.Tensor) -> torch.Tensor:
-        """Complex spectrum (B, n_fft/2 + 1, frames) → waveform (B, hop·(frames−1)) clamped to
-        ±audio_limit: ``torch.istft`` (centred, window-normalised) computed as inverse FFT,
-        windowing and overlap-add, without its check of the window envelope on the host (a device
-        sync per call; the Hann envelope at this hop never vanishes inside the output)."""
-        n_fft, hop = self.cfg.istft_n_fft, self.cfg.istft_hop_len
-        window = self.stft_window.float()
-        frames = torch.fft.irfft(complex_spec, n=n_fft, dim=1) * window[:, None]  # (B, n_fft, frames)
-        count = frames.size(2)
-        length = n_fft + hop * (count - 1)
-        fold = dict(output_size=(1, length), kernel_size=(1, n_fft), stride=(1, hop))
-        wave = F.fold(frames, **fold)[:, 0, 0]
-        envelope = F.fold(window.square()[None, :, None].expand(1, -1, count), **fold)[:, 0, 0]
-        trim = slice(n_fft // 2, length - n_fft // 2)
-        return (wave[:, trim] / envelope[:, trim]).clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
+        return spectrum_to_wave(spectrum, self.cfg.istft_n_fft, self.cfg.istft_hop_len, self.stft_window.float(),
+                                self.cfg.audio_limit)
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """mel (B, 80, T) + excitation (B, 1, hop·T) → speech (B, hop·T) float32."""
