@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidInputError
+from ..runtime import host_to_device
 from .prompt import MAX_SPEECH_TOKENS, NUM_SPEECH_TOKENS, OUTPUT_WINDOW_SIZE
 
 MAX_RAS_WINDOW = 64
@@ -136,21 +137,23 @@ class Sampler:
                      prompt_window_ids: list[list[int]]) -> None:
         """Load requests' parameters into ``slots`` (one copy per state tensor for the whole list);
         ``prompt_window_ids`` (prompt speech tokens) count as seen for the repetition penalty."""
+        # host values through pinned memory (host_to_device): a pageable copy would make the LLM's
+        # thread wait for its stream's queued decode steps at every admission
         device = self.fparams.device
-        index = torch.tensor(slots, device=device)
-        self.fparams[index] = torch.tensor(
+        index = host_to_device(slots, device, torch.long)
+        self.fparams[index] = host_to_device(
             [[p.temperature, p.top_p, p.repetition_penalty, p.ras_window * p.ras_tau] for p in params],
-            dtype=torch.float32).to(device)
+            device, torch.float32)
         seeds = torch.tensor(seeds, dtype=torch.long)
         seed_keys = _hash32((seeds & _MASK32) ^ _hash32((seeds >> 32) ^ 0x85EBCA6B))
-        self.iparams[index] = torch.tensor(
+        self.iparams[index] = host_to_device(
             [[p.top_k or self.vocab, key, _NO_EOS_BEFORE if p.ignore_eos else p.min_tokens,
-              p.ras_window if p.ras and p.temperature > 0 else 0, 0] for p, key in zip(params, seed_keys.tolist())]
-        ).to(device)
+              p.ras_window if p.ras and p.temperature > 0 else 0, 0] for p, key in zip(params, seed_keys.tolist())],
+            device, torch.long)
         self.presence[index] = False
         rows = [slot for slot, ids in zip(slots, prompt_window_ids) for _ in ids]
         if rows:
-            seen = torch.tensor([rows, [t for ids in prompt_window_ids for t in ids]], device=device)
+            seen = host_to_device([rows, [t for ids in prompt_window_ids for t in ids]], device, torch.long)
             self.presence[seen[0], seen[1]] = True
         self.recent[index] = -1
 
