@@ -4,10 +4,11 @@
 #   OUT=$OUT bash scripts/new_voice_campaign.sh <part> [<part> ...]
 #
 #   setup         the overlay venv (stage 0) and both real-size bundles (stage 2); kept while the machine is
-#   gpu-tests     the GPU tests of the engine, flow engine, LLM, CosyVoice3 kind and front-end graphs
+#   gpu-tests     the GPU tests (-k "gpu or cuda") of GPU_TESTS: the engine, flow engine, LLM, CosyVoice3 kind,
+#                 front-end graphs and vocoder
 #   cv2           CosyVoice2 in-process: 1 and 8 new clips against the registered voice, and 8 new clips
 #                 while 16 streams play (stage 3) -> $OUT/cv2/engine.json
-#   cv2-priority  the same with new voices' prompts on the high-priority stream (--prefix-priority)
+#   cv2-no-priority  the same with new voices' prompts on a stream of the default priority (--no-prefix-priority)
 #   cv3           CosyVoice3 the same, with an open-loop rate of CV3_RATE under torch's sync debug mode
 #   cv3-beside    CosyVoice3 with new voices prepared beside the loop (--prepare-beside)
 #   served        Triton + NVIDIA's client, the API at API_RATES in English and Chinese, voice uploads
@@ -24,7 +25,8 @@ ROUNDS=${ROUNDS:-6}                  # each new-clip level this many times (Cosy
 CV3_ROUNDS=${CV3_ROUNDS:-4}
 CV3_RATE=${CV3_RATE:-5}              # req/s of cv3's open-loop level under the sync debug mode (0: none)
 PART_BUDGET_S=${PART_BUDGET_S:-275}  # one stage-3 part, load included
-GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-130}
+GPU_TESTS=${GPU_TESTS:-tests/test_flow_engine.py tests/test_engine_core.py tests/test_engine_cosyvoice3.py tests/test_llm_engine.py tests/test_frontend_graphs.py tests/test_hift.py}
+GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-150}
 VENV=${VENV:-/tmp/venv}
 mkdir -p "$OUT"
 
@@ -44,11 +46,10 @@ for part in "$@"; do
   case $part in
     setup) { OUT=$OUT/setup VENV=$VENV bash scripts/gpu_campaign.sh 0 0 &&
              OUT=$OUT/setup VENV=$VENV ENGINE_MODELS="cosyvoice2 cosyvoice3" bash scripts/gpu_campaign.sh 2 2; } ;;
-    gpu-tests) timeout "$GPU_TESTS_TIMEOUT" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-                 tests/test_flow_engine.py tests/test_engine_core.py tests/test_engine_cosyvoice3.py \
-                 tests/test_llm_engine.py tests/test_frontend_graphs.py -k "gpu or cuda" ;;
+    # shellcheck disable=SC2086
+    gpu-tests) timeout "$GPU_TESTS_TIMEOUT" "$VENV/bin/python" -m pytest -q -p no:cacheprovider $GPU_TESTS -k "gpu or cuda" ;;
     cv2) engine_part cv2 cosyvoice2 "" "$ROUNDS" 0 ;;
-    cv2-priority) engine_part cv2-priority cosyvoice2 --prefix-priority "$ROUNDS" 0 ;;
+    cv2-no-priority) engine_part cv2-no-priority cosyvoice2 --no-prefix-priority "$ROUNDS" 0 ;;
     cv3) engine_part cv3 cosyvoice3 "" "$CV3_ROUNDS" "$CV3_RATE" ;;
     cv3-beside) engine_part cv3-beside cosyvoice3 --prepare-beside "$CV3_ROUNDS" 0 ;;
     served) GRPC_LEVELS=${GRPC_LEVELS:-1:8 16:32} API_RATES=${API_RATES:-10} API_LANGS=${API_LANGS:-en zh} \

@@ -32,6 +32,7 @@ from ..data import load_reference_audio
 from ..engine.service import BUNDLE_DIRS, TTSEngine, load_engine, warm_up_clip
 from ..engine.front_end import TokenLimits, TTSRequest
 from ..serving.settings import EngineSettings
+from ..token2wav.cosyvoice2 import Token2WavOptions
 from ..runtime import resolve_device
 from .kernels import call_profile, host_syncs, kernel_profile, trace_until
 from .openloop import poisson_arrivals, run_open_loop
@@ -146,15 +147,22 @@ def kind_options(args: argparse.Namespace, models: Path, device: torch.device) -
                               hift_max_tokens=args.tokens)
     options = settings.kind_options(device)
     # experiments' options, not served settings (yet)
-    if args.prefix_priority:
+    if args.prefix_priority is not None:
         if args.model != "cosyvoice2":
-            raise SystemExit("--prefix-priority: CosyVoice2's flow engine only")
-        options["prefix_priority"] = True
+            raise SystemExit("--prefix-priority / --no-prefix-priority: CosyVoice2's flow engine only")
+        options["prefix_priority"] = args.prefix_priority
     if args.prepare_beside:
         if args.model != "cosyvoice3":
             raise SystemExit("--prepare-beside: CosyVoice3 only (CosyVoice2 always prepares beside the loop)")
         options["prepare_beside"] = True
     return options
+
+
+def prefix_priority(args: argparse.Namespace) -> bool | None:
+    """Whether CosyVoice2's new voices' prompts run on the high-priority stream (None: another model)."""
+    if args.model != "cosyvoice2":
+        return None
+    return Token2WavOptions.prefix_priority if args.prefix_priority is None else args.prefix_priority
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -169,7 +177,7 @@ def run(args: argparse.Namespace) -> dict:
                          spk2info=models / spk2info if spk2info else None)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
               "load_s": time.perf_counter() - loading, "load_phases_s": engine.load_phases,
-              "prefix_priority": args.prefix_priority, "prepare_beside": args.prepare_beside, "tokens": args.tokens,
+              "prefix_priority": prefix_priority(args), "prepare_beside": args.prepare_beside, "tokens": args.tokens,
               "final": args.final, "levels": []}
     voice, prompt_text = registered_voice(engine, args)
     counter = iter(range(1 << 30))
@@ -433,8 +441,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-frames", type=int, default=DEFAULT_MAX_BATCH_FRAMES)
     p.add_argument("--max-batch-jobs", type=int, default=DEFAULT_MAX_BATCH_JOBS)
     p.add_argument("--state-pool-gb", type=float, default=0.0, help="0: a third of the free GPU memory")
-    p.add_argument("--prefix-priority", action="store_true",
-                   help="CosyVoice2: new voices' prompts on a high-priority CUDA stream (Token2WavOptions.prefix_priority)")
+    p.add_argument("--prefix-priority", action=argparse.BooleanOptionalAction, default=None,
+                   help="CosyVoice2: new voices' prompts on a high-priority CUDA stream or not (Token2WavOptions."
+                        "prefix_priority; default: the kind's default, on)")
     p.add_argument("--prepare-beside", action="store_true",
                    help="CosyVoice3: new voices' prefixes computed beside the loop as their requests arrive "
                         "(CosyVoice3Kind's prepare_beside)")

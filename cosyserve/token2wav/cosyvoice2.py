@@ -113,7 +113,8 @@ class Token2WavOptions:
     (:mod:`.tensorrt`; non-streaming / streaming attention), CUDA only, not with ``cuda_graphs``.
     ``prefix_priority`` (with ``incremental_stream``, on CUDA): new voices' prompts run on a stream of
     high priority (the device runs their kernels first while others wait too; the flow engine's
-    ``prefix_priority``).
+    ``prefix_priority``): a burst of new voices waits for their prompts' solve, while playing streams
+    have audio in hand (measured: docs/benchmarks.md, "New voices, fifteenth session").
     ``hift_dtype``: dtype of HiFT's up-sampling network ("float32", "float16", "bfloat16"; its F0,
     excitation and inverse STFT stay float32); "auto" is float32 on the CPU (the reference) and
     :data:`AUTO_CUDA_HIFT_DTYPE` on CUDA.
@@ -129,7 +130,7 @@ class Token2WavOptions:
     final: str = "reference"
     state_pool_bytes: int = 0
     max_voices: int = 64
-    prefix_priority: bool = False
+    prefix_priority: bool = True
     hift_precapture_frames: tuple[int, ...] = ()
     bucket_frames: int = 50
     max_graphs: int = 256
