@@ -150,12 +150,14 @@ class Sampler:
             [[p.top_k or self.vocab, key, _NO_EOS_BEFORE if p.ignore_eos else p.min_tokens,
               p.ras_window if p.ras and p.temperature > 0 else 0, 0] for p, key in zip(params, seed_keys.tolist())],
             device, torch.long)
-        self.presence[index] = False
+        # fills with scalars as kernel arguments: ``state[index] = value`` copies the value to the device
+        # as a pageable one-element tensor, a wait for the queue like the copies above
+        self.presence.index_fill_(0, index, False)
         rows = [slot for slot, ids in zip(slots, prompt_window_ids) for _ in ids]
         if rows:
             seen = host_to_device([rows, [t for ids in prompt_window_ids for t in ids]], device, torch.long)
-            self.presence[seen[0], seen[1]] = True
-        self.recent[index] = -1
+            self.presence.index_put_((seen[0], seen[1]), self._true)
+        self.recent.index_fill_(0, index, -1)
 
     def move(self, src: int, dst: int) -> None:
         for state in (self.fparams, self.iparams, self.presence, self.recent):
