@@ -8,8 +8,8 @@ import torch
 from cosyserve.config import dump_hyperpyyaml
 from cosyserve.errors import InvalidInputError, ModelLoadError
 from cosyserve.models.cosyvoice3.config import CausalHiftConfig
-from cosyserve.models.cosyvoice3.hift import (CausalHiFTGenerator, CausalHiftStream, decode_calls, load_causal_hift,
-                                              prepare_calls)
+from cosyserve.models.cosyvoice3.hift import (CausalHiFTGenerator, CausalHiftStream, bucket_rows, load_causal_hift,
+                                              push_streams, warm_up_rows)
 from cosyserve.parity import cv3_hift, cv3_token2wav
 
 
@@ -54,7 +54,7 @@ def test_incremental_stream_equals_one_final_pass(tiny_hift):
 def test_streams_prepared_together_get_what_each_gets_alone(tiny_hift):
     """Streams at different points (a first chunk, a long one, a one-frame one, a final one, one with no
     F0 due) have their F0 and excitation computed in one batched call, rows of different lengths
-    left-padded: each emits the samples it emits pushed alone."""
+    left-padded and padding rows added (5 rows: 8): each emits the samples it emits pushed alone."""
     gen = torch.Generator().manual_seed(5)
     mels = [torch.randn(1, 80, 120, generator=gen) * 2 - 4 for _ in range(5)]
     pushes = [[(12, False), (30, False), (50, True)], [(40, False), (1, False), (44, False)],
@@ -70,14 +70,32 @@ def test_streams_prepared_together_get_what_each_gets_alone(tiny_hift):
             items.append((together[i], piece, final))
             expected.append(alone[i].push(piece, final))
             starts[i] += size
-        calls = prepare_calls(items)
-        for (stream, _, _), call, speech, want in zip(items, calls, decode_calls(tiny_hift, calls), expected):
-            got = stream.complete(call, speech)
+        for got, want in zip(push_streams(items), expected):
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     for a, b in zip(alone, together):
         torch.testing.assert_close(b.phase_sum, a.phase_sum, rtol=0, atol=1e-9)
         assert (a.f0_frames, a.emitted, a.finished) == (b.f0_frames, b.emitted, b.finished)
+
+
+def test_batched_calls_are_padded_to_few_row_counts():
+    assert [bucket_rows(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 48]
+
+
+def test_the_vocoder_warms_up_every_row_bucket_at_each_point_of_a_stream(tiny_hift, monkeypatch):
+    """warm_up_rows meets the row counts and window widths that streams in step make, and nothing else:
+    the shapes serving would otherwise meet first."""
+    seen = set()
+    decode, predict_f0 = tiny_hift.decode, tiny_hift.predict_f0
+    monkeypatch.setattr(tiny_hift, "decode", lambda mel, *a: seen.add(("decode", *mel.shape)) or decode(mel, *a))
+    monkeypatch.setattr(tiny_hift, "predict_f0",
+                        lambda mel, *a: seen.add(("f0", *mel.shape)) or predict_f0(mel, *a))
+    gen = torch.Generator().manual_seed(2)
+    chunks = [(torch.randn(1, 80, n, generator=gen), final) for n, final in ((50, False), (100, False), (30, True))]
+    warm_up_rows(tiny_hift, chunks, max_rows=5)
+    single = {(kind, *shape[1:]) for kind, *shape in seen}
+    assert len(single) == 6  # an F0 window and a decoder window for each chunk
+    assert seen == {(kind, rows, *shape) for kind, *shape in single for rows in (1, 2, 4, 8)}
 
 
 def test_the_excitation_of_rows_at_their_own_frames_equals_each_row_alone(tiny_hift):

@@ -36,8 +36,8 @@ from ...frontend.prompt import PromptFeatures
 from ...lru import LruCache
 from ...models.cosyvoice3.dit import WindowState
 from ...models.cosyvoice3.flow import CosyVoice3Flow, Cv3VoicePrefix, load_cosyvoice3_flow
-from ...models.cosyvoice3.hift import (CausalHiFTGenerator, CausalHiftStream, decode_calls, load_causal_hift,
-                                       prepare_calls)
+from ...models.cosyvoice3.hift import (CausalHiFTGenerator, CausalHiftStream, load_causal_hift, push_streams,
+                                       warm_up_rows)
 from ...models.flow.cfm import N_TIMESTEPS, NOISE_FRAMES, fixed_noise
 from ...runtime import host_to_device, role_stream
 from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
@@ -51,6 +51,9 @@ RESERVE_TOKENS = 750  # a new incremental stream needs room for this long a repl
 # The stream role (runtime.role_stream) of voices' prefixes computed beside the loop: their sampler's
 # graphs are captured on it and their steps run on it.
 PREFIX_ROLE = "cosyvoice3-prefix"
+# Streams the vocoder is warmed up for at once (hift.warm_up_rows): the most chunk jobs the scheduler puts in
+# a batch by default (scheduler.DEFAULT_MAX_BATCH_JOBS), and so the most the loop vocodes together.
+VOCODER_WARM_ROWS = 16
 
 
 @dataclass(eq=False)
@@ -315,16 +318,20 @@ class CosyVoice3Kind:
                 self._prefix_sampler.capture_all()
         ids = [0] * tokens
         voicing, schedule = self.open(features), self.chunk_schedule("exponential")
+        chunks = []  # the stream's (mel, final chunk)
         try:
             while True:
                 chunk = schedule.next_chunk(tokens) or schedule.final_chunk(tokens)
                 (job,) = self.start_chunks([(voicing, ids[:chunk.num_tokens], chunk.token_offset, chunk.finalize)])
                 self.solve([job])
-                self.vocode([(voicing, self.mel(job), chunk.finalize)])
+                chunks.append((self.mel(job), chunk.finalize))
+                self.vocode([(voicing, chunks[-1][0], chunk.finalize)])
                 if chunk.finalize:
                     break
         finally:
             voicing.close()
+        if self.device.type == "cuda":  # cuDNN's plans of the vocoder's batched shapes (ROW_BUCKETS)
+            warm_up_rows(self.hift, chunks, VOCODER_WARM_ROWS)
         job = self.start_offline(features, ids)
         self.solve([job])
         self.vocode([(None, self.mel(job), True)])
@@ -464,12 +471,12 @@ class CosyVoice3Kind:
         """PCM (1-D float32 on the device, launched) of each (stream's voicing, or None for an
         offline request; mel; final chunk): the streams' F0 and excitation in one batched call, the
         decoder batched over streams whose windows have one shape."""
-        streams = [(i, voicing.vocoder, mel, final) for i, (voicing, mel, final) in enumerate(items)
-                   if voicing is not None]
-        calls = prepare_calls([(vocoder, mel, final) for _, vocoder, mel, final in streams])
+        streams = [i for i, (voicing, _, _) in enumerate(items) if voicing is not None]
         speech: list[torch.Tensor | None] = [None] * len(items)
-        for (i, vocoder, _, _), call, window in zip(streams, calls, decode_calls(self.hift, calls)):
-            speech[i] = vocoder.complete(call, window)
+        if streams:
+            pushed = push_streams([(items[i][0].vocoder, items[i][1], items[i][2]) for i in streams])
+            for i, samples in zip(streams, pushed):
+                speech[i] = samples
         for i, (voicing, mel, _) in enumerate(items):
             if voicing is None:
                 speech[i] = self.hift.inference(mel, finalize=True)[0] if mel.shape[2] else mel.new_zeros(1, 0)

@@ -52,6 +52,12 @@ STREAM_CONTEXT_FRAMES = 36
 # projection, the HiFT its F0 predictor; then SineGen2 draws rand_ini and the noise buffer.
 NOISE_SAMPLES = 300 * OUTPUT_SAMPLE_RATE  # upstream's buffer: 300 s at 24 kHz
 NOISE_GROWTH = 10 * OUTPUT_SAMPLE_RATE  # the least a device copy of it grows by
+# Rows of a batched F0 or decoder call are padded to one of these counts (then to a multiple of the last).
+# Why: cuDNN builds its plans for each new input shape of each convolution, ~1 ms of host time each
+# (~90 convolutions here), so a batch of a row count not seen before cost the loop ~160 ms at once (the
+# fifteenth session: 8 new clips while 16 streams played, vocoder host time per iteration 4 -> 163 ms);
+# with buckets, the shapes are few and warm_up_rows runs them all at load.
+ROW_BUCKETS = (1, 2, 4, 8, 16)
 
 
 class CausalResBlock(ResBlock):
@@ -398,13 +404,14 @@ def _excite(due: list[tuple["CausalHiftStream", int]]) -> None:
     windows = [stream._f0_window() for stream, _ in due]
     width = max(w.shape[2] for w in windows)
     if all(w.shape[2] == width for w in windows):
-        f0 = hift.predict_f0(torch.cat(windows), False)
-    else:
-        mel = windows[0].new_zeros(len(windows), windows[0].shape[1], width)
+        f0 = hift.predict_f0(_pad_rows(torch.cat(windows)), False)
+    else:  # padding rows: all padding
+        mel = windows[0].new_zeros(bucket_rows(len(windows)), windows[0].shape[1], width)
         for row, window in enumerate(windows):
             mel[row, :, width - window.shape[2]:] = window[0]
-        pads = [width - w.shape[2] for w in windows]
+        pads = [width - w.shape[2] for w in windows] + [width] * (mel.shape[0] - len(windows))
         f0 = hift.predict_f0(mel, False, host_to_device(torch.tensor(pads, dtype=torch.long), device))
+    f0 = f0[:len(due)]
     # every row's last column is its frame end - 1; its new frames are its last ones, the columns before
     # them get F0 0 (no phase, so the phase sums carry over exactly)
     new = [end - stream.f0_frames for stream, end in due]
@@ -424,22 +431,56 @@ def _excite(due: list[tuple["CausalHiftStream", int]]) -> None:
         stream.f0_frames = end
 
 
+def bucket_rows(rows: int) -> int:
+    """The row count a batched call of ``rows`` rows is padded to (:data:`ROW_BUCKETS`)."""
+    for bucket in ROW_BUCKETS:
+        if rows <= bucket:
+            return bucket
+    return -(-rows // ROW_BUCKETS[-1]) * ROW_BUCKETS[-1]
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (B, ...) with zero rows after it up to :func:`bucket_rows` (B)."""
+    rows = bucket_rows(x.shape[0])
+    return x if rows == x.shape[0] else torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
 @torch.inference_mode()
 def decode_calls(hift: "CausalHiFTGenerator", calls: list[CausalHiftCall]) -> list[torch.Tensor | None]:
     """Every call's decoded window, calls of one shape (frames, finalize) in one batched decoder call:
     streams at the same point of the chunk schedule share a shape. Each row's output is the one it
-    gets alone (the decoder works per row)."""
+    gets alone (the decoder works per row; padding rows up to :func:`bucket_rows` are dropped)."""
     out: list[torch.Tensor | None] = [None] * len(calls)
     groups: dict[tuple[int, bool], list[int]] = {}
     for i, call in enumerate(calls):
         if call.mel is not None:
             groups.setdefault((call.mel.shape[2], call.finalize), []).append(i)
     for (_, finalize), members in groups.items():
-        speech = hift.decode(torch.cat([calls[i].mel for i in members]), torch.cat([calls[i].source for i in members]),
-                             finalize)
+        speech = hift.decode(_pad_rows(torch.cat([calls[i].mel for i in members])),
+                             _pad_rows(torch.cat([calls[i].source for i in members])), finalize)
         for row, i in enumerate(members):
             out[i] = speech[row:row + 1]
     return out
+
+
+def push_streams(items: list[tuple["CausalHiftStream", torch.Tensor, bool]]) -> list[torch.Tensor]:
+    """:meth:`CausalHiftStream.push` of many streams of one vocoder at once: (stream, new mel frames,
+    finalize) -> each stream's new samples (1, s), prepared (:func:`prepare_calls`) and decoded
+    (:func:`decode_calls`) together."""
+    calls = prepare_calls(items)
+    return [stream.complete(call, window)
+            for (stream, _, _), call, window in zip(items, calls, decode_calls(items[0][0].hift, calls))]
+
+
+@torch.inference_mode()
+def warm_up_rows(hift: "CausalHiFTGenerator", chunks: list[tuple[torch.Tensor, bool]], max_rows: int) -> None:
+    """Run every row bucket up to ``max_rows`` through a stream's ``chunks`` (mel (1, 80, n), finalize),
+    that many streams in step: the batched F0 and decoder calls meet the shapes streams at those
+    points of their schedule make, so serving does not build their cuDNN plans (:data:`ROW_BUCKETS`)."""
+    for rows in sorted({bucket_rows(n) for n in range(1, max_rows + 1)}):
+        streams = [CausalHiftStream(hift) for _ in range(rows)]
+        for mel, finalize in chunks:
+            push_streams([(stream, mel, finalize) for stream in streams])
 
 
 class CausalHiftStream:
@@ -469,8 +510,7 @@ class CausalHiftStream:
     @torch.inference_mode()
     def push(self, mel: torch.Tensor, finalize: bool = False) -> torch.Tensor:
         """Append mel frames (1, 80, n) (n may be 0 on the last call) and return the new samples (1, s)."""
-        call = self.prepare(mel, finalize)
-        return self.complete(call, None if call.mel is None else self.hift.decode(call.mel, call.source, finalize))
+        return push_streams([(self, mel, finalize)])[0]
 
     @torch.inference_mode()
     def prepare(self, mel: torch.Tensor, finalize: bool = False) -> "CausalHiftCall":
