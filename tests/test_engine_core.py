@@ -199,6 +199,36 @@ def test_streams_are_voiced_in_batches_and_in_order():
     assert core.counters.flow_batches == len(kind.batches) and core.counters.chunks == sum(kind.batches)
 
 
+def test_the_kind_is_warmed_up_on_the_thread_that_then_vocodes(monkeypatch):
+    """cuDNN keeps its convolution plans per thread: a warm-up on another thread would leave the loop's
+    first chunks to build them again."""
+    kind, threads = FakeKind(), []
+    vocode = kind.vocode
+    monkeypatch.setattr(kind, "vocode", lambda items: threads.append(threading.get_ident()) or vocode(items))
+    core = EngineCore(kind, FakeLLM(30)).start(warm_up=lambda: threads.append(("warm-up", threading.get_ident())))
+    try:
+        assert submit(core, "r").ended.get(timeout=30) is None
+    finally:
+        core.close()
+    (label, warm_thread), *vocoding = threads
+    assert label == "warm-up" and warm_thread != threading.get_ident() and set(vocoding) == {warm_thread}
+
+
+def test_a_failed_warm_up_is_raised_by_start_and_leaves_no_loop():
+    def fail():
+        raise RuntimeError("no device memory for the graphs")
+
+    core = EngineCore(FakeKind(), FakeLLM(30))
+    with pytest.raises(RuntimeError, match="no device memory"):
+        core.start(warm_up=fail)
+    assert core._thread is None
+    core.start()  # a later start runs the loop
+    try:
+        assert submit(core, "r").ended.get(timeout=30) is None
+    finally:
+        core.close()
+
+
 def test_at_most_two_batches_are_out_before_the_loop_waits_for_the_oldest(monkeypatch):
     monkeypatch.setattr(core_module, "HostCopy", HeldCopy)
     HeldCopy.made = []

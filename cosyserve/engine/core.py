@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import sys
 import threading
 import time
@@ -49,7 +50,7 @@ from ..errors import InvalidInputError, RequestCancelledError, RequestTimeoutErr
 from ..llm.prompt import NUM_SPEECH_TOKENS
 from ..lru import LruCache
 from ..speech_tokens import speech_token_ids
-from .device import HostCopy, synchronize
+from .device import HostCopy, make_current, synchronize
 from .kinds.protocol import Kind, PreparesBeside
 from .preparer import VoicePreparer, call_each
 from .request import EngineRequest, RequestState, SegmentState
@@ -202,11 +203,20 @@ class EngineCore:
                            {**dataclasses.asdict(self.counters), **self.llm.counters()},
                            {name: (text, float(value)) for name, (text, value) in self.kind.gauges().items()})
 
-    def start(self) -> "EngineCore":
+    def start(self, warm_up: Callable[[], None] | None = None) -> "EngineCore":
+        """Start the loop's thread. ``warm_up`` runs on that thread before its first step, and is
+        waited for (its error raised here): what libraries keep per thread is then the loop's. cuDNN
+        keeps its convolution plans per thread, ~1 ms of host each to build, so a kind's eager
+        convolutions warmed up on another thread would build them all again on the loop's first chunks."""
         if self._thread is None:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
-            self._thread = threading.Thread(target=self._loop, name="engine-core", daemon=True)
+            warmed: queue.SimpleQueue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, args=(warm_up, warmed), name="engine-core", daemon=True)
             self._thread.start()
+            if (error := warmed.get()) is not None:
+                self._thread.join()
+                self._thread = None
+                raise error
             if self._preparer is not None:
                 self._preparer.start()
         return self
@@ -232,6 +242,17 @@ class EngineCore:
         self.llm.close()
 
     # ----- the loop -----
+
+    def _run(self, warm_up: Callable[[], None] | None, warmed: queue.SimpleQueue) -> None:
+        try:
+            make_current(self.kind.device)
+            if warm_up is not None:
+                warm_up()
+        except BaseException as exc:  # raised by start()
+            warmed.put(exc)
+            return
+        warmed.put(None)
+        self._loop()
 
     def _loop(self) -> None:
         while True:

@@ -1,9 +1,17 @@
-"""Waiting for the engine's GPU work (a kind's ``device``), and PCM back to the host without waiting."""
+"""The engine's device (a kind's ``device``) on its threads, waiting for its GPU work, and PCM back to the
+host without waiting."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+
+def make_current(device: torch.device) -> None:
+    """``device`` as the calling thread's current CUDA device (a new thread's is device 0): graph
+    captures and the current stream are the current device's."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
 
 
 def synchronize(device: torch.device) -> None:

@@ -241,11 +241,10 @@ def load_engine(model: str, model_dir: str | Path, llm_dir: str | Path, device: 
     with _timed(phases, "token2wav"):
         kind = spec.load_kind(Path(model_dir), device, kind_options or {}, sine_noise)
         kind.prepare_voices([voice.features for voice in _kept_voices(voices, kind.max_voices)])
-    with _timed(phases, "token2wav warm-up"):
-        if warm_up:
-            kind.warm_up(warm_voice.features)
+    core = EngineCore(kind, llm, strategy=strategy, scheduler=scheduler, sync_stages=sync_stages)
+    with _timed(phases, "token2wav warm-up"):  # on the loop's thread (EngineCore.start)
+        core.start(warm_up=(lambda: kind.warm_up(warm_voice.features)) if warm_up else None)
     with _timed(phases, "engine warm-up"):
-        core = EngineCore(kind, llm, strategy=strategy, scheduler=scheduler, sync_stages=sync_stages).start()
         engine = TTSEngine(core, prompter, voices, warm_voice)
         if warm_up:
             engine.warm_up()

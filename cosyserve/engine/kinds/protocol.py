@@ -82,7 +82,8 @@ class Kind(Protocol):
         at ``open``). With :attr:`prepares_beside`, any thread may call it while the loop runs."""
 
     def warm_up(self, features: PromptFeatures) -> None:
-        """Run every stage once, capturing graphs and compiling kernels (at load)."""
+        """Run every stage once, capturing graphs and compiling kernels (at load, on the loop's thread:
+        :meth:`~cosyserve.engine.core.EngineCore.start`)."""
 
     def start_chunks(self, chunks: list[tuple[Voicing, list[int], int, bool]]) -> list[Job]:
         """Jobs of streams' chunks: (voicing, tokens so far, tokens already voiced, finalize); their
