@@ -277,7 +277,9 @@ def run(args: argparse.Namespace) -> dict:
                 return run_.results, {"peak_in_flight": run_.peak_in_flight}
             _measure(report, engine, f"{args.profile_rate:g} req/s profiled", profiled)
             print(kernel_table(report["kernel_profile"]), flush=True)
-        if args.sync_debug_rate:
+        if args.sync_debug_rate and device.type != "cuda":
+            print("--sync-debug-rate: torch's sync debug mode watches CUDA only; level skipped on the CPU", flush=True)
+        elif args.sync_debug_rate:
             def sync_debugged():
                 arrivals = poisson_arrivals(args.sync_debug_rate, args.seed, duration_s=args.profile_seconds)
                 run_, syncs = host_syncs(lambda: run_open_loop(
