@@ -44,6 +44,7 @@ from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
 from ...speech_tokens import speech_token_ids
 from ...token2wav.cosyvoice3_packed import EMPTY_STATE, PackedWindowSampler, WindowJob, token_conditions
 from ..device import synchronize
+from ..scheduler import DEFAULT_MAX_BATCH_JOBS
 
 
 DEFAULT_VOICE_PREFIXES = 8  # voices whose prompt-only flow states are kept (~360 MB each, bfloat16, a 5 s prompt)
@@ -51,9 +52,6 @@ RESERVE_TOKENS = 750  # a new incremental stream needs room for this long a repl
 # The stream role (runtime.role_stream) of voices' prefixes computed beside the loop: their sampler's
 # graphs are captured on it and their steps run on it.
 PREFIX_ROLE = "cosyvoice3-prefix"
-# Streams the vocoder is warmed up for at once (hift.warm_up_rows): the most chunk jobs the scheduler puts in
-# a batch by default (scheduler.DEFAULT_MAX_BATCH_JOBS), and so the most the loop vocodes together.
-VOCODER_WARM_ROWS = 16
 
 
 @dataclass(eq=False)
@@ -331,7 +329,8 @@ class CosyVoice3Kind:
         finally:
             voicing.close()
         if self.device.type == "cuda":  # cuDNN's plans of the vocoder's batched shapes (ROW_BUCKETS)
-            warm_up_rows(self.hift, chunks, VOCODER_WARM_ROWS)
+            # up to the most chunk jobs a batch takes by default, the most the loop vocodes together
+            warm_up_rows(self.hift, chunks, DEFAULT_MAX_BATCH_JOBS)
         job = self.start_offline(features, ids)
         self.solve([job])
         self.vocode([(None, self.mel(job), True)])

@@ -378,9 +378,9 @@ class CausalHiftCall:
 
 @torch.inference_mode()
 def prepare_calls(items: list[tuple["CausalHiftStream", torch.Tensor, bool]]) -> list[CausalHiftCall]:
-    """:meth:`CausalHiftStream.prepare` of many streams of one vocoder: every (stream, new mel frames
-    (1, 80, n), finalize)'s new F0 in one float64 call and its excitation in one call, the rows of
-    different lengths left-padded (each row gets the values it gets alone). Why: stream by stream it
+    """:meth:`CausalHiftStream.push` up to the decoder, for many streams of one vocoder: every (stream,
+    new mel frames (1, 80, n), finalize)'s new F0 in one float64 call and its excitation in one call,
+    the rows of different lengths left-padded (each row gets the values it gets alone). Why: stream by stream it
     was ~50 operator calls a stream and chunk (a CPU profile of 16 streams' call: 1,962 top-level
     operators, 1,132 batched), on the loop's thread, which measured ~165 ms of host time an iteration
     at 16 CosyVoice3 streams. Every stream is checked before any changes."""
@@ -511,13 +511,6 @@ class CausalHiftStream:
     def push(self, mel: torch.Tensor, finalize: bool = False) -> torch.Tensor:
         """Append mel frames (1, 80, n) (n may be 0 on the last call) and return the new samples (1, s)."""
         return push_streams([(self, mel, finalize)])[0]
-
-    @torch.inference_mode()
-    def prepare(self, mel: torch.Tensor, finalize: bool = False) -> "CausalHiftCall":
-        """:meth:`push` up to the decoder: the new frames' F0 and excitation, and the decoder's window
-        (decoded by the caller, with other streams' windows: :func:`decode_calls`; many streams'
-        preparations in one call: :func:`prepare_calls`)."""
-        return prepare_calls([(self, mel, finalize)])[0]
 
     def _append(self, mel: torch.Tensor, finalize: bool) -> int | None:
         """Take the new mel frames; the end of the frames whose F0 is now known, if it moved."""
