@@ -9,7 +9,9 @@
 #   cv2           CosyVoice2 in-process: 1 and 8 new clips against the registered voice, and 8 new clips
 #                 while 16 streams play (stage 3) -> $OUT/cv2/engine.json
 #   cv2-no-priority  the same with new voices' prompts on a stream of the default priority (--no-prefix-priority)
-#   cv3           CosyVoice3 the same, with an open-loop rate of CV3_RATE under torch's sync debug mode
+#   cv3           CosyVoice3 the same, with an open-loop rate of CV3_RATE under torch's sync debug mode and
+#                 (CV3_TRACE=1) a torch.profiler trace of 8 new clips until their first chunks
+#                 -> $OUT/cv3/trace8.json.gz (python scripts/trace_summary.py reads it)
 #   cv3-beside    CosyVoice3 with new voices prepared beside the loop (--prepare-beside)
 #   served        Triton + NVIDIA's client, the API at API_RATES in English and Chinese, voice uploads
 #                 (stages 4-7) -> $OUT/served/report.md
@@ -24,6 +26,7 @@ OUT=${OUT:-$repo_root/outputs/new_voices}
 ROUNDS=${ROUNDS:-6}                  # each new-clip level this many times (CosyVoice2)
 CV3_ROUNDS=${CV3_ROUNDS:-4}
 CV3_RATE=${CV3_RATE:-5}              # req/s of cv3's open-loop level under the sync debug mode (0: none)
+CV3_TRACE=${CV3_TRACE:-1}            # cv3: trace 8 new clips once more (1) or not (0)
 PART_BUDGET_S=${PART_BUDGET_S:-275}  # one stage-3 part, load included
 GPU_TESTS=${GPU_TESTS:-tests/test_flow_engine.py tests/test_engine_core.py tests/test_engine_cosyvoice3.py tests/test_llm_engine.py tests/test_frontend_graphs.py tests/test_hift.py}
 GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-150}
@@ -50,7 +53,8 @@ for part in "$@"; do
     gpu-tests) timeout "$GPU_TESTS_TIMEOUT" "$VENV/bin/python" -m pytest -q -p no:cacheprovider $GPU_TESTS -k "gpu or cuda" ;;
     cv2) engine_part cv2 cosyvoice2 "" "$ROUNDS" 0 ;;
     cv2-no-priority) engine_part cv2-no-priority cosyvoice2 --no-prefix-priority "$ROUNDS" 0 ;;
-    cv3) engine_part cv3 cosyvoice3 "" "$CV3_ROUNDS" "$CV3_RATE" ;;
+    cv3) trace=""; [ "$CV3_TRACE" = 1 ] && trace="--trace-new-clips $OUT/cv3/trace8.json.gz"
+         engine_part cv3 cosyvoice3 "$trace" "$CV3_ROUNDS" "$CV3_RATE" ;;
     cv3-beside) engine_part cv3-beside cosyvoice3 --prepare-beside "$CV3_ROUNDS" 0 ;;
     served) GRPC_LEVELS=${GRPC_LEVELS:-1:8 16:32} API_RATES=${API_RATES:-10} API_LANGS=${API_LANGS:-en zh} \
               UPLOAD_ROUNDS=${UPLOAD_ROUNDS:-2} SOCKET_LEVELS=${SOCKET_LEVELS-} OUT=$OUT/served VENV=$VENV \
