@@ -8,8 +8,8 @@ import torch
 from cosyserve.config import dump_hyperpyyaml
 from cosyserve.errors import InvalidInputError, ModelLoadError
 from cosyserve.models.cosyvoice3.config import CausalHiftConfig
-from cosyserve.models.cosyvoice3.hift import (CausalHiFTGenerator, CausalHiftStream, bucket_rows, load_causal_hift,
-                                              push_streams, warm_up_rows)
+from cosyserve.models.cosyvoice3.hift import (FRAME_BUCKETS, CausalHiFTGenerator, CausalHiftStream, bucket_frames,
+                                              bucket_rows, load_causal_hift, push_streams, warm_up_shapes)
 from cosyserve.parity import cv3_hift, cv3_token2wav
 
 
@@ -78,24 +78,43 @@ def test_streams_prepared_together_get_what_each_gets_alone(tiny_hift):
         assert (a.f0_frames, a.emitted, a.finished) == (b.f0_frames, b.emitted, b.finished)
 
 
-def test_batched_calls_are_padded_to_few_row_counts():
+def test_batched_calls_are_padded_to_few_row_counts_and_widths():
     assert [bucket_rows(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 48]
+    assert [bucket_frames(n) for n in (1, 16, 17, 47, 65, 200, 256, 257, 600)] == [16, 16, 32, 48, 96, 256, 256,
+                                                                                  512, 768]
 
 
-def test_the_vocoder_warms_up_every_row_bucket_at_each_point_of_a_stream(tiny_hift, monkeypatch):
-    """warm_up_rows meets the row counts and window widths that streams in step make, and nothing else:
-    the shapes serving would otherwise meet first."""
+def _recorded_shapes(hift, monkeypatch) -> set:
+    """The shapes of every convolution stack's input from now on: ("f0", rows, frames) and
+    ("net", rows, frames, finalize)."""
     seen = set()
-    decode, predict_f0 = tiny_hift.decode, tiny_hift.predict_f0
-    monkeypatch.setattr(tiny_hift, "decode", lambda mel, *a: seen.add(("decode", *mel.shape)) or decode(mel, *a))
-    monkeypatch.setattr(tiny_hift, "predict_f0",
-                        lambda mel, *a: seen.add(("f0", *mel.shape)) or predict_f0(mel, *a))
-    gen = torch.Generator().manual_seed(2)
-    chunks = [(torch.randn(1, 80, n, generator=gen), final) for n, final in ((50, False), (100, False), (30, True))]
-    warm_up_rows(tiny_hift, chunks, max_rows=5)
-    single = {(kind, *shape[1:]) for kind, *shape in seen}
-    assert len(single) == 6  # an F0 window and a decoder window for each chunk
-    assert seen == {(kind, rows, *shape) for kind, *shape in single for rows in (1, 2, 4, 8)}
+    spectrum_from, predict_f0 = hift.spectrum_from, hift.predict_f0
+    monkeypatch.setattr(hift, "spectrum_from", lambda mel, spec, final: seen.add(
+        ("net", mel.shape[0], mel.shape[2], final)) or spectrum_from(mel, spec, final))
+    monkeypatch.setattr(hift, "predict_f0", lambda mel, *a: seen.add(("f0", mel.shape[0], mel.shape[2]))
+                        or predict_f0(mel, *a))
+    return seen
+
+
+def test_streams_of_any_lengths_meet_only_the_shapes_warmed_up(tiny_hift, monkeypatch):
+    """warm_up_shapes runs each row bucket at each frame bucket; streams pushed together in chunks of
+    any sizes (a final chunk's width is set by its reply's length) then meet no other shape while their
+    windows stay within its widths: serving builds no cuDNN plan."""
+    seen = _recorded_shapes(tiny_hift, monkeypatch)
+    warm_up_shapes(tiny_hift, max_rows=5, max_frames=100)
+    widths = [w for w in FRAME_BUCKETS if w <= 128]
+    assert seen == ({("f0", rows, w) for rows in (1, 2, 4, 8) for w in widths}
+                    | {("net", rows, w, final) for rows in (1, 2, 4, 8) for w in widths for final in (False, True)})
+    warmed = set(seen)
+    seen.clear()
+    gen = torch.Generator().manual_seed(8)
+    for count, sizes in ((5, (30, 50, 37)), (3, (9, 61, 23)), (1, (44, 1, 70))):
+        streams = [CausalHiftStream(tiny_hift) for _ in range(count)]
+        for step, size in enumerate(sizes):
+            final = step == len(sizes) - 1
+            push_streams([(stream, torch.randn(1, 80, size + row, generator=gen), final)
+                          for row, stream in enumerate(streams)])
+    assert seen and seen <= warmed
 
 
 def test_the_excitation_of_rows_at_their_own_frames_equals_each_row_alone(tiny_hift):

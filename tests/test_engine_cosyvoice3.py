@@ -325,12 +325,13 @@ def test_streams_at_one_point_of_the_schedule_share_the_vocoders_decoder_call(mo
     call; each gets the audio it gets vocoded alone."""
     flow, hift = models
     kind = CosyVoice3Kind(flow, hift, max_voices=1, padded=True, **SMALL_GRID)
-    batches, decode = [], hift.decode
-    hift.decode = lambda mel, source, finalize: (batches.append(mel.shape[0]), decode(mel, source, finalize))[1]
+    batches, spectrum_from = [], hift.spectrum_from
+    hift.spectrum_from = lambda mel, spec, finalize: (batches.append(mel.shape[0]),
+                                                      spectrum_from(mel, spec, finalize))[1]
     try:
         together = drive(kind, features, [STREAMS[1], STREAMS[1][::-1]], [0, 0], vocode=True)
     finally:
-        del hift.decode  # the class's method again
+        del hift.spectrum_from  # the class's method again
     assert max(batches) == 2
     for ids, pieces in zip([STREAMS[1], STREAMS[1][::-1]], together):
         alone = drive(CosyVoice3Kind(flow, hift, max_voices=1, padded=True, **SMALL_GRID), features, [ids], [0],

@@ -37,7 +37,7 @@ from ...lru import LruCache
 from ...models.cosyvoice3.dit import WindowState
 from ...models.cosyvoice3.flow import CosyVoice3Flow, Cv3VoicePrefix, load_cosyvoice3_flow
 from ...models.cosyvoice3.hift import (CausalHiFTGenerator, CausalHiftStream, load_causal_hift, push_streams,
-                                       warm_up_rows)
+                                       warm_up_shapes)
 from ...models.flow.cfm import N_TIMESTEPS, NOISE_FRAMES, fixed_noise
 from ...runtime import host_to_device, role_stream
 from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
@@ -316,21 +316,19 @@ class CosyVoice3Kind:
                 self._prefix_sampler.capture_all()
         ids = [0] * tokens
         voicing, schedule = self.open(features), self.chunk_schedule("exponential")
-        chunks = []  # the stream's (mel, final chunk)
         try:
             while True:
                 chunk = schedule.next_chunk(tokens) or schedule.final_chunk(tokens)
                 (job,) = self.start_chunks([(voicing, ids[:chunk.num_tokens], chunk.token_offset, chunk.finalize)])
                 self.solve([job])
-                chunks.append((self.mel(job), chunk.finalize))
-                self.vocode([(voicing, chunks[-1][0], chunk.finalize)])
+                self.vocode([(voicing, self.mel(job), chunk.finalize)])
                 if chunk.finalize:
                     break
         finally:
             voicing.close()
-        if self.device.type == "cuda":  # cuDNN's plans of the vocoder's batched shapes (ROW_BUCKETS)
+        if self.device.type == "cuda":  # cuDNN's plans of the vocoder's batched shapes (its row and frame buckets)
             # up to the most chunk jobs a batch takes by default, the most the loop vocodes together
-            warm_up_rows(self.hift, chunks, DEFAULT_MAX_BATCH_JOBS)
+            warm_up_shapes(self.hift, DEFAULT_MAX_BATCH_JOBS)
         job = self.start_offline(features, ids)
         self.solve([job])
         self.vocode([(None, self.mel(job), True)])

@@ -21,6 +21,7 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -52,12 +53,19 @@ STREAM_CONTEXT_FRAMES = 36
 # projection, the HiFT its F0 predictor; then SineGen2 draws rand_ini and the noise buffer.
 NOISE_SAMPLES = 300 * OUTPUT_SAMPLE_RATE  # upstream's buffer: 300 s at 24 kHz
 NOISE_GROWTH = 10 * OUTPUT_SAMPLE_RATE  # the least a device copy of it grows by
-# Rows of a batched F0 or decoder call are padded to one of these counts (then to a multiple of the last).
-# Why: cuDNN builds its plans for each new input shape of each convolution, ~1 ms of host time each
-# (~90 convolutions here), so a batch of a row count not seen before cost the loop ~160 ms at once (the
-# fifteenth session: 8 new clips while 16 streams played, vocoder host time per iteration 4 -> 163 ms);
-# with buckets, the shapes are few and warm_up_rows runs them all at load.
+# Rows of a batched F0 or decoder call are padded to one of these counts (then to a multiple of the last),
+# and its frames to one of these widths (then to a multiple of the last). Why: cuDNN builds its plans for
+# each new input shape of each convolution, ~1 ms of host time each (~90 convolutions here), so a batch of
+# a row count not seen before cost the loop ~160 ms at once (the fifteenth session: 8 new clips while 16
+# streams played, vocoder host time per iteration 4 -> 163 ms), and so would every final chunk of a length
+# not seen before (a reply's length sets its last chunk's width). With buckets the shapes are few, and
+# warm_up_shapes runs those of replies up to WARM_UP_FRAMES' windows at load.
 ROW_BUCKETS = (1, 2, 4, 8, 16)
+FRAME_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256)
+# The widest window warm_up_shapes runs: a final chunk's decoder window in a reply of up to ~190 tokens
+# (7.6 s; the exponential schedule's chunks after the third are 100 tokens). Wider ones, rarer, build
+# their plans once when first met.
+WARM_UP_FRAMES = 256
 
 
 class CausalResBlock(ResBlock):
@@ -311,15 +319,28 @@ class CausalHiFTGenerator(nn.Module):
                           return_complex=True)
         return torch.cat([spec.real, spec.imag], dim=1)
 
+    def spectrum_columns(self, frames: int, finalize: bool) -> int:
+        """Columns of the source spectrum and of the decoder's output for a window of ``frames`` mel
+        frames: 120·F' + 1, F' = F (finalize) or F − conv_pre_look_right."""
+        kept = frames if finalize else frames - self.cfg.conv_pre_look_right
+        return kept * self.hop_length // self.cfg.istft_hop_len + 1
+
+    def source_spectrum(self, source: torch.Tensor, finalize: bool) -> torch.Tensor:
+        """Excitation (B, 1, 480·F) -> its STFT (B, 18, :meth:`spectrum_columns`) as the decoder reads it."""
+        spec = self._stft(source.squeeze(1))
+        return spec[:, :, :self.spectrum_columns(source.shape[2] // self.hop_length, finalize)]
+
     def predict_spectrum(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool) -> torch.Tensor:
         """Decoder input mel (B, 80, F) + excitation (B, 1, 480·F) -> conv_post output (B, 18, 120·F' + 1),
         F' = F (finalize) or F − conv_pre_look_right."""
-        look = self.cfg.conv_pre_look_right
-        source_spec = self._stft(source.squeeze(1))
+        return self.spectrum_from(mel, self.source_spectrum(source, finalize), finalize)
+
+    def spectrum_from(self, mel: torch.Tensor, source_spec: torch.Tensor, finalize: bool) -> torch.Tensor:
+        """:meth:`predict_spectrum` given the excitation's :meth:`source_spectrum`. Every layer is causal
+        (conv_pre reads its look-ahead from ``mel``), so frames appended after a window's end change
+        none of the window's own columns: rows right-padded to a common width get their own values."""
         if finalize:
-            mel = F.pad(mel, (0, look))
-        else:
-            source_spec = source_spec[:, :, :source_spec.shape[2] - look * self.hop_length // self.cfg.istft_hop_len]
+            mel = F.pad(mel, (0, self.cfg.conv_pre_look_right))
         x = self.conv_pre(mel)
         n_kernels = len(self.cfg.resblock_kernel_sizes)
         for i, (up, rate) in enumerate(zip(self.ups, self.cfg.upsample_rates)):
@@ -402,13 +423,11 @@ def _excite(due: list[tuple["CausalHiftStream", int]]) -> None:
     hift = due[0][0].hift
     hop, device = hift.hop_length, due[0][0].mel.device
     windows = [stream._f0_window() for stream, _ in due]
-    width = max(w.shape[2] for w in windows)
+    width = bucket_frames(max(w.shape[2] for w in windows))
+    mel = _stack_padded(windows, width, left=True)
     if all(w.shape[2] == width for w in windows):
-        f0 = hift.predict_f0(_pad_rows(torch.cat(windows)), False)
-    else:  # padding rows: all padding
-        mel = windows[0].new_zeros(bucket_rows(len(windows)), windows[0].shape[1], width)
-        for row, window in enumerate(windows):
-            mel[row, :, width - window.shape[2]:] = window[0]
+        f0 = hift.predict_f0(mel, False)
+    else:  # rows left-padded to the width bucket; padding rows: all padding
         pads = [width - w.shape[2] for w in windows] + [width] * (mel.shape[0] - len(windows))
         f0 = hift.predict_f0(mel, False, host_to_device(torch.tensor(pads, dtype=torch.long), device))
     f0 = f0[:len(due)]
@@ -431,36 +450,74 @@ def _excite(due: list[tuple["CausalHiftStream", int]]) -> None:
         stream.f0_frames = end
 
 
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for bucket in buckets:
+        if n <= bucket:
+            return bucket
+    return -(-n // buckets[-1]) * buckets[-1]
+
+
 def bucket_rows(rows: int) -> int:
     """The row count a batched call of ``rows`` rows is padded to (:data:`ROW_BUCKETS`)."""
-    for bucket in ROW_BUCKETS:
-        if rows <= bucket:
-            return bucket
-    return -(-rows // ROW_BUCKETS[-1]) * ROW_BUCKETS[-1]
+    return _bucket(rows, ROW_BUCKETS)
 
 
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (B, ...) with zero rows after it up to :func:`bucket_rows` (B)."""
-    rows = bucket_rows(x.shape[0])
-    return x if rows == x.shape[0] else torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+def bucket_frames(frames: int) -> int:
+    """The width a batched call's windows of up to ``frames`` mel frames are padded to (:data:`FRAME_BUCKETS`)."""
+    return _bucket(frames, FRAME_BUCKETS)
 
 
 @torch.inference_mode()
 def decode_calls(hift: "CausalHiFTGenerator", calls: list[CausalHiftCall]) -> list[torch.Tensor | None]:
-    """Every call's decoded window, calls of one shape (frames, finalize) in one batched decoder call:
-    streams at the same point of the chunk schedule share a shape. Each row's output is the one it
-    gets alone (the decoder works per row; padding rows up to :func:`bucket_rows` are dropped)."""
+    """Every call's decoded window, calls of one padded shape (:func:`bucket_frames` of their frames,
+    finalize) in one batched decoder call, rows right-padded with zero frames and zero rows added up to
+    :func:`bucket_rows`. Each row's output is the one it gets alone: its excitation's spectrum is taken
+    at its own length, the network is causal (:meth:`CausalHiFTGenerator.spectrum_from`), and its
+    columns are cut back to its own before the inverse STFT."""
     out: list[torch.Tensor | None] = [None] * len(calls)
-    groups: dict[tuple[int, bool], list[int]] = {}
-    for i, call in enumerate(calls):
-        if call.mel is not None:
-            groups.setdefault((call.mel.shape[2], call.finalize), []).append(i)
-    for (_, finalize), members in groups.items():
-        speech = hift.decode(_pad_rows(torch.cat([calls[i].mel for i in members])),
-                             _pad_rows(torch.cat([calls[i].source for i in members])), finalize)
-        for row, i in enumerate(members):
-            out[i] = speech[row:row + 1]
+    live = [i for i, call in enumerate(calls) if call.mel is not None]
+    specs: dict[int, torch.Tensor] = {}
+    for (_, finalize), members in _groups(live, lambda i: (calls[i].mel.shape[2], calls[i].finalize)).items():
+        spec = hift.source_spectrum(torch.cat([calls[i].source for i in members]), finalize)
+        specs.update((i, spec[row:row + 1]) for row, i in enumerate(members))
+    for (width, finalize), members in _groups(
+            live, lambda i: (bucket_frames(calls[i].mel.shape[2]), calls[i].finalize)).items():
+        spectrum = hift.spectrum_from(_stack_padded([calls[i].mel for i in members], width),
+                                      _stack_padded([specs[i] for i in members],
+                                                    hift.spectrum_columns(width, finalize)), finalize)
+        rows = {i: row for row, i in enumerate(members)}
+        for frames, same in _groups(members, lambda i: calls[i].mel.shape[2]).items():
+            # rows of one width (the usual batch: streams at one point of the schedule) as a view
+            picked = spectrum[:len(same)] if same == members else spectrum[[rows[i] for i in same]]
+            speech = hift.spectrum_to_wave(picked[:, :, :hift.spectrum_columns(frames, finalize)], finalize)
+            for row, i in enumerate(same):
+                out[i] = speech[row:row + 1]
     return out
+
+
+def _groups(indices: list[int], key) -> dict:
+    groups: dict = {}
+    for i in indices:
+        groups.setdefault(key(i), []).append(i)
+    return groups
+
+
+def _stack_padded(tensors: list[torch.Tensor], width: int, left: bool = False) -> torch.Tensor:
+    """(1, C, w) tensors -> (bucket_rows(n), C, width): each padded with zeros on the right (or the
+    left), zero rows after them; tensors of one width (the usual case) in two operators."""
+    rows = bucket_rows(len(tensors))
+    if len({t.shape[2] for t in tensors}) == 1:
+        x = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+        pad = width - x.shape[2]
+        return F.pad(x, (pad, 0) if left else (0, pad)) if rows == x.shape[0] else \
+            F.pad(x, ((pad, 0) if left else (0, pad)) + (0, 0, 0, rows - x.shape[0]))
+    stacked = tensors[0].new_zeros(rows, tensors[0].shape[1], width)
+    for row, t in enumerate(tensors):
+        if left:
+            stacked[row, :, width - t.shape[2]:] = t[0]
+        else:
+            stacked[row, :, :t.shape[2]] = t[0]
+    return stacked
 
 
 def push_streams(items: list[tuple["CausalHiftStream", torch.Tensor, bool]]) -> list[torch.Tensor]:
@@ -473,14 +530,19 @@ def push_streams(items: list[tuple["CausalHiftStream", torch.Tensor, bool]]) -> 
 
 
 @torch.inference_mode()
-def warm_up_rows(hift: "CausalHiFTGenerator", chunks: list[tuple[torch.Tensor, bool]], max_rows: int) -> None:
-    """Run every row bucket up to ``max_rows`` through a stream's ``chunks`` (mel (1, 80, n), finalize),
-    that many streams in step: the batched F0 and decoder calls meet the shapes streams at those
-    points of their schedule make, so serving does not build their cuDNN plans (:data:`ROW_BUCKETS`)."""
-    for rows in sorted({bucket_rows(n) for n in range(1, max_rows + 1)}):
-        streams = [CausalHiftStream(hift) for _ in range(rows)]
-        for mel, finalize in chunks:
-            push_streams([(stream, mel, finalize) for stream in streams])
+def warm_up_shapes(hift: "CausalHiFTGenerator", max_rows: int, max_frames: int = WARM_UP_FRAMES) -> None:
+    """Run every shape of the batched F0 and decoder calls of up to ``max_rows`` rows and windows of
+    up to ``max_frames`` frames once (each row bucket at each frame bucket; the decoder's final and
+    non-final calls), so that serving does not build their cuDNN plans (:data:`ROW_BUCKETS`)."""
+    device, channels = hift.conv_pre.weight.device, hift.cfg.in_channels
+    rows_buckets = sorted({bucket_rows(n) for n in range(1, max_rows + 1)})
+    widths = [w for w in FRAME_BUCKETS if w <= bucket_frames(max_frames)]
+    for rows, width in product(rows_buckets, widths):
+        hift.predict_f0(torch.zeros(rows, channels, width, device=device), False)
+        for finalize in (False, True):
+            call = CausalHiftCall(torch.zeros(1, channels, width, device=device),
+                                  torch.zeros(1, 1, width * hift.hop_length, device=device), finalize, 0, 0)
+            decode_calls(hift, [call] * rows)
 
 
 class CausalHiftStream:
