@@ -466,18 +466,13 @@ class CosyVoice3Kind:
     @torch.inference_mode()
     def vocode(self, items: list[tuple[Cv3Voicing | None, torch.Tensor, bool]]) -> list[torch.Tensor]:
         """PCM (1-D float32 on the device, launched) of each (stream's voicing, or None for an
-        offline request; mel; final chunk): the streams' F0 and excitation in one batched call, the
-        decoder batched over streams whose windows have one shape."""
-        streams = [i for i, (voicing, _, _) in enumerate(items) if voicing is not None]
-        speech: list[torch.Tensor | None] = [None] * len(items)
-        if streams:
-            pushed = push_streams([(items[i][0].vocoder, items[i][1], items[i][2]) for i in streams])
-            for i, samples in zip(streams, pushed):
-                speech[i] = samples
-        for i, (voicing, mel, _) in enumerate(items):
-            if voicing is None:
-                speech[i] = self.hift.inference(mel, finalize=True)[0] if mel.shape[2] else mel.new_zeros(1, 0)
-        return [s.detach().to(torch.float32).reshape(-1) for s in speech]
+        offline request; mel; final chunk), all pushed together (:func:`push_streams`: the F0 and
+        excitation in one batched call, the decoder batched over windows of one padded shape). An
+        offline request's mel is a fresh vocoder stream's one final push, which equals one call on
+        the whole mel and keeps its shapes among the bucketed ones."""
+        pushed = push_streams([(voicing.vocoder if voicing is not None else CausalHiftStream(self.hift), mel, final)
+                               for voicing, mel, final in items])
+        return [samples.detach().to(torch.float32).reshape(-1) for samples in pushed]
 
 
 def _free_device_memory(device: torch.device) -> int:

@@ -524,6 +524,8 @@ def push_streams(items: list[tuple["CausalHiftStream", torch.Tensor, bool]]) -> 
     """:meth:`CausalHiftStream.push` of many streams of one vocoder at once: (stream, new mel frames,
     finalize) -> each stream's new samples (1, s), prepared (:func:`prepare_calls`) and decoded
     (:func:`decode_calls`) together."""
+    if not items:
+        return []
     calls = prepare_calls(items)
     return [stream.complete(call, window)
             for (stream, _, _), call, window in zip(items, calls, decode_calls(items[0][0].hift, calls))]
