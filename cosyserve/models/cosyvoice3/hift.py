@@ -476,22 +476,22 @@ def decode_calls(hift: "CausalHiFTGenerator", calls: list[CausalHiftCall]) -> li
     columns are cut back to its own before the inverse STFT."""
     out: list[torch.Tensor | None] = [None] * len(calls)
     live = [i for i, call in enumerate(calls) if call.mel is not None]
-    specs: dict[int, torch.Tensor] = {}
-    for (_, finalize), members in _groups(live, lambda i: (calls[i].mel.shape[2], calls[i].finalize)).items():
-        spec = hift.source_spectrum(torch.cat([calls[i].source for i in members]), finalize)
-        specs.update((i, spec[row:row + 1]) for row, i in enumerate(members))
     for (width, finalize), members in _groups(
             live, lambda i: (bucket_frames(calls[i].mel.shape[2]), calls[i].finalize)).items():
-        spectrum = hift.spectrum_from(_stack_padded([calls[i].mel for i in members], width),
-                                      _stack_padded([specs[i] for i in members],
-                                                    hift.spectrum_columns(width, finalize)), finalize)
-        rows = {i: row for row, i in enumerate(members)}
-        for frames, same in _groups(members, lambda i: calls[i].mel.shape[2]).items():
-            # rows of one width (the usual batch: streams at one point of the schedule) as a view
-            picked = spectrum[:len(same)] if same == members else spectrum[[rows[i] for i in same]]
-            speech = hift.spectrum_to_wave(picked[:, :, :hift.spectrum_columns(frames, finalize)], finalize)
+        # rows of one width together (the usual batch: streams at one point of the schedule, one group)
+        same_width = _groups(members, lambda i: calls[i].mel.shape[2])
+        mels = [torch.cat([calls[i].mel for i in same]) for same in same_width.values()]
+        specs = [hift.source_spectrum(torch.cat([calls[i].source for i in same]), finalize)
+                 for same in same_width.values()]
+        spectrum = hift.spectrum_from(_stack_padded(mels, width),
+                                      _stack_padded(specs, hift.spectrum_columns(width, finalize)), finalize)
+        first = 0
+        for frames, same in same_width.items():
+            columns = hift.spectrum_columns(frames, finalize)
+            speech = hift.spectrum_to_wave(spectrum[first:first + len(same), :, :columns], finalize)
             for row, i in enumerate(same):
                 out[i] = speech[row:row + 1]
+            first += len(same)
     return out
 
 
@@ -503,20 +503,20 @@ def _groups(indices: list[int], key) -> dict:
 
 
 def _stack_padded(tensors: list[torch.Tensor], width: int, left: bool = False) -> torch.Tensor:
-    """(1, C, w) tensors -> (bucket_rows(n), C, width): each padded with zeros on the right (or the
-    left), zero rows after them; tensors of one width (the usual case) in two operators."""
-    rows = bucket_rows(len(tensors))
+    """(b, C, w) tensors -> (bucket_rows(Σb), C, width): their rows in order, each padded with zeros on
+    the right (or the left), zero rows after them; tensors of one width (the usual case) in two operators."""
+    count = sum(t.shape[0] for t in tensors)
+    rows = bucket_rows(count)
     if len({t.shape[2] for t in tensors}) == 1:
         x = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
         pad = width - x.shape[2]
-        return F.pad(x, (pad, 0) if left else (0, pad)) if rows == x.shape[0] else \
-            F.pad(x, ((pad, 0) if left else (0, pad)) + (0, 0, 0, rows - x.shape[0]))
+        return F.pad(x, ((pad, 0) if left else (0, pad)) + (0, 0, 0, rows - count))
     stacked = tensors[0].new_zeros(rows, tensors[0].shape[1], width)
-    for row, t in enumerate(tensors):
-        if left:
-            stacked[row, :, width - t.shape[2]:] = t[0]
-        else:
-            stacked[row, :, :t.shape[2]] = t[0]
+    first = 0
+    for t in tensors:
+        columns = slice(width - t.shape[2], width) if left else slice(0, t.shape[2])
+        stacked[first:first + t.shape[0], :, columns] = t
+        first += t.shape[0]
     return stacked
 
 
@@ -535,7 +535,8 @@ def push_streams(items: list[tuple["CausalHiftStream", torch.Tensor, bool]]) -> 
 def warm_up_shapes(hift: "CausalHiFTGenerator", max_rows: int, max_frames: int = WARM_UP_FRAMES) -> None:
     """Run every shape of the batched F0 and decoder calls of up to ``max_rows`` rows and windows of
     up to ``max_frames`` frames once (each row bucket at each frame bucket; the decoder's final and
-    non-final calls), so that serving does not build their cuDNN plans (:data:`ROW_BUCKETS`)."""
+    non-final calls), so that serving does not build their cuDNN plans (:data:`ROW_BUCKETS`,
+    :data:`FRAME_BUCKETS`)."""
     device, channels = hift.conv_pre.weight.device, hift.cfg.in_channels
     rows_buckets = sorted({bucket_rows(n) for n in range(1, max_rows + 1)})
     widths = [w for w in FRAME_BUCKETS if w <= bucket_frames(max_frames)]
