@@ -175,3 +175,6 @@ def test_a_killed_engine_ends_its_requests_and_starts_again(tiny_bundle, fronten
     finally:
         engine.close()
     assert engine.core.process.poll() is not None  # close stops the process it started
+    # and removes its socket files, which the killed engine left behind
+    socket_file = engine.core.address.removeprefix("ipc://")
+    assert not os.path.exists(f"{socket_file}-in") and not os.path.exists(f"{socket_file}-out")

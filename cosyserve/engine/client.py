@@ -157,6 +157,8 @@ class EngineClient:
         self._receiver.join(timeout=5)
         self._fail_all(wire.EngineProcessError("the engine was closed"))
         self.context.destroy(0)
+        if self.process is not None:  # the engine this client started may have been killed, closing nothing
+            wire.remove_socket_files(self.address)
 
     # ----- sockets -----
 

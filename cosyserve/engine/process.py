@@ -157,6 +157,7 @@ class EngineServer:
         self.outbox = outbox
         self.forwarded = forwarded
         self.info = info
+        self.address = address
         self.context = zmq.Context()
         self.inbound = self.context.socket(zmq.ROUTER)
         self.inbound.bind(f"{address}-in")
@@ -195,6 +196,7 @@ class EngineServer:
         self.inbound.close(0)
         self.outbound.close(0)
         self.context.term()
+        wire.remove_socket_files(self.address)
 
     # ----- the main thread -----
 

@@ -31,6 +31,7 @@ maps them to status codes as it would in-process (``overloaded: ...`` stays a re
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -65,6 +66,16 @@ class EngineStats:
     generating: int = 0
     counters: dict[str, float] = field(default_factory=dict)
     gauges: dict[str, tuple[str, float]] = field(default_factory=dict)
+
+
+def remove_socket_files(address: str) -> None:
+    """Delete the files of an ``ipc://`` endpoint pair (``<address>-in`` / ``-out``). libzmq leaves
+    them behind when the bound sockets close (and a killed engine closes nothing), so whoever ends
+    an engine removes them; other transports have none."""
+    if not address.startswith("ipc://"):
+        return
+    for suffix in ("-in", "-out"):
+        Path(address[len("ipc://"):] + suffix).unlink(missing_ok=True)
 
 
 def pack(*items) -> bytes:
