@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from ..config import load_hyperpyyaml
 from ..errors import ModelLoadError
 from ..models.cosyvoice3.config import Cv3FlowConfig
+from ..models.cosyvoice3.dit import rotary
 from ..models.cosyvoice3.flow import CosyVoice3Flow, load_cosyvoice3_flow
 from ..models.flow.cfm import cosine_time_grid, fixed_noise
 from . import CaseResult, check, compare, is_cosyvoice3_fixture, manifest_case
@@ -108,8 +109,9 @@ def _estimator_step0_cases(model: CosyVoice3Flow, io: dict, z: torch.Tensor, c) 
         compare(SUITE, prefix + "input_embed", h, io[prefix + "input_embed"], rel_l2=FLOW_REL_L2),
         compare(SUITE, prefix + "rope_freqs", angles, io[prefix + "rope_freqs"], rel_l2=FLOW_REL_L2),
     ]
+    rotation = rotary(angles)
     for i, block in enumerate(est.transformer_blocks):
-        h = block(h, t_emb, angles, None)
+        h = block(h, t_emb, rotation, None)
         if prefix + f"block{i}" in io:
             results.append(compare(SUITE, prefix + f"block{i}", h, io[prefix + f"block{i}"], rel_l2=FLOW_REL_L2))
     results.append(compare(SUITE, prefix + "norm_out", est.norm_out(h, t_emb), io[prefix + "norm_out"],

@@ -15,7 +15,8 @@ Padding (``padded``, implied by ``cuda_graphs``): jobs are padded to a bucket (1
 committed frames to a past bucket (padded keys masked) and windows to a width bucket (padded frames
 are on the right: the position convolutions are causal and padded keys masked, so they change no
 real frame, and are dropped). Every shape reads and writes leading views of one set of buffers;
-the staged keys/values live in one flat buffer, so a shape is allowed while jobs x past frames
+the keys/values, staged past then the window's, live in one flat buffer (attention reads them in
+place, each block writing its window's after the past), so a shape is allowed while jobs x past frames
 stays within ``past_budget`` (and jobs x width within ``width_budget``): a step that does not fit
 one shape is split into groups that do, and jobs beyond every shape run eagerly, unpadded. On
 CUDA each shape replays a CUDA graph (all graphs share one memory pool); :meth:`capture_all`
@@ -155,12 +156,13 @@ class _StepBuffers:
     meta: torch.Tensor  # (R, 4) int64: step, start, width, full
     planes: torch.Tensor  # (R, 3, 80, W): x ‖ mu ‖ cond
     spks: torch.Tensor  # (R, 80)
-    past: torch.Tensor | None  # (blocks, 2, 2R, heads, P, dim_head); None when P == 0
+    kv: torch.Tensor  # (blocks, 2, 2R, heads, P + W, dim_head): staged past, then the window's (out)
     conv: torch.Tensor  # (2, 2R, D, 30)
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return self.planes.shape[0], 0 if self.past is None else self.past.shape[4], self.planes.shape[3]
+        width = self.planes.shape[3]
+        return self.planes.shape[0], self.kv.shape[4] - width, width
 
 
 class PackedWindowSampler:
@@ -278,7 +280,7 @@ class PackedWindowSampler:
 
     def _forward(self, b: _StepBuffers) -> tuple[torch.Tensor, ...]:
         """The packed Euler step: (x after the step (R, 80, W), window keys/values (blocks, 2, 2R,
-        heads, W, dim_head), convolution inputs (2R, D, 30 + W) x 2). Pure device work."""
+        heads, W, dim_head: a view of ``b.kv``), convolution inputs (2R, D, 30 + W) x 2). Pure device work."""
         estimator, rows = self.decoder.estimator, b.planes.shape[0]
         x, mu, cond = b.planes.unbind(1)
         step, start, width, full = b.meta.unbind(1)
@@ -291,7 +293,7 @@ class PackedWindowSampler:
             return torch.stack([v, torch.zeros_like(v)], dim=1).flatten(0, 1)
 
         out, kv, inputs1, inputs2 = estimator.forward_window(
-            pairs(x), guided(mu), pairs(self._t[step]), guided(b.spks), guided(cond), b.past, b.conv,
+            pairs(x), guided(mu), pairs(self._t[step]), guided(b.spks), guided(cond), b.kv, b.conv,
             pairs(angles), pairs(mask).unsqueeze(1))
         v = out.unflatten(0, (rows, 2))
         rate = self.decoder.cfg_rate
@@ -314,7 +316,7 @@ class PackedWindowSampler:
             if job.state.kv is None:
                 b.conv[:, pair].zero_()
             else:
-                dsts += [b.past[:, :, pair, :, :job.start], b.conv[:, pair]]
+                dsts += [b.kv[:, :, pair, :, :job.start], b.conv[:, pair]]
                 srcs += [job.state.kv[job.step], job.state.conv_context[job.step]]
         torch._foreach_copy_(dsts, srcs)
 
@@ -341,8 +343,7 @@ class PackedWindowSampler:
             return torch.zeros(shape, dtype=dtype, device=self.device)
 
         return _StepBuffers(zeros(rows, 4, dtype=torch.long), zeros(rows, 3, cfg.mel_dim, width),
-                            zeros(rows, cfg.spk_dim),
-                            zeros(cfg.depth, 2, 2 * rows, cfg.heads, past, cfg.dim_head) if past else None,
+                            zeros(rows, cfg.spk_dim), zeros(cfg.depth, 2, 2 * rows, cfg.heads, past + width, cfg.dim_head),
                             zeros(2, 2 * rows, cfg.dim, CONTEXT))
 
     def _staging_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -353,9 +354,8 @@ class PackedWindowSampler:
         width_frames = min(self.width_budget, rows * width)
         d = self.dtype
         return {"meta": ((rows, 4), torch.long), "planes": ((rows, 3, cfg.mel_dim, width), d),
-                "spks": ((rows, cfg.spk_dim), d), "past": ((past_frames * self._frame_kv,), d),
+                "spks": ((rows, cfg.spk_dim), d), "kv": (((past_frames + width_frames) * self._frame_kv,), d),
                 "conv": ((2, 2 * rows, cfg.dim, CONTEXT), d), "x_out": ((rows, cfg.mel_dim, width), d),
-                "kv_out": ((width_frames * self._frame_kv,), d),
                 "inputs1_out": ((2 * rows, cfg.dim, CONTEXT + width), d),
                 "inputs2_out": ((2 * rows, cfg.dim, CONTEXT + width), d)}
 
@@ -379,11 +379,11 @@ class PackedWindowSampler:
     def _views(self, rows: int, past: int, width: int) -> _StepBuffers:
         s = self._allocate()
         return _StepBuffers(s["meta"][:rows], s["planes"][:rows, :, :, :width], s["spks"][:rows],
-                            self._kv_view(s["past"], rows, past) if past else None, s["conv"][:, :2 * rows])
+                            self._kv_view(s["kv"], rows, past + width), s["conv"][:, :2 * rows])
 
     def _outputs(self, rows: int, past: int, width: int) -> tuple[torch.Tensor, ...]:
         s = self._allocate()
-        return (s["x_out"][:rows, :, :width], self._kv_view(s["kv_out"], rows, width),
+        return (s["x_out"][:rows, :, :width], self._kv_view(s["kv"], rows, past + width)[..., past:, :],
                 s["inputs1_out"][:2 * rows, :, :CONTEXT + width], s["inputs2_out"][:2 * rows, :, :CONTEXT + width])
 
     def _graph(self, shape: tuple[int, int, int], buffers: _StepBuffers) -> torch.cuda.CUDAGraph | None:
@@ -398,8 +398,9 @@ class PackedWindowSampler:
     def _capture(self, shape: tuple[int, int, int], buffers: _StepBuffers) -> torch.cuda.CUDAGraph | None:
         outputs = self._outputs(*shape)
 
-        def run() -> None:
-            for out, value in zip(outputs, self._forward(buffers)):
+        def run() -> None:  # the window's keys/values are written in place, in the staged buffer
+            x, _, inputs1, inputs2 = self._forward(buffers)
+            for out, value in zip((outputs[0], outputs[2], outputs[3]), (x, inputs1, inputs2)):
                 out.copy_(value)
 
         try:

@@ -120,13 +120,20 @@ class RotaryEmbedding(nn.Module):
         return torch.stack((freqs, freqs), dim=-1).flatten(-2)
 
 
-def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``angles.shape[-1]`` channels of x (B, T, C) — upstream rotates the
-    projection before splitting heads, so only head 0 gets positions; the rest pass through."""
-    width = angles.shape[-1]
-    rotated, rest = x[..., :width], x[..., width:]
-    rotated = rotated * angles.cos() + rotate_pairs(rotated) * angles.sin()
-    return torch.cat((rotated, rest), dim=-1).to(x.dtype)
+def rotary(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of rotary ``angles``, computed once for every block."""
+    return angles.cos(), angles.sin()
+
+
+def rotate_leading_(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` channels of x (B, T, C) in place — upstream rotates the
+    projection before splitting heads, so only head 0 gets positions; the rest pass through. The
+    rotation is computed in the angles' dtype and rounded to x's, as upstream's concatenation and cast
+    do; writing it in place spares copying (and upcasting) the other channels."""
+    cos, sin = rotation
+    head = x[..., :cos.shape[-1]]
+    head.copy_(head * cos + rotate_pairs(head) * sin)
+    return x
 
 
 class Attention(nn.Module):
@@ -138,18 +145,24 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(cfg.dim, cfg.inner_dim)
         self.to_out = nn.ModuleList([nn.Linear(cfg.inner_dim, cfg.dim)])  # key "to_out.0" (upstream: + Dropout)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor, attn_mask: torch.Tensor | None,
-                past: tuple[torch.Tensor, torch.Tensor] | None = None
+    def forward(self, x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor], attn_mask: torch.Tensor | None,
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x (B, T, D); angles (T, dim_head) of x's positions; attn_mask bool broadcastable to
-        (B, heads, T, T_past + T) or None; past: keys and values (B, heads, T_past, dim_head) of earlier
-        positions. Returns the output and x's own keys (rotated) and values."""
+        """x (B, T, D); rotation (:func:`rotary`, (T, dim_head) each) of x's positions; attn_mask
+        broadcastable to (B, heads, T, T_past + T) (bool, or additive in x's dtype: :func:`additive_mask`)
+        or None; cache: keys and values buffers (B, heads, T_past + T, dim_head) whose first T_past
+        positions hold earlier positions' (x's are written after them, and attention reads the whole:
+        no concatenation). Returns the output and x's own keys (rotated) and values."""
         batch, frames, _ = x.shape
-        q = apply_rotary(self.to_q(x), angles)
-        k = apply_rotary(self.to_k(x), angles)
+        q = rotate_leading_(self.to_q(x), rotation)
+        k = rotate_leading_(self.to_k(x), rotation)
         v = self.to_v(x)
         q, k, v = (h.view(batch, frames, self.heads, self.dim_head).transpose(1, 2) for h in (q, k, v))
-        keys, values = (k, v) if past is None else (torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2))
+        keys, values = (k, v) if cache is None else cache
+        if cache is not None:
+            keys[:, :, -frames:].copy_(k)
+            values[:, :, -frames:].copy_(v)
+            k, v = keys[:, :, -frames:], values[:, :, -frames:]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
         return self.to_out[0](out.transpose(1, 2).reshape(batch, frames, -1)), (k, v)
 
@@ -183,17 +196,18 @@ class DiTBlock(nn.Module):
         self.attn = Attention(cfg)
         self.ff = FeedForward(cfg.dim, cfg.ff_mult)
 
-    def forward(self, x, t_emb, angles, attn_mask, past=None) -> torch.Tensor:
-        return self.forward_with_kv(x, t_emb, angles, attn_mask, past)[0]
+    def forward(self, x, t_emb, rotation, attn_mask, cache=None) -> torch.Tensor:
+        return self.forward_with_kv(x, t_emb, rotation, attn_mask, cache)[0]
 
-    def forward_with_kv(self, x, t_emb, angles, attn_mask, past=None):
-        """The block on x (B, T, D), attending also to ``past`` keys/values; returns x and x's keys/values."""
+    def forward_with_kv(self, x, t_emb, rotation, attn_mask, cache=None):
+        """The block on x (B, T, D), attending also to the earlier keys/values of ``cache``
+        (:meth:`Attention.forward`); returns x and x's keys/values."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(t_emb)
         norm = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
-        attn, kv = self.attn(modulate(norm, shift_msa, scale_msa), angles, attn_mask, past)
-        x = x + gate_msa * attn
+        attn, kv = self.attn(modulate(norm, shift_msa, scale_msa), rotation, attn_mask, cache)
+        x = torch.addcmul(x, gate_msa, attn)  # x + gate·attn in one pass over x (as modulate)
         norm = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
-        return x + gate_mlp * self.ff(modulate(norm, shift_mlp, scale_mlp)), kv
+        return torch.addcmul(x, gate_mlp, self.ff(modulate(norm, shift_mlp, scale_mlp))), kv
 
 
 class AdaLayerNormFinal(nn.Module):
@@ -216,6 +230,14 @@ class WindowState:
     frames: int
     kv: torch.Tensor | None  # (steps, blocks, 2 (keys, values), B, heads, frames, dim_head), keys rotated
     conv_context: torch.Tensor | None  # (steps, 2 (convolutions), B, D, kernel − 1): their last inputs
+
+
+def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bool attention mask as SDPA adds it (0 where attended, −inf elsewhere), made once for every
+    block instead of by each attention call."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def window_mask(start: int, width: int, chunk: int, device: torch.device, past_frames: int | None = None,
@@ -257,10 +279,10 @@ class Cv3DiT(nn.Module):
         """x, mu, cond (B, 80, T); mask (B, 1, T); t (B,); spks (B, 80) -> velocity (B, 80, T)."""
         t_emb = self.time_embed(t)
         h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
-        angles = self.rotary_embed.angles(h.shape[1])
-        attn_mask = self.attention_mask(mask, streaming)
+        rotation = rotary(self.rotary_embed.angles(h.shape[1]))
+        attn_mask = additive_mask(self.attention_mask(mask, streaming), h.dtype)
         for block in self.transformer_blocks:
-            h = block(h, t_emb, angles, attn_mask)
+            h = block(h, t_emb, rotation, attn_mask)
         return self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
 
     def window_geometry(self, start: int, width: int, past_frames: int | None = None,
@@ -272,29 +294,40 @@ class Cv3DiT(nn.Module):
         angles = self.rotary_embed.angles(start + padded_width)[start:]
         return angles, window_mask(start, width, self.cfg.static_chunk_size, device, past_frames, padded_width)
 
-    def forward_window(self, x, mu, t, spks, cond, past_kv: torch.Tensor | None,
-                       conv_context: torch.Tensor | None, angles: torch.Tensor, mask: torch.Tensor
+    def forward_window(self, x, mu, t, spks, cond, kv: torch.Tensor | None, conv_context: torch.Tensor | None,
+                       angles: torch.Tensor, mask: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block-masked velocity of a window of W frames that follows committed ones: x, mu, cond
-        (B, 80, W), t (B,), spks (B, 80); ``past_kv`` (blocks, 2, B, heads, P, dim_head) the committed
-        frames' keys/values at this Euler step (None: none); ``conv_context`` (2, B, D, 30) the last inputs
-        of the two position convolutions before the window (None: zeros); ``angles``, ``mask`` from
-        :meth:`window_geometry`. Returns the velocity (B, 80, W), the window's keys/values (blocks, 2,
-        B, heads, W, dim_head) and the two convolutions' inputs (B, D, 30 + W), context first.
-        Pure tensor work without host synchronisation (capturable in a CUDA graph)."""
+        (B, 80, W), t (B,), spks (B, 80); ``kv`` (blocks, 2, B, heads, P + W, dim_head) the committed
+        frames' keys/values at this Euler step in its first P frames (:func:`window_kv`), the
+        window's written into its last W (None: no committed frames); ``conv_context`` (2, B, D, 30) the
+        last inputs of the two position convolutions before the window (None: zeros); ``angles``,
+        ``mask`` from :meth:`window_geometry`. Returns the velocity (B, 80, W), the window's keys/values
+        (blocks, 2, B, heads, W, dim_head: a view of ``kv``) and the two convolutions' inputs (B, D,
+        30 + W), context first. Pure tensor work without host synchronisation (capturable in a CUDA graph)."""
         t_emb = self.time_embed(t)
         proj = self.input_embed.project(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
         context = None if conv_context is None else (conv_context[0], conv_context[1])
         pos, inputs1, inputs2 = self.input_embed.conv_pos_embed.with_context(proj, context)
         h = pos + proj
-        keys, values = [], []
+        rotation, mask = rotary(angles), additive_mask(mask, h.dtype)
+        if kv is None:
+            kv = window_kv(None, h.shape[1], self.cfg, h)
         for index, block in enumerate(self.transformer_blocks):
-            past = None if past_kv is None else (past_kv[index, 0], past_kv[index, 1])
-            h, (k, v) = block.forward_with_kv(h, t_emb, angles, mask, past)
-            keys.append(k)
-            values.append(v)
+            h, _ = block.forward_with_kv(h, t_emb, rotation, mask, (kv[index, 0], kv[index, 1]))
         velocity = self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
-        return velocity, torch.stack([torch.stack(keys), torch.stack(values)], dim=1), inputs1, inputs2
+        return velocity, kv[..., -h.shape[1]:, :], inputs1, inputs2
+
+
+def window_kv(past: torch.Tensor | None, width: int, cfg: Cv3EstimatorConfig, like: torch.Tensor) -> torch.Tensor:
+    """The keys/values buffer of :meth:`Cv3DiT.forward_window`: ``past`` (blocks, 2, B, heads, P,
+    dim_head; None: P = 0, B from ``like``) followed by room for a window of ``width`` frames."""
+    rows = like.shape[0] if past is None else past.shape[2]
+    frames = 0 if past is None else past.shape[4]
+    kv = like.new_empty(cfg.depth, 2, rows, cfg.heads, frames + width, cfg.dim_head)
+    if past is not None:
+        kv[..., :frames, :].copy_(past)
+    return kv
 
 
 def commit_window(state: WindowState, kv: torch.Tensor, inputs1: torch.Tensor, inputs2: torch.Tensor,

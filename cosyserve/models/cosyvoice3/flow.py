@@ -23,7 +23,7 @@ from ...errors import InvalidInputError, ModelLoadError
 from ...speech_tokens import speech_token_ids
 from ..flow.cfm import N_TIMESTEPS, cosine_time_grid, fixed_noise
 from .config import Cv3FlowConfig, config_from_model_dir
-from .dit import Cv3DiT, WindowState, commit_window
+from .dit import Cv3DiT, WindowState, commit_window, window_kv
 
 # (z, mu2, cond2, spks2, state) -> Cv3CFM.sample_state_window's outputs
 WindowSampler = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -114,9 +114,9 @@ class Cv3CFM(nn.Module):
         outputs = []
 
         def estimate(step: int, x2: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
+            kv = None if past_kv is None else window_kv(past_kv[step], x2.shape[2], self.estimator.cfg, x2)
             out, kv, inputs1, inputs2 = self.estimator.forward_window(
-                x2, mu2, t2, spks2, cond2, None if past_kv is None else past_kv[step],
-                None if conv_context is None else conv_context[step], angles, mask)
+                x2, mu2, t2, spks2, cond2, kv, None if conv_context is None else conv_context[step], angles, mask)
             outputs.append((kv, inputs1, inputs2))
             return out
 
