@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyserve.engine.client import EngineClient
+from cosyserve.engine.client import EngineClient, remove_orphaned_socket_files
 from cosyserve.engine.process import EngineSpec
 from cosyserve.engine.runners.llm import BackendLLM
 from cosyserve.engine.service import TTSEngine, load_frontend
@@ -178,3 +180,18 @@ def test_a_killed_engine_ends_its_requests_and_starts_again(tiny_bundle, fronten
     # and removes its socket files, which the killed engine left behind
     socket_file = engine.core.address.removeprefix("ipc://")
     assert not os.path.exists(f"{socket_file}-in") and not os.path.exists(f"{socket_file}-out")
+
+
+def test_socket_files_of_gone_front_doors_are_removed(tmp_path):
+    """A front door and its engine killed together leave their socket files; the next spawn removes
+    those of front doors that are gone, and no other file."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    names = {pid: [f"cosyserve-engine-{pid}-0a1b2c3d-in", f"cosyserve-engine-{pid}-0a1b2c3d-out"]
+             for pid in (gone.pid, os.getpid())}
+    others = ["cosyserve-engine-notes.txt", f"other-{gone.pid}-0a1b2c3d-in"]
+    for name in [*names[gone.pid], *names[os.getpid()], *others]:
+        (tmp_path / name).touch()
+    removed = remove_orphaned_socket_files(tmp_path)
+    assert sorted(path.name for path in removed) == sorted(names[gone.pid])
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([*names[os.getpid()], *others])

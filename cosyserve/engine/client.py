@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often the receiver looks at the process when nothing arrives
 HELLO_EVERY_S = 0.2
+SOCKET_PREFIX = "cosyserve-engine"  # a spawned engine's ipc files: <tmp>/<prefix>-<front door pid>-<id>-in|out
+_SOCKET_FILE = re.compile(rf"{SOCKET_PREFIX}-(\d+)-[0-9a-f]{{8}}-(in|out)")
 SILENT_S = 5.0  # a connected engine that sends nothing this long is taken for gone
 READY_TIMEOUT_S = 900.0  # a GPU engine's load: weights, graphs and the warm-up
 STOP_TIMEOUT_S = 30.0
@@ -77,8 +80,10 @@ class EngineClient:
               log_file: str | Path | None = None) -> "EngineClient":
         """Start ``python -m cosyserve.engine.process`` for ``spec`` (:class:`~.process.EngineSpec`)
         on a fresh IPC address and connect to it (it loads while the caller goes on: then
-        :meth:`wait_ready`). Its output goes where this process's goes, or to ``log_file``."""
-        address = f"ipc://{tempfile.gettempdir()}/cosyserve-engine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        :meth:`wait_ready`). Its output goes where this process's goes, or to ``log_file``. Socket files
+        that killed front doors' engines left behind are removed first."""
+        remove_orphaned_socket_files(Path(tempfile.gettempdir()))
+        address = f"ipc://{tempfile.gettempdir()}/{SOCKET_PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
         def start() -> subprocess.Popen:
             return _start_process(address, spec.to_json(), log_file)
@@ -305,6 +310,33 @@ def python_executable() -> str:
     if Path(sys.executable).name.startswith("python"):
         return sys.executable
     return str(Path(sys.prefix) / "bin" / "python3")
+
+
+def remove_orphaned_socket_files(directory: Path) -> list[Path]:
+    """Remove the socket files in ``directory`` of engines spawned by front doors that are gone (the
+    pid in the name): a front door and its engine killed together (SIGKILL) close nothing. Returns
+    the files removed (another user's stay)."""
+    removed = []
+    for path in directory.glob(f"{SOCKET_PREFIX}-*"):
+        match = _SOCKET_FILE.fullmatch(path.name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        try:
+            path.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _start_process(address: str, spec_json: str, log_file: str | Path | None) -> subprocess.Popen:
