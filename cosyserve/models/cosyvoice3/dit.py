@@ -146,25 +146,23 @@ class Attention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(cfg.inner_dim, cfg.dim)])  # key "to_out.0" (upstream: + Dropout)
 
     def forward(self, x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor], attn_mask: torch.Tensor | None,
-                cache: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x (B, T, D); rotation (:func:`rotary`, (T, dim_head) each) of x's positions; attn_mask
         broadcastable to (B, heads, T, T_past + T) (bool, or additive in x's dtype: :func:`additive_mask`)
         or None; cache: keys and values buffers (B, heads, T_past + T, dim_head) whose first T_past
         positions hold earlier positions' (x's are written after them, and attention reads the whole:
-        no concatenation). Returns the output and x's own keys (rotated) and values."""
+        no concatenation; the caller keeps x's keys, rotated, and values there)."""
         batch, frames, _ = x.shape
         q = rotate_leading_(self.to_q(x), rotation)
         k = rotate_leading_(self.to_k(x), rotation)
         v = self.to_v(x)
         q, k, v = (h.view(batch, frames, self.heads, self.dim_head).transpose(1, 2) for h in (q, k, v))
-        keys, values = (k, v) if cache is None else cache
         if cache is not None:
-            keys[:, :, -frames:].copy_(k)
-            values[:, :, -frames:].copy_(v)
-            k, v = keys[:, :, -frames:], values[:, :, -frames:]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
-        return self.to_out[0](out.transpose(1, 2).reshape(batch, frames, -1)), (k, v)
+            cache[0][:, :, -frames:].copy_(k)
+            cache[1][:, :, -frames:].copy_(v)
+            k, v = cache
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.to_out[0](out.transpose(1, 2).reshape(batch, frames, -1))
 
 
 class AdaLayerNormZero(nn.Module):
@@ -197,17 +195,14 @@ class DiTBlock(nn.Module):
         self.ff = FeedForward(cfg.dim, cfg.ff_mult)
 
     def forward(self, x, t_emb, rotation, attn_mask, cache=None) -> torch.Tensor:
-        return self.forward_with_kv(x, t_emb, rotation, attn_mask, cache)[0]
-
-    def forward_with_kv(self, x, t_emb, rotation, attn_mask, cache=None):
-        """The block on x (B, T, D), attending also to the earlier keys/values of ``cache``
-        (:meth:`Attention.forward`); returns x and x's keys/values."""
+        """The block on x (B, T, D), attending also to the earlier keys/values of ``cache`` and
+        writing x's there (:meth:`Attention.forward`)."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(t_emb)
         norm = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
-        attn, kv = self.attn(modulate(norm, shift_msa, scale_msa), rotation, attn_mask, cache)
+        attn = self.attn(modulate(norm, shift_msa, scale_msa), rotation, attn_mask, cache)
         x = torch.addcmul(x, gate_msa, attn)  # x + gate·attn in one pass over x (as modulate)
         norm = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
-        return torch.addcmul(x, gate_mlp, self.ff(modulate(norm, shift_mlp, scale_mlp))), kv
+        return torch.addcmul(x, gate_mlp, self.ff(modulate(norm, shift_mlp, scale_mlp)))
 
 
 class AdaLayerNormFinal(nn.Module):
@@ -314,7 +309,7 @@ class Cv3DiT(nn.Module):
         if kv is None:
             kv = window_kv(None, h.shape[1], self.cfg, h)
         for index, block in enumerate(self.transformer_blocks):
-            h, _ = block.forward_with_kv(h, t_emb, rotation, mask, (kv[index, 0], kv[index, 1]))
+            h = block(h, t_emb, rotation, mask, (kv[index, 0], kv[index, 1]))
         velocity = self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
         return velocity, kv[..., -h.shape[1]:, :], inputs1, inputs2
 
