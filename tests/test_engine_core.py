@@ -70,6 +70,7 @@ class FakeKind:
     threads: list[str] = field(default_factory=list)  # the thread of each prepare_voices call that succeeded
     launching_voices: set = field(default_factory=set)  # voices "being launched on another thread"
     computing: threading.Event = field(default_factory=lambda: _set_event())  # cleared: "the device is computing"
+    prompt_frames: int = 0  # frames a stream's first window carries for its voice (cold_frames)
 
     def chunk_schedule(self, strategy: str) -> ChunkScheduler:
         return ChunkScheduler(strategy)
@@ -89,6 +90,9 @@ class FakeKind:
 
     def wait_prepared(self, voices) -> None:
         self.computing.wait(5)
+
+    def cold_frames(self, features) -> int:
+        return self.prompt_frames
 
     def open(self, features) -> FakeVoicing:
         assert features not in self.launching_voices, "open would wait for the voice's launch"
@@ -197,6 +201,23 @@ def test_streams_are_voiced_in_batches_and_in_order():
     assert sum(p.size for p in listeners[-1].pieces) == tokens * SAMPLES_PER_TOKEN
     assert max(kind.batches) > 1 and sum(kind.batches) == 6 * len(chunks) + 1
     assert core.counters.flow_batches == len(kind.batches) and core.counters.chunks == sum(kind.batches)
+
+
+@pytest.mark.parametrize("prompt_frames, first_batch", [(0, 4), (900, 2), (2000, 1)])
+def test_a_streams_first_window_counts_the_prompt_it_carries(prompt_frames, first_batch):
+    """The batch's frame budget (2,048) holds the prompts that cold streams' first windows carry
+    (CosyVoice3's new clips): new clips arriving together are spread over batches instead of making
+    one batch that holds up every playing stream's next chunk."""
+    kind = FakeKind(prompt_frames=prompt_frames)
+    core = EngineCore(kind, FakeLLM(30))  # not started: stepped here
+    listeners = [submit(core, f"r{k}") for k in range(4)]
+    core.step()
+    assert kind.batches == [first_batch]
+    for _ in range(50):
+        core.step()
+    for listener in listeners:
+        assert listener.ended.get(timeout=5) is None
+    core.close()
 
 
 def test_the_kind_is_warmed_up_on_the_thread_that_then_vocodes(monkeypatch):

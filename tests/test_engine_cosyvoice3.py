@@ -169,21 +169,25 @@ def test_packed_windows_equal_each_streams_own_pushes(models, features, padded):
 
 def test_streams_start_after_the_voices_shared_prefix(models, features):
     """A warmed voice's streams start after its prefix and equal pushes from that prefix; a voice
-    not warmed takes its prefix from its first stream's first window, which its later streams use."""
+    not warmed takes its prefix from its first stream's first window, which its later streams use.
+    The scheduler's budget counts a first window's prompt (cold_frames) only while it is not kept."""
     flow, hift = models
     kind = CosyVoice3Kind(flow, hift, max_voices=2, padded=True, **SMALL_GRID)
+    assert kind.cold_frames(features) == 50
     kind.prepare_voices([features])
     prefix = kind.voice_prefix(features)
-    assert prefix is not None and prefix.frames == 50
+    assert prefix is not None and prefix.frames == 50 and kind.cold_frames(features) == 0
     got = drive(kind, features)
     assert max_diff(got, [flow_stream_mels(flow, features, ids, prefix) for ids in STREAMS]) < MEL_ATOL
     assert kind.prefix_hits == len(STREAMS)  # each stream's open (voice_prefix counts nothing)
 
     other = random_features(30, 2)
     starts = [0, 12]  # the second stream opens after the first one's first window committed
+    assert kind.cold_frames(other) == 50
     got = drive(kind, other, STREAMS[:2], starts)
     offered = kind.voice_prefix(other)
     assert offered is not None and offered.frames == 50 and kind.cached_voices == 2
+    assert kind.cold_frames(other) == 0
     expected = [flow_stream_mels(flow, other, STREAMS[0]), flow_stream_mels(flow, other, STREAMS[1], offered)]
     assert max_diff(got, expected) < MEL_ATOL
     # the offered prefix is the voice's own prefix (sampled apart by a stream that keeps it)

@@ -424,6 +424,8 @@ class EngineCore:
         state.request.stamp("chunk_planned")
         chunk = seg.pending
         frames = 2 * (len(seg.received) if chunk is _OFFLINE else chunk.num_tokens - chunk.token_offset) + 50
+        if seg.flow is None and chunk is not _OFFLINE:  # a stream's first window may carry its whole prompt
+            frames += self.kind.cold_frames(state.request.voice.features)
         full_pass = chunk is _OFFLINE or (chunk.finalize and self.kind.final_full_pass)
         return [Candidate(state, seg, chunk, frames, full_pass)]
 

@@ -12,7 +12,9 @@ steps); the scheduler decides which waiting chunks make it. Earliest deadline fi
 (:attr:`~.request.RequestState.deadline`: a playing stream's chunk is due when its listener runs
 dry, a first chunk ``FIRST_CHUNK_BUDGET_S`` after arrival, offline work never), while the batch's
 frames stay within ``max_batch_frames`` and its jobs within ``max_batch_jobs``: a bigger batch
-takes longer, and a chunk that arrives meanwhile waits for it. Full passes (offline requests, and
+takes longer, and a chunk that arrives meanwhile waits for it. A stream's first window counts the
+prompt frames it carries when its voice's state is not kept (:meth:`~.kinds.protocol.Kind.cold_frames`:
+CosyVoice3's new clips), so new voices arriving together are spread over batches. Full passes (offline requests, and
 a kind's final chunks where it voices them as a pass over everything: CosyVoice2's reference
 final) and windows never share a batch: each kind is a call of its own at every Euler step, so a
 batch of both would take the time of two, and the window of a stream's first chunk would wait for
@@ -45,7 +47,8 @@ class Candidate:
     state: RequestState
     segment: Any
     chunk: Any  # schedule.Chunk, or None for an offline segment
-    frames: int  # estimator frames it adds to a batch (its window, or its whole pass)
+    # estimator frames it adds to a batch: its window (a cold stream's first one with its prompt), or its whole pass
+    frames: int
     full_pass: bool = False  # a pass over everything (batched only with others), not a window
 
 

@@ -132,6 +132,9 @@ class CosyVoice2Kind:
             self._prompts.put(key, prompt)
         return key, prompt
 
+    def cold_frames(self, features: PromptFeatures) -> int:
+        return 0  # a stream starts after its voice's prompt state (prepared, or computed by open)
+
     def open(self, features: PromptFeatures) -> Voicing:
         """A stream's token2wav state, after its voice's kept prompt state (prepared as its request
         arrived; computed now if it was not)."""

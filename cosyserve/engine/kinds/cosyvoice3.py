@@ -215,6 +215,14 @@ class CosyVoice3Kind:
         return Cv3Prompt(tokens, host_to_device(tokens, self.device), host_to_device(feat, self.device).to(self.dtype),
                          spks, self.flow.voice_prefix_frames(tokens.shape[1]), key)
 
+    def cold_frames(self, features: PromptFeatures) -> int:
+        """The prompt's shareable frames when its voice's prefix is not kept: a stream opened now
+        starts at frame 0, its first window the whole prompt and its first tokens (kept, it starts
+        after the prefix, and the rest of the prompt is under a block of 50 frames)."""
+        if self.max_voices and self._prefixes.peek(features.key()) is not None:
+            return 0
+        return self.flow.voice_prefix_frames(features.speech_tokens.numel())
+
     @torch.inference_mode()
     def open(self, features: PromptFeatures) -> Cv3Voicing:
         """A stream's state, after its voice's kept prefix when there is one."""

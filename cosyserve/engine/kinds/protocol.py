@@ -75,6 +75,12 @@ class Kind(Protocol):
     def open(self, features: PromptFeatures) -> Voicing:
         """A stream of this voice."""
 
+    def cold_frames(self, features: PromptFeatures) -> int:
+        """Estimator frames of this voice's prompt that the first window of a stream opened now
+        carries besides its tokens' (the scheduler's budget counts them): the prompt's, when the kind
+        would start the stream without the voice's state; 0 when that state is kept or ``open``
+        computes it. Host only, never waits."""
+
     def prepare_voices(self, voices: list[PromptFeatures]) -> None:
         """Compute and keep these voices' state (registered ones at load, uploaded ones at upload; a
         request's voice when it arrives, or, with :attr:`cold_start`, when it comes again), launched,

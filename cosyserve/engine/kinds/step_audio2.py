@@ -205,6 +205,9 @@ class StepAudio2Kind:
             self._voices.put(key, state)  # open streams of an evicted voice keep their own reference
         return state
 
+    def cold_frames(self, features: PromptFeatures) -> int:
+        return 0  # open builds the voice's state when it is not kept: no window carries the prompt
+
     def open(self, features: PromptFeatures) -> StepAudio2Voicing:
         """A stream of ``features``' voice; the voice's state is built here on first use."""
         speaker = self._speaker(features)
