@@ -24,7 +24,9 @@ from cosyserve.models.cosyvoice3.config import CausalHiftConfig, Cv3FlowConfig
 from cosyserve.models.cosyvoice3.flow import CosyVoice3Flow, Cv3FlowStream
 from cosyserve.models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStream
 from cosyserve.engine.front_end import SegmentPrompt, TokenLimits
+from cosyserve.models.cosyvoice3.dit import WindowState
 from cosyserve.schedule import ChunkScheduler
+from cosyserve.token2wav.cosyvoice3_packed import PackedWindowSampler, WindowJob
 
 torch.set_num_threads(2)
 MEL_ATOL = 1e-4  # fp32 rounding (measured ~1e-6)
@@ -236,6 +238,28 @@ def test_padded_buffers_equal_the_unpadded_step(models, features):
     runs = [drive(CosyVoice3Kind(flow, hift, max_voices=1, padded=padded, **grid), features)
             for padded, grid in ((False, {}), (True, {}), (True, SMALL_GRID))]
     assert max_diff(runs[1], runs[0]) < 1e-5 and max_diff(runs[2], runs[0]) < 1e-5
+
+
+def test_a_steps_jobs_are_cut_into_the_cheapest_padded_calls(models):
+    """Jobs of alike shapes share a call; a job whose padding would cost more than a call of its own
+    goes apart (5 windows as 4 + 1, not padded to 8; short windows apart from a prompt's); jobs past
+    every shape run eagerly; every job is in exactly one call, and a step's cuts are kept."""
+    flow, _ = models
+    sampler = PackedWindowSampler(flow.decoder, padded=True)
+
+    def job(width: int, start: int = 0) -> WindowJob:
+        return WindowJob(WindowState(start, None, None), torch.zeros(3, 80, width), torch.zeros(1, 80), 0)
+
+    def calls(jobs: list[WindowJob]) -> list[tuple[list[int], tuple | None]]:
+        groups = sampler._groups(jobs)
+        assert sorted(id(j) for group, _ in groups for j in group) == sorted(id(j) for j in jobs)
+        return [([j.width for j in group], shape) for group, shape in groups]
+
+    assert calls([job(60) for _ in range(4)]) == [([60] * 4, (4, 0, 64))]
+    assert calls([job(500) for _ in range(5)]) == [([500] * 4, (4, 0, 512)), ([500], (1, 0, 512))]
+    assert calls([job(500)] + [job(60) for _ in range(4)]) == [([60] * 4, (4, 0, 64)), ([500], (1, 0, 512))]
+    assert calls([job(60), job(600)]) == [([60], (1, 0, 64)), ([600], None)]  # wider than every shape
+    assert len(sampler._runs) == 4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a capture that fails: no CUDA")

@@ -17,8 +17,9 @@ are on the right: the position convolutions are causal and padded keys masked, s
 real frame, and are dropped). Every shape reads and writes leading views of one set of buffers;
 the keys/values, staged past then the window's, live in one flat buffer (attention reads them in
 place, each block writing its window's after the past), so a shape is allowed while jobs x past frames
-stays within ``past_budget`` (and jobs x width within ``width_budget``): a step that does not fit
-one shape is split into groups that do, and jobs beyond every shape run eagerly, unpadded. On
+stays within ``past_budget`` (and jobs x width within ``width_budget``): a step's jobs are cut
+into the groups of shapes whose estimated time is least (jobs of alike shapes together, a job whose
+padding would cost more than a call of its own apart), and jobs beyond every shape run eagerly, unpadded. On
 CUDA each shape replays a CUDA graph (all graphs share one memory pool); :meth:`capture_all`
 captures the whole grid at load so no capture happens under load. Nothing in :meth:`step`
 synchronises with the device: per-row metadata (step, start, width, attention kind) goes over in
@@ -50,6 +51,11 @@ PAST_BUCKETS = (0, 256, 512, 1024, 1536, 2048)  # committed frames, prompt inclu
 WIDTH_BUCKETS = (64, 128, 192, 256, 384, 512)  # window frames
 DEFAULT_PAST_BUDGET = 8192  # jobs x past frames of staged keys/values (~176 KiB each, bfloat16, real size)
 DEFAULT_WIDTH_BUDGET = 4096  # jobs x window frames (the window keys/values out: the same per frame)
+# A padded call's fixed device time in window frames of one job (_groups' cost): a replay's ~500
+# kernels take a few microseconds each however small, about what 500 frames of one job take (one
+# H100, 2026-12-07: a step of 8 jobs x 512 frames, 4,096 job-frames, took 26 ms).
+GROUP_OVERHEAD_FRAMES = 500
+RUN_PLANS_KEPT = 64  # _groups' cuts kept (the batches of a loop repeat their jobs' shapes at every step)
 EMPTY_STATE = WindowState(0, None, None)
 
 
@@ -195,6 +201,10 @@ class PackedWindowSampler:
         self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._seen: Counter = Counter()
         self._failed: set[tuple[int, int, int]] = set()
+        self._runs: dict[tuple, list] = {}  # _groups' cuts by the jobs' (width, start), oldest first
+        # Keys over which a frame's attention costs as much as its projections and feed-forward
+        # (2·keys·inner against 4·dim·inner + 2·dim·ff MACs a frame): 4,096 at the released size.
+        self._attention_keys = 2 * cfg.dim + cfg.dim * cfg.dim * cfg.ff_mult / cfg.inner_dim
         self._pool = None
         self._lock = threading.Lock()
         self.calls = self.eager_calls = self.replays = 0
@@ -230,34 +240,64 @@ class PackedWindowSampler:
             for group, shape in self._groups(jobs):
                 self._run(group, shape)
 
-    def _shape(self, jobs: list[WindowJob]) -> tuple[int, int, int] | None:
-        """The padded shape of a group of jobs, None when it is outside the grid."""
-        rows = bucket(len(jobs), self.job_buckets)
-        past = bucket(max(job.start for job in jobs), self.past_buckets)
-        width = bucket(max(job.width for job in jobs), self.width_buckets)
+    def _shape(self, jobs: int, past: int, width: int) -> tuple[int, int, int] | None:
+        """The padded shape of ``jobs`` jobs whose longest past and window are ``past`` and ``width``
+        frames, None when it is outside the grid."""
+        rows = bucket(jobs, self.job_buckets)
+        past = bucket(past, self.past_buckets)
+        width = bucket(width, self.width_buckets)
         if rows is None or past is None or width is None or rows * past > self.past_budget \
                 or rows * width > self.width_budget:
             return None
         return rows, past, width
 
+    def _cost(self, shape: tuple[int, int, int]) -> float:
+        """A padded call's estimated device time, in frames of one job's projections and feed-forward:
+        its rows' frames, their attention over past + window keys, and a replay's fixed cost."""
+        rows, past, width = shape
+        return rows * width * (1.0 + (past + width) / self._attention_keys) + GROUP_OVERHEAD_FRAMES
+
     def _groups(self, jobs: list[WindowJob]) -> list[tuple[list[WindowJob], tuple[int, int, int] | None]]:
-        """One group when the step fits a shape; else greedy groups by width (then start) that fit,
-        and the jobs that fit no shape together, eagerly."""
-        whole = self._shape(jobs) if self.padded else None
-        if whole is not None or not self.padded:
-            return [(jobs, whole)]
-        groups, misfits, current = [], [], []
+        """The padded calls of a step: the jobs sorted by width (then start) and cut into runs, each
+        the shape of its most demanding job, where the runs' estimated time (:meth:`_cost`) is least
+        (one call for jobs of alike shapes; apart, jobs whose padding to one shape would cost more
+        than another call: 5 jobs as 4 + 1 rather than 8, short windows apart from a prompt's);
+        the jobs that fit no shape together, eagerly. The cuts depend only on the jobs' widths and
+        starts, the same at every step of a batch: they are worked out once per batch."""
+        if not self.padded:
+            return [(jobs, None)]
+        fits, misfits = [], []
         for job in sorted(jobs, key=lambda j: (j.width, j.start)):
-            if self._shape([job]) is None:
-                misfits.append(job)
-                continue
-            if current and self._shape(current + [job]) is None:
-                groups.append((current, self._shape(current)))
-                current = []
-            current.append(job)
-        if current:
-            groups.append((current, self._shape(current)))
+            (misfits if self._shape(1, job.start, job.width) is None else fits).append(job)
+        key = tuple((job.width, job.start) for job in fits)
+        runs = self._runs.get(key)
+        if runs is None:
+            runs = self._runs[key] = self._cheapest_runs(key)
+            if len(self._runs) > RUN_PLANS_KEPT:
+                self._runs.pop(next(iter(self._runs)))
+        groups = [(fits[begin:end], shape) for begin, end, shape in runs]
         return groups + ([(misfits, None)] if misfits else [])
+
+    def _cheapest_runs(self, jobs: tuple[tuple[int, int], ...]) -> list[tuple[int, int, tuple[int, int, int]]]:
+        """(begin, end, shape) of the runs of ``jobs`` ((width, start), sorted, each fitting a shape)
+        whose summed :meth:`_cost` is least (dynamic programming over the cut points)."""
+        best, cut = [0.0] + [float("inf")] * len(jobs), [(0, (0, 0, 0))] * (len(jobs) + 1)
+        for end in range(1, len(jobs) + 1):
+            past = 0
+            for begin in range(end - 1, -1, -1):
+                past = max(past, jobs[begin][1])
+                shape = self._shape(end - begin, past, jobs[end - 1][0])
+                if shape is None:  # more jobs or a longer past never fit again
+                    break
+                cost = best[begin] + self._cost(shape)
+                if cost < best[end]:
+                    best[end], cut[end] = cost, (begin, shape)
+        runs, end = [], len(jobs)
+        while end:
+            begin, shape = cut[end]
+            runs.append((begin, end, shape))
+            end = begin
+        return runs[::-1]
 
     # ----- one packed call -----
 
