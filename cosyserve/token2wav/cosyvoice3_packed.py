@@ -39,6 +39,7 @@ import torch
 from ..models.cosyvoice3.dit import POS_CONV_KERNEL, Cv3DiT, WindowState, commit_window
 from ..models.cosyvoice3.flow import Cv3CFM, CosyVoice3Flow
 from ..models.flow.cfm import N_TIMESTEPS, cosine_time_grid
+from ..lru import LruCache
 from ..runtime import LOOP_ROLE, bucket
 from .graphs import capture_graph
 
@@ -201,7 +202,7 @@ class PackedWindowSampler:
         self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._seen: Counter = Counter()
         self._failed: set[tuple[int, int, int]] = set()
-        self._runs: dict[tuple, list] = {}  # _groups' cuts by the jobs' (width, start), oldest first
+        self._runs: LruCache[tuple, list] = LruCache(RUN_PLANS_KEPT)  # _groups' cuts by the jobs' (width, start)
         # Keys over which a frame's attention costs as much as its projections and feed-forward
         # (2·keys·inner against 4·dim·inner + 2·dim·ff MACs a frame): 4,096 at the released size.
         self._attention_keys = 2 * cfg.dim + cfg.dim * cfg.dim * cfg.ff_mult / cfg.inner_dim
@@ -272,9 +273,8 @@ class PackedWindowSampler:
         key = tuple((job.width, job.start) for job in fits)
         runs = self._runs.get(key)
         if runs is None:
-            runs = self._runs[key] = self._cheapest_runs(key)
-            if len(self._runs) > RUN_PLANS_KEPT:
-                self._runs.pop(next(iter(self._runs)))
+            runs = self._cheapest_runs(key)
+            self._runs.put(key, runs)
         groups = [(fits[begin:end], shape) for begin, end, shape in runs]
         return groups + ([(misfits, None)] if misfits else [])
 
