@@ -10,14 +10,17 @@
 #                 while 16 streams play (stage 3) -> $OUT/cv2/engine.json
 #   cv2-no-priority  the same with new voices' prompts on a stream of the default priority (--no-prefix-priority)
 #   cv3           CosyVoice3 the same, with an open-loop rate of CV3_RATE under torch's sync debug mode and
-#                 (CV3_TRACE=1) a torch.profiler trace of 8 new clips until their first chunks
-#                 -> $OUT/cv3/trace8.json.gz (python scripts/trace_summary.py reads it)
+#                 (CV3_TRACE=1) torch.profiler traces of 8 new clips until their first chunks, alone and while
+#                 16 streams play -> $OUT/cv3/trace8.json.gz, $OUT/cv3/trace8_playing.json.gz
+#                 (python scripts/trace_summary.py reads them)
 #   cv3-beside    CosyVoice3 with new voices prepared beside the loop (--prepare-beside)
 #   served        Triton + NVIDIA's client, the API at API_RATES in English and Chinese, voice uploads
 #                 (stages 4-7) -> $OUT/served/report.md
 #
 # Every variable can be set from the environment (ROUNDS, PART_BUDGET_S, CV3_RATE, ...). Each part's log:
 # $OUT/<part>.log; its table's rows are printed at its end. Exit status: 1 when any part failed.
+# PACK=1: at the end, everything under $OUT packed into $OUT/campaign.tgz (the loose files removed), for a
+# machine that hands back only a few files.
 set -uo pipefail
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo_root" || exit 1
@@ -26,7 +29,7 @@ OUT=${OUT:-$repo_root/outputs/new_voices}
 ROUNDS=${ROUNDS:-6}                  # each new-clip level this many times (CosyVoice2)
 CV3_ROUNDS=${CV3_ROUNDS:-4}
 CV3_RATE=${CV3_RATE:-5}              # req/s of cv3's open-loop level under the sync debug mode (0: none)
-CV3_TRACE=${CV3_TRACE:-1}            # cv3: trace 8 new clips once more (1) or not (0)
+CV3_TRACE=${CV3_TRACE:-1}            # cv3: trace 8 new clips once more, alone and while 16 play (1), or not (0)
 PART_BUDGET_S=${PART_BUDGET_S:-275}  # one stage-3 part, load included
 GPU_TESTS=${GPU_TESTS:-tests/test_flow_engine.py tests/test_engine_core.py tests/test_engine_cosyvoice3.py tests/test_llm_engine.py tests/test_frontend_graphs.py tests/test_hift.py}
 GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-150}
@@ -53,7 +56,8 @@ for part in "$@"; do
     gpu-tests) timeout "$GPU_TESTS_TIMEOUT" "$VENV/bin/python" -m pytest -q -p no:cacheprovider $GPU_TESTS -k "gpu or cuda" ;;
     cv2) engine_part cv2 cosyvoice2 "" "$ROUNDS" 0 ;;
     cv2-no-priority) engine_part cv2-no-priority cosyvoice2 --no-prefix-priority "$ROUNDS" 0 ;;
-    cv3) trace=""; [ "$CV3_TRACE" = 1 ] && trace="--trace-new-clips $OUT/cv3/trace8.json.gz"
+    cv3) trace=""; [ "$CV3_TRACE" = 1 ] &&
+           trace="--trace-new-clips $OUT/cv3/trace8.json.gz --trace-while-playing $OUT/cv3/trace8_playing.json.gz"
          engine_part cv3 cosyvoice3 "$trace" "$CV3_ROUNDS" "$CV3_RATE" ;;
     cv3-beside) engine_part cv3-beside cosyvoice3 --prepare-beside "$CV3_ROUNDS" 0 ;;
     served) GRPC_LEVELS=${GRPC_LEVELS:-1:8 16:32} API_RATES=${API_RATES:-10} API_LANGS=${API_LANGS:-en zh} \
@@ -67,4 +71,8 @@ for part in "$@"; do
   # bench_engine.py's table is printed again after every level: each row once, in order
   grep -E '^\| [a-z0-9]' "$OUT/$part.log" | awk '!seen[$0]++' | cut -d'|' -f2-27
 done
+if [ "${PACK:-0}" = 1 ]; then
+  packed=$(mktemp -u /tmp/campaign.XXXXXX.tgz)
+  tar -czf "$packed" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$packed" "$OUT/campaign.tgz"
+fi
 exit $failed

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Summarise a trace written by ``bench_engine.py --trace-new-clips PATH`` (a gzipped Chrome trace):
-each busy thread's host time per time bin and by operator, each CUDA stream's busy time per bin.
+"""Summarise a trace written by ``bench_engine.py --trace-new-clips PATH`` or ``--trace-while-playing PATH``
+(a gzipped Chrome trace): each busy thread's host time per time bin and by operator, each CUDA stream's
+busy time per bin.
 
     python scripts/trace_summary.py trace8.json.gz [--bin-ms 20] [--threads 6] [--top 10]
 """

@@ -12,7 +12,8 @@ def test_levels_report_latency_underruns_and_the_loops_profile(tiny_bundle, tmp_
     report_path = tmp_path / "report.json"
     main(["--models-dir", str(tiny_bundle), "--device", "cpu", "--cold", "--tokens", "20", "--concurrency", "2",
           "--requests-per-sender", "1", "--new-clips", "1", "--new-clips-while-playing", "2", "--rates", "4",
-          "--seconds-per-rate", "1", "--json", str(report_path)])
+          "--seconds-per-rate", "1", "--trace-new-clips", str(tmp_path / "new.json.gz"),
+          "--trace-while-playing", str(tmp_path / "playing.json.gz"), "--json", str(report_path)])
     report = json.loads(report_path.read_text())
     assert [level["level"] for level in report["levels"]] == [
         "2 concurrent", "1 registered together", "1 uploaded clips together", "1 new clips together",
@@ -25,6 +26,11 @@ def test_levels_report_latency_underruns_and_the_loops_profile(tiny_bundle, tmp_
         assert level["iterations"] > 0 and level["busy_ms_per_iteration"] > 0
         assert level["flow_ms_per_iteration"] > 0 and level["llm_busy_s"] > 0
     assert report["levels"][-1]["peak_in_flight"] >= 1
+    # both traces end at the new clip's first chunk; the playing streams' outcomes come with the second
+    assert report["new_clip_trace"]["marks"] == 1 and (tmp_path / "new.json.gz").stat().st_size > 0
+    beside = report["while_playing_trace"]
+    assert beside["marks"] == 1 and beside["playing"] == 2 and beside["playing_failed"] == 0
+    assert (tmp_path / "playing.json.gz").stat().st_size > 0
     assert "| 4 req/s |" in capsys.readouterr().out
 
 

@@ -247,15 +247,22 @@ def run(args: argparse.Namespace) -> dict:
                     preparations.append(call_profile(lambda: engine.core.kind.prepare_voices(features)))
                 report["new_voice_preparation_profile"] = _print_profiles(
                     f"preparation ({args.profile_new_clips} together)", preparations)
-            if args.trace_new_clips and args.new_clips:
-                clips = [new_clip() for _ in range(args.new_clips[-1])]
 
-                def traced(first) -> list[Outcome]:
-                    return _in_threads(len(clips), lambda i: one_request(engine, clips[i], args.tokens,
-                                                                         f"t-{next(counter)}", on_first=first))
-                report["new_clip_trace"] = trace_until(args.trace_new_clips, traced, len(clips))
-                print(f"trace of {len(clips)} new clips until their first chunks: {report['new_clip_trace']}",
+            def traced_clips(first) -> list[Outcome]:  # the last level's count of new clips, under trace_until
+                clips = [new_clip() for _ in range(args.new_clips[-1])]
+                return _in_threads(len(clips), lambda i: one_request(engine, clips[i], args.tokens,
+                                                                     f"t-{next(counter)}", on_first=first))
+            if args.trace_new_clips and args.new_clips:
+                report["new_clip_trace"] = trace_until(args.trace_new_clips, traced_clips, args.new_clips[-1])
+                print(f"trace of {args.new_clips[-1]} new clips until their first chunks: {report['new_clip_trace']}",
                       flush=True)
+            if args.trace_while_playing and args.new_clips and args.new_clips_while_playing:
+                playing = args.new_clips_while_playing[-1]
+                trace, played = _while_playing(engine, voice, args.tokens, playing, counter, lambda: trace_until(
+                    args.trace_while_playing, traced_clips, args.new_clips[-1]))
+                report["while_playing_trace"] = {**trace, **played}
+                print(f"trace of {args.new_clips[-1]} new clips while {playing} play, until their first chunks: "
+                      f"{report['while_playing_trace']}", flush=True)
             for rate in args.rates:
                 def open_loop():
                     arrivals = poisson_arrivals(rate, args.seed, duration_s=args.seconds_per_rate)
@@ -332,11 +339,10 @@ def _print_profiles(name: str, profiles: list[dict]) -> list[dict]:
     return profiles
 
 
-def _measure_while_playing(report: dict, engine: TTSEngine, voice, tokens: int, playing: int, clips: list,
-                           counter, label: str) -> None:
+def _while_playing(engine: TTSEngine, voice, tokens: int, playing: int, counter, work):
     """``playing`` streams of the registered voice start together; once every one has emitted its
-    first chunk, the new ``clips`` arrive together. The level is the new clips' requests; the
-    playing streams' underruns are reported beside it (``playing_underrun_requests``)."""
+    first chunk, ``work()`` runs (new clips arriving, say); then the playing streams are waited for.
+    Returns ``work``'s result and the playing streams' underruns and failures."""
     started = threading.Barrier(playing + 1)
     playing_outcomes: list = [None] * playing
 
@@ -354,15 +360,22 @@ def _measure_while_playing(report: dict, engine: TTSEngine, voice, tokens: int, 
         started.wait(timeout=60)
     except threading.BrokenBarrierError:
         pass
+    result = work()
+    for thread in threads:
+        thread.join()
+    done = [o for o in playing_outcomes if o is not None]
+    return result, {"playing": playing, "playing_underrun_requests": sum(o.underruns > 0 for o in done),
+                    "playing_failed": sum(o.error is not None for o in done)}
 
-    def run():
-        outcomes = _in_threads(len(clips), lambda i: one_request(engine, clips[i], tokens, f"n-{next(counter)}"))
-        for thread in threads:
-            thread.join()
-        done = [o for o in playing_outcomes if o is not None]
-        return outcomes, {"playing": playing, "playing_underrun_requests": sum(o.underruns > 0 for o in done),
-                          "playing_failed": sum(o.error is not None for o in done)}
-    _measure(report, engine, label, run)
+
+def _measure_while_playing(report: dict, engine: TTSEngine, voice, tokens: int, playing: int, clips: list,
+                           counter, label: str) -> None:
+    """The new ``clips`` arrive together while ``playing`` streams play (:func:`_while_playing`). The
+    level is the new clips' requests; the playing streams' underruns are reported beside it
+    (``playing_underrun_requests``)."""
+    _measure(report, engine, label, lambda: _while_playing(
+        engine, voice, tokens, playing, counter,
+        lambda: _in_threads(len(clips), lambda i: one_request(engine, clips[i], tokens, f"n-{next(counter)}"))))
 
 
 def _measure(report: dict, engine: TTSEngine, label: str, run) -> None:
@@ -436,6 +449,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-new-clips", metavar="PATH", help="then the last --new-clips level's clips once more "
                    "under torch.profiler until their first chunks are out (every thread's operators, the kernels): "
                    "a gzipped Chrome trace written to PATH")
+    p.add_argument("--trace-while-playing", metavar="PATH", help="then the last --new-clips level's clips once "
+                   "more while the last --new-clips-while-playing count of streams play, traced as --trace-new-clips "
+                   "from the clips' arrival until their first chunks (the playing streams' operators and kernels too)")
     p.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop Poisson arrival rates (req/s)")
     p.add_argument("--seconds-per-rate", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
