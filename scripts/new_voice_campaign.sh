@@ -14,6 +14,8 @@
 #                 16 streams play -> $OUT/cv3/trace8.json.gz, $OUT/cv3/trace8_playing.json.gz
 #                 (python scripts/trace_summary.py reads them)
 #   cv3-beside    CosyVoice3 with new voices prepared beside the loop (--prepare-beside)
+#   cv2-llm-high, cv3-llm-high  CosyVoice2 / CosyVoice3 with the LLM's steps on a high-priority CUDA stream
+#                 (--llm-high-priority)
 #   served        Triton + NVIDIA's client, the API at API_RATES in English and Chinese, voice uploads
 #                 (stages 4-7) -> $OUT/served/report.md
 #
@@ -60,6 +62,8 @@ for part in "$@"; do
            trace="--trace-new-clips $OUT/cv3/trace8.json.gz --trace-while-playing $OUT/cv3/trace8_playing.json.gz"
          engine_part cv3 cosyvoice3 "$trace" "$CV3_ROUNDS" "$CV3_RATE" ;;
     cv3-beside) engine_part cv3-beside cosyvoice3 --prepare-beside "$CV3_ROUNDS" 0 ;;
+    cv2-llm-high) engine_part cv2-llm-high cosyvoice2 --llm-high-priority "$ROUNDS" 0 ;;
+    cv3-llm-high) engine_part cv3-llm-high cosyvoice3 --llm-high-priority "$CV3_ROUNDS" "$CV3_RATE" ;;
     served) GRPC_LEVELS=${GRPC_LEVELS:-1:8 16:32} API_RATES=${API_RATES:-10} API_LANGS=${API_LANGS:-en zh} \
               UPLOAD_ROUNDS=${UPLOAD_ROUNDS:-2} SOCKET_LEVELS=${SOCKET_LEVELS-} OUT=$OUT/served VENV=$VENV \
               bash scripts/gpu_campaign.sh 4 7 ;;

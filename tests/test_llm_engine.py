@@ -300,6 +300,26 @@ def test_on_a_gpu_requests_prefilled_together_get_what_each_gets_alone(llm_dir):
     assert together == alone and all(len(tokens) == 8 for tokens in together)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_high_priority_llm_steps_on_a_stream_of_its_own_and_samples_the_same(llm_dir):
+    # high_priority: the graphs captured on, and the engine's thread stepping on, a high-priority stream
+    # of their own role; greedy tokens as at the default priority (float32: the same kernels either way)
+    from cosyserve.runtime import role_stream
+
+    params, tokens, streams = SamplingParams.greedy(max_tokens=8), {}, {}
+    for high in (False, True):
+        engine = LLMEngine(llm_dir, "cuda", torch.float32, max_slots=4, max_model_len=256, high_priority=high)
+        streams[high] = role_stream(engine.runner.device, engine.runner.stream_role)
+        engine.start(streams[high])
+        try:
+            tokens[high] = [list(engine.submit(ids, params)) for ids in PROMPTS]
+        finally:
+            engine.close()
+    assert streams[True].priority < streams[False].priority == 0
+    assert streams[True].cuda_stream != streams[False].cuda_stream
+    assert tokens[True] == tokens[False] and all(len(t) == 8 for t in tokens[True])
+
+
 def test_token_stream_bursts_hold_every_token_once_and_end_like_iteration():
     from cosyserve.llm.stream import Finished, TokenStream
 

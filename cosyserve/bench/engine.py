@@ -171,13 +171,14 @@ def run(args: argparse.Namespace) -> dict:
     model_dir, llm_dir, spk2info = BUNDLE_DIRS[args.model]
     loading = time.perf_counter()
     engine = load_engine(args.model, models / model_dir, models / llm_dir, device,
-                         kind_options=kind_options(args, models, device), llm_options={"max_slots": args.max_slots},
+                         kind_options=kind_options(args, models, device), llm_options={"max_slots": args.max_slots, "high_priority": args.llm_high_priority},
                          scheduler=Scheduler(max_batch_frames=args.max_batch_frames, max_batch_jobs=args.max_batch_jobs),
                          sync_stages=args.sync_stages, warm_up=not args.cold,
                          spk2info=models / spk2info if spk2info else None)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
               "load_s": time.perf_counter() - loading, "load_phases_s": engine.load_phases,
-              "prefix_priority": prefix_priority(args), "prepare_beside": args.prepare_beside, "tokens": args.tokens,
+              "prefix_priority": prefix_priority(args), "prepare_beside": args.prepare_beside,
+              "llm_high_priority": args.llm_high_priority, "tokens": args.tokens,
               "final": args.final, "levels": []}
     voice, prompt_text = registered_voice(engine, args)
     counter = iter(range(1 << 30))
@@ -406,7 +407,8 @@ def table(report: dict, levels: list[dict] | None = None) -> str:
     lines = [f"{report.get('model', 'cosyvoice2')} on device {report['device']}, load {report['load_s']:.1f} s"
              f"{f' ({phases})' if phases else ''}"
              f"{', the prompts of new voices on a high-priority stream' if report.get('prefix_priority') else ''}"
-             f"{', new voices prepared beside the loop' if report.get('prepare_beside') else ''}, "
+             f"{', new voices prepared beside the loop' if report.get('prepare_beside') else ''}"
+             f"{', the LLM on a high-priority stream' if report.get('llm_high_priority') else ''}, "
              f"{report['tokens']} tokens a reply, "
              f"final {report['final']}, first request after load: first chunk "
              f"{cell(report.get('first_request_ms'))} ms",
@@ -465,6 +467,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prepare-beside", action="store_true",
                    help="CosyVoice3: new voices' prefixes computed beside the loop as their requests arrive "
                         "(CosyVoice3Kind's prepare_beside)")
+    p.add_argument("--llm-high-priority", action="store_true",
+                   help="the LLM's steps on a CUDA stream of the highest priority, its kernels before the flow's "
+                        "(LLMEngine's high_priority; default: the flow's priority)")
     p.add_argument("--sync-stages", action="store_true", help="wait for the GPU after each stage (a true split)")
     p.add_argument("--cold", action="store_true", help="no warm-up at load (graphs and kernels on first use)")
     p.add_argument("--profile-rate", type=float, default=0.0, help="last, an open-loop level at this rate under "

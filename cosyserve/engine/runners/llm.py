@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...llm.engine.model_runner import LLM_ROLE
 from ...llm.prompt import register_voice_prefixes
 from ...llm.sampling import REFERENCE_SAMPLING, SamplingParams
 from ...llm.stream import TokenStream
@@ -62,10 +61,11 @@ class FreeRunningLLM(BackendLLM):
         self.backend = engine
         self.sampling = sampling
         self._generate = engine.submit
-        device = engine.runner.device
-        # a stream of its own at the flow's priority: its decode steps interleave with the flow's
-        # kernels (at a higher priority they starved a first chunk's flow until the reply was decoded)
-        engine.start(role_stream(device, LLM_ROLE) if device.type == "cuda" else None)
+        runner = engine.runner
+        # a stream of its own, by default at the flow's priority: its decode steps interleave with the
+        # flow's kernels (at a higher priority, unpaced, they starved a first chunk's flow until the
+        # reply was decoded); LLMEngine(high_priority=True) for the highest
+        engine.start(role_stream(runner.device, runner.stream_role) if runner.device.type == "cuda" else None)
 
     @property
     def generating(self) -> int:

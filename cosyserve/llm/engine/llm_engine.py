@@ -93,12 +93,14 @@ class LLMEngine:
         prefix_cache_size: int = 64,
         use_cuda_graphs: bool | None = None,
         pacing: Pacing | None = None,
+        high_priority: bool = False,
     ):
         device = torch.device(device)
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.max_slots, self.max_model_len = max_slots, max_model_len
-        self.runner = ModelRunner(model_dir, device, dtype, max_slots, max_model_len, use_cuda_graphs)
+        self.runner = ModelRunner(model_dir, device, dtype, max_slots, max_model_len, use_cuda_graphs,
+                                  high_priority=high_priority)
         self.prefixes = PrefixCache(prefix_cache_size)
         self.scheduler = Scheduler(max_slots, max_prefill_tokens, self.prefixes)
         self.counters = EngineCounters()

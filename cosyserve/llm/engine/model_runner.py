@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ...runtime import device_to_host, host_to_device, role_stream
+from ...runtime import HIGH_PRIORITY, device_to_host, host_to_device, role_stream
 from ..layers.attention import DecodeMetadata, PrefillMetadata, decode_bias
 from ..layers.fused import fused_decode_available
 from ..models.config import Qwen2Config
@@ -69,10 +69,13 @@ def _bucket(buckets: list[int], value: int) -> int:
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_slots: int,
-                 max_model_len: int, use_cuda_graphs: bool, fused_decode: bool | None = None):
+                 max_model_len: int, use_cuda_graphs: bool, fused_decode: bool | None = None,
+                 high_priority: bool = False):
         """``fused_decode``: decode with the fused kernels of :mod:`..layers.fused`; default where
-        they run as Triton kernels (CUDA, bf16/fp16)."""
+        they run as Triton kernels (CUDA, bf16/fp16). ``high_priority``: the steps' CUDA stream
+        (:attr:`stream_role`) is of the highest priority, so its kernels go before the flow's."""
         self.device, self.dtype = device, dtype
+        self.stream_role = LLM_ROLE + HIGH_PRIORITY if high_priority else LLM_ROLE
         self.config = Qwen2Config.from_model_dir(model_dir)
         self.layout = layout_for_vocab_size(self.config.vocab_size)
         self.window_start = self.layout.speech_token_offset  # window index + this = the token id fed back
@@ -266,7 +269,7 @@ class ModelRunner:
             began = time.perf_counter()
             step(*shape)  # warm-up: loads kernels, picks GEMM algorithms
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=role_stream(self.device, LLM_ROLE)):
+            with torch.cuda.graph(graph, pool=pool, stream=role_stream(self.device, self.stream_role)):
                 step(*shape)
             pool = pool or graph.pool()
             graphs[shape] = graph
