@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> dict:
     model_dir, llm_dir, spk2info = BUNDLE_DIRS[args.model]
     loading = time.perf_counter()
     engine = load_engine(args.model, models / model_dir, models / llm_dir, device,
-                         kind_options=kind_options(args, models, device), llm_options={"max_slots": args.max_slots, "high_priority": args.llm_high_priority},
+                         kind_options=kind_options(args, models, device),
+                         llm_options={"max_slots": args.max_slots, "high_priority": args.llm_high_priority},
                          scheduler=Scheduler(max_batch_frames=args.max_batch_frames, max_batch_jobs=args.max_batch_jobs),
                          sync_stages=args.sync_stages, warm_up=not args.cold,
                          spk2info=models / spk2info if spk2info else None)
