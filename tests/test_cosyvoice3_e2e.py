@@ -87,11 +87,17 @@ def test_streams_of_one_clip_share_its_voice_prefix(server):
         assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * 30
     hits, misses = ("cosyserve_token2wav_voice_prefix_%s" % k for k in ("hits", "misses"))
 
+    seen = {}
+
     def counted() -> bool:  # the engine's gauges reach Triton's metrics a stats period after they change
         after = metrics(server.metrics_port)
-        return (after[misses] - before.get(misses, 0) == 1 and after[hits] - before.get(hits, 0) == 1
-                and after["cosyserve_token2wav_voices_cached"] >= 1)
-    wait_for(counted, "one voice-prefix miss (the cold first stream), then one hit", timeout_s=5)
+        seen.update(misses=after[misses] - before.get(misses, 0), hits=after[hits] - before.get(hits, 0),
+                    cached=after["cosyserve_token2wav_voices_cached"])
+        return seen["misses"] == 1 and seen["hits"] == 1 and seen["cached"] >= 1
+    try:
+        wait_for(counted, "one voice-prefix miss (the cold first stream), then one hit", timeout_s=20)
+    finally:
+        print("voice-prefix counts since the test began:", seen)
 
 
 @pytest.mark.parametrize("inputs, message", [
