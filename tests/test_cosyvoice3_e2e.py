@@ -24,7 +24,7 @@ import soundfile as sf
 from tritonclient.utils import InferenceServerException
 
 from conftest_triton import (REPO_ROOT, SAMPLES_PER_TOKEN, Stream, assert_server_idle, grpc_input, metrics, serve_repo,
-                             settled_metrics, stream_tts, token_limits, wait_for)
+                             settled_metrics, stream_tts, token_limits, wait_until_idle)
 
 pytest.importorskip("pytriton")
 
@@ -85,19 +85,11 @@ def test_streams_of_one_clip_share_its_voice_prefix(server):
     for _ in range(2):
         chunks = stream_tts(server, clip + [grpc_input("target_text", "你好。")] + token_limits(30), MODEL)
         assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * 30
-    hits, misses = ("cosyserve_token2wav_voice_prefix_%s" % k for k in ("hits", "misses"))
-
-    seen = {}
-
-    def counted() -> bool:  # the engine's gauges reach Triton's metrics a stats period after they change
-        after = metrics(server.metrics_port)
-        seen.update(misses=after[misses] - before.get(misses, 0), hits=after[hits] - before.get(hits, 0),
-                    cached=after["cosyserve_token2wav_voices_cached"])
-        return seen["misses"] == 1 and seen["hits"] == 1 and seen["cached"] >= 1
-    try:
-        wait_for(counted, "one voice-prefix miss (the cold first stream), then one hit", timeout_s=20)
-    finally:
-        print("voice-prefix counts since the test began:", seen)
+    after = wait_until_idle(server.metrics_port)  # the engine's gauges reach Triton's metrics a stats period late
+    names = {k: f"cosyserve_token2wav_voice_prefix_{k}" for k in ("misses", "hits")}
+    counts = {k: after[name] - before.get(name, 0) for k, name in names.items()}
+    assert counts == {"misses": 1, "hits": 1}, f"not one miss (the cold first stream), then one hit: {counts}"
+    assert after["cosyserve_token2wav_voices_cached"] >= 1
 
 
 @pytest.mark.parametrize("inputs, message", [
