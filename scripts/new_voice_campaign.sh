@@ -16,6 +16,9 @@
 #   cv3-beside    CosyVoice3 with new voices prepared beside the loop (--prepare-beside)
 #   cv2-llm-high, cv3-llm-high  CosyVoice2 / CosyVoice3 with the LLM's steps on a high-priority CUDA stream
 #                 (--llm-high-priority)
+#   cv3-beside-llm-high  CosyVoice3 with both: new voices' prefixes beside the loop while the LLM, ahead of
+#                 them on the GPU, decodes their first tokens (CV3_TRACE=1: 8 new clips traced,
+#                 $OUT/cv3-beside-llm-high/trace8.json.gz)
 #   served        Triton + NVIDIA's client, the API at API_RATES in English and Chinese, voice uploads
 #                 (stages 4-7) -> $OUT/served/report.md
 #
@@ -36,6 +39,7 @@ PART_BUDGET_S=${PART_BUDGET_S:-275}  # one stage-3 part, load included
 GPU_TESTS=${GPU_TESTS:-tests/test_flow_engine.py tests/test_engine_core.py tests/test_engine_cosyvoice3.py tests/test_llm_engine.py tests/test_frontend_graphs.py tests/test_hift.py}
 GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-150}
 VENV=${VENV:-/tmp/venv}
+SETUP_MODELS=${SETUP_MODELS:-cosyvoice2 cosyvoice3}  # the real-size bundles that setup writes
 mkdir -p "$OUT"
 
 engine_part() {  # $1: part name, $2: model, $3: bench_engine.py's extra arguments, $4: rounds, $5: open-loop rate
@@ -53,7 +57,7 @@ for part in "$@"; do
   echo "== $part ($(date -u +%H:%M:%S))"
   case $part in
     setup) { OUT=$OUT/setup VENV=$VENV bash scripts/gpu_campaign.sh 0 0 &&
-             OUT=$OUT/setup VENV=$VENV ENGINE_MODELS="cosyvoice2 cosyvoice3" bash scripts/gpu_campaign.sh 2 2; } ;;
+             OUT=$OUT/setup VENV=$VENV ENGINE_MODELS="$SETUP_MODELS" bash scripts/gpu_campaign.sh 2 2; } ;;
     # shellcheck disable=SC2086
     gpu-tests) timeout "$GPU_TESTS_TIMEOUT" "$VENV/bin/python" -m pytest -q -p no:cacheprovider $GPU_TESTS -k "gpu or cuda" ;;
     cv2) engine_part cv2 cosyvoice2 "" "$ROUNDS" 0 ;;
@@ -64,6 +68,9 @@ for part in "$@"; do
     cv3-beside) engine_part cv3-beside cosyvoice3 --prepare-beside "$CV3_ROUNDS" 0 ;;
     cv2-llm-high) engine_part cv2-llm-high cosyvoice2 --llm-high-priority "$ROUNDS" 0 ;;
     cv3-llm-high) engine_part cv3-llm-high cosyvoice3 --llm-high-priority "$CV3_ROUNDS" "$CV3_RATE" ;;
+    cv3-beside-llm-high) trace=""; [ "$CV3_TRACE" = 1 ] && trace="--trace-new-clips $OUT/cv3-beside-llm-high/trace8.json.gz"
+                         engine_part cv3-beside-llm-high cosyvoice3 "--prepare-beside --llm-high-priority $trace" \
+                           "$CV3_ROUNDS" "$CV3_RATE" ;;
     served) GRPC_LEVELS=${GRPC_LEVELS:-1:8 16:32} API_RATES=${API_RATES:-10} API_LANGS=${API_LANGS:-en zh} \
               UPLOAD_ROUNDS=${UPLOAD_ROUNDS:-2} SOCKET_LEVELS=${SOCKET_LEVELS-} OUT=$OUT/served VENV=$VENV \
               bash scripts/gpu_campaign.sh 4 7 ;;
