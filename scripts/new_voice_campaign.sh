@@ -3,7 +3,7 @@
 #
 #   OUT=$OUT bash scripts/new_voice_campaign.sh <part> [<part> ...]
 #
-#   setup         the overlay venv (stage 0) and both real-size bundles (stage 2); kept while the machine is
+#   setup         the overlay venv (stage 0) and the real-size bundles of SETUP_MODELS (stage 2); kept while the machine is
 #   gpu-tests     the GPU tests (-k "gpu or cuda") of GPU_TESTS: the engine, flow engine, LLM, CosyVoice3 kind,
 #                 front-end graphs and vocoder
 #   cv2           CosyVoice2 in-process: 1 and 8 new clips against the registered voice, and 8 new clips
@@ -16,6 +16,8 @@
 #   cv3-beside    CosyVoice3 with new voices prepared beside the loop (--prepare-beside)
 #   cv2-llm-high, cv3-llm-high  CosyVoice2 / CosyVoice3 with the LLM's steps on a high-priority CUDA stream
 #                 (--llm-high-priority)
+#   cv2-llm-first  CosyVoice2 with the LLM's steps ahead of new voices' prompts on the GPU (the LLM on a
+#                 high-priority stream, the prompts at the flow's priority: --no-prefix-priority)
 #   cv3-beside-llm-high  CosyVoice3 with both: new voices' prefixes beside the loop while the LLM, ahead of
 #                 them on the GPU, decodes their first tokens (CV3_TRACE=1: 8 new clips traced,
 #                 $OUT/cv3-beside-llm-high/trace8.json.gz)
@@ -67,6 +69,7 @@ for part in "$@"; do
          engine_part cv3 cosyvoice3 "$trace" "$CV3_ROUNDS" "$CV3_RATE" ;;
     cv3-beside) engine_part cv3-beside cosyvoice3 --prepare-beside "$CV3_ROUNDS" 0 ;;
     cv2-llm-high) engine_part cv2-llm-high cosyvoice2 --llm-high-priority "$ROUNDS" 0 ;;
+    cv2-llm-first) engine_part cv2-llm-first cosyvoice2 "--llm-high-priority --no-prefix-priority" "$ROUNDS" 0 ;;
     cv3-llm-high) engine_part cv3-llm-high cosyvoice3 --llm-high-priority "$CV3_ROUNDS" "$CV3_RATE" ;;
     cv3-beside-llm-high) trace=""; [ "$CV3_TRACE" = 1 ] && trace="--trace-new-clips $OUT/cv3-beside-llm-high/trace8.json.gz"
                          engine_part cv3-beside-llm-high cosyvoice3 "--prepare-beside --llm-high-priority $trace" \
