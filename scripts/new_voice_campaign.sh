@@ -3,7 +3,8 @@
 #
 #   OUT=$OUT bash scripts/new_voice_campaign.sh <part> [<part> ...]
 #
-#   setup         the overlay venv (stage 0) and the real-size bundles of SETUP_MODELS (stage 2); kept while the machine is
+#   setup         the overlay venv (stage 0) and the real-size bundles of SETUP_MODELS (stage 2), kept while the
+#                 machine is warm
 #   gpu-tests     the GPU tests (-k "gpu or cuda") of GPU_TESTS: the engine, flow engine, LLM, CosyVoice3 kind,
 #                 front-end graphs and vocoder
 #   cv2           CosyVoice2 in-process: 1 and 8 new clips against the registered voice, and 8 new clips
