@@ -19,6 +19,7 @@
 #                 (--llm-high-priority)
 #   cv2-llm-first  CosyVoice2 with the LLM's steps ahead of new voices' prompts on the GPU (the LLM on a
 #                 high-priority stream, the prompts at the flow's priority: --no-prefix-priority)
+#   cv2-llm-steps, cv3-llm-steps  CosyVoice2 / CosyVoice3 with LLM_STEPS decode steps a replay (--llm-steps-per-replay)
 #   cv3-beside-llm-high  CosyVoice3 with both: new voices' prefixes beside the loop while the LLM, ahead of
 #                 them on the GPU, decodes their first tokens (CV3_TRACE=1: 8 new clips traced,
 #                 $OUT/cv3-beside-llm-high/trace8.json.gz)
@@ -37,6 +38,7 @@ OUT=${OUT:-$repo_root/outputs/new_voices}
 ROUNDS=${ROUNDS:-6}                  # each new-clip level this many times (CosyVoice2)
 CV3_ROUNDS=${CV3_ROUNDS:-4}
 CV3_RATE=${CV3_RATE:-5}              # req/s of cv3's open-loop level under the sync debug mode (0: none)
+LLM_STEPS=${LLM_STEPS:-3}            # the llm-steps parts' decode steps a replay
 CV3_TRACE=${CV3_TRACE:-1}            # cv3: trace 8 new clips once more, alone and while 16 play (1), or not (0)
 PART_BUDGET_S=${PART_BUDGET_S:-275}  # one stage-3 part, load included
 GPU_TESTS=${GPU_TESTS:-tests/test_flow_engine.py tests/test_engine_core.py tests/test_engine_cosyvoice3.py tests/test_llm_engine.py tests/test_frontend_graphs.py tests/test_hift.py}
@@ -72,6 +74,8 @@ for part in "$@"; do
     cv2-llm-high) engine_part cv2-llm-high cosyvoice2 --llm-high-priority "$ROUNDS" 0 ;;
     cv2-llm-first) engine_part cv2-llm-first cosyvoice2 "--llm-high-priority --no-prefix-priority" "$ROUNDS" 0 ;;
     cv3-llm-high) engine_part cv3-llm-high cosyvoice3 --llm-high-priority "$CV3_ROUNDS" "$CV3_RATE" ;;
+    cv2-llm-steps) engine_part cv2-llm-steps cosyvoice2 "--llm-steps-per-replay $LLM_STEPS" "$ROUNDS" 0 ;;
+    cv3-llm-steps) engine_part cv3-llm-steps cosyvoice3 "--llm-steps-per-replay $LLM_STEPS" "$CV3_ROUNDS" "$CV3_RATE" ;;
     cv3-beside-llm-high) trace=""; [ "$CV3_TRACE" = 1 ] && trace="--trace-new-clips $OUT/cv3-beside-llm-high/trace8.json.gz"
                          engine_part cv3-beside-llm-high cosyvoice3 "--prepare-beside --llm-high-priority $trace" \
                            "$CV3_ROUNDS" "$CV3_RATE" ;;

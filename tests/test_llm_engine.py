@@ -320,6 +320,58 @@ def test_on_a_gpu_a_high_priority_llm_steps_on_a_stream_of_its_own_and_samples_t
     assert tokens[True] == tokens[False] and all(len(t) == 8 for t in tokens[True])
 
 
+def _run_to_end(engine: LLMEngine, requests: list) -> list[tuple[list[int], str]]:
+    streams = [engine.submit(ids, params) for ids, params in requests]
+    while engine.num_active:
+        engine.step()
+    return [(list(stream), stream.finish_reason) for stream in streams]
+
+
+@pytest.mark.parametrize("steps_per_replay", [2, 3])
+def test_several_decode_steps_per_replay_give_the_tokens_of_one(llm_dir, eos_dir, steps_per_replay):
+    """Tokens fed back on the device for several steps a replay: each request gets the tokens it gets
+    one step a replay, with requests stopping inside a replay (length, eos after min_tokens, the
+    model length), others running on after them in compacted slots, and seeded sampling."""
+    requests = [(PROMPTS[0], SamplingParams.greedy(max_tokens=20)),
+                (PROMPTS[1], SamplingParams.greedy(max_tokens=7)),
+                (PROMPTS[2], SamplingParams(seed=7, max_tokens=14)),
+                (PROMPTS[1], SamplingParams(ignore_eos=True, max_tokens=1000, seed=3))]
+    eos_requests = [(PROMPTS[0], SamplingParams.greedy()), (PROMPTS[2], SamplingParams.greedy(min_tokens=5)),
+                    (PROMPTS[1], SamplingParams(ignore_eos=True, max_tokens=13, seed=1))]
+    results = {}
+    for steps in (1, steps_per_replay):
+        engine = LLMEngine(llm_dir, max_slots=2, max_model_len=128, steps_per_replay=steps)
+        results[steps] = _run_to_end(engine, requests), engine.counters.decode_steps
+        results[steps, "eos"] = _run_to_end(LLMEngine(eos_dir, max_slots=2, max_model_len=128,
+                                                      steps_per_replay=steps), eos_requests)
+    (one, one_steps), (several, several_steps) = results[1], results[steps_per_replay]
+    assert several == one
+    assert [len(tokens) for tokens, _ in one] == [20, 7, 14, 128 - len(PROMPTS[1])]
+    assert [reason for _, reason in one] == ["length"] * 4
+    assert results[steps_per_replay, "eos"] == results[1, "eos"]
+    assert [(len(tokens), reason) for tokens, reason in results[1, "eos"]] == [(0, "stop"), (5, "stop"), (13, "length")]
+    assert several_steps % steps_per_replay == 0 and one_steps <= several_steps < one_steps + 4 * steps_per_replay
+
+
+def test_steps_per_replay_is_bounded(llm_dir):
+    for steps in (0, 9):
+        with pytest.raises(ValueError, match="steps_per_replay"):
+            LLMEngine(llm_dir, max_slots=2, max_model_len=128, steps_per_replay=steps)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_replay_of_four_decode_steps_samples_what_four_replays_of_one_do(llm_dir):
+    # the captured graphs of 4 steps each (float32: the same kernels as one step's), requests stopping
+    # inside a replay and slots compacted meanwhile
+    requests = [(ids, SamplingParams.greedy(max_tokens=n)) for ids, n in zip(PROMPTS, (21, 6, 14))]
+    results = {}
+    for steps in (1, 4):
+        engine = LLMEngine(llm_dir, "cuda", torch.float32, max_slots=4, max_model_len=256, steps_per_replay=steps)
+        assert engine.runner.decode_graphs
+        results[steps] = _run_to_end(engine, requests)
+    assert results[4] == results[1] and [len(tokens) for tokens, _ in results[1]] == [21, 6, 14]
+
+
 def test_token_stream_bursts_hold_every_token_once_and_end_like_iteration():
     from cosyserve.llm.stream import Finished, TokenStream
 

@@ -172,14 +172,16 @@ def run(args: argparse.Namespace) -> dict:
     loading = time.perf_counter()
     engine = load_engine(args.model, models / model_dir, models / llm_dir, device,
                          kind_options=kind_options(args, models, device),
-                         llm_options={"max_slots": args.max_slots, "high_priority": args.llm_high_priority},
+                         llm_options={"max_slots": args.max_slots, "high_priority": args.llm_high_priority,
+                                      "steps_per_replay": args.llm_steps_per_replay},
                          scheduler=Scheduler(max_batch_frames=args.max_batch_frames, max_batch_jobs=args.max_batch_jobs),
                          sync_stages=args.sync_stages, warm_up=not args.cold,
                          spk2info=models / spk2info if spk2info else None)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
               "load_s": time.perf_counter() - loading, "load_phases_s": engine.load_phases,
               "prefix_priority": prefix_priority(args), "prepare_beside": args.prepare_beside,
-              "llm_high_priority": args.llm_high_priority, "tokens": args.tokens,
+              "llm_high_priority": args.llm_high_priority, "llm_steps_per_replay": args.llm_steps_per_replay,
+              "tokens": args.tokens,
               "final": args.final, "levels": []}
     voice, prompt_text = registered_voice(engine, args)
     counter = iter(range(1 << 30))
@@ -409,7 +411,8 @@ def table(report: dict, levels: list[dict] | None = None) -> str:
              f"{f' ({phases})' if phases else ''}"
              f"{', the prompts of new voices on a high-priority stream' if report.get('prefix_priority') else ''}"
              f"{', new voices prepared beside the loop' if report.get('prepare_beside') else ''}"
-             f"{', the LLM on a high-priority stream' if report.get('llm_high_priority') else ''}, "
+             f"{', the LLM on a high-priority stream' if report.get('llm_high_priority') else ''}"
+             f"{f', {n} LLM decode steps a replay' if (n := report.get('llm_steps_per_replay', 1)) > 1 else ''}, "
              f"{report['tokens']} tokens a reply, "
              f"final {report['final']}, first request after load: first chunk "
              f"{cell(report.get('first_request_ms'))} ms",
@@ -471,6 +474,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--llm-high-priority", action="store_true",
                    help="the LLM's steps on a CUDA stream of the highest priority, its kernels before the flow's "
                         "(LLMEngine's high_priority; default: the flow's priority)")
+    p.add_argument("--llm-steps-per-replay", type=int, default=1,
+                   help="the LLM's decode steps per graph replay, its tokens fed back on the device (LLMEngine's "
+                        "steps_per_replay): its thread takes the GIL and reads tokens back once per that many")
     p.add_argument("--sync-stages", action="store_true", help="wait for the GPU after each stage (a true split)")
     p.add_argument("--cold", action="store_true", help="no warm-up at load (graphs and kernels on first use)")
     p.add_argument("--profile-rate", type=float, default=0.0, help="last, an open-loop level at this rate under "

@@ -94,13 +94,14 @@ class LLMEngine:
         use_cuda_graphs: bool | None = None,
         pacing: Pacing | None = None,
         high_priority: bool = False,
+        steps_per_replay: int = 1,
     ):
         device = torch.device(device)
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.max_slots, self.max_model_len = max_slots, max_model_len
         self.runner = ModelRunner(model_dir, device, dtype, max_slots, max_model_len, use_cuda_graphs,
-                                  high_priority=high_priority)
+                                  high_priority=high_priority, steps_per_replay=steps_per_replay)
         self.prefixes = PrefixCache(prefix_cache_size)
         self.scheduler = Scheduler(max_slots, max_prefill_tokens, self.prefixes)
         self.counters = EngineCounters()
@@ -222,14 +223,14 @@ class LLMEngine:
         running = self.scheduler.running
         decoded = len(running)
         if decoded:
-            tokens = self.runner.decode(decoded, max(seq.position for seq in running))
-            self._append_tokens(running, tokens)
+            steps = self.runner.decode(decoded, max(seq.position for seq in running))
+            self._append_tokens(running, *steps)
         if prefilled:
             counters.prefills += prefilled
             counters.prefill_s += prefilled_at - started
         if decoded:
-            counters.decode_steps += 1
-            counters.decode_rows += decoded
+            counters.decode_steps += len(steps)
+            counters.decode_rows += decoded * len(steps)
         counters.busy_s += time.perf_counter() - started
         return StepStats(prefilled, decoded)
 
@@ -290,8 +291,10 @@ class LLMEngine:
                                                        for a in admitted]))
         return len(admitted)
 
-    def _append_tokens(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        finished = [seq for seq, token in zip(seqs, tokens) if seq.append(token)]
+    def _append_tokens(self, seqs: list[Sequence], *steps: list[int]) -> None:
+        """Each step's token (one list a step, a token per sequence) to its sequence, up to its stop;
+        then the finished ones' slots are freed."""
+        finished = [seq for index, seq in enumerate(seqs) if any(seq.append(tokens[index]) for tokens in steps)]
         if finished:
             self._forget(finished)
             self._move(self.scheduler.release(finished))

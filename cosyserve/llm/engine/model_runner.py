@@ -3,7 +3,11 @@
 Decode inputs live in static per-slot buffers (``input_ids``, ``positions``) that the decode step
 itself advances, so a graph replay needs no host-to-device copy; the host only reads back the
 sampled tokens. Decode graphs exist per (batch bucket, KV-length bucket): rows beyond the running
-requests belong to free slots and compute harmless garbage.
+requests belong to free slots and compute harmless garbage. A replay may run several decode steps
+(``steps_per_replay``), each feeding its sampled tokens to the next on the device: the thread that
+steps the engine then waits for the device, reads tokens back and takes the GIL once per that many
+tokens (beside a busy token2wav loop, each of those costs ~2 ms of waiting for the GIL, about what
+a decode step costs on the device). A row's tokens after its stop are computed and dropped.
 
 Prefill replays a graph per (rows, new-token bucket, KV-length bucket) that also samples each row's
 first token: the requests admitted together are one padded batch of up to :data:`PREFILL_ROWS`'s
@@ -40,6 +44,7 @@ LLM_ROLE = "llm"
 # Rows of the captured prefill graphs, and the most padded tokens (rows x new-token bucket) of one.
 PREFILL_ROWS = (1, 2, 4, 8)
 MAX_PREFILL_GRAPH_TOKENS = 4096
+MAX_STEPS_PER_REPLAY = 8
 
 
 @dataclass
@@ -70,11 +75,15 @@ def _bucket(buckets: list[int], value: int) -> int:
 class ModelRunner:
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_slots: int,
                  max_model_len: int, use_cuda_graphs: bool, fused_decode: bool | None = None,
-                 high_priority: bool = False):
+                 high_priority: bool = False, steps_per_replay: int = 1):
         """``fused_decode``: decode with the fused kernels of :mod:`..layers.fused`; default where
         they run as Triton kernels (CUDA, bf16/fp16). ``high_priority``: the steps' CUDA stream
-        (:attr:`stream_role`) is of the highest priority, so its kernels go before the flow's."""
+        (:attr:`stream_role`) is of the highest priority, so its kernels go before the flow's.
+        ``steps_per_replay``: decode steps per :meth:`decode` (one graph)."""
+        if not 1 <= steps_per_replay <= MAX_STEPS_PER_REPLAY:
+            raise ValueError(f"steps_per_replay must be 1..{MAX_STEPS_PER_REPLAY}, got {steps_per_replay}")
         self.device, self.dtype = device, dtype
+        self.steps_per_replay = steps_per_replay
         self.stream_role = LLM_ROLE + HIGH_PRIORITY if high_priority else LLM_ROLE
         self.config = Qwen2Config.from_model_dir(model_dir)
         self.layout = layout_for_vocab_size(self.config.vocab_size)
@@ -88,7 +97,7 @@ class ModelRunner:
         long = dict(dtype=torch.long, device=device)
         self.input_ids = torch.zeros(max_slots + 1, **long)
         self.positions = torch.zeros(max_slots + 1, **long)
-        self.out_tokens = torch.zeros(max_slots + 1, **long)
+        self.out_tokens = torch.zeros(steps_per_replay, max_slots + 1, **long)  # a replay's tokens, step by step
         self.rows = torch.arange(max_slots, **long)
         # Prefill graph inputs: token ids / positions / write slots of rows x new tokens (row-major),
         # and each row's slot / last token's index / prompt length.
@@ -112,7 +121,7 @@ class ModelRunner:
             for group in self._prefill_groups(items):
                 self._replay_prefill(group)
             slots = host_to_device([item.slot for item in items], self.device)
-            return device_to_host(self.out_tokens.index_select(0, slots)).tolist()
+            return device_to_host(self.out_tokens[0].index_select(0, slots)).tolist()
         slots = [item.slot for item in items]
         index = torch.tensor(slots, device=self.device)
         tokens = self.sampler.sample(self.prefill_logits(items), index)
@@ -164,7 +173,7 @@ class ModelRunner:
         meta = PrefillMetadata(write_slots, positions, slots, mask, num_seqs=rows, seq_len=seq_len)
         hidden = self.model(ids, positions, self.kv, meta)
         tokens = self.sampler.sample(self.model.logits(hidden.index_select(0, last)), slots)
-        self.out_tokens.index_copy_(0, slots, tokens)
+        self.out_tokens[0].index_copy_(0, slots, tokens)
         self.input_ids.index_copy_(0, slots, tokens + self.window_start)
         self.positions.index_copy_(0, slots, length)
 
@@ -225,27 +234,33 @@ class ModelRunner:
         return self.model.logits(self.model(ids, positions, self.kv, meta))
 
     def decode_step(self, batch: int, kv_len: int) -> None:
-        """Graph body: one token for slots 0..batch-1 (no host sync)."""
-        tokens = self.sampler.sample(self._decode_logits(batch, kv_len), self.rows[:batch])
-        self.out_tokens[:batch] = tokens
-        self.input_ids[:batch] = tokens + self.window_start
-        # Free rows keep counting; the clamp keeps their (ignored) writes inside the cache.
-        self.positions[:batch] = (self.positions[:batch] + 1).clamp_(max=self.kv.max_len - 1)
+        """Graph body: :attr:`steps_per_replay` tokens for slots 0..batch-1, each step's in its row of
+        ``out_tokens`` (no host sync)."""
+        for step in range(self.steps_per_replay):
+            tokens = self.sampler.sample(self._decode_logits(batch, kv_len), self.rows[:batch])
+            self.out_tokens[step, :batch] = tokens
+            self.input_ids[:batch] = tokens + self.window_start
+            # Free rows (and rows past their stop) keep counting; the clamp keeps their (ignored)
+            # writes inside the cache.
+            self.positions[:batch] = (self.positions[:batch] + 1).clamp_(max=self.kv.max_len - 1)
 
     def graph_shape(self, num_rows: int, max_position: int) -> tuple[int, int]:
-        """(batch bucket, length bucket) of a decode step: the key of its CUDA graph."""
-        return _bucket(self.batch_buckets, num_rows), _bucket(self.length_buckets, max_position + 1)
+        """(batch bucket, length bucket) of a decode replay from ``max_position``: the key of its CUDA
+        graph (the length bucket holds the positions of all its steps)."""
+        last = min(max_position + self.steps_per_replay, self.kv.max_len)
+        return _bucket(self.batch_buckets, num_rows), _bucket(self.length_buckets, last)
 
     @torch.inference_mode()
-    def decode(self, num_rows: int, max_position: int) -> list[int]:
-        """Sample the next token of slots 0..num_rows-1 (window indices)."""
+    def decode(self, num_rows: int, max_position: int) -> list[list[int]]:
+        """Sample the next :attr:`steps_per_replay` tokens of slots 0..num_rows-1 (window indices):
+        one list per step, a token per slot."""
         shape = self.graph_shape(num_rows, max_position)
         graph = self.decode_graphs.get(shape)
         if graph is not None:
             graph.replay()
         else:
             self.decode_step(*shape)
-        return device_to_host(self.out_tokens[:num_rows]).tolist()
+        return device_to_host(self.out_tokens[:, :num_rows]).tolist()
 
     @torch.inference_mode()
     def decode_logits(self, num_rows: int, max_position: int) -> torch.Tensor:
