@@ -104,9 +104,9 @@ def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], steps: int) -> 
     runner.sampler.set_requests(rows, [SamplingParams.greedy()] * len(rows), rows, [[]] * len(rows))
     tokens = [runner.prefill([PrefillItem(row, ids, 0) for row, ids in enumerate(prompts)])]
     longest = max(len(ids) for ids in prompts)
-    for _ in range(steps):
-        tokens.append(runner.decode(len(rows), longest + steps))
-    return [list(row) for row in zip(*tokens)]
+    while len(tokens) <= steps:  # each replay decodes runner.steps_per_replay steps
+        tokens += runner.decode(len(rows), longest + steps)
+    return [list(row) for row in zip(*tokens[:steps + 1])]
 
 
 def forced_step_logits(runner: ModelRunner, prompts: list[list[int]], inputs: list[int]) -> torch.Tensor:
