@@ -14,13 +14,18 @@ from cosyserve.parity import cv3_hift, cv3_token2wav
 
 
 @pytest.fixture(scope="module")
-def tiny_hift(tmp_path_factory) -> CausalHiFTGenerator:
+def hift_dir(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("cv3hift")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         torch.save(CausalHiFTGenerator(CausalHiftConfig.tiny()).state_dict(), model_dir / "hift.pt")
     dump_hyperpyyaml({"hift": CausalHiftConfig.tiny().to_yaml_node()}, model_dir / "cosyvoice3.yaml")
-    return load_causal_hift(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_hift(hift_dir) -> CausalHiFTGenerator:
+    return load_causal_hift(hift_dir)
 
 
 @pytest.mark.parametrize("suite", [cv3_hift, cv3_token2wav], ids=["cv3_hift", "cv3_token2wav"])
@@ -115,6 +120,69 @@ def test_streams_of_any_lengths_meet_only_the_shapes_warmed_up(tiny_hift, monkey
             push_streams([(stream, torch.randn(1, 80, size + row, generator=gen), final)
                           for row, stream in enumerate(streams)])
     assert seen and seen <= warmed
+
+
+def _push_in_chunks(hift, net=None) -> list[torch.Tensor]:
+    """5 streams pushed together three times, in chunks of mixed sizes (rows of several widths, F0 windows
+    left-padded) and a final push of one frame: every stream's samples, concatenated."""
+    gen = torch.Generator().manual_seed(9)
+    mels = [(torch.randn(1, 80, 110, generator=gen) * 2 - 4).to(hift.conv_pre.weight.device) for _ in range(5)]
+    streams, starts, pieces = [CausalHiftStream(hift) for _ in mels], [0] * 5, [[] for _ in mels]
+    for sizes, final in (((30, 30, 30, 12, 45), False), ((30, 9, 61, 40, 2), False), ((1, 50, 1, 20, 1), True)):
+        items = []
+        for i, (mel, size) in enumerate(zip(mels, sizes)):
+            items.append((streams[i], mel[:, :, starts[i]:starts[i] + size], final))
+            starts[i] += size
+        for i, samples in enumerate(push_streams(items, net)):
+            pieces[i].append(samples)
+    return [torch.cat(p, dim=1).cpu() for p in pieces]
+
+
+class _RecordingNetwork:
+    """The vocoder's own stacks, each call's (stack, rows, frames) recorded."""
+
+    def __init__(self, hift):
+        self.hift, self.calls = hift, []
+
+    def predict_f0(self, mel, finalize, starts=None):
+        self.calls.append(("f0", mel.shape[0], mel.shape[2]))
+        return self.hift.predict_f0(mel, finalize, starts)
+
+    def spectrum_from(self, mel, spec, finalize):
+        self.calls.append(("net", mel.shape[0], mel.shape[2]))
+        return self.hift.spectrum_from(mel, spec, finalize)
+
+
+def test_the_convolution_stacks_run_where_the_caller_says(tiny_hift):
+    """push_streams(net=...) runs both stacks, the F0 predictor and the decoder network, through ``net``
+    (the engine's CUDA graphs) and nothing else changes; at padded shapes only."""
+    net = _RecordingNetwork(tiny_hift)
+    got = _push_in_chunks(tiny_hift, net)
+    for a, b in zip(got, _push_in_chunks(tiny_hift)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert {stack for stack, _, _ in net.calls} == {"f0", "net"}
+    assert all(bucket_rows(rows) == rows and bucket_frames(frames) == frames for _, rows, frames in net.calls)
+    assert max(rows for _, rows, _ in net.calls) == 8  # 5 streams together
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_a_gpu_the_vocoder_graphs_replay_the_eager_pushes(hift_dir, monkeypatch):
+    """CausalHiftGraphs captures every batched shape at once; streams pushed in chunks of mixed sizes then
+    replay them (no eager call of either stack) and get the eager samples (float rounding)."""
+    from cosyserve.token2wav.graphs import CausalHiftGraphs
+
+    hift = load_causal_hift(hift_dir, "cuda")
+    graphs = CausalHiftGraphs(hift)
+    widths = [w for w in FRAME_BUCKETS if w <= bucket_frames(128)]
+    assert graphs.precapture(max_rows=5, max_frames=128) == 3 * 4 * len(widths)  # f0, network x2; 1, 2, 4, 8 rows
+    expected = _push_in_chunks(hift)
+    eager = _recorded_shapes(hift, monkeypatch)
+    got = _push_in_chunks(hift, graphs)
+    assert not eager, "every call replays a graph"
+    assert graphs.num_graphs == 3 * 4 * len(widths)
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
 
 
 def test_the_excitation_of_rows_at_their_own_frames_equals_each_row_alone(tiny_hift):

@@ -295,6 +295,7 @@ def test_on_a_gpu_voices_prepared_beside_running_streams_give_the_same_mels(feat
     for kind in (eager, graphed):  # graphed: both samplers' grids captured; each: the voice's prefix offered
         kind.warm_up(features)
     assert graphed._prefix_sampler.num_graphs == len(graphed._prefix_sampler.grid()) > 0
+    assert graphed.vocoder_graphs.num_graphs == 3 * 5 * 8  # f0, network x2; 1-16 rows; widths up to 256
     other = random_features(30, 2)
     eager.prepare_voices([other])  # the same padded shapes, in order on one thread
     expected = drive(eager, other, STREAMS[1:], [0, 5])

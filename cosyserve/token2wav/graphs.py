@@ -19,6 +19,8 @@ one launch.
   convolutions, reflect padding), so its graphs are keyed by the exact frame count (rows, which
   never interact, are padded to a power of two). Two graphs so the cached excitation can be
   pasted between them: the excitation, then the network and its inverse STFT.
+* :class:`CausalHiftGraphs`: CosyVoice3's causal HiFT, its F0 predictor and network at the row and
+  frame buckets its batched calls are padded to, all captured at load.
 
 Shapes not captured in advance are captured the second time they are seen (``capture_after``); a
 one-off shape runs eagerly, since capturing costs about three runs. A runner whose shapes were
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidInputError
+from ..models.cosyvoice3.hift import WARM_UP_FRAMES, CausalHiFTGenerator, batched_shapes
 from ..models.flow import CausalConditionalCFM, FlowConditions, fixed_noise
 from ..models.flow.cfm import N_TIMESTEPS, NOISE_FRAMES
 from ..models.hift import HiFTGenerator, SourceNoise
@@ -63,11 +66,12 @@ class GraphCache:
     captured on its stream: :func:`~cosyserve.runtime.role_stream`). Graphs are captured on the
     stream of ``role`` (the loop's, "main", unless told otherwise). A capture is preceded by
     ``warmup`` eager runs the first time (library handles, plans), one run later. Thread-safe (calls
-    are serialised).
+    are serialised). ``pool``: a graph memory pool shared with other caches (their replays must not
+    interleave with this one's: one thread replays them all), else one of its own.
     """
 
     def __init__(self, fn: TensorFn, *, max_graphs: int = 64, capture_after: int | None = 1, warmup: int = 2,
-                 role: str = LOOP_ROLE):
+                 role: str = LOOP_ROLE, pool=None):
         if max_graphs < 1:
             raise InvalidInputError(f"max_graphs must be >= 1, got {max_graphs}")
         self.fn = fn
@@ -77,7 +81,7 @@ class GraphCache:
         self.role = role
         self._graphs: dict[tuple, _Graph] = {}
         self._seen: Counter = Counter()
-        self._pool = None
+        self._pool = pool
         self._lock = threading.Lock()
 
     @property
@@ -356,3 +360,53 @@ class HiftRunner:
             source[:batch, :, :cache_source.shape[-1]] = cache_source.to(source.device, source.dtype)
         (speech,) = self._network(mel, source)
         return speech[:batch], source[:batch]
+
+
+class CausalHiftGraphs:
+    """CosyVoice3's causal HiFT: its two convolution stacks, the F0 predictor and the network up to
+    its spectrum (:class:`~cosyserve.models.cosyvoice3.hift.HiftNetwork`), replayed from CUDA graphs.
+    Why: eager, a batch's call is several hundred small kernels that the loop's thread launches one by
+    one, holding the GIL that the LLM's thread needs between its decode steps (and blocking in the
+    driver, GIL held, once the launch queue is full); a replay is one launch, with the GIL released.
+
+    :func:`~cosyserve.models.cosyvoice3.hift.push_streams` pads every call to a row and a frame bucket,
+    so :meth:`precapture` captures every shape a serving batch meets (``batched_shapes``); any other
+    (a window past the widest bucket) runs eagerly. The F0 predictor is always given each row's first
+    frame (zeros for whole rows: the same values), so one graph serves both kinds of call. The graphs
+    share one memory pool: only the loop's thread vocodes."""
+
+    def __init__(self, hift: CausalHiFTGenerator):
+        self.hift = hift
+        pool = torch.cuda.graph_pool_handle()
+        self._f0 = GraphCache(lambda mel, starts: (hift.predict_f0(mel, False, starts),),
+                              capture_after=None, pool=pool)
+        self._network = {final: GraphCache(lambda mel, spec, final=final: (hift.spectrum_from(mel, spec, final),),
+                                           capture_after=None, pool=pool) for final in (False, True)}
+
+    @property
+    def num_graphs(self) -> int:
+        return self._f0.num_graphs + sum(cache.num_graphs for cache in self._network.values())
+
+    def predict_f0(self, mel: torch.Tensor, finalize: bool, starts: torch.Tensor | None = None) -> torch.Tensor:
+        if finalize:  # push_streams pads a finished stream's look-ahead itself and never asks this
+            return self.hift.predict_f0(mel, finalize, starts)
+        if starts is None:
+            starts = torch.zeros(mel.shape[0], dtype=torch.long, device=mel.device)
+        return self._f0(mel, starts)[0]
+
+    def spectrum_from(self, mel: torch.Tensor, source_spec: torch.Tensor, finalize: bool) -> torch.Tensor:
+        return self._network[finalize](mel, source_spec)[0]
+
+    @torch.inference_mode()
+    def precapture(self, max_rows: int, max_frames: int = WARM_UP_FRAMES) -> int:
+        """Capture the graphs of every ``batched_shapes(max_rows, max_frames)`` call; returns their number."""
+        hift = self.hift
+        device, channels = hift.conv_pre.weight.device, hift.cfg.in_channels
+        spectrum_channels = hift.cfg.istft_n_fft + 2
+        for rows, width in batched_shapes(max_rows, max_frames):
+            mel = torch.zeros(rows, channels, width, device=device)
+            self._f0.capture(mel, torch.zeros(rows, dtype=torch.long, device=device))
+            for final, cache in self._network.items():
+                cache.capture(mel, torch.zeros(rows, spectrum_channels, hift.spectrum_columns(width, final),
+                                               device=device))
+        return self.num_graphs

@@ -18,7 +18,8 @@ A stream's chunk is, by ``incremental``:
 An offline request is one full-attention pass over prompt + all tokens. Every job takes one Euler
 step per :meth:`CosyVoice3Kind.step`, packed with every other job (windows and passes at any step).
 Each stream vocodes its new frames with its :class:`~cosyserve.models.cosyvoice3.hift.CausalHiftStream`
-(960 samples per token that left the look-ahead).
+(960 samples per token that left the look-ahead), the batch's streams in one call whose convolution
+stacks replay CUDA graphs (with ``cuda_graphs``: :class:`~cosyserve.token2wav.graphs.CausalHiftGraphs`).
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ from ...frontend.prompt import PromptFeatures
 from ...lru import LruCache
 from ...models.cosyvoice3.dit import WindowState
 from ...models.cosyvoice3.flow import CosyVoice3Flow, Cv3VoicePrefix, load_cosyvoice3_flow
-from ...models.cosyvoice3.hift import (CausalHiFTGenerator, CausalHiftStream, load_causal_hift, push_streams,
-                                       warm_up_shapes)
+from ...models.cosyvoice3.hift import (CausalHiFTGenerator, CausalHiftStream, HiftNetwork, load_causal_hift,
+                                       push_streams, warm_up_shapes)
 from ...models.flow.cfm import N_TIMESTEPS, NOISE_FRAMES, fixed_noise
 from ...runtime import host_to_device, role_stream
 from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
 from ...speech_tokens import speech_token_ids
 from ...token2wav.cosyvoice3_packed import EMPTY_STATE, PackedWindowSampler, WindowJob, token_conditions
+from ...token2wav.graphs import CausalHiftGraphs
 from ..device import synchronize
 from ..scheduler import DEFAULT_MAX_BATCH_JOBS
 
@@ -140,6 +142,9 @@ class CosyVoice3Kind:
         self.device, self.dtype = torch.device(device), dtype
         self.flow = flow.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
         self.hift = hift.to(device=self.device).eval().requires_grad_(False)
+        # the vocoder's convolution stacks from CUDA graphs (captured at warm-up), else eager
+        self.vocoder_graphs = (CausalHiftGraphs(self.hift) if cuda_graphs and self.device.type == "cuda"
+                               else None)
         self.cfg = self.flow.cfg
         self.sampler = PackedWindowSampler(self.flow.decoder, padded=padded, cuda_graphs=cuda_graphs,
                                            **sampler_options)
@@ -193,6 +198,8 @@ class CosyVoice3Kind:
                 "window_graphs": ("packed window shapes captured as CUDA graphs (the voices' prefixes' sampler "
                                   "included)", self.sampler.num_graphs
                                   + (self._prefix_sampler.num_graphs if self.prepares_beside else 0)),
+                "vocoder_graphs": ("the vocoder's batched shapes captured as CUDA graphs",
+                                   self.vocoder_graphs.num_graphs if self.vocoder_graphs is not None else 0),
                 "window_calls": ("packed estimator calls (one Euler step of their jobs)", self.sampler.calls),
                 "window_eager_calls": ("packed estimator calls outside every graphed shape", self.sampler.eager_calls)}
 
@@ -322,6 +329,8 @@ class CosyVoice3Kind:
             self.sampler.capture_all()
             if self.prepares_beside:
                 self._prefix_sampler.capture_all()
+        if self.vocoder_graphs is not None:  # up to the most chunk jobs a batch takes by default (vocoded together)
+            self.vocoder_graphs.precapture(DEFAULT_MAX_BATCH_JOBS)
         ids = [0] * tokens
         voicing, schedule = self.open(features), self.chunk_schedule("exponential")
         try:
@@ -334,9 +343,9 @@ class CosyVoice3Kind:
                     break
         finally:
             voicing.close()
-        if self.device.type == "cuda":  # cuDNN's plans of the vocoder's batched shapes (its row and frame buckets)
-            # up to the most chunk jobs a batch takes by default, the most the loop vocodes together
-            warm_up_shapes(self.hift, DEFAULT_MAX_BATCH_JOBS)
+        if self.device.type == "cuda":  # the plans of the vocoder's batched shapes (its row and frame buckets)
+            # outside its graphs (cuFFT's), or of every stage when it runs eagerly (cuDNN's)
+            warm_up_shapes(self.hift, DEFAULT_MAX_BATCH_JOBS, net=self._vocoder_network)
         job = self.start_offline(features, ids)
         self.solve([job])
         self.vocode([(None, self.mel(job), True)])
@@ -471,6 +480,10 @@ class CosyVoice3Kind:
 
     # ----- vocoder -----
 
+    @property
+    def _vocoder_network(self) -> HiftNetwork:
+        return self.vocoder_graphs if self.vocoder_graphs is not None else self.hift
+
     @torch.inference_mode()
     def vocode(self, items: list[tuple[Cv3Voicing | None, torch.Tensor, bool]]) -> list[torch.Tensor]:
         """PCM (1-D float32 on the device, launched) of each (stream's voicing, or None for an
@@ -479,7 +492,7 @@ class CosyVoice3Kind:
         offline request's mel is a fresh vocoder stream's one final push, which equals one call on
         the whole mel and keeps its shapes among the bucketed ones."""
         pushed = push_streams([(voicing.vocoder if voicing is not None else CausalHiftStream(self.hift), mel, final)
-                               for voicing, mel, final in items])
+                               for voicing, mel, final in items], self._vocoder_network)
         return [samples.detach().to(torch.float32).reshape(-1) for samples in pushed]
 
 

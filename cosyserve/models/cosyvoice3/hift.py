@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -397,14 +398,25 @@ class CausalHiftCall:
     samples: int  # new samples
 
 
+class HiftNetwork(Protocol):
+    """What runs the causal HiFT's two convolution stacks for :func:`push_streams`: the vocoder itself
+    (eager), or its CUDA graphs at the padded shapes (:class:`~cosyserve.token2wav.graphs.CausalHiftGraphs`)."""
+
+    def predict_f0(self, mel: torch.Tensor, finalize: bool, starts: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def spectrum_from(self, mel: torch.Tensor, source_spec: torch.Tensor, finalize: bool) -> torch.Tensor: ...
+
+
 @torch.inference_mode()
-def prepare_calls(items: list[tuple["CausalHiftStream", torch.Tensor, bool]]) -> list[CausalHiftCall]:
+def prepare_calls(items: list[tuple["CausalHiftStream", torch.Tensor, bool]],
+                  net: HiftNetwork | None = None) -> list[CausalHiftCall]:
     """:meth:`CausalHiftStream.push` up to the decoder, for many streams of one vocoder: every (stream,
     new mel frames (1, 80, n), finalize)'s new F0 in one float64 call and its excitation in one call,
     the rows of different lengths left-padded (each row gets the values it gets alone). Why: stream by stream it
     was ~50 operator calls a stream and chunk (a CPU profile of 16 streams' call: 1,962 top-level
     operators, 1,132 batched), on the loop's thread, which measured ~165 ms of host time an iteration
-    at 16 CosyVoice3 streams. Every stream is checked before any changes."""
+    at 16 CosyVoice3 streams. Every stream is checked before any changes. ``net``: what runs the F0
+    predictor (the streams' vocoder by default)."""
     for stream, mel, _ in items:
         if stream.finished:
             raise InvalidInputError("this vocoder stream is finished")
@@ -414,11 +426,11 @@ def prepare_calls(items: list[tuple["CausalHiftStream", torch.Tensor, bool]]) ->
     due = [(stream, stream._append(mel, finalize)) for stream, mel, finalize in items]
     due = [(stream, f0_end) for stream, f0_end in due if f0_end is not None]
     if due:
-        _excite(due)
+        _excite(due, net or due[0][0].hift)
     return [stream._decoder_call() for stream, _, _ in items]
 
 
-def _excite(due: list[tuple["CausalHiftStream", int]]) -> None:
+def _excite(due: list[tuple["CausalHiftStream", int]], net: HiftNetwork) -> None:
     """Each (stream, end)'s F0 and excitation of frames [stream.f0_frames, end), rows batched."""
     hift = due[0][0].hift
     hop, device = hift.hop_length, due[0][0].mel.device
@@ -426,10 +438,10 @@ def _excite(due: list[tuple["CausalHiftStream", int]]) -> None:
     width = bucket_frames(max(w.shape[2] for w in windows))
     mel = _stack_padded(windows, width, left=True)
     if all(w.shape[2] == width for w in windows):
-        f0 = hift.predict_f0(mel, False)
+        f0 = net.predict_f0(mel, False)
     else:  # rows left-padded to the width bucket; padding rows: all padding
         pads = [width - w.shape[2] for w in windows] + [width] * (mel.shape[0] - len(windows))
-        f0 = hift.predict_f0(mel, False, host_to_device(torch.tensor(pads, dtype=torch.long), device))
+        f0 = net.predict_f0(mel, False, host_to_device(torch.tensor(pads, dtype=torch.long), device))
     f0 = f0[:len(due)]
     # every row's last column is its frame end - 1; its new frames are its last ones, the columns before
     # them get F0 0 (no phase, so the phase sums carry over exactly)
@@ -468,12 +480,15 @@ def bucket_frames(frames: int) -> int:
 
 
 @torch.inference_mode()
-def decode_calls(hift: "CausalHiFTGenerator", calls: list[CausalHiftCall]) -> list[torch.Tensor | None]:
+def decode_calls(hift: "CausalHiFTGenerator", calls: list[CausalHiftCall],
+                 net: HiftNetwork | None = None) -> list[torch.Tensor | None]:
     """Every call's decoded window, calls of one padded shape (:func:`bucket_frames` of their frames,
     finalize) in one batched decoder call, rows right-padded with zero frames and zero rows added up to
     :func:`bucket_rows`. Each row's output is the one it gets alone: its excitation's spectrum is taken
     at its own length, the network is causal (:meth:`CausalHiFTGenerator.spectrum_from`), and its
-    columns are cut back to its own before the inverse STFT."""
+    columns are cut back to its own before the inverse STFT. ``net``: what runs the decoder network
+    (``hift`` by default)."""
+    net = net or hift
     out: list[torch.Tensor | None] = [None] * len(calls)
     live = [i for i, call in enumerate(calls) if call.mel is not None]
     for (width, finalize), members in _groups(
@@ -483,7 +498,7 @@ def decode_calls(hift: "CausalHiFTGenerator", calls: list[CausalHiftCall]) -> li
         mels = [torch.cat([calls[i].mel for i in same]) for same in same_width.values()]
         specs = [hift.source_spectrum(torch.cat([calls[i].source for i in same]), finalize)
                  for same in same_width.values()]
-        spectrum = hift.spectrum_from(_stack_padded(mels, width),
+        spectrum = net.spectrum_from(_stack_padded(mels, width),
                                       _stack_padded(specs, hift.spectrum_columns(width, finalize)), finalize)
         first = 0
         for frames, same in same_width.items():
@@ -520,32 +535,39 @@ def _stack_padded(tensors: list[torch.Tensor], width: int, left: bool = False) -
     return stacked
 
 
-def push_streams(items: list[tuple["CausalHiftStream", torch.Tensor, bool]]) -> list[torch.Tensor]:
+def push_streams(items: list[tuple["CausalHiftStream", torch.Tensor, bool]],
+                 net: HiftNetwork | None = None) -> list[torch.Tensor]:
     """:meth:`CausalHiftStream.push` of many streams of one vocoder at once: (stream, new mel frames,
     finalize) -> each stream's new samples (1, s), prepared (:func:`prepare_calls`) and decoded
-    (:func:`decode_calls`) together."""
+    (:func:`decode_calls`) together, the convolution stacks run by ``net`` (the vocoder by default)."""
     if not items:
         return []
-    calls = prepare_calls(items)
+    calls = prepare_calls(items, net)
     return [stream.complete(call, window)
-            for (stream, _, _), call, window in zip(items, calls, decode_calls(items[0][0].hift, calls))]
+            for (stream, _, _), call, window in zip(items, calls, decode_calls(items[0][0].hift, calls, net))]
+
+
+def batched_shapes(max_rows: int, max_frames: int = WARM_UP_FRAMES) -> list[tuple[int, int]]:
+    """The (rows, frames) of every batched F0 and decoder call of up to ``max_rows`` rows and windows of
+    up to ``max_frames`` frames: each row bucket at each frame bucket (:data:`ROW_BUCKETS`,
+    :data:`FRAME_BUCKETS`)."""
+    rows_buckets = sorted({bucket_rows(n) for n in range(1, max_rows + 1)})
+    return list(product(rows_buckets, [w for w in FRAME_BUCKETS if w <= bucket_frames(max_frames)]))
 
 
 @torch.inference_mode()
-def warm_up_shapes(hift: "CausalHiFTGenerator", max_rows: int, max_frames: int = WARM_UP_FRAMES) -> None:
-    """Run every shape of the batched F0 and decoder calls of up to ``max_rows`` rows and windows of
-    up to ``max_frames`` frames once (each row bucket at each frame bucket; the decoder's final and
-    non-final calls), so that serving does not build their cuDNN plans (:data:`ROW_BUCKETS`,
-    :data:`FRAME_BUCKETS`)."""
+def warm_up_shapes(hift: "CausalHiFTGenerator", max_rows: int, max_frames: int = WARM_UP_FRAMES,
+                   net: HiftNetwork | None = None) -> None:
+    """Run every :func:`batched_shapes` call once (the decoder's final and non-final ones), through
+    ``net`` (the vocoder by default), so that serving does not build their cuDNN (and cuFFT) plans."""
+    net = net or hift
     device, channels = hift.conv_pre.weight.device, hift.cfg.in_channels
-    rows_buckets = sorted({bucket_rows(n) for n in range(1, max_rows + 1)})
-    widths = [w for w in FRAME_BUCKETS if w <= bucket_frames(max_frames)]
-    for rows, width in product(rows_buckets, widths):
-        hift.predict_f0(torch.zeros(rows, channels, width, device=device), False)
+    for rows, width in batched_shapes(max_rows, max_frames):
+        net.predict_f0(torch.zeros(rows, channels, width, device=device), False)
         for finalize in (False, True):
             call = CausalHiftCall(torch.zeros(1, channels, width, device=device),
                                   torch.zeros(1, 1, width * hift.hop_length, device=device), finalize, 0, 0)
-            decode_calls(hift, [call] * rows)
+            decode_calls(hift, [call] * rows, net)
 
 
 class CausalHiftStream:
