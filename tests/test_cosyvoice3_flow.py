@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -111,3 +116,75 @@ def test_incremental_stream_equals_block_masked_recompute(tiny_flow):
     assert emitted == 2 * tokens.shape[1] and stream.finished
     with pytest.raises(InvalidInputError, match="finished"):
         stream.push(tokens[:, :1])
+
+
+def test_every_block_reads_its_frames_row_major(tiny_flow):
+    """The DiT's blocks get x (B, T, D) contiguous in the full pass and in a stream's windows: a
+    channels-first x (the position convolution's transposed output) made each layer norm copy it and
+    each residual add run strided, about a sixth of a step's GPU time at real size."""
+    from cosyserve.models.cosyvoice3.flow import Cv3FlowStream
+
+    layouts = []
+    hooks = [block.register_forward_pre_hook(lambda _, args: layouts.append(args[0].is_contiguous()))
+             for block in tiny_flow.decoder.estimator.transformer_blocks]
+    try:
+        gen = torch.Generator().manual_seed(4)
+        prompt, tokens = torch.randint(0, 6561, (1, 9), generator=gen), torch.randint(0, 6561, (1, 40), generator=gen)
+        feat, emb = torch.randn(1, 18, 80, generator=gen), torch.randn(1, 192, generator=gen)
+        tiny_flow.inference(tokens, prompt, feat, emb, streaming=True, finalize=True)
+        full = len(layouts)
+        Cv3FlowStream(tiny_flow, prompt, feat, emb).push(tokens, True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert 0 < full < len(layouts) and all(layouts)
+
+
+def check_rotary_kernel() -> None:
+    """The Triton rotary (q and k together, in place) against rotate_leading_ on each: cos/sin for every
+    row (T, dim_head) or per row (B, T, dim_head), q/k views of a wider buffer, a frame count that
+    leaves a program's tile part empty; float32 and float16."""
+    from cosyserve.models.cosyvoice3.dit import RotaryEmbedding, rotary, rotate_leading_
+    from cosyserve.models.cosyvoice3.rotary_triton import rotate_queries_keys_
+
+    gen = torch.Generator().manual_seed(11)
+    embed = RotaryEmbedding(16)
+    for dtype, per_row, frames in ((torch.float32, False, 37), (torch.float32, True, 64), (torch.float16, True, 5)):
+        angles = embed.angles(frames + 9)[9:]
+        if per_row:  # rows at their own positions, as the packed sampler's
+            angles = torch.stack([embed.angles(frames + s)[s:] for s in (0, 3, 50)])
+        cos, sin = rotary(angles)
+        qk = (torch.randn(3, frames, 2 * 48, generator=gen) * 3).to(dtype)
+        q, k = qk[..., :48], qk[..., 48:]  # channels contiguous, rows strided
+        want_q, want_k = rotate_leading_(q.clone(), (cos, sin)), rotate_leading_(k.clone(), (cos, sin))
+        rotate_queries_keys_(q, k, cos, sin)
+        torch.testing.assert_close(q, want_q, rtol=0, atol=0)
+        torch.testing.assert_close(k, want_k, rtol=0, atol=0)
+
+
+def test_the_rotary_kernel_under_the_interpreter():
+    """The GPU's rotary kernel computes rotate_leading_'s values (Triton's CPU interpreter: no fused
+    multiply-adds, so equal to the bit)."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    script = "import tests.test_cosyvoice3_flow as t\nt.check_rotary_kernel()\nprint('ok')\n"
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root)))
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_rotary_kernel_rounds_as_pytorch_does():
+    """At real size in bfloat16 on a GPU (which may fuse a product into the sum) the kernel's values are
+    PyTorch's within one bfloat16 rounding step; the channels after head 0 are untouched."""
+    from cosyserve.models.cosyvoice3.dit import RotaryEmbedding, rotary, rotate_leading_
+    from cosyserve.models.cosyvoice3.rotary_triton import rotate_queries_keys_
+
+    embed = RotaryEmbedding(64).to("cuda")
+    cos, sin = rotary(torch.stack([embed.angles(512 + s)[s:] for s in (0, 100, 700, 1500)]))
+    q, k = (torch.randn(4, 512, 1024, device="cuda") * 4).bfloat16(), torch.randn(4, 512, 1024, device="cuda").bfloat16()
+    want_q, want_k = rotate_leading_(q.clone(), (cos, sin)), rotate_leading_(k.clone(), (cos, sin))
+    rotate_queries_keys_(q, k, cos, sin)
+    for got, want in ((q, want_q), (k, want_k)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+        assert torch.equal(got[..., 64:], want[..., 64:])

@@ -1,0 +1,61 @@
+"""The DiT's rotary embedding of queries and keys as one Triton kernel (GPU; CPU tensors under
+``TRITON_INTERPRET=1``, how the tests check it).
+
+Upstream rotates the first ``dim_head`` channels of the query and key projections (head 0 only).
+In PyTorch that is six small kernels for each of the two (a product with cos, the pair swap's
+negation and concatenation, a product with sin, the sum, the copy back into the projection), twelve
+per block: at real size 264 of a window step's ~840 kernels, ~44 us a block on an H100 for 4 jobs of
+512 frames, each kernel too small to fill the GPU. Here one program rotates a tile of frames of
+both, in place, with the arithmetic of :func:`~cosyserve.models.cosyvoice3.dit.rotate_leading_`: in
+float32, ``x·cos + rotate_pairs(x)·sin``, rounded once to the projection's dtype (the GPU may fuse
+a product into the sum: the last float32 bit can differ, below the output's rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ROWS_PER_PROGRAM = 32  # (batch row, frame) positions a program rotates
+
+
+@triton.jit
+def _rotate_pair_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, positions, frames,
+                        q_sb, q_st, k_sb, k_st, rot_sb, rot_st,
+                        ROWS: tl.constexpr, PAIRS: tl.constexpr):
+    pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = (pos < positions)[:, None]
+    b, t = pos // frames, pos % frames
+    even = 2 * tl.arange(0, PAIRS)[None, :]
+    rot = b[:, None] * rot_sb + t[:, None] * rot_st + even
+    cos_e = tl.load(cos_ptr + rot, mask=ok, other=0.0)
+    cos_o = tl.load(cos_ptr + rot + 1, mask=ok, other=0.0)
+    sin_e = tl.load(sin_ptr + rot, mask=ok, other=0.0)
+    sin_o = tl.load(sin_ptr + rot + 1, mask=ok, other=0.0)
+    q = q_ptr + b[:, None] * q_sb + t[:, None] * q_st + even
+    x_e = tl.load(q, mask=ok, other=0.0).to(tl.float32)
+    x_o = tl.load(q + 1, mask=ok, other=0.0).to(tl.float32)
+    tl.store(q, (x_e * cos_e + (-x_o) * sin_e).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(q + 1, (x_o * cos_o + x_e * sin_o).to(q_ptr.dtype.element_ty), mask=ok)
+    k = k_ptr + b[:, None] * k_sb + t[:, None] * k_st + even
+    x_e = tl.load(k, mask=ok, other=0.0).to(tl.float32)
+    x_o = tl.load(k + 1, mask=ok, other=0.0).to(tl.float32)
+    tl.store(k, (x_e * cos_e + (-x_o) * sin_e).to(k_ptr.dtype.element_ty), mask=ok)
+    tl.store(k + 1, (x_o * cos_o + x_e * sin_o).to(k_ptr.dtype.element_ty), mask=ok)
+
+
+def rotate_queries_keys_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the first ``cos.shape[-1]`` channels of q and k (B, T, C), each channel contiguous
+    (stride 1), in place. ``cos``, ``sin`` float32, (T, dim_head) for every row or (B, T, dim_head),
+    the same strides."""
+    batch, frames, _ = q.shape
+    if k.shape != q.shape or q.stride(2) != 1 or k.stride(2) != 1 or cos.stride() != sin.stride():
+        raise ValueError("rotate_queries_keys_ takes q and k of one shape, channels contiguous, and cos, sin alike")
+    if cos.shape[-1] % 2 or cos.stride(-1) != 1 or cos.dtype != torch.float32:
+        raise ValueError("cos and sin must be float32 with an even, contiguous last dimension")
+    rot_sb = cos.stride(0) if cos.dim() == 3 else 0
+    positions = batch * frames
+    _rotate_pair_kernel[(triton.cdiv(positions, ROWS_PER_PROGRAM),)](
+        q, k, cos, sin, positions, frames, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        rot_sb, cos.stride(-2), ROWS=ROWS_PER_PROGRAM, PAIRS=cos.shape[-1] // 2)
