@@ -143,17 +143,20 @@ def test_every_block_reads_its_frames_row_major(tiny_flow):
 def check_rotary_kernel() -> None:
     """The Triton rotary (q and k together, in place) against rotate_leading_ on each: cos/sin for every
     row (T, dim_head) or per row (B, T, dim_head), q/k views of a wider buffer, a frame count that
-    leaves a program's tile part empty; float32 and float16."""
+    leaves a program's tile part empty; float32, float16, and float16 angles (each product rounded to
+    float16, as PyTorch's operators round them)."""
     from cosyserve.models.cosyvoice3.dit import RotaryEmbedding, rotary, rotate_leading_
     from cosyserve.models.cosyvoice3.rotary_triton import rotate_queries_keys_
 
     gen = torch.Generator().manual_seed(11)
     embed = RotaryEmbedding(16)
-    for dtype, per_row, frames in ((torch.float32, False, 37), (torch.float32, True, 64), (torch.float16, True, 5)):
+    cases = ((torch.float32, torch.float32, False, 37), (torch.float32, torch.float32, True, 64),
+             (torch.float16, torch.float32, True, 5), (torch.float16, torch.float16, True, 33))
+    for dtype, angle_dtype, per_row, frames in cases:
         angles = embed.angles(frames + 9)[9:]
         if per_row:  # rows at their own positions, as the packed sampler's
             angles = torch.stack([embed.angles(frames + s)[s:] for s in (0, 3, 50)])
-        cos, sin = rotary(angles)
+        cos, sin = rotary(angles.to(angle_dtype))
         qk = (torch.randn(3, frames, 2 * 48, generator=gen) * 3).to(dtype)
         q, k = qk[..., :48], qk[..., 48:]  # channels contiguous, rows strided
         want_q, want_k = rotate_leading_(q.clone(), (cos, sin)), rotate_leading_(k.clone(), (cos, sin))
@@ -175,16 +178,19 @@ def test_the_rotary_kernel_under_the_interpreter():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_the_rotary_kernel_rounds_as_pytorch_does():
-    """At real size in bfloat16 on a GPU (which may fuse a product into the sum) the kernel's values are
-    PyTorch's within one bfloat16 rounding step; the channels after head 0 are untouched."""
+    """At real size in bfloat16 on a GPU: with float32 angles (where the GPU may fuse a product into the
+    sum) within one bfloat16 rounding step of PyTorch's values, with bfloat16 angles (a bfloat16 flow's)
+    equal to them; the channels after head 0 are untouched."""
     from cosyserve.models.cosyvoice3.dit import RotaryEmbedding, rotary, rotate_leading_
     from cosyserve.models.cosyvoice3.rotary_triton import rotate_queries_keys_
 
-    embed = RotaryEmbedding(64).to("cuda")
-    cos, sin = rotary(torch.stack([embed.angles(512 + s)[s:] for s in (0, 100, 700, 1500)]))
-    q, k = (torch.randn(4, 512, 1024, device="cuda") * 4).bfloat16(), torch.randn(4, 512, 1024, device="cuda").bfloat16()
-    want_q, want_k = rotate_leading_(q.clone(), (cos, sin)), rotate_leading_(k.clone(), (cos, sin))
-    rotate_queries_keys_(q, k, cos, sin)
-    for got, want in ((q, want_q), (k, want_k)):
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
-        assert torch.equal(got[..., 64:], want[..., 64:])
+    for angle_dtype, rtol in ((torch.float32, 2 ** -7), (torch.bfloat16, 0)):
+        embed = RotaryEmbedding(64).to("cuda", angle_dtype)
+        cos, sin = rotary(torch.stack([embed.angles(512 + s)[s:] for s in (0, 100, 700, 1500)]))
+        q = (torch.randn(4, 512, 1024, device="cuda") * 4).bfloat16()
+        k = torch.randn(4, 512, 1024, device="cuda").bfloat16()
+        want_q, want_k = rotate_leading_(q.clone(), (cos, sin)), rotate_leading_(k.clone(), (cos, sin))
+        rotate_queries_keys_(q, k, cos, sin)
+        for got, want in ((q, want_q), (k, want_k)):
+            torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=1e-6 if rtol else 0)
+            assert torch.equal(got[..., 64:], want[..., 64:])

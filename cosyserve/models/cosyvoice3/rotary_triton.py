@@ -6,9 +6,11 @@ In PyTorch that is six small kernels for each of the two (a product with cos, th
 negation and concatenation, a product with sin, the sum, the copy back into the projection), twelve
 per block: at real size 264 of a window step's ~840 kernels, ~44 us a block on an H100 for 4 jobs of
 512 frames, each kernel too small to fill the GPU. Here one program rotates a tile of frames of
-both, in place, with the arithmetic of :func:`~cosyserve.models.cosyvoice3.dit.rotate_leading_`: in
-float32, ``x·cos + rotate_pairs(x)·sin``, rounded once to the projection's dtype (the GPU may fuse
-a product into the sum: the last float32 bit can differ, below the output's rounding).
+both, in place, with the arithmetic of :func:`~cosyserve.models.cosyvoice3.dit.rotate_leading_`:
+``x·cos + rotate_pairs(x)·sin`` in the promoted dtype of x and the angles, each product and the sum
+rounded to it as PyTorch's operators round them (bfloat16 angles, as a bfloat16 flow has: bit for
+bit; float32: the GPU may fuse a product into the sum, which can change the last float32 bit, below
+the rounding to x's dtype).
 """
 
 from __future__ import annotations
@@ -18,44 +20,66 @@ import triton
 import triton.language as tl
 
 ROWS_PER_PROGRAM = 32  # (batch row, frame) positions a program rotates
+_ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the dtype PyTorch's operators round to
+
+
+@triton.jit
+def _rounded(x, ROUND: tl.constexpr):
+    if ROUND == 1:
+        x = x.to(tl.bfloat16).to(tl.float32)
+    if ROUND == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rotated(x_e, x_o, cos_e, cos_o, sin_e, sin_o, ROUND: tl.constexpr):
+    even = _rounded(_rounded(x_e * cos_e, ROUND) + _rounded(-x_o * sin_e, ROUND), ROUND)
+    odd = _rounded(_rounded(x_o * cos_o, ROUND) + _rounded(x_e * sin_o, ROUND), ROUND)
+    return even, odd
 
 
 @triton.jit
 def _rotate_pair_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, positions, frames,
                         q_sb, q_st, k_sb, k_st, rot_sb, rot_st,
-                        ROWS: tl.constexpr, PAIRS: tl.constexpr):
+                        ROWS: tl.constexpr, PAIRS: tl.constexpr, ROUND: tl.constexpr):
     pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = (pos < positions)[:, None]
     b, t = pos // frames, pos % frames
     even = 2 * tl.arange(0, PAIRS)[None, :]
     rot = b[:, None] * rot_sb + t[:, None] * rot_st + even
-    cos_e = tl.load(cos_ptr + rot, mask=ok, other=0.0)
-    cos_o = tl.load(cos_ptr + rot + 1, mask=ok, other=0.0)
-    sin_e = tl.load(sin_ptr + rot, mask=ok, other=0.0)
-    sin_o = tl.load(sin_ptr + rot + 1, mask=ok, other=0.0)
+    cos_e = tl.load(cos_ptr + rot, mask=ok, other=0.0).to(tl.float32)
+    cos_o = tl.load(cos_ptr + rot + 1, mask=ok, other=0.0).to(tl.float32)
+    sin_e = tl.load(sin_ptr + rot, mask=ok, other=0.0).to(tl.float32)
+    sin_o = tl.load(sin_ptr + rot + 1, mask=ok, other=0.0).to(tl.float32)
     q = q_ptr + b[:, None] * q_sb + t[:, None] * q_st + even
     x_e = tl.load(q, mask=ok, other=0.0).to(tl.float32)
     x_o = tl.load(q + 1, mask=ok, other=0.0).to(tl.float32)
-    tl.store(q, (x_e * cos_e + (-x_o) * sin_e).to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(q + 1, (x_o * cos_o + x_e * sin_o).to(q_ptr.dtype.element_ty), mask=ok)
+    out_e, out_o = _rotated(x_e, x_o, cos_e, cos_o, sin_e, sin_o, ROUND)
+    tl.store(q, out_e.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(q + 1, out_o.to(q_ptr.dtype.element_ty), mask=ok)
     k = k_ptr + b[:, None] * k_sb + t[:, None] * k_st + even
     x_e = tl.load(k, mask=ok, other=0.0).to(tl.float32)
     x_o = tl.load(k + 1, mask=ok, other=0.0).to(tl.float32)
-    tl.store(k, (x_e * cos_e + (-x_o) * sin_e).to(k_ptr.dtype.element_ty), mask=ok)
-    tl.store(k + 1, (x_o * cos_o + x_e * sin_o).to(k_ptr.dtype.element_ty), mask=ok)
+    out_e, out_o = _rotated(x_e, x_o, cos_e, cos_o, sin_e, sin_o, ROUND)
+    tl.store(k, out_e.to(k_ptr.dtype.element_ty), mask=ok)
+    tl.store(k + 1, out_o.to(k_ptr.dtype.element_ty), mask=ok)
 
 
 def rotate_queries_keys_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate the first ``cos.shape[-1]`` channels of q and k (B, T, C), each channel contiguous
-    (stride 1), in place. ``cos``, ``sin`` float32, (T, dim_head) for every row or (B, T, dim_head),
-    the same strides."""
+    (stride 1), in place. ``cos``, ``sin`` (T, dim_head) for every row or (B, T, dim_head), of one
+    dtype and strides."""
     batch, frames, _ = q.shape
-    if k.shape != q.shape or q.stride(2) != 1 or k.stride(2) != 1 or cos.stride() != sin.stride():
-        raise ValueError("rotate_queries_keys_ takes q and k of one shape, channels contiguous, and cos, sin alike")
-    if cos.shape[-1] % 2 or cos.stride(-1) != 1 or cos.dtype != torch.float32:
-        raise ValueError("cos and sin must be float32 with an even, contiguous last dimension")
+    if (k.shape != q.shape or k.dtype != q.dtype or q.stride(2) != 1 or k.stride(2) != 1
+            or cos.stride() != sin.stride() or cos.dtype != sin.dtype):
+        raise ValueError("rotate_queries_keys_ takes q and k of one shape and dtype, channels contiguous, "
+                         "and cos, sin alike")
+    if cos.shape[-1] % 2 or cos.stride(-1) != 1:
+        raise ValueError("cos and sin must have an even, contiguous last dimension")
     rot_sb = cos.stride(0) if cos.dim() == 3 else 0
     positions = batch * frames
     _rotate_pair_kernel[(triton.cdiv(positions, ROWS_PER_PROGRAM),)](
         q, k, cos, sin, positions, frames, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        rot_sb, cos.stride(-2), ROWS=ROWS_PER_PROGRAM, PAIRS=cos.shape[-1] // 2)
+        rot_sb, cos.stride(-2), ROWS=ROWS_PER_PROGRAM, PAIRS=cos.shape[-1] // 2,
+        ROUND=_ROUNDING[torch.promote_types(q.dtype, cos.dtype)])
