@@ -8,7 +8,7 @@ import torch
 from cosyserve.config import Tagged, dump_hyperpyyaml, load_hyperpyyaml
 from cosyserve.errors import InvalidInputError, ModelLoadError
 from cosyserve.models.hift import HiFTGenerator, HiftConfig, load_hift
-from cosyserve.models.hift.generator import MAX_MAGNITUDE, spectrum_to_wave
+from cosyserve.models.hift.generator import MAX_MAGNITUDE, spectrum_to_wave, stft_spectrum
 from cosyserve.parity import cv2_hift
 
 
@@ -213,3 +213,27 @@ def test_spectrum_to_wave_is_torch_istft_without_a_host_sync(device):
                 torch.cuda.set_sync_debug_mode("default")
         assert wave.shape == (batch, hop * (frames - 1))
         torch.testing.assert_close(wave, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_stft_spectrum_is_torch_stft_without_a_host_sync(device):
+    """Both vocoders' excitation spectrum, a DFT product in float64 (no cuFFT plan per shape), equals
+    torch.stft's (centred, reflect padding) [real ‖ imaginary] to float32 rounding, for rows and lengths
+    of every kind; no host sync on a GPU, its first call included."""
+    n_fft, hop = 16, 4
+    window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64).float().to(device)
+    generator = torch.Generator().manual_seed(1)
+    for batch, samples in ((1, 9), (3, 481), (16, 480 * 60)):
+        x = (torch.randn(batch, samples, generator=generator) * 0.3).to(device)
+        spec = torch.stft(x, n_fft, hop, n_fft, window=window, return_complex=True)
+        if device == "cuda":  # a host sync inside raises here
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = stft_spectrum(x, n_fft, hop, window)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        assert got.shape == (batch, n_fft + 2, 1 + samples // hop) and got.dtype == torch.float32
+        torch.testing.assert_close(got, torch.cat([spec.real, spec.imag], dim=1), rtol=1e-5, atol=1e-5)

@@ -34,7 +34,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from ...errors import InvalidInputError, ModelLoadError
 from ...runtime import host_to_device
 from ...schedule import OUTPUT_SAMPLE_RATE
-from ..hift.generator import POST_LRELU_SLOPE, ResBlock, spectrum_to_wave
+from ..hift.generator import POST_LRELU_SLOPE, ResBlock, spectrum_to_wave, stft_spectrum
 from ..hift.loading import _read_state_dict, normalise_hift_keys
 from ..flow.cfm import NOISE_CHANNELS, NOISE_FRAMES, NOISE_SEED
 from ..hift.source import HarmonicSource
@@ -315,10 +315,7 @@ class CausalHiFTGenerator(nn.Module):
         return self.m_source(f0, noise, phase_sum)
 
     def _stft(self, x: torch.Tensor) -> torch.Tensor:
-        n_fft = self.cfg.istft_n_fft
-        spec = torch.stft(x.float(), n_fft, self.cfg.istft_hop_len, n_fft, window=self.stft_window,
-                          return_complex=True)
-        return torch.cat([spec.real, spec.imag], dim=1)
+        return stft_spectrum(x, self.cfg.istft_n_fft, self.cfg.istft_hop_len, self.stft_window)
 
     def spectrum_columns(self, frames: int, finalize: bool) -> int:
         """Columns of the source spectrum and of the decoder's output for a window of ``frames`` mel

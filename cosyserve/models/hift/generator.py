@@ -7,6 +7,7 @@ Module and parameter names follow upstream so released ``hift.pt`` files load st
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -33,22 +34,53 @@ NETWORK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT32_CHILDREN = ("m_source", "f0_predictor")
 
 
+@functools.lru_cache(maxsize=16)
+def _dft_bases(n_fft: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (analysis (n_fft, 2·bins), synthesis (2·bins, n_fft)) of the one-sided DFT of n_fft
+    points: a frame times the analysis is [real parts ‖ imaginary parts] of its rfft; [real ‖ imag]
+    times the synthesis is irfft's frame (the imaginary parts of the first and last bin ignored)."""
+    bins = n_fft // 2 + 1
+    points = torch.arange(n_fft, dtype=torch.float64, device=device)  # built on the device: no copy, no sync
+    angle = 2 * math.pi * torch.outer(points, points[:bins]) / n_fft
+    analysis = torch.cat([torch.cos(angle), -torch.sin(angle)], dim=1)
+    # irfft: every bin but the first (and the last, n_fft even) stands for itself and its mirror
+    weight = torch.where((points[:bins] == 0) | (2 * points[:bins] == n_fft), 1.0, 2.0)
+    synthesis = torch.cat([torch.cos(angle) * weight, -torch.sin(angle) * weight], dim=1).T / n_fft
+    return analysis, synthesis.contiguous()
+
+
+def stft_spectrum(x: torch.Tensor, n_fft: int, hop: int, window: torch.Tensor) -> torch.Tensor:
+    """``torch.stft(x, n_fft, hop, n_fft, window, center=True)`` (reflect padding) of x (B, L) as
+    [real parts ‖ imaginary parts] (B, n_fft + 2, 1 + L // hop) float32, for both vocoders.
+
+    The DFT of each windowed frame is a float64 matrix product, not an FFT. Why: cuFFT builds a plan
+    for every new (rows, length) it meets, ~70 ms on the loop's thread with the GIL held (seen twice in
+    one H100 trace of 16 CosyVoice3 streams with 8 new clips); a vocoder call's rows and lengths vary
+    with the batch and every reply's last chunk, so plans kept being built under load. A product has
+    no plan, whatever the shape, and in float64 no TF32 setting touches it."""
+    padded = F.pad(x.float()[:, None], (n_fft // 2, n_fft // 2), mode="reflect")[:, 0]
+    frames = padded.unfold(-1, n_fft, hop).double() * window.double()  # (B, frames, n_fft)
+    return (frames @ _dft_bases(n_fft, x.device)[0]).float().transpose(1, 2)
+
+
 def spectrum_to_wave(spectrum: torch.Tensor, n_fft: int, hop: int, window: torch.Tensor,
                      audio_limit: float) -> torch.Tensor:
     """conv_post output (B, n_fft + 2, frames), log-magnitudes then raw phases -> waveform
     (B, hop·(frames − 1)) clamped to ±audio_limit, for both vocoders.
 
-    The inverse STFT is ``torch.istft``'s (centred, window-normalised) computed as inverse FFT,
-    windowing and overlap-add, without its check of the window envelope on the host: that check is a
-    device sync per call, which makes the loop's host wait for everything queued on the device (the
-    flow's steps, a new voice's prompt) before it can plan the next chunks. The Hann envelope at
-    these hops never vanishes inside the output."""
+    The inverse STFT is ``torch.istft``'s (centred, window-normalised) computed as an inverse DFT
+    (a float64 product, as :func:`stft_spectrum`'s: no cuFFT plan per shape), windowing and
+    overlap-add, without its check of the window envelope on the host: that check is a device sync
+    per call, which makes the loop's host wait for everything queued on the device (the flow's steps,
+    a new voice's prompt) before it can plan the next chunks. The Hann envelope at these hops never
+    vanishes inside the output."""
     bins = n_fft // 2 + 1
     spectrum = spectrum.float()
     magnitude = torch.exp(spectrum[:, :bins]).clamp(max=MAX_MAGNITUDE)
     phase = torch.sin(spectrum[:, bins:])  # upstream: a sine of the raw output, used as the angle
-    complex_spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-    frames = torch.fft.irfft(complex_spec, n=n_fft, dim=1) * window[:, None]  # (B, n_fft, frames)
+    parts = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)  # (B, 2·bins, frames)
+    frames = (parts.transpose(1, 2).double() @ _dft_bases(n_fft, spectrum.device)[1]).float()
+    frames = frames.transpose(1, 2) * window[:, None]  # (B, n_fft, frames)
     count = frames.size(2)
     length = n_fft + hop * (count - 1)
     fold = dict(output_size=(1, length), kernel_size=(1, n_fft), stride=(1, hop))
@@ -195,11 +227,7 @@ class HiFTGenerator(nn.Module):
         return self.spectrum_to_wave(self.predict_spectrum(mel, source))
 
     def _stft(self, x: torch.Tensor) -> torch.Tensor:
-        n_fft = self.cfg.istft_n_fft
-        spec = torch.stft(
-            x.float(), n_fft, self.cfg.istft_hop_len, n_fft, window=self.stft_window.float(), return_complex=True
-        )
-        return torch.cat([spec.real, spec.imag], dim=1)
+        return stft_spectrum(x, self.cfg.istft_n_fft, self.cfg.istft_hop_len, self.stft_window.float())
 
     # ----- inference -----
 
