@@ -33,10 +33,15 @@ def _rounded(x, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _rotated(x_e, x_o, cos_e, cos_o, sin_e, sin_o, ROUND: tl.constexpr):
-    even = _rounded(_rounded(x_e * cos_e, ROUND) + _rounded(-x_o * sin_e, ROUND), ROUND)
-    odd = _rounded(_rounded(x_o * cos_o, ROUND) + _rounded(x_e * sin_o, ROUND), ROUND)
-    return even, odd
+def _rotate_in_place(ptr, sb, st, b, t, even, ok, cos_e, cos_o, sin_e, sin_o, ROUND: tl.constexpr):
+    """One tensor's pairs of a tile of positions: (x_e, x_o) <- (x_e·cos − x_o·sin, x_o·cos + x_e·sin)."""
+    x = ptr + b[:, None] * sb + t[:, None] * st + even
+    x_e = tl.load(x, mask=ok, other=0.0).to(tl.float32)
+    x_o = tl.load(x + 1, mask=ok, other=0.0).to(tl.float32)
+    out_e = _rounded(_rounded(x_e * cos_e, ROUND) + _rounded(-x_o * sin_e, ROUND), ROUND)
+    out_o = _rounded(_rounded(x_o * cos_o, ROUND) + _rounded(x_e * sin_o, ROUND), ROUND)
+    tl.store(x, out_e.to(ptr.dtype.element_ty), mask=ok)
+    tl.store(x + 1, out_o.to(ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -52,18 +57,8 @@ def _rotate_pair_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, positions, frames,
     cos_o = tl.load(cos_ptr + rot + 1, mask=ok, other=0.0).to(tl.float32)
     sin_e = tl.load(sin_ptr + rot, mask=ok, other=0.0).to(tl.float32)
     sin_o = tl.load(sin_ptr + rot + 1, mask=ok, other=0.0).to(tl.float32)
-    q = q_ptr + b[:, None] * q_sb + t[:, None] * q_st + even
-    x_e = tl.load(q, mask=ok, other=0.0).to(tl.float32)
-    x_o = tl.load(q + 1, mask=ok, other=0.0).to(tl.float32)
-    out_e, out_o = _rotated(x_e, x_o, cos_e, cos_o, sin_e, sin_o, ROUND)
-    tl.store(q, out_e.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(q + 1, out_o.to(q_ptr.dtype.element_ty), mask=ok)
-    k = k_ptr + b[:, None] * k_sb + t[:, None] * k_st + even
-    x_e = tl.load(k, mask=ok, other=0.0).to(tl.float32)
-    x_o = tl.load(k + 1, mask=ok, other=0.0).to(tl.float32)
-    out_e, out_o = _rotated(x_e, x_o, cos_e, cos_o, sin_e, sin_o, ROUND)
-    tl.store(k, out_e.to(k_ptr.dtype.element_ty), mask=ok)
-    tl.store(k + 1, out_o.to(k_ptr.dtype.element_ty), mask=ok)
+    _rotate_in_place(q_ptr, q_sb, q_st, b, t, even, ok, cos_e, cos_o, sin_e, sin_o, ROUND)
+    _rotate_in_place(k_ptr, k_sb, k_st, b, t, even, ok, cos_e, cos_o, sin_e, sin_o, ROUND)
 
 
 def rotate_queries_keys_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
