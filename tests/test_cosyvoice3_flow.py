@@ -143,15 +143,16 @@ def test_every_block_reads_its_frames_row_major(tiny_flow):
 def check_rotary_kernel() -> None:
     """The Triton rotary (q and k together, in place) against rotate_leading_ on each: cos/sin for every
     row (T, dim_head) or per row (B, T, dim_head), q/k views of a wider buffer, a frame count that
-    leaves a program's tile part empty; float32, float16, and float16 angles (each product rounded to
-    float16, as PyTorch's operators round them)."""
+    leaves a program's tile part empty; float32, and bfloat16 with bfloat16 angles (each product rounded
+    to bfloat16, as PyTorch's operators round them: the interpreter's own bfloat16 casts truncate, the
+    kernel's rounding does not use them)."""
     from cosyserve.models.cosyvoice3.dit import RotaryEmbedding, rotary, rotate_leading_
     from cosyserve.models.cosyvoice3.rotary_triton import rotate_queries_keys_
 
     gen = torch.Generator().manual_seed(11)
     embed = RotaryEmbedding(16)
     cases = ((torch.float32, torch.float32, False, 37), (torch.float32, torch.float32, True, 64),
-             (torch.float16, torch.float32, True, 5), (torch.float16, torch.float16, True, 33))
+             (torch.bfloat16, torch.bfloat16, True, 5), (torch.bfloat16, torch.bfloat16, False, 33))
     for dtype, angle_dtype, per_row, frames in cases:
         angles = embed.angles(frames + 9)[9:]
         if per_row:  # rows at their own positions, as the packed sampler's
@@ -194,3 +195,24 @@ def test_on_a_gpu_the_rotary_kernel_rounds_as_pytorch_does():
         for got, want in ((q, want_q), (k, want_k)):
             torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=1e-6 if rtol else 0)
             assert torch.equal(got[..., 64:], want[..., 64:])
+
+
+def test_the_rotary_kernel_builds_for_a_hopper_gpu_with_no_fused_product():
+    """The kernel compiled here for sm_90 as a bfloat16 flow calls it (bfloat16 q, k and angles) builds and
+    fuses no product into a sum (a cast-based rounding let LLVM contract one into ``fma.rn.bf16``), so on
+    the GPU its values are PyTorch's to the bit, as under the interpreter."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cosyserve.models.cosyvoice3.rotary_triton import _rotate_pair_kernel
+
+    signature = {name: "*bf16" for name in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr")}
+    signature |= {name: "i32" for name in ("positions", "frames", "q_sb", "q_st", "k_sb", "k_st", "rot_sb", "rot_st")}
+    signature |= {name: "constexpr" for name in ("ROWS", "PAIRS", "ROUND")}
+    source = ASTSource(fn=_rotate_pair_kernel, signature=signature, constexprs={"ROWS": 32, "PAIRS": 32, "ROUND": 1})
+    try:
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    except RuntimeError as exc:  # no CUDA toolchain in this Triton build
+        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+    assert "fma.rn" not in ptx

@@ -137,11 +137,12 @@ def rotate_leading_(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]
 
 
 def rotate_queries_keys_(q: torch.Tensor, k: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """:func:`rotate_leading_` of both q and k (B, T, C); on a GPU one Triton kernel rotates both
-    (:mod:`.rotary_triton`: twelve small kernels a block otherwise)."""
+    """:func:`rotate_leading_` of both q and k (B, T, C); on a GPU, in float32 or bfloat16, one Triton
+    kernel rotates both (:mod:`.rotary_triton`: twelve small kernels a block otherwise)."""
     cos = rotation[0]
     pairs = cos.shape[-1] // 2
-    if q.is_cuda and q.stride(2) == 1 and k.stride(2) == 1 and pairs & (pairs - 1) == 0:
+    if (q.is_cuda and q.stride(2) == 1 and k.stride(2) == 1 and pairs & (pairs - 1) == 0
+            and torch.promote_types(q.dtype, cos.dtype) in (torch.float32, torch.bfloat16)):
         from .rotary_triton import rotate_queries_keys_ as rotate_on_gpu
         rotate_on_gpu(q, k, *rotation)
         return

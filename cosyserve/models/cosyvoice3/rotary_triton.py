@@ -7,10 +7,10 @@ negation and concatenation, a product with sin, the sum, the copy back into the 
 per block: at real size 264 of a window step's ~840 kernels, ~44 us a block on an H100 for 4 jobs of
 512 frames, each kernel too small to fill the GPU. Here one program rotates a tile of frames of
 both, in place, with the arithmetic of :func:`~cosyserve.models.cosyvoice3.dit.rotate_leading_`:
-``x·cos + rotate_pairs(x)·sin`` in the promoted dtype of x and the angles, each product and the sum
-rounded to it as PyTorch's operators round them (bfloat16 angles, as a bfloat16 flow has: bit for
-bit; float32: the GPU may fuse a product into the sum, which can change the last float32 bit, below
-the rounding to x's dtype).
+``x·cos + rotate_pairs(x)·sin`` in the promoted dtype of x and the angles (float32 or bfloat16), each
+product and the sum rounded to it as PyTorch's operators round them. With bfloat16 angles (a bfloat16
+flow's) that is bit for bit; with float32 ones the GPU may fuse a product into the sum, which can
+change the last float32 bit, below the rounding to x's dtype.
 """
 
 from __future__ import annotations
@@ -20,15 +20,17 @@ import triton
 import triton.language as tl
 
 ROWS_PER_PROGRAM = 32  # (batch row, frame) positions a program rotates
-_ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the dtype PyTorch's operators round to
+ROUNDINGS = {torch.float32: 0, torch.bfloat16: 1}  # the dtypes PyTorch's operators may round to here
 
 
 @triton.jit
 def _rounded(x, ROUND: tl.constexpr):
+    """float32 x, rounded to bfloat16 (to nearest, ties to even) with ROUND 1. In integer arithmetic:
+    with a cast to bfloat16 instead, LLVM narrows the product and the sum to bfloat16 and contracts
+    them into one ``fma.rn.bf16``, which skips the product's own rounding (seen in the sm_90 PTX)."""
     if ROUND == 1:
-        x = x.to(tl.bfloat16).to(tl.float32)
-    if ROUND == 2:
-        x = x.to(tl.float16).to(tl.float32)
+        bits = x.to(tl.uint32, bitcast=True)
+        x = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
     return x
 
 
@@ -64,7 +66,7 @@ def _rotate_pair_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, positions, frames,
 def rotate_queries_keys_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate the first ``cos.shape[-1]`` channels of q and k (B, T, C), each channel contiguous
     (stride 1), in place. ``cos``, ``sin`` (T, dim_head) for every row or (B, T, dim_head), of one
-    dtype and strides."""
+    dtype and strides; x and the angles promote to float32 or bfloat16 (:data:`ROUNDINGS`)."""
     batch, frames, _ = q.shape
     if (k.shape != q.shape or k.dtype != q.dtype or q.stride(2) != 1 or k.stride(2) != 1
             or cos.stride() != sin.stride() or cos.dtype != sin.dtype):
@@ -72,9 +74,12 @@ def rotate_queries_keys_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
                          "and cos, sin alike")
     if cos.shape[-1] % 2 or cos.stride(-1) != 1:
         raise ValueError("cos and sin must have an even, contiguous last dimension")
+    rounding = ROUNDINGS.get(torch.promote_types(q.dtype, cos.dtype))
+    if rounding is None:
+        raise ValueError(f"rotate_queries_keys_ computes in float32 or bfloat16, not {q.dtype} with {cos.dtype}")
     rot_sb = cos.stride(0) if cos.dim() == 3 else 0
     positions = batch * frames
     _rotate_pair_kernel[(triton.cdiv(positions, ROWS_PER_PROGRAM),)](
         q, k, cos, sin, positions, frames, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         rot_sb, cos.stride(-2), ROWS=ROWS_PER_PROGRAM, PAIRS=cos.shape[-1] // 2,
-        ROUND=_ROUNDING[torch.promote_types(q.dtype, cos.dtype)])
+        ROUND=rounding)
