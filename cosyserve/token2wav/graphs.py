@@ -137,7 +137,7 @@ def capture_graph(run: Callable[[], object], device: torch.device, pool, warmup:
     there; returns the graph and what the captured run returned."""
     stream = role_stream(device, role)
     stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):  # warm-up: library handles, cuDNN/cuFFT plans, lazy allocations
+    with torch.cuda.stream(stream):  # warm-up: library handles, cuDNN plans, lazy allocations
         for _ in range(warmup):
             run()
     graph = torch.cuda.CUDAGraph()

@@ -343,8 +343,8 @@ class CosyVoice3Kind:
                     break
         finally:
             voicing.close()
-        if self.device.type == "cuda":  # the plans of the vocoder's batched shapes (its row and frame buckets)
-            # outside its graphs (cuFFT's), or of every stage when it runs eagerly (cuDNN's)
+        if self.device.type == "cuda":  # the vocoder's batched shapes (its row and frame buckets) run once:
+            # the stages outside its graphs, or every stage's cuDNN plans when it runs eagerly
             warm_up_shapes(self.hift, DEFAULT_MAX_BATCH_JOBS, net=self._vocoder_network)
         job = self.start_offline(features, ids)
         self.solve([job])

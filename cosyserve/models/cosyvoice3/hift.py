@@ -556,7 +556,7 @@ def batched_shapes(max_rows: int, max_frames: int = WARM_UP_FRAMES) -> list[tupl
 def warm_up_shapes(hift: "CausalHiFTGenerator", max_rows: int, max_frames: int = WARM_UP_FRAMES,
                    net: HiftNetwork | None = None) -> None:
     """Run every :func:`batched_shapes` call once (the decoder's final and non-final ones), through
-    ``net`` (the vocoder by default), so that serving does not build their cuDNN (and cuFFT) plans."""
+    ``net`` (the vocoder by default), so that serving builds no cuDNN plan for them (nor captures a graph)."""
     net = net or hift
     device, channels = hift.conv_pre.weight.device, hift.cfg.in_channels
     for rows, width in batched_shapes(max_rows, max_frames):
