@@ -343,9 +343,9 @@ class CosyVoice3Kind:
                     break
         finally:
             voicing.close()
-        if self.device.type == "cuda":  # the vocoder's batched shapes (its row and frame buckets) run once:
-            # the stages outside its graphs, or every stage's cuDNN plans when it runs eagerly
-            warm_up_shapes(self.hift, DEFAULT_MAX_BATCH_JOBS, net=self._vocoder_network)
+        if self.device.type == "cuda" and self.vocoder_graphs is None:  # an eager vocoder: cuDNN's plans of
+            # its batched shapes (row and frame buckets; the graphs' captures built theirs)
+            warm_up_shapes(self.hift, DEFAULT_MAX_BATCH_JOBS)
         job = self.start_offline(features, ids)
         self.solve([job])
         self.vocode([(None, self.mel(job), True)])

@@ -553,18 +553,16 @@ def batched_shapes(max_rows: int, max_frames: int = WARM_UP_FRAMES) -> list[tupl
 
 
 @torch.inference_mode()
-def warm_up_shapes(hift: "CausalHiFTGenerator", max_rows: int, max_frames: int = WARM_UP_FRAMES,
-                   net: HiftNetwork | None = None) -> None:
-    """Run every :func:`batched_shapes` call once (the decoder's final and non-final ones), through
-    ``net`` (the vocoder by default), so that serving builds no cuDNN plan for them (nor captures a graph)."""
-    net = net or hift
+def warm_up_shapes(hift: "CausalHiFTGenerator", max_rows: int, max_frames: int = WARM_UP_FRAMES) -> None:
+    """Run every :func:`batched_shapes` call once (the decoder's final and non-final ones), so that
+    serving builds no cuDNN plan for them."""
     device, channels = hift.conv_pre.weight.device, hift.cfg.in_channels
     for rows, width in batched_shapes(max_rows, max_frames):
-        net.predict_f0(torch.zeros(rows, channels, width, device=device), False)
+        hift.predict_f0(torch.zeros(rows, channels, width, device=device), False)
         for finalize in (False, True):
             call = CausalHiftCall(torch.zeros(1, channels, width, device=device),
                                   torch.zeros(1, 1, width * hift.hop_length, device=device), finalize, 0, 0)
-            decode_calls(hift, [call] * rows, net)
+            decode_calls(hift, [call] * rows)
 
 
 class CausalHiftStream:
