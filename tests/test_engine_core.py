@@ -203,9 +203,9 @@ def test_streams_are_voiced_in_batches_and_in_order():
     assert core.counters.flow_batches == len(kind.batches) and core.counters.chunks == sum(kind.batches)
 
 
-@pytest.mark.parametrize("prompt_frames, first_batch", [(0, 4), (900, 2), (2000, 1)])
+@pytest.mark.parametrize("prompt_frames, first_batch", [(0, 4), (1500, 2), (4000, 1)])
 def test_a_streams_first_window_counts_the_prompt_it_carries(prompt_frames, first_batch):
-    """The batch's frame budget (2,048) holds the prompts that cold streams' first windows carry
+    """The batch's frame budget (4,096) holds the prompts that cold streams' first windows carry
     (CosyVoice3's new clips): new clips arriving together are spread over batches instead of making
     one batch that holds up every playing stream's next chunk."""
     kind = FakeKind(prompt_frames=prompt_frames)

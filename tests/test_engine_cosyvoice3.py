@@ -26,7 +26,7 @@ from cosyserve.models.cosyvoice3.hift import CausalHiFTGenerator, CausalHiftStre
 from cosyserve.engine.front_end import SegmentPrompt, TokenLimits
 from cosyserve.models.cosyvoice3.dit import WindowState
 from cosyserve.schedule import ChunkScheduler
-from cosyserve.token2wav.cosyvoice3_packed import PackedWindowSampler, WindowJob
+from cosyserve.token2wav.cosyvoice3_packed import ConditionRow, PackedWindowSampler, WindowJob, token_conditions
 
 torch.set_num_threads(2)
 MEL_ATOL = 1e-4  # fp32 rounding (measured ~1e-6)
@@ -151,6 +151,25 @@ def max_diff(got: list[list[torch.Tensor]], expected: list[list[torch.Tensor]]) 
         assert [m.shape for m in stream_got] == [m.shape for m in stream_expected]
         worst = max([worst] + [(a - b).abs().max().item() for a, b in zip(stream_got, stream_expected) if a.numel()])
     return worst
+
+
+@pytest.mark.parametrize("finalize", [False, True], ids=["look-ahead", "final"])
+def test_a_windows_conditions_are_the_whole_sequences_frames(models, features, finalize):
+    """token_conditions embeds only a window's tokens and their neighbours, its rows padded to one
+    shape: each row's mu and cond are CosyVoice3Flow.prepare's frames of that window (windows from
+    the start, inside the 80-frame prompt and after it; rows of different lengths in one call)."""
+    flow = models[0]
+    prompt_tokens, feat = features.speech_tokens.long()[None], features.speech_feat[None]
+    rows, expected = [], []
+    for n, start in [(30, 0), (57, 50), (90, 100), (12, 0), (75, 150)]:
+        ids = torch.tensor(tokens(n, n))
+        c = flow.prepare(ids[None], prompt_tokens, feat, features.embedding[None], finalize=finalize)
+        rows.append(ConditionRow(torch.cat([prompt_tokens[0], ids]), start, finalize, feat))
+        expected.append((c.mu[:, :, start:], c.cond[:, :, start:]))
+    for (mu, cond), (mu_ref, cond_ref) in zip(token_conditions(flow, rows, torch.device("cpu")), expected):
+        assert mu.shape == mu_ref.shape
+        torch.testing.assert_close(mu, mu_ref, rtol=0, atol=MEL_ATOL)
+        assert torch.equal(cond, cond_ref)  # copies of the prompt mel, and zeros
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])

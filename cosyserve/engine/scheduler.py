@@ -34,8 +34,11 @@ from .request import RequestState
 
 # Estimator frames of a batch (both CFG rows of a window count once; a full pass counts all its
 # frames), and its jobs: past the largest captured step shape (16 windows) a step runs eagerly,
-# several times slower.
-DEFAULT_MAX_BATCH_FRAMES = 2048
+# several times slower. 4,096 frames hold 8 new CosyVoice3 clips' first windows (a whole prompt each):
+# since the DiT's layout fix (950eafa) a step of 4 jobs x 512 frames takes ~3.6 ms on an H100 (H2,
+# 2026-12-07), half its time before, so a batch of twice the frames takes about what 2,048 took then;
+# at 2,048 the second four new clips waited a whole batch.
+DEFAULT_MAX_BATCH_FRAMES = 4096
 DEFAULT_MAX_BATCH_JOBS = 16
 STREAM_CAP_RETRY_AFTER_MS = 500
 

@@ -40,7 +40,7 @@ from ..models.cosyvoice3.dit import POS_CONV_KERNEL, Cv3DiT, WindowState, commit
 from ..models.cosyvoice3.flow import Cv3CFM, CosyVoice3Flow
 from ..models.flow.cfm import N_TIMESTEPS, cosine_time_grid
 from ..lru import LruCache
-from ..runtime import LOOP_ROLE, bucket
+from ..runtime import LOOP_ROLE, bucket, host_to_device
 from .graphs import capture_graph
 
 log = logging.getLogger(__name__)
@@ -93,22 +93,74 @@ def row_geometry(dit: Cv3DiT, start: torch.Tensor, width: torch.Tensor, full: to
     return angles, torch.cat([past_keys.expand(-1, padded_width, -1), sees], dim=2)
 
 
-def token_conditions(flow: CosyVoice3Flow, ids: torch.Tensor, prompt_feat: torch.Tensor, finalize: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """mu and cond (1, 80, T) of prompt + target token ``ids`` (1, n) (validated ids on the flow's
-    device): :meth:`CosyVoice3Flow.prepare`'s arithmetic without its checks (its ``int(max)`` waits for
-    the device)."""
-    cfg = flow.cfg
-    emb = flow.input_embedding(ids)
-    lookahead = cfg.pre_lookahead_len
-    if finalize or not lookahead:
-        h = flow.pre_lookahead_layer(emb)
-    else:
-        h = flow.pre_lookahead_layer(emb[:, :-lookahead], context=emb[:, -lookahead:])
-    mu = h.repeat_interleave(cfg.token_mel_ratio, dim=1).transpose(1, 2)
-    cond, frames = torch.zeros_like(mu), min(prompt_feat.shape[1], mu.shape[2])  # fewer: the prompt alone
-    cond[:, :, :frames] = prompt_feat[:, :frames].transpose(1, 2)
-    return mu, cond
+@dataclass(frozen=True)
+class ConditionRow:
+    """What :func:`token_conditions` needs of one window: the host ids (n,) of prompt + target tokens
+    (raw, validated), the window's first frame (a whole token's: a multiple of ``token_mel_ratio``),
+    whether the tokens are final (else their last ``pre_lookahead_len`` are look-ahead only) and the
+    prompt mel (1, 2P, 80) on the device."""
+
+    ids: torch.Tensor
+    start: int
+    finalize: bool
+    prompt_feat: torch.Tensor
+
+
+# The conditions' call pads its rows to these counts and its tokens to a multiple of CONDITION_TOKENS:
+# cuDNN builds its plans per input shape (~4 ms of host time each on an H100, with the GIL held), and a
+# new clip's prompt length, or a stream's growing token count, would otherwise be a new shape every time.
+CONDITION_ROWS = (1, 2, 4, 8, 16)
+CONDITION_TOKENS = 64
+CONDITION_WARM_TOKENS = 1024  # token widths up to this are built at warm-up (a 30 s prompt and its first chunk)
+
+
+def token_conditions(flow: CosyVoice3Flow, rows: list[ConditionRow], device: torch.device
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """mu and cond (1, 80, end − start) of each row's window, frames [start, end) of prompt + target
+    tokens: :meth:`CosyVoice3Flow.prepare`'s arithmetic without its checks (its ``int(max)`` waits for
+    the device), for every row in one call. A window's frames depend only on its tokens, the
+    ``pre_lookahead_len`` after them (the look-ahead convolution) and the two before them (the causal
+    one): each row embeds just those, not the whole sequence again at every chunk. The rows go over in
+    one pinned copy, padded (-1, embedded as zeros: what the reference's padding and the final call's
+    zero look-ahead are); padding changes no frame of a row, only the call's shape."""
+    cfg, layer = flow.cfg, flow.pre_lookahead_layer
+    ratio, lookahead, behind = cfg.token_mel_ratio, cfg.pre_lookahead_len, layer.conv2.kernel_size[0] - 1
+    spans = []  # (first embedded token, tokens dropped before the window, the window's tokens)
+    for row in rows:
+        first_token = row.start // ratio
+        begin = max(0, first_token - behind)
+        spans.append((begin, first_token - begin, row.ids.shape[0] - (0 if row.finalize else lookahead) - first_token))
+    longest = max(row.ids.shape[0] - begin for row, (begin, _, _) in zip(rows, spans))
+    width = -(-(longest + lookahead) // CONDITION_TOKENS) * CONDITION_TOKENS  # room for a zero look-ahead
+    ids = torch.full((bucket(len(rows), CONDITION_ROWS) or len(rows), width), -1, dtype=torch.long)
+    for index, (row, (begin, _, _)) in enumerate(zip(rows, spans)):
+        ids[index, :row.ids.shape[0] - begin] = row.ids[begin:]
+    ids = host_to_device(ids, device)
+    emb = flow.input_embedding(ids.clamp(min=0)) * (ids >= 0).unsqueeze(-1)
+    # every row's frames as the final call's: past a row's tokens its look-ahead reads zeros, as
+    # F.pad's; a non-final row's last pre_lookahead_len tokens are only look-ahead (dropped below)
+    h = layer(emb[:, :-lookahead], context=emb[:, -lookahead:]) if lookahead else layer(emb)
+    mu = h.repeat_interleave(ratio, dim=1).transpose(1, 2)
+    cond = torch.zeros_like(mu)
+    out = []
+    for index, (row, (_, skip, tokens)) in enumerate(zip(rows, spans)):
+        frames, prompt = ratio * tokens, row.prompt_feat.shape[1] - row.start
+        if prompt > 0:
+            cond[index, :, ratio * skip:ratio * skip + min(prompt, frames)] = \
+                row.prompt_feat[0, row.start:row.start + min(prompt, frames)].T
+        window = slice(ratio * skip, ratio * skip + frames)
+        out.append((mu[index:index + 1, :, window], cond[index:index + 1, :, window]))
+    return out
+
+
+def warm_up_conditions(flow: CosyVoice3Flow, prompt_feat: torch.Tensor, device: torch.device) -> None:
+    """One :func:`token_conditions` call of every padded shape up to :data:`CONDITION_WARM_TOKENS`
+    tokens, so that cuDNN's plans exist before the first streams (on the thread that calls it later:
+    cuDNN keeps them per thread)."""
+    for rows in CONDITION_ROWS:
+        for width in range(CONDITION_TOKENS, CONDITION_WARM_TOKENS + 1, CONDITION_TOKENS):
+            ids = torch.zeros(width - flow.cfg.pre_lookahead_len, dtype=torch.long)
+            token_conditions(flow, [ConditionRow(ids, 0, True, prompt_feat)] * rows, device)
 
 
 @dataclass(eq=False)

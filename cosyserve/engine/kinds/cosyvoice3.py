@@ -43,7 +43,8 @@ from ...models.flow.cfm import N_TIMESTEPS, NOISE_FRAMES, fixed_noise
 from ...runtime import host_to_device, role_stream
 from ...schedule import OUTPUT_SAMPLE_RATE, ChunkScheduler
 from ...speech_tokens import speech_token_ids
-from ...token2wav.cosyvoice3_packed import EMPTY_STATE, PackedWindowSampler, WindowJob, token_conditions
+from ...token2wav.cosyvoice3_packed import (EMPTY_STATE, ConditionRow, PackedWindowSampler, WindowJob,
+                                            token_conditions, warm_up_conditions)
 from ...token2wav.graphs import CausalHiftGraphs
 from ..device import synchronize
 from ..scheduler import DEFAULT_MAX_BATCH_JOBS
@@ -80,6 +81,23 @@ class Cv3Prompt:
     @property
     def frames(self) -> int:
         return self.feat.shape[1]
+
+
+@dataclass(eq=False)
+class _Window:
+    """A chunk's (or offline request's) window before its conditions exist: frames [start, end) of
+    prompt + ``tokens`` of the stream ``voicing`` (None: offline), the first ``skip`` not returned."""
+
+    voicing: "Cv3Voicing | None"
+    prompt: Cv3Prompt
+    tokens: list[int]
+    finalize: bool
+    start: int
+    skip: int
+    end: int
+    commit: int = 0  # frames the stream commits after the last step
+    offer: int = 0  # frames offered as the voice's prefix after the last step
+    full: bool = False  # a full-attention pass from frame 0 (re-run, offline), not a window
 
 
 @dataclass(eq=False)
@@ -300,10 +318,11 @@ class CosyVoice3Kind:
             with self._launching_lock:
                 self._launching.update(prompts)
             try:
+                rows = [ConditionRow(prompt.host_tokens[0], 0, False, prompt.feat) for prompt in prompts.values()]
                 jobs = []
-                for prompt in prompts.values():
+                for prompt, (mu, cond) in zip(prompts.values(), token_conditions(self.flow, rows, self.device)
+                                              if rows else []):
                     frames = prompt.prefix_frames
-                    mu, cond = token_conditions(self.flow, prompt.tokens, prompt.feat, finalize=False)
                     jobs.append(self._prefix_sampler.new_job(EMPTY_STATE, self._noise(0, frames), mu[:, :, :frames],
                                                              cond[:, :, :frames], prompt.spks, keep=frames))
                 while any(not job.done for job in jobs):
@@ -331,6 +350,9 @@ class CosyVoice3Kind:
                 self._prefix_sampler.capture_all()
         if self.vocoder_graphs is not None:  # up to the most chunk jobs a batch takes by default (vocoded together)
             self.vocoder_graphs.precapture(DEFAULT_MAX_BATCH_JOBS)
+        if self.device.type == "cuda":  # cuDNN's plans of the conditions' padded shapes
+            with torch.inference_mode():
+                warm_up_conditions(self.flow, self._prompt(features).feat, self.device)
         ids = [0] * tokens
         voicing, schedule = self.open(features), self.chunk_schedule("exponential")
         try:
@@ -361,10 +383,6 @@ class CosyVoice3Kind:
     def _noise(self, start: int, end: int) -> torch.Tensor:
         return fixed_noise(end, self.device, self.dtype)[:, :, start:end]
 
-    def _conditions(self, prompt: Cv3Prompt, tokens: list[int], finalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.cat([prompt.host_tokens, torch.tensor([tokens], dtype=torch.long).reshape(1, -1)], dim=1)
-        return token_conditions(self.flow, host_to_device(ids, self.device), prompt.feat, finalize)
-
     def start_chunks(self, chunks: list[tuple[Cv3Voicing, list[int], int, bool]]) -> list[Cv3Job]:
         """Flow jobs of streams' chunks: (voicing, tokens so far, tokens already voiced, finalize).
         Every chunk is checked (InvalidInputError) before any starts; on any error no stream changes
@@ -377,15 +395,10 @@ class CosyVoice3Kind:
                                         f"{voicing.received} tokens; send all tokens so far, offset within them")
             self.check_tokens(tokens[voicing.received:])
             self._check_length(voicing.prompt, tokens)
-        before = [(v.emitted, v.sent) for v, *_ in chunks]
-        try:
-            with torch.inference_mode():
-                jobs = [self._start_window(v, list(t), f) if v.incremental else self._start_rerun(v, list(t), f)
-                        for v, t, _, f in chunks]
-        except BaseException:
-            for (voicing, *_), (emitted, sent) in zip(chunks, before):
-                voicing.emitted, voicing.sent = emitted, sent
-            raise
+        with torch.inference_mode():
+            windows = [self._plan_window(v, list(t), f) if v.incremental else self._plan_rerun(v, list(t), f)
+                       for v, t, _, f in chunks]
+            jobs = self._start_jobs(windows, [f for *_, f in chunks])
         for (voicing, tokens, _, finalize), job in zip(chunks, jobs):
             voicing.received, voicing.finished = len(tokens), finalize
             voicing.job = None if job.done else job
@@ -397,38 +410,52 @@ class CosyVoice3Kind:
             raise InvalidInputError(f"{len(tokens)} speech tokens after the prompt make {frames} mel frames, over "
                                     f"the flow's {NOISE_FRAMES} ({NOISE_FRAMES // 50} s); split the request")
 
-    def _start_window(self, v: Cv3Voicing, tokens: list[int], finalize: bool) -> Cv3Job:
-        """Cv3FlowStream.push's window as a job; the stream's state is committed after its last step."""
+    def _plan_window(self, v: Cv3Voicing, tokens: list[int], finalize: bool) -> _Window | None:
+        """Cv3FlowStream.push's window: the frames after the stream's committed state; None: it adds no frame."""
         p, chunk = v.prompt, self.cfg.estimator.static_chunk_size
         lookahead = 0 if finalize else self.cfg.pre_lookahead_len
         total = p.tokens.shape[1] + len(tokens)
         end = self.cfg.token_mel_ratio * (total - lookahead)
         if total <= lookahead or end <= v.emitted:
-            return Cv3Job(finalize, None)
-        mu, cond = self._conditions(p, tokens, finalize)
+            return None
         start = v.state.frames
         commit = 0 if finalize else end // chunk * chunk - start  # a final state is never used
         offer = p.prefix_frames if (start == 0 and p.prefix_frames and self.max_voices
                                     and p.key not in self._prefixes) else 0
-        window = self.sampler.new_job(v.state, self._noise(start, end), mu[:, :, start:], cond[:, :, start:], p.spks,
-                                      keep=max(commit, offer))
-        job = Cv3Job(finalize, window, v.emitted - start, v, commit, offer)
-        v.emitted = end
-        return job
+        return _Window(v, p, tokens, finalize, start, v.emitted - start, end, commit, offer)
 
-    def _start_rerun(self, v: Cv3Voicing, tokens: list[int], finalize: bool) -> Cv3Job:
+    def _plan_rerun(self, v: Cv3Voicing, tokens: list[int], finalize: bool) -> _Window | None:
         """The reference's step: a full-attention pass over every token so far, less the frames sent."""
         if len(tokens) <= (0 if finalize else self.cfg.pre_lookahead_len):
-            return Cv3Job(finalize, None)
-        job = self._full_pass(v.prompt, tokens, finalize, v.sent)
-        job.voicing = v
-        v.sent = max(v.sent, job.frames - v.prompt.frames)
-        return job
+            return None
+        end = self.cfg.token_mel_ratio * (v.prompt.tokens.shape[1] + len(tokens)
+                                          - (0 if finalize else self.cfg.pre_lookahead_len))
+        return _Window(v, v.prompt, tokens, finalize, 0, v.prompt.frames + v.sent, end, full=True)
 
-    def _full_pass(self, prompt: Cv3Prompt, tokens: list[int], finalize: bool, sent: int) -> Cv3Job:
-        mu, cond = self._conditions(prompt, tokens, finalize)
-        window = self.sampler.new_job(EMPTY_STATE, self._noise(0, mu.shape[2]), mu, cond, prompt.spks, full=True)
-        return Cv3Job(finalize, window, prompt.frames + sent)
+    def _start_jobs(self, windows: list[_Window | None], finalizes: list[bool]) -> list[Cv3Job]:
+        """The planned windows' jobs (None: a job of a chunk that adds no frame), their conditions in one
+        call; the streams' counts of frames returned move on only once every job exists."""
+        planned = [w for w in windows if w is not None]
+        rows = [ConditionRow(torch.cat([w.prompt.host_tokens[0], torch.tensor(w.tokens, dtype=torch.long)]),
+                             w.start, w.finalize, w.prompt.feat) for w in planned]
+        conditions = iter(token_conditions(self.flow, rows, self.device) if rows else [])
+        jobs = []
+        for w, finalize in zip(windows, finalizes):
+            if w is None:
+                jobs.append(Cv3Job(finalize, None))
+                continue
+            mu, cond = next(conditions)
+            sampled = self.sampler.new_job(w.voicing.state if not w.full else EMPTY_STATE, self._noise(w.start, w.end),
+                                           mu, cond, w.prompt.spks, keep=max(w.commit, w.offer), full=w.full)
+            jobs.append(Cv3Job(w.finalize, sampled, w.skip, w.voicing, w.commit, w.offer))
+        for w, job in zip(windows, jobs):
+            if w is None or w.voicing is None:
+                continue
+            if w.full:
+                w.voicing.sent = max(w.voicing.sent, job.frames - w.prompt.frames)
+            else:
+                w.voicing.emitted = w.end
+        return jobs
 
     def start_offline(self, features: PromptFeatures, tokens: list[int]) -> Cv3Job:
         """An offline request's pass: full attention over prompt + all ``tokens``."""
@@ -438,7 +465,9 @@ class CosyVoice3Kind:
         with torch.inference_mode():
             prompt = self._prompt(features)
             self._check_length(prompt, tokens)
-            return self._full_pass(prompt, list(tokens), True, 0)
+            end = self.cfg.token_mel_ratio * (prompt.tokens.shape[1] + len(tokens))
+            return self._start_jobs([_Window(None, prompt, list(tokens), True, 0, prompt.frames, end, full=True)],
+                                    [True])[0]
 
     @torch.inference_mode()
     def step(self, jobs: list[Cv3Job]) -> None:
