@@ -178,6 +178,10 @@ class HeldCopy:
     def ready(self) -> bool:
         return False
 
+    def wait(self, timeout_s: float) -> bool:
+        time.sleep(timeout_s)
+        return False
+
     def arrays(self) -> list[np.ndarray]:
         self.taken = True
         return [t.numpy() for t in self.tensors]
@@ -465,13 +469,70 @@ def test_the_loop_hands_out_pcm_while_requests_only_wait_for_tokens():
     assert sum(p.size for p in listener.pieces) == 30 * SAMPLES_PER_TOKEN
 
 
+def test_tokens_that_come_while_a_batch_is_out_start_their_chunk_behind_it(monkeypatch):
+    """Nothing to launch and a batch out: the loop looks at the LLMs' tokens again every poll while it
+    waits for that batch's PCM, so a stream whose first chunk's tokens come meanwhile is launched
+    behind the batch (two in flight) instead of after the batch's PCM is handed out."""
+    release, gate = threading.Event(), threading.Event()
+
+    class GatedCopy(HeldCopy):  # the GPU busy with the first batch until released
+        def ready(self) -> bool:
+            return release.is_set()
+
+        def wait(self, timeout_s: float) -> bool:
+            return release.wait(timeout_s)
+
+        def arrays(self) -> list[np.ndarray]:
+            release.wait(30)
+            return super().arrays()
+
+    class LateLLM(FakeLLM):  # r1's tokens come once the gate opens
+        def submit(self, prompt_ids, request_id, limits):
+            if request_id != "r1":
+                return super().submit(prompt_ids, request_id, limits)
+            stream = TokenStream(request_id, on_close=lambda: None)
+
+            def late():
+                gate.wait(30)
+                for _ in range(self.tokens):
+                    stream.put(1)
+                stream.put(Finished("length"))
+            threading.Thread(target=late, daemon=True).start()
+            return stream
+
+    monkeypatch.setattr(core_module, "HostCopy", GatedCopy)
+    HeldCopy.made = []
+    kind = FakeKind()
+    core = EngineCore(kind, LateLLM(30)).start()
+    try:
+        listeners = [submit(core, "r0"), submit(core, "r1")]
+        for _ in range(500):
+            if HeldCopy.made:
+                break
+            time.sleep(0.01)
+        time.sleep(0.05)  # the loop is waiting for r0's first batch
+        gate.set()
+        for _ in range(500):
+            if len(kind.batches) == 2:
+                break
+            time.sleep(0.01)
+        assert kind.batches == [1, 1] and not listeners[0].pieces  # r1's first chunk launched behind r0's
+        release.set()
+        for listener in listeners:
+            assert listener.ended.get(timeout=30) is None
+    finally:
+        release.set()
+        gate.set()
+        core.close()
+
+
 @pytest.mark.parametrize("sizes", [[3, 0, 5], [1]])
 def test_host_copy_hands_back_each_tensor_flat(sizes):
     from cosyserve.engine.device import HostCopy
 
     tensors = [torch.arange(n, dtype=torch.float32).reshape(1, -1) + 10 * i for i, n in enumerate(sizes)]
     copy = HostCopy(tensors)
-    assert copy.ready()
+    assert copy.ready() and copy.wait(0)
     for array, tensor in zip(copy.arrays(), tensors, strict=True):
         np.testing.assert_array_equal(array, tensor.reshape(-1).numpy())
 
@@ -483,7 +544,9 @@ def test_host_copy_from_the_gpu_is_ready_after_its_event():
     tensors = [torch.randn(n, device="cuda") for n in (4800, 0, 12000)]
     torch.cuda._sleep(50_000_000)  # the copy queues behind ~tens of ms of GPU work
     copy = HostCopy(tensors)
-    arrays = copy.arrays()  # waits for the copy
+    assert not copy.wait(0.001)  # a poll's time is not enough
+    assert copy.wait(10) and copy.ready()
+    arrays = copy.arrays()
     assert copy.ready()
     for array, tensor in zip(arrays, tensors, strict=True):
         np.testing.assert_array_equal(array, tensor.cpu().numpy())

@@ -264,8 +264,11 @@ class EngineCore:
                     self._wakeup.wait(TOKEN_POLL_S if self._states else None)
                 if self._closing:
                     return
-            if idle and self._in_flight:  # nothing to launch: the oldest batch's PCM is next
-                self._hand_out(wait=True)
+            if idle and self._in_flight:
+                # nothing to launch: the oldest batch's PCM is next, unless the LLMs' tokens complete a
+                # chunk first (a batch takes tens of ms: waiting it out left such a chunk that long, and
+                # the GPU idle while the loop then started it, instead of launched behind it)
+                self._in_flight[0].pcm.wait(TOKEN_POLL_S)
             self.counters.idle_s += time.perf_counter() - waited
             try:
                 self.step()

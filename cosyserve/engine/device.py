@@ -3,8 +3,12 @@ host without waiting."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
+
+COPY_POLL_S = 0.0002  # HostCopy.wait's polling interval
 
 
 def make_current(device: torch.device) -> None:
@@ -40,6 +44,16 @@ class HostCopy:
     def ready(self) -> bool:
         """Whether the copy is done (never waits)."""
         return self._event is None or self._event.query()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the copy (polling: a CUDA event has no timed wait); whether it is done."""
+        deadline = time.perf_counter() + timeout_s
+        while not self.ready():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return False
+            time.sleep(min(left, COPY_POLL_S))
+        return True
 
     def arrays(self) -> list[np.ndarray]:
         """The tensors' values, flat, in order (waits for the copy; raises the GPU's error if its
