@@ -542,6 +542,7 @@ def test_host_copy_from_the_gpu_is_ready_after_its_event():
     from cosyserve.engine.device import HostCopy
 
     tensors = [torch.randn(n, device="cuda") for n in (4800, 0, 12000)]
+    HostCopy(tensors).arrays()  # its pinned block now cached: allocating one (cudaHostAlloc) waits for the device
     torch.cuda._sleep(50_000_000)  # the copy queues behind ~tens of ms of GPU work
     copy = HostCopy(tensors)
     assert not copy.wait(0.001)  # a poll's time is not enough
