@@ -166,15 +166,100 @@ def check_rotary_kernel() -> None:
         torch.testing.assert_close(k, want_k, rtol=0, atol=0)
 
 
-def test_the_rotary_kernel_under_the_interpreter():
-    """The GPU's rotary kernel computes rotate_leading_'s values (Triton's CPU interpreter: no fused
-    multiply-adds, so equal to the bit)."""
+def run_under_the_interpreter(check: str) -> None:
+    """This module's ``check`` function in a process of its own under Triton's CPU interpreter."""
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
-    script = "import tests.test_cosyvoice3_flow as t\nt.check_rotary_kernel()\nprint('ok')\n"
+    script = f"import tests.test_cosyvoice3_flow as t\nt.{check}()\nprint('ok')\n"
     result = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root)))
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_the_rotary_kernel_under_the_interpreter():
+    """The GPU's rotary kernel computes rotate_leading_'s values (Triton's CPU interpreter: no fused
+    multiply-adds, so equal to the bit)."""
+    run_under_the_interpreter("check_rotary_kernel")
+
+
+def modulated_norm_cases(device: str, dtype: torch.dtype, batch: int, frames: int, dim: int, seed: int):
+    """x, y (B, T, D) and the six modulation vectors (B, 1, D) of an adaptive norm, as the DiT's blocks
+    make them (chunks of one linear output: a batch stride of 6 D)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(batch, frames, dim, generator=gen) * 3 + 1).to(device, dtype)
+    y = torch.randn(batch, frames, dim, generator=gen).to(device, dtype)
+    vectors = (torch.randn(batch, 6 * dim, generator=gen) * 0.5).to(device, dtype)
+    return x, y, tuple(m.unsqueeze(1) for m in vectors.chunk(6, dim=-1))
+
+
+def torch_modulated_norm(x, shift, scale, gate=None, y=None):
+    """modulated_layer_norm's PyTorch operators."""
+    from cosyserve.models.cosyvoice3.dit import NORM_EPS
+    from cosyserve.models.step_audio2.estimator import modulate
+
+    if gate is not None:
+        x = torch.addcmul(x, gate, y)
+    return x, modulate(torch.nn.functional.layer_norm(x, x.shape[-1:], eps=NORM_EPS), shift, scale)
+
+
+def check_modulated_norm_kernel() -> None:
+    """The Triton adaptive norm against PyTorch's operators, with and without the gated residual; float32
+    (within its rounding) and bfloat16 (each operator's result rounded as PyTorch rounds it: within one
+    bfloat16 step, the statistics being summed in another order)."""
+    from cosyserve.models.cosyvoice3.dit import NORM_EPS
+    from cosyserve.models.cosyvoice3.norm_triton import modulated_norm
+
+    for dtype, rtol, atol in ((torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2 ** -7, 1e-6)):
+        x, y, (shift, scale, gate, *_) = modulated_norm_cases("cpu", dtype, 3, 7, 64, seed=5)
+        for residual in (False, True):
+            gated = (gate, y) if residual else ()
+            want_x, want = torch_modulated_norm(x, shift, scale, *gated)
+            got_x, got = modulated_norm(x, shift, scale, NORM_EPS, *gated)
+            torch.testing.assert_close(got_x.float(), want_x.float(), rtol=rtol, atol=atol)
+            torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+            assert got.dtype == dtype and got_x.dtype == dtype
+
+
+def test_the_adaptive_norm_kernel_under_the_interpreter():
+    """The GPU's adaptive-norm kernel computes modulated_layer_norm's PyTorch values (Triton's CPU
+    interpreter)."""
+    run_under_the_interpreter("check_modulated_norm_kernel")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_adaptive_norm_kernel_gives_pytorchs_values():
+    """At real size in bfloat16 on a GPU (4 jobs x 2 CFG rows x 512 frames x 1024 channels), through the
+    DiT's dispatch: within one bfloat16 step of PyTorch's operators, with and without the residual."""
+    from cosyserve.models.cosyvoice3.dit import modulated_layer_norm
+
+    x, y, (shift, scale, gate, *_) = modulated_norm_cases("cuda", torch.bfloat16, 8, 512, 1024, seed=6)
+    for gated in ((), (gate, y)):
+        want_x, want = torch_modulated_norm(x, shift, scale, *gated)
+        got_x, got = modulated_layer_norm(x, shift, scale, *gated)
+        torch.testing.assert_close(got_x.float(), want_x.float(), rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_the_adaptive_norm_kernel_builds_for_a_hopper_gpu():
+    """The kernel compiled here for sm_90 as a bfloat16 flow calls it, with and without the residual."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cosyserve.models.cosyvoice3.norm_triton import _modulated_norm_kernel
+
+    signature = {name: "*bf16" for name in ("x_ptr", "y_ptr", "gate_ptr", "shift_ptr", "scale_ptr", "x_out_ptr",
+                                            "out_ptr")}
+    signature |= {"frames": "i32", "mod_sb": "i32", "eps": "fp32"}
+    signature |= {name: "constexpr" for name in ("D", "RESIDUAL", "ROUND")}
+    for residual in (False, True):
+        source = ASTSource(fn=_modulated_norm_kernel, signature=signature,
+                           constexprs={"D": 1024, "RESIDUAL": residual, "ROUND": 1})
+        try:
+            ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        except RuntimeError as exc:  # no CUDA toolchain in this Triton build
+            pytest.skip(f"cannot compile for sm_90 here: {exc}")
+        assert ".entry _modulated_norm_kernel" in ptx
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

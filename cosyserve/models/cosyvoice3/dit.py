@@ -150,6 +150,21 @@ def rotate_queries_keys_(q: torch.Tensor, k: torch.Tensor, rotation: tuple[torch
     rotate_leading_(k, rotation)
 
 
+def modulated_layer_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, gate: torch.Tensor | None = None,
+                         y: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x', modulate(layer_norm(x'), shift, scale)) of x' = x + gate·y (``addcmul``; x itself without
+    ``gate``): x, y (B, T, D), the modulation vectors (B, 1, D). On a GPU, x and y contiguous in float32 or
+    bfloat16, one Triton kernel (:mod:`.norm_triton`: three or four broadcast elementwise kernels
+    otherwise)."""
+    if x.is_cuda and x.numel():
+        from . import norm_triton
+        if norm_triton.fits(x, shift, scale, gate) and (gate is None or (y.is_contiguous() and y.dtype == x.dtype)):
+            return norm_triton.modulated_norm(x, shift, scale, NORM_EPS, gate, y)
+    if gate is not None:
+        x = torch.addcmul(x, gate, y)  # x + gate·y in one pass over x (as modulate)
+    return x, modulate(F.layer_norm(x, x.shape[-1:], eps=NORM_EPS), shift, scale)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: Cv3EstimatorConfig):
         super().__init__()
@@ -211,11 +226,9 @@ class DiTBlock(nn.Module):
         """The block on x (B, T, D), attending also to the earlier keys/values of ``cache`` and
         writing x's there (:meth:`Attention.forward`)."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(t_emb)
-        norm = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
-        attn = self.attn(modulate(norm, shift_msa, scale_msa), rotation, attn_mask, cache)
-        x = torch.addcmul(x, gate_msa, attn)  # x + gate·attn in one pass over x (as modulate)
-        norm = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
-        return torch.addcmul(x, gate_mlp, self.ff(modulate(norm, shift_mlp, scale_mlp)))
+        attn = self.attn(modulated_layer_norm(x, shift_msa, scale_msa)[1], rotation, attn_mask, cache)
+        x, norm = modulated_layer_norm(x, shift_mlp, scale_mlp, gate_msa, attn)
+        return torch.addcmul(x, gate_mlp, self.ff(norm))
 
 
 class AdaLayerNormFinal(nn.Module):
@@ -227,7 +240,7 @@ class AdaLayerNormFinal(nn.Module):
 
     def forward(self, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
         scale, shift = (m.unsqueeze(1) for m in self.linear(F.silu(t_emb)).chunk(2, dim=-1))
-        return modulate(F.layer_norm(x, x.shape[-1:], eps=NORM_EPS), shift, scale)
+        return modulated_layer_norm(x, shift, scale)[1]
 
 
 @dataclass(frozen=True)
