@@ -202,22 +202,37 @@ def torch_modulated_norm(x, shift, scale, gate=None, y=None):
     return x, modulate(torch.nn.functional.layer_norm(x, x.shape[-1:], eps=NORM_EPS), shift, scale)
 
 
+def assert_within_roundings(x, shift, scale, gate, y, got, want) -> None:
+    """The kernel's (x', out) against PyTorch's, each element within a few rounding steps of x's dtype
+    of the magnitude of the terms it sums: where they cancel, one step of a term (a norm rounded the
+    other way, statistics summed in another order) is far more than one step of the result. Terms:
+    |x| + |gate·y| for x'; |1 + scale|·(|x'| + |mean|)/std + |shift| for the modulated norm."""
+    step = 4 * torch.finfo(x.dtype).eps  # a few roundings (eps: one step at 1)
+    x, shift, scale = x.double(), shift.double(), scale.double()
+    got_x, got_out = (t.double() for t in got)
+    want_x, want_out = (t.double() for t in want)
+    residual = x if gate is None else x + gate.double() * y.double()
+    terms_x = x.abs() + (0 if gate is None else (gate.double() * y.double()).abs())
+    mean, std = residual.mean(-1, keepdim=True), residual.std(-1, unbiased=False, keepdim=True)
+    terms_out = (1 + scale).abs() * (residual.abs() + mean.abs()) / std + shift.abs()
+    for got_v, want_v, terms in ((got_x, want_x, terms_x), (got_out, want_out, terms_out)):
+        worst = ((got_v - want_v).abs() / (step * terms + 1e-30)).max().item()
+        assert worst <= 1, f"{worst:.2f} of the allowed rounding steps"
+
+
 def check_modulated_norm_kernel() -> None:
-    """The Triton adaptive norm against PyTorch's operators, with and without the gated residual; float32
-    (within its rounding) and bfloat16 (each operator's result rounded as PyTorch rounds it: within one
-    bfloat16 step, the statistics being summed in another order)."""
+    """The Triton adaptive norm against PyTorch's operators, with and without the gated residual, in
+    float32 and bfloat16 (each operator's result rounded as PyTorch rounds it: within a few roundings)."""
     from cosyserve.models.cosyvoice3.dit import NORM_EPS
     from cosyserve.models.cosyvoice3.norm_triton import modulated_norm
 
-    for dtype, rtol, atol in ((torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2 ** -7, 1e-6)):
+    for dtype in (torch.float32, torch.bfloat16):
         x, y, (shift, scale, gate, *_) = modulated_norm_cases("cpu", dtype, 3, 7, 64, seed=5)
-        for residual in (False, True):
-            gated = (gate, y) if residual else ()
-            want_x, want = torch_modulated_norm(x, shift, scale, *gated)
-            got_x, got = modulated_norm(x, shift, scale, NORM_EPS, *gated)
-            torch.testing.assert_close(got_x.float(), want_x.float(), rtol=rtol, atol=atol)
-            torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
-            assert got.dtype == dtype and got_x.dtype == dtype
+        for gated in ((), (gate, y)):
+            got = modulated_norm(x, shift, scale, NORM_EPS, *gated)
+            assert got[0].dtype == dtype and got[1].dtype == dtype
+            assert_within_roundings(x, shift, scale, *(gated or (None, None)), got,
+                                    torch_modulated_norm(x, shift, scale, *gated))
 
 
 def test_the_adaptive_norm_kernel_under_the_interpreter():
@@ -229,15 +244,13 @@ def test_the_adaptive_norm_kernel_under_the_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_the_adaptive_norm_kernel_gives_pytorchs_values():
     """At real size in bfloat16 on a GPU (4 jobs x 2 CFG rows x 512 frames x 1024 channels), through the
-    DiT's dispatch: within one bfloat16 step of PyTorch's operators, with and without the residual."""
+    DiT's dispatch: within a few bfloat16 roundings of PyTorch's operators, with and without the residual."""
     from cosyserve.models.cosyvoice3.dit import modulated_layer_norm
 
     x, y, (shift, scale, gate, *_) = modulated_norm_cases("cuda", torch.bfloat16, 8, 512, 1024, seed=6)
     for gated in ((), (gate, y)):
-        want_x, want = torch_modulated_norm(x, shift, scale, *gated)
-        got_x, got = modulated_layer_norm(x, shift, scale, *gated)
-        torch.testing.assert_close(got_x.float(), want_x.float(), rtol=2 ** -7, atol=1e-6)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+        assert_within_roundings(x, shift, scale, *(gated or (None, None)), modulated_layer_norm(x, shift, scale, *gated),
+                                torch_modulated_norm(x, shift, scale, *gated))
 
 
 def test_the_adaptive_norm_kernel_builds_for_a_hopper_gpu():
