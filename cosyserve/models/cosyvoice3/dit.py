@@ -158,7 +158,7 @@ def modulated_layer_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
     otherwise)."""
     if x.is_cuda and x.numel():
         from . import norm_triton
-        if norm_triton.fits(x, shift, scale, gate) and (gate is None or (y.is_contiguous() and y.dtype == x.dtype)):
+        if norm_triton.fits(x, shift, scale, gate, y):
             return norm_triton.modulated_norm(x, shift, scale, NORM_EPS, gate, y)
     if gate is not None:
         x = torch.addcmul(x, gate, y)  # x + gate·y in one pass over x (as modulate)

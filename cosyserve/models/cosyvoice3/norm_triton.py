@@ -45,27 +45,29 @@ def _modulated_norm_kernel(x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, x_out_p
     tl.store(out_ptr + at, _rounded(shift + norm * scale, ROUND).to(out_ptr.dtype.element_ty))
 
 
-def fits(x: torch.Tensor, *vectors: torch.Tensor) -> bool:
-    """Whether the kernel takes x (B, T, D) and these modulation vectors (B, 1, D) (any of them None:
-    ignored): x contiguous, D a power of two, every tensor of x's dtype (float32 or bfloat16) and
-    device, the vectors' channels contiguous with one batch stride."""
-    given = [v for v in vectors if v is not None]
+def fits(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, gate: torch.Tensor | None = None,
+         y: torch.Tensor | None = None) -> bool:
+    """Whether the kernel takes x (B, T, D), the modulation vectors (B, 1, D) and, with ``gate``, the
+    residual's branch y: x and y contiguous of one shape, D a power of two, every tensor of x's dtype
+    (float32 or bfloat16) and device, the vectors' channels contiguous with one batch stride."""
     dim = x.shape[-1]
+    vectors = [shift, scale] + ([] if gate is None else [gate])
     return (x.dim() == 3 and x.is_contiguous() and dim & (dim - 1) == 0 and x.dtype in ROUNDINGS
+            and (gate is None or (y is not None and y.shape == x.shape and y.is_contiguous() and y.dtype == x.dtype
+                                  and y.device == x.device))
             and all(v.dtype == x.dtype and v.device == x.device and v.shape == (x.shape[0], 1, dim)
-                    and v.stride(-1) == 1 and v.stride(0) == given[0].stride(0) for v in given))
+                    and v.stride(-1) == 1 and v.stride(0) == shift.stride(0) for v in vectors))
 
 
 def modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
                    gate: torch.Tensor | None = None, y: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x', layer_norm(x')·(1 + scale) + shift) of x' = x + gate·y (x itself without ``gate``): x, y
-    (B, T, D) contiguous, shift, scale, gate (B, 1, D) as :func:`fits` takes them."""
-    residual = gate is not None
-    if not fits(x, shift, scale, gate) or (residual and (y is None or y.shape != x.shape or not y.is_contiguous()
-                                                         or y.dtype != x.dtype)):
+    """(x', layer_norm(x')·(1 + scale) + shift) of x' = x + gate·y (x itself without ``gate``), the
+    tensors as :func:`fits` takes them."""
+    if not fits(x, shift, scale, gate, y):
         raise ValueError("modulated_norm takes a contiguous (B, T, D) x (and y) with D a power of two, and "
                          "(B, 1, D) modulation vectors of its dtype (float32 or bfloat16), channels contiguous")
+    residual = gate is not None
     batch, frames, dim = x.shape
     out = torch.empty_like(x)
     x_out = torch.empty_like(x) if residual else x

@@ -227,7 +227,7 @@ class HiFTGenerator(nn.Module):
         return self.spectrum_to_wave(self.predict_spectrum(mel, source))
 
     def _stft(self, x: torch.Tensor) -> torch.Tensor:
-        return stft_spectrum(x, self.cfg.istft_n_fft, self.cfg.istft_hop_len, self.stft_window.float())
+        return stft_spectrum(x, self.cfg.istft_n_fft, self.cfg.istft_hop_len, self.stft_window)
 
     # ----- inference -----
 
