@@ -8,7 +8,9 @@
 #   gpu-tests     the GPU tests (-k "gpu or cuda") of GPU_TESTS: the engine, flow engine, LLM, CosyVoice3 kind,
 #                 front-end graphs and vocoder
 #   cv2           CosyVoice2 in-process: 1 and 8 new clips against the registered voice, and 8 new clips
-#                 while 16 streams play (stage 3) -> $OUT/cv2/engine.json
+#                 while 16 streams play (stage 3) -> $OUT/cv2/engine.json; with CV2_TRACE=1 torch.profiler
+#                 traces of one registered request and of 8 new clips until their first chunks ->
+#                 $OUT/cv2/trace1.json.gz, $OUT/cv2/trace8.json.gz
 #   cv2-no-priority  the same with new voices' prompts on a stream of the default priority (--no-prefix-priority)
 #   cv3           CosyVoice3 the same, with an open-loop rate of CV3_RATE under torch's sync debug mode and
 #                 (CV3_TRACE=1) torch.profiler traces of 8 new clips until their first chunks, alone and while
@@ -40,6 +42,7 @@ CV3_ROUNDS=${CV3_ROUNDS:-4}
 CV3_RATE=${CV3_RATE:-5}              # req/s of cv3's open-loop level under the sync debug mode (0: none)
 LLM_STEPS=${LLM_STEPS:-3}            # the llm-steps parts' decode steps a replay
 CV3_TRACE=${CV3_TRACE:-1}            # cv3: trace 8 new clips once more, alone and while 16 play (1), or not (0)
+CV2_TRACE=${CV2_TRACE:-1}            # cv2: trace one registered request and 8 new clips once more (1), or not (0)
 PART_BUDGET_S=${PART_BUDGET_S:-275}  # one stage-3 part, load included
 GPU_TESTS=${GPU_TESTS:-tests/test_flow_engine.py tests/test_engine_core.py tests/test_engine_cosyvoice3.py tests/test_llm_engine.py tests/test_frontend_graphs.py tests/test_hift.py}
 GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-150}
@@ -65,7 +68,9 @@ for part in "$@"; do
              OUT=$OUT/setup VENV=$VENV ENGINE_MODELS="$SETUP_MODELS" bash scripts/gpu_campaign.sh 2 2; } ;;
     # shellcheck disable=SC2086
     gpu-tests) timeout "$GPU_TESTS_TIMEOUT" "$VENV/bin/python" -m pytest -q -p no:cacheprovider $GPU_TESTS -k "gpu or cuda" ;;
-    cv2) engine_part cv2 cosyvoice2 "" "$ROUNDS" 0 ;;
+    cv2) trace=""; [ "$CV2_TRACE" = 1 ] &&
+           trace="--trace-registered $OUT/cv2/trace1.json.gz --trace-new-clips $OUT/cv2/trace8.json.gz"
+         engine_part cv2 cosyvoice2 "$trace" "$ROUNDS" 0 ;;
     cv2-no-priority) engine_part cv2-no-priority cosyvoice2 --no-prefix-priority "$ROUNDS" 0 ;;
     cv3) trace=""; [ "$CV3_TRACE" = 1 ] &&
            trace="--trace-new-clips $OUT/cv3/trace8.json.gz --trace-while-playing $OUT/cv3/trace8_playing.json.gz"

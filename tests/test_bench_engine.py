@@ -13,6 +13,7 @@ def test_levels_report_latency_underruns_and_the_loops_profile(tiny_bundle, tmp_
     main(["--models-dir", str(tiny_bundle), "--device", "cpu", "--cold", "--tokens", "20", "--concurrency", "2",
           "--requests-per-sender", "1", "--new-clips", "1", "--new-clips-while-playing", "2", "--rates", "4",
           "--seconds-per-rate", "1", "--trace-new-clips", str(tmp_path / "new.json.gz"),
+          "--trace-registered", str(tmp_path / "registered.json.gz"),
           "--trace-while-playing", str(tmp_path / "playing.json.gz"), "--json", str(report_path)])
     report = json.loads(report_path.read_text())
     assert [level["level"] for level in report["levels"]] == [
@@ -26,6 +27,8 @@ def test_levels_report_latency_underruns_and_the_loops_profile(tiny_bundle, tmp_
         assert level["iterations"] > 0 and level["busy_ms_per_iteration"] > 0
         assert level["flow_ms_per_iteration"] > 0 and level["llm_busy_s"] > 0
     assert report["levels"][-1]["peak_in_flight"] >= 1
+    assert len(report["levels"][3]["first_chunks_ms"]) == 1 and report["levels"][3]["first_chunks_ms"][0] > 0
+    assert report["registered_trace"]["marks"] == 1 and (tmp_path / "registered.json.gz").stat().st_size > 0
     # both traces end at the new clip's first chunk; the playing streams' outcomes come with the second
     assert report["new_clip_trace"]["marks"] == 1 and (tmp_path / "new.json.gz").stat().st_size > 0
     beside = report["while_playing_trace"]

@@ -131,6 +131,7 @@ def level(engine: TTSEngine, outcomes: list[Outcome], label: str, wall_s: float,
     firsts = [o.first_chunk_ms for o in outcomes if o.first_chunk_ms is not None]
     return {"level": label, "requests": len(outcomes), "failed": sum(o.error is not None for o in outcomes),
             "first_p50_ms": _percentile(firsts, 0.5), "first_p95_ms": _percentile(firsts, 0.95),
+            "first_chunks_ms": [round(ms, 1) for ms in firsts],  # in arrival order: a slow round shows as a run
             "underrun_requests": sum(o.underruns > 0 for o in outcomes),
             "stall_s": sum(o.stall_s for o in outcomes), "wall_s": wall_s,
             "errors": sorted({o.error for o in outcomes if o.error})[:3],
@@ -256,6 +257,11 @@ def run(args: argparse.Namespace) -> dict:
                 clips = [new_clip() for _ in range(args.new_clips[-1])]
                 return _in_threads(len(clips), lambda i: one_request(engine, clips[i], args.tokens,
                                                                      f"t-{next(counter)}", on_first=first))
+            if args.trace_registered:
+                report["registered_trace"] = trace_until(args.trace_registered, lambda first: one_request(
+                    engine, voice, args.tokens, f"r-{next(counter)}", on_first=first), 1)
+                print(f"trace of one request of the registered voice until its first chunk: "
+                      f"{report['registered_trace']}", flush=True)
             if args.trace_new_clips and args.new_clips:
                 report["new_clip_trace"] = trace_until(args.trace_new_clips, traced_clips, args.new_clips[-1])
                 print(f"trace of {args.new_clips[-1]} new clips until their first chunks: {report['new_clip_trace']}",
@@ -455,6 +461,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-new-clips", metavar="PATH", help="then the last --new-clips level's clips once more "
                    "under torch.profiler until their first chunks are out (every thread's operators, the kernels): "
                    "a gzipped Chrome trace written to PATH")
+    p.add_argument("--trace-registered", metavar="PATH", help="then one request of the registered voice on the idle "
+                   "engine, traced as --trace-new-clips until its first chunk")
     p.add_argument("--trace-while-playing", metavar="PATH", help="then the last --new-clips level's clips once "
                    "more while the last --new-clips-while-playing count of streams play, traced as --trace-new-clips "
                    "from the clips' arrival until their first chunks (the playing streams' operators and kernels too)")
