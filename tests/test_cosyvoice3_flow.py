@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from cosyserve.config import dump_hyperpyyaml, load_hyperpyyaml
 from cosyserve.errors import InvalidInputError, ModelLoadError
@@ -273,6 +275,96 @@ def test_the_adaptive_norm_kernel_builds_for_a_hopper_gpu():
         except RuntimeError as exc:  # no CUDA toolchain in this Triton build
             pytest.skip(f"cannot compile for sm_90 here: {exc}")
         assert ".entry _modulated_norm_kernel" in ptx
+
+
+def position_conv_case(device: str, dtype: torch.dtype, rows: int, frames: int, channels: int, groups: int,
+                       seed: int):
+    """A position convolution of the DiT's kind (kernel 31, ``groups`` groups) and its input (rows, channels,
+    30 + frames), as the DiT gives it: its context, then the window's frames, channels-first (a strided copy)."""
+    from cosyserve.models.cosyvoice3.dit import POS_CONV_KERNEL
+
+    gen = torch.Generator().manual_seed(seed)
+    conv = nn.Conv1d(channels, channels, POS_CONV_KERNEL, groups=groups)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=gen) * 0.05)
+        conv.bias.copy_(torch.randn(channels, generator=gen))
+    x = torch.randn(rows, frames + POS_CONV_KERNEL - 1, channels, generator=gen) * 2
+    return conv.to(device, dtype), x.to(device, dtype).transpose(1, 2).contiguous()
+
+
+def assert_conv_within_roundings(conv, x, got) -> None:
+    """The kernel's output against PyTorch's convolution, each element within a few rounding steps of x's
+    dtype of the sum of its products' magnitudes (the sums run in other orders) and the bias's."""
+    want = conv(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    step = 4 * torch.finfo(x.dtype).eps
+    terms = F.conv1d(x.double().abs(), conv.weight.double().abs(), conv.bias.double().abs(), groups=conv.groups)
+    worst = ((got.double() - want.double()).abs() / (step * terms + 1e-30)).max().item()
+    assert worst <= 1, f"{worst:.2f} of the allowed rounding steps"
+
+
+def check_position_conv_kernel() -> None:
+    """The Triton grouped convolution against PyTorch's, in float32 and bfloat16, with frames across
+    several of its blocks and the last one partial, and an input whose rows are a strided view."""
+    from cosyserve.models.cosyvoice3.conv_triton import BLOCK_FRAMES, grouped_conv1d
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, frames in ((2, 7), (3, 2 * BLOCK_FRAMES + 5)):
+            conv, x = position_conv_case("cpu", dtype, rows, frames, 64, 4, seed=rows)
+            assert_conv_within_roundings(conv, x, grouped_conv1d(x, conv))
+        wide = torch.cat([x, x], dim=2)[:, :, :x.shape[2]]  # a row stride other than channels x frames
+        assert_conv_within_roundings(conv, wide, grouped_conv1d(wide, conv))
+    # a wrong tap order is not within the bound
+    conv, x = position_conv_case("cpu", torch.float32, 2, 9, 64, 4, seed=9)
+    with torch.no_grad():
+        flipped = nn.Conv1d(64, 64, conv.kernel_size[0], groups=4)
+        flipped.weight.copy_(conv.weight.flip(-1))
+        flipped.bias.copy_(conv.bias)
+    with pytest.raises(AssertionError):
+        assert_conv_within_roundings(conv, x, grouped_conv1d(x, flipped))
+
+
+def test_the_position_conv_kernel_under_the_interpreter():
+    """The GPU's grouped-convolution kernel computes PyTorch's convolution (Triton's CPU interpreter)."""
+    run_under_the_interpreter("check_position_conv_kernel")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_position_conv_kernel_gives_pytorchs_values():
+    """At real size in bfloat16 on a GPU (16 rows x 512 frames x 1,024 channels in 16 groups; and one row of
+    64 frames): the kernel within a few bfloat16 roundings of PyTorch's convolution, and the DiT's dispatch
+    (the convolution, then Mish) through it."""
+    from cosyserve.models.cosyvoice3.conv_triton import grouped_conv1d
+    from cosyserve.models.cosyvoice3.dit import _conv_mish
+
+    for rows, frames in ((16, 512), (1, 64)):
+        conv, x = position_conv_case("cuda", torch.bfloat16, rows, frames, 1024, 16, seed=rows)
+        got = grouped_conv1d(x, conv)
+        assert_conv_within_roundings(conv, x, got)
+        layer = nn.Sequential(conv, nn.Mish())
+        assert torch.equal(_conv_mish(layer, x), layer[1](got))
+
+
+def test_the_position_conv_kernel_builds_for_a_hopper_gpu():
+    """The kernel compiled here for sm_90 as a bfloat16 flow calls it."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cosyserve.models.cosyvoice3.conv_triton import BLOCK_FRAMES, BLOCK_REDUCE, _grouped_conv_kernel
+
+    signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "y_ptr")}
+    signature |= {"frames": "i32", "x_sb": "i32", "x_sc": "i32"}
+    signature |= {name: "constexpr" for name in ("GROUP", "TAPS", "BLOCK_T", "BLOCK_R", "ROUND", "PRECISION",
+                                                 "EXACT_DOT")}
+    source = ASTSource(fn=_grouped_conv_kernel, signature=signature,
+                       constexprs={"GROUP": 64, "TAPS": 31, "BLOCK_T": BLOCK_FRAMES, "BLOCK_R": BLOCK_REDUCE,
+                                   "ROUND": 1, "PRECISION": "tf32", "EXACT_DOT": False})
+    try:
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    except RuntimeError as exc:  # no CUDA toolchain in this Triton build
+        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+    assert ".entry _grouped_conv_kernel" in ptx and "mma" in ptx
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
