@@ -176,6 +176,43 @@ def test_a_burst_of_clips_is_one_call():
     assert len(results) == 4 and featurizer.batches == 1 == models.calls
 
 
+def test_a_batch_waits_for_clips_announced_and_not_yet_queued():
+    """A clip its caller has announced (still preparing it on its own thread) joins the batch of a clip
+    queued before it, the gap long past; an announcement given up, or held past announced_max_s, holds
+    a batch no longer."""
+    models = CountingModels()
+    featurizer = PromptFeaturizer(Launched(models.tokenize_batch), Launched(models.embed_batch), gather_s=0.002,
+                                  gather_max_s=0.01, announced_max_s=5.0)
+    results: list = []
+    announced = threading.Event()
+
+    def late(queue_it: bool, hold_s: float) -> None:
+        with featurizer.arrival() as arrival:
+            announced.set()
+            time.sleep(hold_s)  # decoding and resampling, as it were
+            if queue_it:
+                results.append(featurizer.features(audio(1), arrival))
+
+    def first_beside(queue_it: bool, hold_s: float) -> float:
+        announced.clear()
+        thread = threading.Thread(target=late, args=(queue_it, hold_s))
+        thread.start()
+        announced.wait()
+        began = time.monotonic()
+        results.append(featurizer.features(audio(0)))
+        waited = time.monotonic() - began
+        thread.join()
+        return waited
+
+    first_beside(True, 0.1)
+    assert len(results) == 2 and featurizer.batches == 1 and featurizer.clips == 2
+    waited = first_beside(False, 0.1)  # given up after 0.1 s: the batch goes then, alone
+    assert 0.08 < waited < 2.0 and featurizer.batches == 2 and featurizer.clips == 3
+    featurizer.announced_max_s = 0.05
+    waited = first_beside(False, 1.0)  # held longer than the batch may wait
+    assert waited < 0.5 and featurizer.batches == 3
+
+
 def test_a_clip_that_fails_in_a_batch_fails_only_its_caller():
     models = CountingModels()
     featurizer = featurizer_of(models)

@@ -125,9 +125,10 @@ class VoiceResolver:
                 raise InvalidInputError(
                     "reference_wav needs reference_text, the transcript of the reference audio")
             validate_text(reference_text, "reference_text", self.max_text_chars)
-            audio = prompt_audio_from_array(reference_wav16, TOKENIZER_SAMPLE_RATE)
-            return Voice(reference_text, self._prompt_features(audio),
-                         reference_wav16=np.asarray(reference_wav16, np.float32))
+            with self.featurizer.arrival() as arrival:  # a batch gathering now waits for this clip
+                audio = prompt_audio_from_array(reference_wav16, TOKENIZER_SAMPLE_RATE)
+                features = self._features.get_or_compute(audio.wav16, lambda: self.featurizer.features(audio, arrival))
+            return Voice(reference_text, features, reference_wav16=np.asarray(reference_wav16, np.float32))
         if reference_text:
             raise InvalidInputError("reference_text was given without reference_wav; send both or neither")
         if speaker_id and speaker_id not in self.registry and self.store is not None and is_voice_id(speaker_id):
@@ -150,9 +151,6 @@ class VoiceResolver:
     @property
     def cached_clips(self) -> int:
         return len(self._features)
-
-    def _prompt_features(self, audio) -> PromptFeatures:
-        return self._features.get_or_compute(audio.wav16, lambda: self.featurizer.features(audio))
 
 
 class SegmentPrompter:

@@ -13,6 +13,13 @@ graphs on a stream of their own (:mod:`.torch_models`), never the engine's, and 
 computed on that device and stream too; on the CPU (onnxruntime) the same batching only saves the
 queueing.
 
+A caller announces its clip as it starts on it (:meth:`PromptFeaturizer.arrival`): decoding,
+validation and resampling run on the caller's thread under the GIL, so a burst's clips reach the queue
+spread over ~15 ms (8 new clips on an H100: the first two alone, the other six in a second batch, their
+LLM prefills and first flow windows then a wave later, ~170 ms). A batch waits for clips announced and
+not yet queued, up to ``announced_max_s`` after its first; a lone clip, with none announced, waits only
+the gap.
+
 A clip is checked on its caller's thread before it joins a batch (a bad clip fails its own request
 and no other); a batch that still fails is run again clip by clip, so an error reaches only the
 request whose clip caused it.
@@ -24,6 +31,8 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -34,6 +43,22 @@ from .prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, build_prompt_features_b
 
 # The most clips per batch.
 DEFAULT_MAX_BATCH = 8
+# How long after its first clip a batch may wait for clips announced and not yet queued.
+ANNOUNCED_MAX_S = 0.03
+
+
+class Arrival:
+    """A clip a caller has started on and not yet queued (or given up on): counted by its featurizer."""
+
+    def __init__(self, featurizer: "PromptFeaturizer") -> None:
+        self._featurizer = featurizer
+        self._pending = True
+
+    def arrived(self) -> None:
+        """Queued, or given up (a clip that failed its checks, or whose features were cached): no longer awaited."""
+        if self._pending:
+            self._pending = False
+            self._featurizer._announce(-1)
 
 
 class PromptFeaturizer:
@@ -43,12 +68,12 @@ class PromptFeaturizer:
 
     def __init__(self, tokenizer, speaker_encoder, mel_fmax: float | None = COSYVOICE2_MEL_FMAX, *,
                  max_batch: int = DEFAULT_MAX_BATCH, gather_s: float = BURST_GAP_S,
-                 gather_max_s: float = BURST_MAX_S) -> None:
+                 gather_max_s: float = BURST_MAX_S, announced_max_s: float = ANNOUNCED_MAX_S) -> None:
         self.tokenizer = tokenizer
         self.speaker_encoder = speaker_encoder
         self.mel_fmax = mel_fmax
         self.max_batch = max_batch
-        self.gather_s, self.gather_max_s = gather_s, gather_max_s
+        self.gather_s, self.gather_max_s, self.announced_max_s = gather_s, gather_max_s, announced_max_s
         self.device = getattr(tokenizer, "device", torch.device("cpu"))
         self.stream = getattr(tokenizer, "stream", None)
         self.batches = 0  # calls of the models, and the clips they took
@@ -56,12 +81,31 @@ class PromptFeaturizer:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._announced = 0  # clips of Arrivals not yet queued
 
-    def features(self, audio: PromptAudio) -> PromptFeatures:
+    @contextmanager
+    def arrival(self) -> Iterator[Arrival]:
+        """Announce a clip this thread is about to prepare and pass to :meth:`features` (with the
+        Arrival): batches gathering meanwhile wait for it. It is no longer awaited once queued, or when
+        the block ends without it (an invalid clip, cached features)."""
+        arrival = Arrival(self)
+        self._announce(1)
+        try:
+            yield arrival
+        finally:
+            arrival.arrived()
+
+    def _announce(self, change: int) -> None:
+        with self._lock:
+            self._announced += change
+
+    def features(self, audio: PromptAudio, arrival: Arrival | None = None) -> PromptFeatures:
         tokenizer_input(audio.wav16)
         speaker_input(audio.wav16)
         answer: Future = Future()
         self._queue.put((audio, answer))
+        if arrival is not None:  # after the put: a gathering batch sees it queued or still announced
+            arrival.arrived()
         self._ensure_thread()
         return answer.result()
 
@@ -85,12 +129,16 @@ class PromptFeaturizer:
     def _serve(self) -> None:
         while True:
             batch = [self._queue.get()]
-            last_by = time.monotonic() + self.gather_max_s
+            first = time.monotonic()
+            last_by, announced_by = first + self.gather_max_s, first + self.announced_max_s
             while len(batch) < self.max_batch:  # those that came while the last batch ran, and the burst's
+                awaited = self._announced > 0 and time.monotonic() < announced_by
+                until = announced_by if awaited else last_by
                 try:
-                    batch.append(self._queue.get(timeout=max(0.0, min(self.gather_s, last_by - time.monotonic()))))
+                    batch.append(self._queue.get(timeout=max(0.0, min(self.gather_s, until - time.monotonic()))))
                 except queue.Empty:
-                    break
+                    if not (self._announced > 0 and time.monotonic() < announced_by):
+                        break
             self._answer(batch)
 
     def _answer(self, batch: list[tuple[PromptAudio, Future]]) -> None:
