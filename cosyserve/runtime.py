@@ -79,9 +79,10 @@ def device_to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # A burst: work that keeps arriving within BURST_GAP_S of the last, for at most BURST_MAX_S after the
-# first, is taken together (new clips by the front end's featurizer, new voices by the engine's
-# preparation thread). A burst's callers reach them one after another under the GIL, ~1 ms apart; one
-# packed call costs much less than several one after the other, and a lone item waits BURST_GAP_S.
+# first, is taken together (new clips by the front end's featurizer; the engine's preparation thread
+# gathers wider bursts, engine.preparer.PREPARE_GAP_S). A burst's callers reach them one after another
+# under the GIL, ~1 ms apart; one packed call costs much less than several one after the other, and a
+# lone item waits BURST_GAP_S.
 BURST_GAP_S = 0.002
 BURST_MAX_S = 0.012
 

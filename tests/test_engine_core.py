@@ -85,6 +85,9 @@ class FakeKind:
         self.events.append("prepare")
         self.threads.append(threading.current_thread().name)
 
+    def keeps(self, features) -> bool:
+        return any(features in voices for voices in self.prepared)
+
     def launching(self, features) -> bool:
         return features in self.launching_voices
 
@@ -389,6 +392,7 @@ def test_a_stream_whose_voice_is_being_launched_waits_without_holding_up_the_oth
     would wait, and every other stream's chunk with it): the others are voiced meanwhile, and it starts
     once the launch is done."""
     kind = FakeKind(prepares_beside=True, launching_voices={"new voice"})
+    kind.prepared += [["voice 1"], ["new voice"]]  # kept (the new one since its launch began)
     core = EngineCore(kind, FakeLLM(30))  # stepped by hand; the preparation thread not started
     waiting = submit(core, "new", voice="new voice")
     playing = submit(core, "registered", voice="voice 1")
@@ -400,6 +404,33 @@ def test_a_stream_whose_voice_is_being_launched_waits_without_holding_up_the_oth
     for _ in range(50):
         core.step()
     assert waiting.ended.get(timeout=5) is None and sum(p.size for p in waiting.pieces) > 0
+    core.close()
+
+
+def test_a_stream_whose_new_voice_waits_for_the_preparation_thread_is_not_opened_by_the_loop():
+    """A voice not kept and queued for the preparation thread (busy with earlier voices; here not
+    started) is not computed by the loop through open: the stream's first chunk waits while a kept
+    voice's stream, queued too, is voiced; it starts once the thread has prepared its voice."""
+    kind = FakeKind(prepares_beside=True)
+    kind.prepared.append(["voice 1"])  # kept already (registered)
+    opened: list = []
+    kind_open = kind.open
+    kind.open = lambda features: opened.append(features) or kind_open(features)
+    core = EngineCore(kind, FakeLLM(30))  # stepped by hand; the preparation thread started later
+    waiting = submit(core, "new", voice="new voice")
+    playing = submit(core, "registered", voice="voice 1")
+    for _ in range(50):
+        core.step()
+    assert playing.ended.get(timeout=5) is None and opened == ["voice 1"]
+    assert waiting.pieces == [] and waiting.ended.empty() and not core._busy()
+    core._preparer.start()
+    deadline = time.monotonic() + 5
+    while not kind.keeps("new voice") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for _ in range(50):
+        core.step()
+    assert waiting.ended.get(timeout=5) is None and sum(p.size for p in waiting.pieces) > 0
+    assert opened == ["voice 1", "new voice"] and set(kind.threads) == {"engine-voices"}
     core.close()
 
 

@@ -281,11 +281,15 @@ class EngineCore:
                    for state in self._states.values() for seg in state.segments())
 
     def _waits_for_voice(self, state: RequestState, seg: SegmentState) -> bool:
-        """The segment's stream is not open and its voice is being launched on the preparation thread,
-        too far from done for its first chunk to follow it: that chunk waits (a later iteration)
-        rather than the loop, with every other stream's chunk."""
-        return (seg.flow is None and seg.schedule is not None and self._beside is not None
-                and self._beside.launching(state.request.voice.features))
+        """The segment's stream is not open and its voice, not kept, is queued for the preparation thread
+        (open would compute it on the loop's thread), or is being launched there too far from done for
+        its first chunk to follow it: that chunk waits (a later iteration) rather than the loop, with
+        every other stream's chunk."""
+        if seg.flow is not None or seg.schedule is None or self._beside is None:
+            return False
+        features = state.request.voice.features
+        return ((self._preparer.queued(features) and not self._beside.keeps(features))
+                or self._beside.launching(features))
 
     def step(self) -> None:
         """One iteration (see the module docstring): launches a batch, waits for the GPU only

@@ -3,10 +3,10 @@ so (:attr:`~.kinds.protocol.Kind.prepares_beside`): a new request's voice as it 
 uploaded voice as it is stored. On the loop's thread, a voice's preparation would hold up the loop
 for as long as it takes to launch, and its chunks queued behind it on the loop's CUDA stream.
 
-Voices that keep arriving close together (each within :data:`~cosyserve.runtime.BURST_GAP_S` of the
-one before: a burst of requests, whose callers each build their prompts first) are prepared
-together: one packed solve costs much less than two, one after the other (on an H100: 36 ms for one
-5.5 s prompt alone, 77 ms for 8).
+Voices that keep arriving close together (each within :data:`PREPARE_GAP_S` of the one before: a
+burst of requests, whose callers each build their prompts first) are prepared together: one packed
+solve costs much less than two, one after the other (on an H100: 36 ms for one 5.5 s prompt alone,
+77 ms for 8), and a voice that misses it waits for that solve's whole launch before its own.
 
 An uploaded voice is answered once the device has computed it (a second thread waits for that, so
 that the next voices are launched meanwhile): a request sent then does not share the GPU with its
@@ -21,10 +21,15 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..runtime import BURST_GAP_S, BURST_MAX_S
-
 log = logging.getLogger(__name__)
 
+# A burst's gaps and span here are wider than the front end's (runtime.BURST_GAP_S, BURST_MAX_S): 8 new
+# clips answered together reach the engine over ~20 ms, their callers building prompts and submitting
+# under the GIL (one H100: the LLM prefilled them in two groups 7 ms apart, and one voice missed the
+# preparation of the other seven by more than 2 ms). A new voice's preparation runs beside its LLM
+# prefill and first tokens (~25 ms or more), so a few ms of gathering rarely delay its first chunk.
+PREPARE_GAP_S = 0.005
+PREPARE_MAX_S = 0.025
 
 
 class VoicePreparer:
@@ -34,7 +39,8 @@ class VoicePreparer:
     still queued at :meth:`close` are called then."""
 
     def __init__(self, prepare: Callable[[list], None], wait: Callable[[list], None],
-                 name: str = "engine-voices", *, gather_s: float = BURST_GAP_S, gather_max_s: float = BURST_MAX_S) -> None:
+                 name: str = "engine-voices", *, gather_s: float = PREPARE_GAP_S,
+                 gather_max_s: float = PREPARE_MAX_S) -> None:
         self._prepare = prepare
         self._wait = wait
         self._name = name
@@ -64,6 +70,14 @@ class VoicePreparer:
             if done is not None:
                 self._done.append(done)
             self._lock.notify()
+
+    def queued(self, voice) -> bool:
+        """Whether this voice (the very object put) waits in the queue, not yet taken by the thread: a
+        stream of it opened now would have its voice computed on the opener's thread (the loop's),
+        once the thread's current preparation is launched (CosyVoice2: ~85 ms for 7 new voices on an
+        H100, the loop held all that time)."""
+        with self._lock:
+            return any(v is voice for v in self._voices)
 
     def close(self) -> None:
         with self._lock:

@@ -378,6 +378,11 @@ class FlowEngine:
             else:
                 self.prepare([(prompt_tokens, prompt_feat, embedding, key)])
 
+    def keeps(self, key: str) -> bool:
+        """This voice's prefix is kept (computed, or its last solve being launched)."""
+        with self._lock:
+            return key in self._voices
+
     def launching(self, key: str) -> bool:
         """Another thread is launching the prefix of this voice (:meth:`prepare`) and has more than
         :data:`PREFIX_OPEN_LEAD` of its last solve's steps left to launch (any, for a solve of more

@@ -146,6 +146,9 @@ class CosyVoice2Kind:
             self.fallbacks += 1
         return Voicing(features, prompt, flow, HiftStream(self.model.hift, sine_noise=self.sine_noise))
 
+    def keeps(self, features: PromptFeatures) -> bool:
+        return self.flow_engine.keeps(features.key())
+
     def launching(self, features: PromptFeatures) -> bool:
         """The preparation thread is launching this voice's prefix, more than a few of its last
         solve's steps still to go (:meth:`~cosyserve.token2wav.flow_engine.FlowEngine.launching`)."""

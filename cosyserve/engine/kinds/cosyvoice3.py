@@ -271,6 +271,9 @@ class CosyVoice3Kind:
         kept = self._prefixes.peek(self._prompt(features).key) if self.max_voices else None
         return None if kept is None else kept.prefix
 
+    def keeps(self, features: PromptFeatures) -> bool:
+        return self.max_voices > 0 and self._prefixes.peek(features.key()) is not None
+
     def launching(self, features: PromptFeatures) -> bool:
         """The preparation thread is launching this voice's prefix: a stream opened now would start cold
         (the core plans its first chunk once the launch is done)."""

@@ -116,6 +116,10 @@ class PreparesBeside(Kind, Protocol):
     """What the core also asks of a kind with :attr:`~Kind.prepares_beside` (its preparation thread
     calls ``prepare_voices`` while the loop runs)."""
 
+    def keeps(self, features: PromptFeatures) -> bool:
+        """This voice's state is kept (prepared, or being launched): a stream of it opens without
+        computing it. Host only, never waits."""
+
     def launching(self, features: PromptFeatures) -> bool:
         """Another thread is launching this voice's state now, so that ``open``, or the first chunk
         of a stream opened now, would wait long for it: the core plans the voice's streams' first
