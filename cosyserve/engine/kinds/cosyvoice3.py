@@ -55,6 +55,11 @@ RESERVE_TOKENS = 750  # a new incremental stream needs room for this long a repl
 # The stream role (runtime.role_stream) of voices' prefixes computed beside the loop: their sampler's
 # graphs are captured on it and their steps run on it.
 PREFIX_ROLE = "cosyvoice3-prefix"
+# Euler steps of voices' prefixes queued on the device at most, beside the loop: the next is launched
+# once the one this many before it has run. With a burst's ten packed steps queued at once (~9,000
+# kernels), the other threads' launches wait until that queue drains (CosyVoice2's prompts, whose limit
+# this is: token2wav.flow_engine.PREFIX_STEPS_AHEAD).
+PREFIX_STEPS_AHEAD = 2
 
 
 @dataclass(eq=False)
@@ -328,8 +333,13 @@ class CosyVoice3Kind:
                     frames = prompt.prefix_frames
                     jobs.append(self._prefix_sampler.new_job(EMPTY_STATE, self._noise(0, frames), mu[:, :, :frames],
                                                              cond[:, :, :frames], prompt.spks, keep=frames))
+                launched: list[torch.cuda.Event] = []  # (beside the loop, on a GPU) the steps on the device
                 while any(not job.done for job in jobs):
+                    if len(launched) == PREFIX_STEPS_AHEAD:
+                        launched.pop(0).synchronize()
                     self._prefix_sampler.step([job for job in jobs if not job.done])
+                    if self._prefix_stream is not None:
+                        launched.append(self._prefix_stream.record_event())
                 states = [job.state_after(prompt.prefix_frames) for job, prompt in zip(jobs, prompts.values())]
                 ready = self._prefix_stream.record_event() if self._prefix_stream is not None else None
                 for key, state in zip(prompts, states):
