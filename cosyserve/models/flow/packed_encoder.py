@@ -7,11 +7,12 @@ the same per-stream state (a :class:`~.cache.StreamWindow`'s ``states`` dict: ke
 committed positions per attention layer, left context per causal conv), so streams move freely
 between this path and the single-window one.
 
-Row j holds window j right-padded to the longest. Attention keys are [the row's cached keys,
-padded to the longest cache ‖ the window's keys]; masks hide the padding, the cached slots a
-row does not have, the look-ahead positions and (streaming) later blocks. Relative positions are
-read per row from one table of projected position rows spanning every query-key distance of the
-batch, so the result equals each window run alone up to float rounding.
+Row j holds window j right-padded to the longest. A row's attention keys are its stream's own
+[committed keys ‖ the window's] (the view its state's buffers return once the window is appended),
+key slot s holding position s, right-padded to the longest row; masks hide the padding, the
+look-ahead positions and (streaming) later blocks. Relative positions are read per row from one table
+of projected position rows spanning every query-key distance of the batch, so the result equals each
+window run alone up to float rounding.
 """
 
 from __future__ import annotations
@@ -150,25 +151,21 @@ class _StreamStates:
         return padded
 
     def keys(self, attn, k: torch.Tensor, v: torch.Tensor, rate: _Rate) -> tuple[torch.Tensor, torch.Tensor]:
-        """[each row's cached keys, padded to the most cached ‖ the window's] (and values); each
-        row's state takes its committed ones."""
-        rows, heads, length, d_k = k.shape
-        cached = rate.cached
+        """Each row's [committed keys ‖ window's] (and values), right-padded to the most cached plus the
+        window; each row's state takes its committed ones. A row's committed keys are its window's
+        start (its stream's committed tokens), so key slot s holds position s."""
+        rows, _, length, _ = k.shape
         states = [w.states.get(attn) or w.states.setdefault(attn, RelAttentionState()) for w in self.windows]
-        if rows == 1 and states[0].keys.committed == cached:
-            # one window: its stream's own buffer is [committed ‖ window] once extended (no copy into a
-            # padded one: a stream alone launches six kernels a layer fewer)
+        if rows == 1:  # its stream's own buffer is the row, no padding (six kernels a layer fewer alone)
             return states[0].extend(k, v, self.windows[0].commit * rate.scale)
-        keys = k.new_zeros(rows, heads, cached + length, d_k)
-        values = torch.zeros_like(keys)
-        keys[:, :, cached:], values[:, :, cached:] = k, v
+        positions = rate.cached + length
+        row_keys, row_values = [], []
         for j, (w, state) in enumerate(zip(self.windows, states)):
-            if state.keys.committed:
-                keys[j:j + 1, :, :state.keys.committed] = state.keys.committed_frames()
-                values[j:j + 1, :, :state.values.committed] = state.values.committed_frames()
             length_j = w.embedded.size(0) * rate.scale
-            state.extend(k[j:j + 1, :, :length_j], v[j:j + 1, :, :length_j], w.commit * rate.scale)
-        return keys, values
+            keys, values = state.extend(k[j:j + 1, :, :length_j], v[j:j + 1, :, :length_j], w.commit * rate.scale)
+            row_keys.append(F.pad(keys, (0, 0, 0, positions - keys.size(2))))  # zeros after its positions
+            row_values.append(F.pad(values, (0, 0, 0, positions - values.size(2))))
+        return torch.cat(row_keys), torch.cat(row_values)
 
 
 def _encode(encoder: UpsampleConformerEncoder, packed: torch.Tensor, lengths: torch.Tensor, tokens: _Rate,
@@ -203,10 +200,8 @@ def _conformer(layers: nn.ModuleList, x: torch.Tensor, rate: _Rate, streaming: b
     device = x.device
     cached = rate.cached
     position = torch.arange(length, device=device)
-    slot = torch.arange(cached + length, device=device)
-    # absolute position of every key slot: [cached slots 0..cached) ‖ the row's window
-    key_pos = torch.where(slot[None, :] < cached, slot[None, :], rate.starts[:, None] + slot[None, :] - cached)
-    key_ok = torch.where(slot[None, :] < cached, slot[None, :] < rate.starts[:, None], key_pos < rate.valid_end[:, None])
+    key_pos = torch.arange(cached + length, device=device)[None, :]  # key slot s holds position s in every row
+    key_ok = key_pos < rate.valid_end[:, None]  # committed, or the window's and not look-ahead
     query_pos = rate.starts[:, None] + position[None, :]
     visible = key_ok[:, None, :].expand(rows, length, -1)
     if streaming:
