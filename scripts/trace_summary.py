@@ -4,6 +4,7 @@
 busy time per bin.
 
     python scripts/trace_summary.py trace8.json.gz [--bin-ms 20] [--threads 6] [--top 10]
+    python scripts/trace_summary.py trace8.json.gz --replays    # every CUDA graph replay, one line each
 """
 
 import argparse
@@ -12,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cosyserve.bench.kernels import trace_summary  # noqa: E402
+from cosyserve.bench.kernels import graph_replays, trace_summary  # noqa: E402
 
 
 def main() -> int:
@@ -21,8 +22,10 @@ def main() -> int:
     parser.add_argument("--bin-ms", type=float, default=20.0)
     parser.add_argument("--threads", type=int, default=6, help="the threads with the most calls")
     parser.add_argument("--top", type=int, default=10, help="operators per thread")
+    parser.add_argument("--replays", action="store_true",
+                        help="instead, every CUDA graph replay: its launch, span, kernels and thread")
     args = parser.parse_args()
-    print(trace_summary(args.trace, args.bin_ms, args.threads, args.top))
+    print(graph_replays(args.trace) if args.replays else trace_summary(args.trace, args.bin_ms, args.threads, args.top))
     return 0
 
 

@@ -88,3 +88,31 @@ def test_a_traced_runs_error_reaches_the_caller(tmp_path):
 
     with pytest.raises(ValueError, match="the load failed"):
         trace_until(str(tmp_path / "trace.json.gz"), run, marks=1, timeout_s=5)
+
+
+def test_graph_replays_lists_each_replay_with_its_kernels(tmp_path):
+    """Each cudaGraphLaunch of a trace, with the kernels of its correlation id (on the streams they ran
+    on); kernels of other launches and a replay without kernels stay out."""
+    import gzip
+    import json
+
+    from cosyserve.bench.kernels import graph_replays
+
+    def launch(ts, correlation, name="cudaGraphLaunch"):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": 50, "tid": 7,
+                "args": {"correlation": correlation}}
+
+    def kernel(ts, dur, correlation, stream, name):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": 0,
+                "args": {"correlation": correlation, "stream": stream}}
+
+    events = [launch(1000, 1), kernel(1100, 300, 1, 7, "gemm<a>"), kernel(1500, 100, 1, 9, "attention(b)"),
+              launch(3000, 2), kernel(3200, 50, 2, 7, "norm"), launch(4000, 3, "cudaLaunchKernel"),
+              kernel(4100, 999, 3, 7, "eager"), launch(5000, 4)]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as out:
+        json.dump({"traceEvents": events}, out)
+    header, first, second = graph_replays(str(path)).splitlines()
+    cells = [c.strip() for c in first.split("|")]
+    assert cells[:8] == ["0.0", "50", "0.1", "0.50", "0.40", "2", "7", "7,9"] and "gemm 0.30" in cells[8]
+    assert [c.strip() for c in second.split("|")][5] == "1" and "eager" not in first + second

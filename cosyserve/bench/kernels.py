@@ -222,3 +222,39 @@ def trace_summary(path: str, bin_ms: float = 20.0, threads: int = 6, top: int = 
         lines.append(f"stream {stream}: {busy_us(intervals) / 1e3:.1f} ms busy, {len(intervals)} kernels and copies"
                      f" | {per_bin(intervals)}")
     return "\n".join(lines)
+
+
+def graph_replays(path: str, top: int = 3) -> str:
+    """A :func:`trace_until` trace's CUDA graph replays, one line each in launch order: when the host
+    launched it (ms into the trace) and for how long (us: a launch waits when the device's queue is
+    full), when its first kernel started and how long its kernels spanned (ms), their summed time, their
+    count, the launching thread, the streams they ran on and the ``top`` kernels by time (short names).
+    Which graph is which shows in its kernels: a window step's attention and GEMMs, a vocoder's
+    convolutions, an LLM step's decode attention."""
+    import json
+
+    with gzip.open(path) as source:
+        events = [e for e in json.load(source)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    start = min(e["ts"] for e in events)
+    launches = {e["args"].get("correlation"): e for e in events
+                if e.get("cat") == "cuda_runtime" and e["name"] == "cudaGraphLaunch"}
+    kernels = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["args"].get("correlation") in launches:
+            kernels[e["args"]["correlation"]].append(e)
+    lines = ["launch ms | launch us | GPU start ms | span ms | kernel ms | kernels | thread | streams | top kernels"]
+    for correlation, launch in sorted(launches.items(), key=lambda item: item[1]["ts"]):
+        ran = kernels.get(correlation)
+        if not ran:
+            continue
+        first = min(k["ts"] for k in ran)
+        span = max(k["ts"] + k["dur"] for k in ran) - first
+        by_name = Counter()
+        for k in ran:
+            by_name[k["name"].split("<")[0].split("(")[0][:40]] += k["dur"]
+        streams = ",".join(str(s) for s in sorted({k["args"].get("stream") for k in ran}, key=str)[:4])
+        named = "; ".join(f"{name} {us / 1e3:.2f}" for name, us in by_name.most_common(top))
+        lines.append(f"{(launch['ts'] - start) / 1e3:9.1f} | {launch['dur']:9.0f} | {(first - start) / 1e3:12.1f} | "
+                     f"{span / 1e3:7.2f} | {sum(k['dur'] for k in ran) / 1e3:9.2f} | {len(ran):7d} | {launch['tid']} | "
+                     f"{streams} | {named}")
+    return "\n".join(lines)
