@@ -169,16 +169,21 @@ def trace_until(path: str, run: Callable[[Callable[[], None]], Any], marks: int,
     return {"path": path, "traced_s": round(traced_s, 3), "marks": seen[0], "bytes": os.path.getsize(path)}
 
 
+def _trace_events(path: str) -> tuple[list[dict], float]:
+    """A gzipped Chrome trace's complete events (those with a duration) and its first one's time (us)."""
+    import json
+
+    with gzip.open(path) as source:
+        events = [e for e in json.load(source)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    return events, min(e["ts"] for e in events)
+
+
 def trace_summary(path: str, bin_ms: float = 20.0, threads: int = 6, top: int = 10) -> str:
     """A :func:`trace_until` trace as text: each busiest thread's host time (its outermost operators
     and runtime calls) per ``bin_ms`` of the trace, then its self time by operator (a runtime call that
     took long waited: for the device, or for the driver another thread held); each CUDA stream's busy
     time per bin (kernels, copies, memsets)."""
-    import json
-
-    with gzip.open(path) as source:
-        events = [e for e in json.load(source)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    start = min(e["ts"] for e in events)
+    events, start = _trace_events(path)
     span = max(e["ts"] + e["dur"] for e in events) - start
     width = bin_ms * 1e3
     bins = int(span // width) + 1
@@ -231,11 +236,7 @@ def graph_replays(path: str, top: int = 3) -> str:
     count, the launching thread, the streams they ran on and the ``top`` kernels by time (short names).
     Which graph is which shows in its kernels: a window step's attention and GEMMs, a vocoder's
     convolutions, an LLM step's decode attention."""
-    import json
-
-    with gzip.open(path) as source:
-        events = [e for e in json.load(source)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    start = min(e["ts"] for e in events)
+    events, start = _trace_events(path)
     launches = {e["args"].get("correlation"): e for e in events
                 if e.get("cat") == "cuda_runtime" and e["name"] == "cudaGraphLaunch"}
     kernels = defaultdict(list)

@@ -137,7 +137,7 @@ class PromptFeaturizer:
                 try:
                     batch.append(self._queue.get(timeout=max(0.0, min(self.gather_s, until - time.monotonic()))))
                 except queue.Empty:
-                    if not (self._announced > 0 and time.monotonic() < announced_by):
+                    if not awaited:  # (an announcement ended during the wait: the next pass finds none)
                         break
             self._answer(batch)
 
