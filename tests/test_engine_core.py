@@ -32,6 +32,7 @@ class FakeJob:
     tokens: int  # tokens it voices
     bad: bool
     done: bool = False
+    voice: object = None  # its stream's voice
 
     @property
     def frames(self) -> int:
@@ -40,6 +41,7 @@ class FakeJob:
 
 @dataclass(eq=False)
 class FakeVoicing:
+    voice: object = None
     closed: bool = False
 
     def close(self) -> None:
@@ -69,6 +71,8 @@ class FakeKind:
     events: list[str] = field(default_factory=list)  # prepare (voices) and solve (batches), in order
     threads: list[str] = field(default_factory=list)  # the thread of each prepare_voices call that succeeded
     launching_voices: set = field(default_factory=set)  # voices "being launched on another thread"
+    unsolvable_voices: set = field(default_factory=set)  # voices whose streams' jobs are not solvable yet
+    started: list = field(default_factory=list)  # the voice of each chunk started
     computing: threading.Event = field(default_factory=lambda: _set_event())  # cleared: "the device is computing"
     prompt_frames: int = 0  # frames a stream's first window carries for its voice (cold_frames)
 
@@ -101,17 +105,22 @@ class FakeKind:
         assert features not in self.launching_voices, "open would wait for the voice's launch"
         if features == "bad voice":
             raise ValueError("bad voice")
-        return FakeVoicing()
+        return FakeVoicing(features)
 
     def start_chunks(self, chunks) -> list[FakeJob]:
-        return [FakeJob(final, len(tokens) - offset if final else len(tokens) - offset - 3, BAD_TOKEN in tokens)
-                for _, tokens, offset, final in chunks]
+        self.started += [voicing.voice for voicing, _, _, _ in chunks]
+        return [FakeJob(final, len(tokens) - offset if final else len(tokens) - offset - 3, BAD_TOKEN in tokens,
+                        voice=voicing.voice) for voicing, tokens, offset, final in chunks]
+
+    def solvable(self, job: FakeJob) -> bool:
+        return job.voice not in self.unsolvable_voices
 
     def start_offline(self, features, tokens) -> FakeJob:
         return FakeJob(True, len(tokens), BAD_TOKEN in tokens)
 
     def solve(self, jobs: list[FakeJob]) -> None:
         assert not any(job.done for job in jobs)
+        assert all(self.solvable(job) for job in jobs), "a job solved before the kind could"
         if any(job.bad for job in jobs):
             raise RuntimeError("bad chunk")
         assert len({job.finalize for job in jobs}) == 1, "a batch of passes and windows"
@@ -404,6 +413,37 @@ def test_a_stream_whose_voice_is_being_launched_waits_without_holding_up_the_oth
     for _ in range(50):
         core.step()
     assert waiting.ended.get(timeout=5) is None and sum(p.size for p in waiting.pieces) > 0
+    core.close()
+
+
+def test_a_first_chunk_started_while_its_voice_is_launched_is_solved_once_the_kind_can():
+    """A voice kept while its launch goes on: its streams' first chunks start at once (their encoders
+    beside the launch) and, while the kind cannot solve them yet, wait started without holding up the
+    other streams or spinning the loop; a request that ends meanwhile gives its job back; the others are
+    solved in a later batch, with no full pass in it."""
+    kind = FakeKind(prepares_beside=True, unsolvable_voices={"new voice"})
+    kind.prepared += [["voice 1"], ["new voice"]]  # kept (the new one since its last solve was planned)
+    core = EngineCore(kind, FakeLLM(30))  # stepped by hand; the preparation thread not started
+    waiting = submit(core, "new", voice="new voice")
+    leaving = submit(core, "leaving", voice="new voice")
+    playing = submit(core, "registered", voice="voice 1")
+    for _ in range(50):
+        core.step()
+    assert playing.ended.get(timeout=5) is None and kind.started.count("new voice") == 2
+    assert waiting.pieces == leaving.pieces == [] and waiting.ended.empty() and not core._busy()
+    core.cancel("leaving")
+    core.step()
+    assert isinstance(leaving.ended.get(timeout=5), RequestCancelledError) and kind.aborted == 1
+    kind.unsolvable_voices.clear()
+    assert core._busy()
+    offline = submit(core, "offline", streaming=False, voice="voice 1")  # a full pass, ready in the next step
+    batches = len(kind.batches)
+    core.step()
+    assert kind.batches[batches:] == [1] and not core._parked  # the parked window alone
+    for _ in range(50):
+        core.step()
+    assert waiting.ended.get(timeout=5) is None and offline.ended.get(timeout=5) is None
+    assert sum(p.size for p in waiting.pieces) == 30 * SAMPLES_PER_TOKEN and kind.started.count("new voice") == 2 + 1  # then its last chunk
     core.close()
 
 

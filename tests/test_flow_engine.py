@@ -16,7 +16,7 @@ from cosyserve.models.flow import CosyVoice2Flow, FlowConfig, random_flow_state_
 from cosyserve.schedule import plan_chunks
 from cosyserve.models.flow.packed_encoder import EncoderWindow, encode_windows
 from cosyserve.runtime import HIGH_PRIORITY, LOOP_ROLE, role_stream
-from cosyserve.token2wav.flow_engine import (PREFIX_FOLLOWED_PROMPTS, PREFIX_LANE, PREFIX_OPEN_LEAD, FlowEngine,
+from cosyserve.token2wav.flow_engine import (PREFIX_FOLLOW_LEAD, PREFIX_FOLLOWED_PROMPTS, PREFIX_LANE, FlowEngine,
                                              StepLaunch)
 from cosyserve.token2wav.prefix_encoder import PrefixEncoder
 from cosyserve.token2wav.step_graphs import PREFIX_SHAPES, EngineGraphs, StepBuffers
@@ -399,18 +399,22 @@ def test_a_stream_opened_while_its_voice_is_launched_follows_the_prompt_step_by_
     that a stream can open at once: its first window waits for each of the prompt's steps before
     its own (here the preparation thread is held after 4 steps until the window asks for the 5th:
     without the wait it would read pages not written yet), and its chunks equal the full re-run.
-    ``launching`` says "wait" while more than PREFIX_OPEN_LEAD steps are left to launch."""
+    The window starts at once; ``solvable`` says "not yet" while more than PREFIX_FOLLOW_LEAD steps
+    are left to launch."""
     engine = _engine(flow)
     voice = _voice(75, seed=61)
     held, _ = _hold_launch_after(monkeypatch, 4)
     preparing = threading.Thread(target=engine.prepare, args=([(*voice, "new")],))
     preparing.start()
-    assert held.wait(60) and engine.launching("new") and 10 - 4 > PREFIX_OPEN_LEAD
+    assert held.wait(60) and not engine.launching("new") and 10 - 4 > PREFIX_FOLLOW_LEAD
     stream = engine.open(*voice, key="new")
     tokens = _tokens(60, seed=12)
     ref = Reference(flow, voice, tokens, [])
-    for count, finalize in triton_schedule(60):
-        mel = engine.run([(stream, tokens[:, :count], finalize)])[0]
+    for k, (count, finalize) in enumerate(triton_schedule(60)):
+        (window,) = engine.start([(stream, tokens[:, :count], finalize)])
+        assert engine.solvable(window) == (k > 0)
+        engine.solve([window])
+        mel = engine.finish(window)
         assert _rel(mel, ref.expected(count, finalize)) < REL_L2, count
         ref.done += mel.size(2)
     preparing.join()
@@ -420,19 +424,23 @@ def test_a_stream_opened_while_its_voice_is_launched_follows_the_prompt_step_by_
 
 def test_a_solve_of_several_prompts_is_followed_only_once_launched(flow, monkeypatch):
     """Streams follow a prompt solve step by step only when it holds at most PREFIX_FOLLOWED_PROMPTS
-    prompts: for one of two, ``launching`` says "wait" until every step is launched (a stream opened
-    earlier anyway still follows it and gives the full re-run's chunks)."""
+    prompts: for one of two, a stream opens and starts its first window at once, and ``solvable`` says
+    "not yet" until every step is launched (solved earlier anyway, it still follows the prompt and
+    gives the full re-run's chunks)."""
     engine = _engine(flow)
     voices = [_voice(75, seed=63), _voice(90, seed=64)]
     held, _ = _hold_launch_after(monkeypatch, 9)
     preparing = threading.Thread(target=engine.prepare, args=([(*v, f"v{k}") for k, v in enumerate(voices)],))
     preparing.start()
-    assert held.wait(60) and PREFIX_FOLLOWED_PROMPTS < 2 and 10 - 9 <= PREFIX_OPEN_LEAD
-    assert engine.launching("v0") and engine.launching("v1")
+    assert held.wait(60) and PREFIX_FOLLOWED_PROMPTS < 2 and 10 - 9 <= PREFIX_FOLLOW_LEAD
+    assert not engine.launching("v0") and not engine.launching("v1")
     stream = engine.open(*voices[1], key="v1")
     tokens = _tokens(40, seed=13)
     count, finalize = triton_schedule(40)[0]
-    mel = engine.run([(stream, tokens[:, :count], finalize)])[0]
+    (window,) = engine.start([(stream, tokens[:, :count], finalize)])
+    assert not engine.solvable(window)
+    engine.solve([window])
+    mel = engine.finish(window)
     preparing.join()
     assert _rel(mel, Reference(flow, voices[1], tokens, []).expected(count, finalize)) < REL_L2
     assert not engine.launching("v0") and not engine.launching("v1")

@@ -8,7 +8,9 @@ Each iteration (:meth:`EngineCore.step`), read top to bottom:
 3. per request, take the tokens that arrived and plan its next chunk when its chunk schedule
    allows (one chunk in flight per stream: chunks run in order);
 4. the :class:`~.scheduler.Scheduler` picks a batch of the waiting chunks (earliest deadline
-   first, within a batch's budget); the kind starts them (their encoder, their state pages);
+   first, within a batch's budget); the kind starts them (their encoder, their state pages); a
+   first chunk whose voice the preparation thread is still launching waits, started, until the kind
+   can solve it (:meth:`~.kinds.protocol.PreparesBeside.solvable`), then joins a later batch;
 5. the kind solves the batch: all 10 Euler steps of every chunk, each step one packed call
    (:meth:`solve`), then vocodes it in one batched call; the PCM is copied to the host
    asynchronously;
@@ -123,6 +125,9 @@ class EngineCore:
         self._preparer = VoicePreparer(self._prepare_voices, kind.wait_prepared) if self._beside else None
         self._states: dict[str, RequestState] = {}  # admitted, not ended; guarded by _lock
         self._in_flight: deque[_Batch] = deque()  # launched, PCM not handed out (loop thread)
+        # started, not solvable yet (a first chunk whose voice the preparation thread is still launching:
+        # its encoder ran beside that launch); solved in a later iteration (loop thread)
+        self._parked: list[tuple[SegmentState, RequestState]] = []
         self._thread: threading.Thread | None = None
         self._closing = False
 
@@ -235,6 +240,7 @@ class EngineCore:
             states = list(self._states.values())
         for state in states:
             self._end(state, RequestCancelledError("the engine was closed"))
+        self._parked.clear()
         with self._lock:
             done, self._voices_done = self._voices_done, []
         call_each(done)
@@ -276,15 +282,17 @@ class EngineCore:
                 log.exception("engine step failed")
 
     def _busy(self) -> bool:
-        """Work that needs no new event: chunks waiting to start (not for their voice's launch)."""
-        return any(seg.pending is not None and not self._waits_for_voice(state, seg)
-                   for state in self._states.values() for seg in state.segments())
+        """Work that needs no new event: chunks waiting to start (not for their voice's launch) or,
+        started, to be solved."""
+        return (any(seg.pending is not None and not self._waits_for_voice(state, seg)
+                    for state in self._states.values() for seg in state.segments())
+                or any(self._beside.solvable(seg.job) for seg, state in self._parked if seg.job is not None))
 
     def _waits_for_voice(self, state: RequestState, seg: SegmentState) -> bool:
         """The segment's stream is not open and its voice, not kept, is queued for the preparation thread
-        (open would compute it on the loop's thread), or is being launched there too far from done for
-        its first chunk to follow it: that chunk waits (a later iteration) rather than the loop, with
-        every other stream's chunk."""
+        (open would compute it on the loop's thread), or is being launched there and not kept yet (open
+        would wait for it): that chunk waits (a later iteration) rather than the loop, with every other
+        stream's chunk."""
         if seg.flow is not None or seg.schedule is None or self._beside is None:
             return False
         features = state.request.voice.features
@@ -306,10 +314,13 @@ class EngineCore:
                     candidates += self._plan(state)
                 except Exception as exc:
                     self._end(state, exc)
+            ready = self._unparked()
+            if ready:  # windows: the batch takes no full pass (see the scheduler)
+                candidates = [candidate for candidate in candidates if not candidate.full_pass]
             picked = self.scheduler.pick(candidates)
             start_begin = time.perf_counter()
             c.host_s += start_begin - began
-            batch = self._start_jobs(picked)
+            batch = ready + self._park(self._start_jobs(picked))
             self._sync()
             flow_begin = time.perf_counter()
             c.start_s += flow_begin - start_begin
@@ -471,6 +482,24 @@ class EngineCore:
             state.request.stamp("chunk_started")
             batch.append((seg, state))
         return batch
+
+    def _unparked(self) -> list[tuple[SegmentState, RequestState]]:
+        """The parked jobs that the kind can solve now (no longer parked)."""
+        ready, parked = [], []
+        for seg, state in self._parked:
+            if seg.job is not None:  # (None: its request ended meanwhile, the job given back)
+                (ready if self._beside.solvable(seg.job) else parked).append((seg, state))
+        self._parked = parked
+        return ready
+
+    def _park(self, started: list[tuple[SegmentState, RequestState]]) -> list[tuple[SegmentState, RequestState]]:
+        """Of the jobs just started, those the kind can solve now; the others are parked."""
+        if self._beside is None:
+            return started
+        ready = []
+        for seg, state in started:
+            (ready if self._beside.solvable(seg.job) else self._parked).append((seg, state))
+        return ready
 
     def _solve(self, batch: list[tuple[SegmentState, RequestState]]) -> None:
         """Every Euler step of the batch's jobs, launched."""

@@ -39,10 +39,11 @@ prefix is computed as soon as the voice is known (:meth:`FlowEngine.prepare`, fr
 request's voice as it arrives, while the LLM generates its first tokens), on a CUDA stream and in a
 work lane of its own (its own step graphs, workspaces and scratch), so that it runs beside the
 chunks on the GPU and never holds up the ones queued behind it; a stream of the voice waits for it
-on the device only. Such a stream may open before the prefix is done: once its last solve is being
-launched, a stream's first window waits for each of the prompt's Euler steps (on the device; on the
-host only for a step not launched yet) right before its own, so that its chunk's steps follow the
-prompt's step by step rather than after all of them.
+on the device only. Such a stream may open before the prefix is done: once its last solve is planned,
+a stream's first window is started (its encoder pass runs beside the prompt's steps) and, once the
+caller finds it :meth:`~FlowEngine.solvable`, solved, each of its Euler steps waiting for the prompt's
+(on the device; on the host only for a step not launched yet) right before its own, so that its
+chunk's steps follow the prompt's step by step rather than after all of them.
 
 Every chunk's mel equals the full re-run's (``CosyVoice2Flow.inference`` over prompt + all tokens
 so far, streaming masks) up to float rounding; a final chunk through the engine
@@ -96,16 +97,18 @@ PREFIX_TOKEN_BUCKET = 32
 # (~6,000 kernels), the other threads' launches blocked until that queue had drained (a trace of 8
 # new clips on an H100: the loop's and the LLM's graph launches each waited 35-40 ms).
 PREFIX_STEPS_AHEAD = 2
-# A stream may be started on a voice whose prompt's last solve has at most this many Euler steps left
-# to launch (:meth:`FlowEngine.launching`): its first window then waits, on the host, for at most as
-# many of the prompt's steps to be launched (~3 prompt steps of GPU time) while the steps before
-# run together with the prompt's. Why: a new voice's first chunk followed the prompt's whole solve
-# (~36 ms for one voice on an H100), its own ten steps only then.
-PREFIX_OPEN_LEAD = 3
-# ... but only for a solve of at most this many prompts; a bigger one is followed once launched. Why:
-# one prompt leaves the GPU room for a chunk beside it, eight fill it (~110 ms of kernels on an
-# H100), and a chunk that follows them holds the loop for their last steps with no gain (same call,
-# old and new code: one new clip +39.6 -> +31.6 ms, eight +58.9 -> +123.2 ms p95).
+# A stream may open on a voice as soon as its prompt's last solve is planned (its encoder state and
+# earlier pieces launched), and its first window start (its encoder pass, beside the prompt's steps on
+# the GPU); the window is solved (:meth:`FlowEngine.solvable`) once at most this many of the prompt's
+# steps are left to launch: its steps then wait, on the host, for at most as many of the prompt's
+# steps to be launched (~3 prompt steps of GPU time) while the steps before run together with the
+# prompt's. Why: a new voice's first chunk followed the prompt's whole solve (~36 ms for one voice on
+# an H100), its own ten steps only then.
+PREFIX_FOLLOW_LEAD = 3
+# ... but only for a solve of at most this many prompts; a bigger one's windows are solved once all its
+# steps are launched. Why: one prompt leaves the GPU room for a chunk beside it, eight fill it (~110 ms
+# of kernels on an H100), and a chunk that follows them held the loop for their last steps with no gain
+# (same call, old and new code: one new clip +39.6 -> +31.6 ms, eight +58.9 -> +123.2 ms p95).
 PREFIX_FOLLOWED_PROMPTS = 1
 
 
@@ -126,8 +129,8 @@ class StepLaunch:
     on the CPU, where a launched step is computed): a stream forked from one of its voices before it
     is done waits for step k (:meth:`event`) before its own step k."""
 
-    def __init__(self, open_from: int) -> None:
-        self.open_from = open_from  # steps launched from which streams may open (FlowEngine.launching)
+    def __init__(self, solve_from: int) -> None:
+        self.solve_from = solve_from  # steps launched from which a window following them is solved (FlowEngine.solvable)
         self._launched = threading.Condition()
         self._events: list[torch.cuda.Event | None] = []
         self._error: BaseException | None = None
@@ -384,16 +387,20 @@ class FlowEngine:
             return key in self._voices
 
     def launching(self, key: str) -> bool:
-        """Another thread is launching the prefix of this voice (:meth:`prepare`) and has more than
-        :data:`PREFIX_OPEN_LEAD` of its last solve's steps left to launch (any, for a solve of more
-        than :data:`PREFIX_FOLLOWED_PROMPTS` prompts): :meth:`open` would wait for its launch, or a
-        stream's first window for more of its steps than that."""
+        """Another thread is computing this voice's prefix (:meth:`prepare`) and has not kept it yet
+        (its last solve is not planned): :meth:`open` would wait for it."""
         with self._lock:
-            if key in self._preparing:
-                return True
-            voice = self._voices.get(key)
-            launch = voice.launch if voice is not None else None
-        return launch is not None and not launch.failed and launch.launched < launch.open_from
+            return key in self._preparing
+
+    def solvable(self, window: _Window) -> bool:
+        """The window's steps can be launched now without the caller waiting long on the host for a
+        prompt solve's launch: its stream follows none, or one with at most :data:`PREFIX_FOLLOW_LEAD`
+        steps left to launch (none, for a solve of more than :data:`PREFIX_FOLLOWED_PROMPTS` prompts),
+        or one that failed (solving it then raises the failure). A stream opened on a voice still being
+        launched starts its first window at once (:meth:`start`: its encoder pass beside the prompt's
+        steps); the caller solves it once this says so."""
+        launch = window.stream._launch
+        return launch is None or launch.failed or launch.launched >= launch.solve_from
 
     def wait_prepared(self, key: str) -> None:
         """Block the calling thread (not the GIL) until the device has computed the prefix of this
@@ -432,8 +439,8 @@ class FlowEngine:
         prefix stream, in a work lane of their own (:attr:`prefix_lane`: their own graphs, workspaces
         and scratch), so that a new voice never holds up the chunks queued on the chunks' stream, and
         each stream of the voice waits for it on the device (:meth:`open`). The voices are kept from
-        the moment their last solve is planned, before its steps are launched: a stream may open then
-        (see :meth:`launching`)."""
+        the moment their last solve is planned, before its steps are launched: a stream may open then,
+        and its first window start (see :meth:`solvable`)."""
         with self._prepare_lock, torch.inference_mode():
             with self._lock:
                 new: dict[str, tuple] = {}
@@ -528,7 +535,7 @@ class FlowEngine:
                 windows = []
                 launch = None
                 if plan is not None and k == rounds - 1:
-                    lead = PREFIX_OPEN_LEAD if len(solved) <= PREFIX_FOLLOWED_PROMPTS else 0
+                    lead = PREFIX_FOLLOW_LEAD if len(solved) <= PREFIX_FOLLOWED_PROMPTS else 0
                     launch = StepLaunch(self.n_timesteps - lead)
                 if k == rounds - 1:
                     kept_voices += self._keep(voices, streams, launch)

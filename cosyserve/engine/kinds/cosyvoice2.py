@@ -150,9 +150,14 @@ class CosyVoice2Kind:
         return self.flow_engine.keeps(features.key())
 
     def launching(self, features: PromptFeatures) -> bool:
-        """The preparation thread is launching this voice's prefix, more than a few of its last
-        solve's steps still to go (:meth:`~cosyserve.token2wav.flow_engine.FlowEngine.launching`)."""
+        """The preparation thread is computing this voice's prefix and has not kept it yet (its last
+        solve not planned: :meth:`~cosyserve.token2wav.flow_engine.FlowEngine.launching`)."""
         return self.flow_engine.launching(features.key())
+
+    def solvable(self, job: FlowJob) -> bool:
+        """False for a first window whose voice's prompt solve has too many steps left to launch
+        (:meth:`~cosyserve.token2wav.flow_engine.FlowEngine.solvable`)."""
+        return job.window is None or self.flow_engine.solvable(job.window)
 
     def wait_prepared(self, voices: list[PromptFeatures]) -> None:
         """Until the device has computed these voices' prefixes (their prefix stream's event)."""

@@ -285,6 +285,10 @@ class CosyVoice3Kind:
         with self._launching_lock:
             return features.key() in self._launching
 
+    def solvable(self, job) -> bool:
+        """Always: a stream opens only once its voice's launch is done (:meth:`launching`)."""
+        return True
+
     def wait_prepared(self, voices: list[PromptFeatures]) -> None:
         """Until the device has computed these voices' prefixes (computed beside the loop)."""
         for features in voices:

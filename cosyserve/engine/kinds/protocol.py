@@ -121,9 +121,14 @@ class PreparesBeside(Kind, Protocol):
         computing it. Host only, never waits."""
 
     def launching(self, features: PromptFeatures) -> bool:
-        """Another thread is launching this voice's state now, so that ``open``, or the first chunk
-        of a stream opened now, would wait long for it: the core plans the voice's streams' first
-        chunks later instead of holding up the others'."""
+        """Another thread is launching this voice's state now, so that ``open`` would wait long for it:
+        the core plans the voice's streams' first chunks later instead of holding up the others'."""
+
+    def solvable(self, job: Job) -> bool:
+        """The job (started) can be solved now without the loop waiting long on the host for its voice's
+        launch on the preparation thread: the core keeps a job that cannot (a first chunk started while
+        its voice's state is still being launched: its encoder ran beside it) and solves it in a later
+        iteration. Host only, never waits."""
 
     def wait_prepared(self, voices: list[PromptFeatures]) -> None:
         """Block (the GIL released) until the device has computed these voices' state, launched by
