@@ -28,6 +28,9 @@ def main() -> int:
                         help="first time the attention and each kind of GEMM kernel under several tiles")
     parser.add_argument("--sweep-sizes", default="small,mid",
                         help=f"comma-separated sizes the sweep times ({', '.join(estimator.SWEEP_SIZES)})")
+    parser.add_argument("--gemm-floor", action="store_true",
+                        help="each kind of GEMM kernel (built-in tile) against cuBLAS's plain product alone, at the "
+                             "--sweep-sizes")
     parser.add_argument("--cases", default="stream1,stream16,offline",
                         help=f"comma-separated cases ({', '.join(estimator.CASES_BY_NAME)}; empty: none)")
     parser.add_argument("--seed", type=int, default=0)
@@ -44,6 +47,8 @@ def main() -> int:
     if args.sweep:
         estimator.sweep_attention()
         estimator.sweep_linear({size: estimator.SWEEP_SIZES[size] for size in sizes})
+    if args.gemm_floor:
+        estimator.gemm_floor({size: estimator.SWEEP_SIZES[size] for size in sizes})
     if not cases:
         return 0
     chosen = tuple(estimator.CASES_BY_NAME[c] for c in cases)

@@ -374,7 +374,8 @@ SWEEP_TILES = {
               "plain": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 32, 8, 4),
                         (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4)]},
 }
-SWEEP_SIZES = {"small": (2, 64), "mid": (32, 64), "large": (16, 512)}  # rows, frames
+SWEEP_TILES["prompts"] = SWEEP_TILES["large"]  # eight prompts of 3-8 s padded to 352 frames (a served solve)
+SWEEP_SIZES = {"small": (2, 64), "mid": (32, 64), "prompts": (16, 352), "large": (16, 512)}  # rows, frames
 
 
 def _launch_us(call: Callable[[], None]) -> float:
@@ -421,40 +422,63 @@ def sweep_attention(log: Callable[[str], None] = print) -> None:
         log(f"sweep attention {name}: SDPA {sdpa:.2f} us, Triton default {default:.2f} us; {results}")
 
 
+def _linear_calls(rows: int, frames: int, device: torch.device, dtype: torch.dtype) -> dict[str, tuple]:
+    """Each kind of fused_linear call of a real-size step over rows x frames: name -> (tile kind, the
+    call given a tile, (input (M, K), weight (N, K), output (M, N)) of its plain matrix product)."""
+    from ..models.flow import fused_triton
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, device=device, dtype=dt, generator=g) * 0.1
+    ln = (rnd(256) + 1, rnd(256))
+    stream, h = rnd(rows, frames, 256, dt=torch.float32), rnd(rows, frames, 256)
+    q, kv = rnd(rows, frames, 512), rnd(rows, frames, 1024)
+    ff, attn = rnd(rows, frames, 1024), rnd(rows, frames, 512)
+    valid = torch.full((rows,), frames, device=device, dtype=torch.int32)
+    ctx = rnd(rows, 2, 256)
+    w = {"qkv": rnd(1536, 256), "out": rnd(256, 512), "ff1": rnd(1024, 256), "b1024": rnd(1024),
+         "ff2": rnd(256, 1024), "conv": rnd(256, 768), "res": rnd(256, 256)}
+    fused_triton.reserve_row_scratch(device, rows * frames, 256)
+
+    def product(a, weight):
+        return a.reshape(-1, a.size(-1)), weight, torch.empty(a.numel() // a.size(-1), weight.size(0), device=device,
+                                                               dtype=dtype)
+    return {
+        "qkv 256->1536": ("plain", lambda t: fused_triton.fused_linear(h, w["qkv"], out=q, split=(512, kv), tile=t),
+                          product(h, w["qkv"])),
+        "out 512->256 +res +LN": ("row", lambda t: fused_triton.fused_linear(
+            attn, w["out"], out=stream, bias=ln[1], residual=stream, ln_out=(*ln, h), tile=t), product(attn, w["out"])),
+        "ff1 256->1024 gelu": ("plain", lambda t: fused_triton.fused_linear(
+            h, w["ff1"], out=ff, bias=w["b1024"], act=fused_triton.ACT_GELU, tile=t), product(h, w["ff1"])),
+        "ff2 1024->256 +res +LN": ("row", lambda t: fused_triton.fused_linear(
+            ff, w["ff2"], out=stream, bias=ln[1], residual=stream, ln_out=(*ln, h), tile=t), product(ff, w["ff2"])),
+        "resnet conv3 256 +LN mish +1x1 +LN": ("row", lambda t: fused_triton.fused_linear(
+            h, w["conv"], out=stream, taps=3, context=ctx, bias=ln[1], ln=ln, act=fused_triton.ACT_MISH,
+            valid=valid, gemm2=(h, w["res"], ln[1]), ln_out=(*ln, q[:, :, :256]), tile=t),
+            product(torch.cat([h, h, h], dim=-1), w["conv"])),
+    }
+
+
 def sweep_linear(rows_frames: dict[str, tuple[int, int]] | None = None, log: Callable[[str], None] = print) -> None:
     """Time each kind of fused_linear call of a real-size step (fp16) under several tiles: us per launch
     in a CUDA graph of 20 launches. For choosing the built-in tiles."""
-    from ..models.flow import fused_triton
-    device, dtype = torch.device("cuda"), torch.float16
+    device = torch.device("cuda")
     rows_frames = rows_frames or {size: SWEEP_SIZES[size] for size in ("small", "mid")}
     for size, (rows, frames) in rows_frames.items():
-        g = torch.Generator(device=device).manual_seed(0)
-
-        def rnd(*shape, dt=dtype):
-            return torch.randn(*shape, device=device, dtype=dt, generator=g) * 0.1
-        m = rows * frames
-        ln = (rnd(256) + 1, rnd(256))
-        stream, h = rnd(rows, frames, 256, dt=torch.float32), rnd(rows, frames, 256)
-        q, kv = rnd(rows, frames, 512), rnd(rows, frames, 1024)
-        ff, attn = rnd(rows, frames, 1024), rnd(rows, frames, 512)
-        valid = torch.full((rows,), frames, device=device, dtype=torch.int32)
-        ctx = rnd(rows, 2, 256)
-        fused_triton.reserve_row_scratch(device, m, 256)
-        calls = {
-            "qkv 256->1536": ("plain", lambda t: fused_triton.fused_linear(h, rnd_w["qkv"], out=q, split=(512, kv),
-                                                                          tile=t)),
-            "out 512->256 +res +LN": ("row", lambda t: fused_triton.fused_linear(
-                attn, rnd_w["out"], out=stream, bias=ln[1], residual=stream, ln_out=(*ln, h), tile=t)),
-            "ff1 256->1024 gelu": ("plain", lambda t: fused_triton.fused_linear(
-                h, rnd_w["ff1"], out=ff, bias=rnd_w["b1024"], act=fused_triton.ACT_GELU, tile=t)),
-            "ff2 1024->256 +res +LN": ("row", lambda t: fused_triton.fused_linear(
-                ff, rnd_w["ff2"], out=stream, bias=ln[1], residual=stream, ln_out=(*ln, h), tile=t)),
-            "resnet conv3 256 +LN mish +1x1 +LN": ("row", lambda t: fused_triton.fused_linear(
-                h, rnd_w["conv"], out=stream, taps=3, context=ctx, bias=ln[1], ln=ln, act=fused_triton.ACT_MISH,
-                valid=valid, gemm2=(h, rnd_w["res"], ln[1]), ln_out=(*ln, q[:, :, :256]), tile=t)),
-        }
-        rnd_w = {"qkv": rnd(1536, 256), "out": rnd(256, 512), "ff1": rnd(1024, 256), "b1024": rnd(1024),
-                 "ff2": rnd(256, 1024), "conv": rnd(256, 768), "res": rnd(256, 256)}
-        for name, (kind, call) in calls.items():
+        for name, (kind, call, _) in _linear_calls(rows, frames, device, torch.float16).items():
             default, results = _tile_sweep(call, SWEEP_TILES[size][kind])
-            log(f"sweep {size} M={m} {name}: default {default:.2f} us; {results}")
+            log(f"sweep {size} M={rows * frames} {name}: default {default:.2f} us; {results}")
+
+
+def gemm_floor(rows_frames: dict[str, tuple[int, int]], log: Callable[[str], None] = print) -> None:
+    """Each kind of fused_linear call (fp16, built-in tile) against its plain matrix product alone in cuBLAS
+    (``torch.mm`` into a preallocated output, no epilogue): us per launch in a CUDA graph of 20 launches,
+    and the product's TFLOP/s. How far the fused kernels are from the GEMM library on the same shapes."""
+    device = torch.device("cuda")
+    for size, (rows, frames) in rows_frames.items():
+        for name, (_, call, (a, w, out)) in _linear_calls(rows, frames, device, torch.float16).items():
+            fused = _launch_us(lambda: call(None))
+            cublas = _launch_us(lambda: torch.mm(a, w.t(), out=out))
+            tflops = 2 * a.size(0) * a.size(1) * w.size(0) / cublas / 1e6
+            log(f"gemm floor {size} M={rows * frames} {name}: fused {fused:.2f} us, cuBLAS product alone "
+                f"{cublas:.2f} us ({tflops:.0f} TFLOP/s)")
