@@ -214,3 +214,22 @@ def test_fixed_noise_is_the_seed0_buffer_and_keeps_global_rng():
 def test_bad_inputs(small_flow: CosyVoice2Flow, change, finalize: bool, match: str):
     with pytest.raises(InvalidInputError, match=match):
         small_flow.inference(*change(_request()), streaming=True, finalize=finalize)
+
+
+def test_a_forked_frame_buffer_reads_the_committed_frames_and_never_writes_them():
+    """A stream forked from a voice's state shares the voice's committed frames without a copy; its
+    extends write only storage of its own, so the voice and every other fork keep theirs."""
+    from cosyserve.models.flow.cache import FrameBuffer
+
+    voice = FrameBuffer(dim=2)
+    voice.start_with(torch.arange(12.0).reshape(1, 2, 6), commit=4)
+    committed = voice.committed_frames().clone()
+    first, second = voice.fork(), voice.fork()
+    assert first.committed_frames().data_ptr() == voice.committed_frames().data_ptr()  # no copy at the fork
+    out = first.extend(torch.full((1, 2, 3), -1.0), commit=3)
+    assert torch.equal(out[:, :, :4], committed) and torch.equal(out[:, :, 4:], torch.full((1, 2, 3), -1.0))
+    assert out.data_ptr() != voice.committed_frames().data_ptr()
+    out = second.extend(torch.full((1, 2, 1), -2.0), commit=0)  # fits the voice's storage: still not written there
+    assert torch.equal(voice._storage, torch.arange(12.0).reshape(1, 2, 6))
+    assert torch.equal(out, torch.cat([committed, torch.full((1, 2, 1), -2.0)], dim=2))
+    assert first.committed == 7 and second.committed == 4 and voice.committed == 4

@@ -66,7 +66,7 @@ import torch
 from ..errors import CapacityError, InvalidInputError
 from ..frontend.prompt import voice_key
 from ..models.flow import CosyVoice2Flow, fixed_noise
-from ..models.flow.cache import FrameBuffer, copy_states
+from ..models.flow.cache import FrameBuffer, fork_states
 from ..models.flow.cfm import N_TIMESTEPS
 from ..models.flow.fused import FusedEstimator, context_slots
 from ..models.flow.lanes import work_lane
@@ -194,7 +194,7 @@ class EngineStream:
         prefix = voice.state
         engine.pool.share(prefix.pages)
         # conv is shared, never written in place (a commit replaces it): the prompt's steps may still write it
-        self._state = _FlowState(copy_states(prefix.encoder_states), prefix.mu.copy(), prefix.conv,
+        self._state = _FlowState(fork_states(prefix.encoder_states), prefix.mu.fork(), prefix.conv,
                                  list(prefix.pages), prefix.token_commit, prefix.frame_commit)
         # the prompt's steps that the first window waits for, one by one (a voice still being launched)
         self._launch = voice.launch

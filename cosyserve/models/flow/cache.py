@@ -57,19 +57,20 @@ class FrameBuffer:
         self.dim = dim
         self.committed = 0
         self._storage: torch.Tensor | None = None
+        self._shared = False  # the storage is another buffer's (fork): never written, replaced at extend
 
     def extend(self, frames: torch.Tensor, commit: int) -> torch.Tensor:
         """[committed ‖ frames] (a view, valid until the next call); then commit ``commit`` frames."""
         dim, new = self.dim, frames.size(self.dim)
         end = self.committed + new
-        if self._storage is None or self._storage.size(dim) < end:
+        if self._storage is None or self._shared or self._storage.size(dim) < end:
             capacity = max(end, int(_GROWTH * (0 if self._storage is None else self._storage.size(dim))))
             shape = list(frames.shape)
             shape[dim] = capacity
             storage = frames.new_empty(shape)
             if self.committed:
                 storage.narrow(dim, 0, self.committed).copy_(self._storage.narrow(dim, 0, self.committed))
-            self._storage = storage
+            self._storage, self._shared = storage, False
         self._storage.narrow(dim, self.committed, new).copy_(frames)
         view = self._storage.narrow(dim, 0, end)
         self.committed += commit
@@ -84,12 +85,12 @@ class FrameBuffer:
         self._storage = frames
         self.committed = commit
 
-    def copy(self) -> FrameBuffer:
-        """An independent buffer holding a copy of the committed frames."""
+    def fork(self) -> FrameBuffer:
+        """An independent buffer with the same committed frames, read from this buffer's storage until
+        its first :meth:`extend`, which copies them into storage of its own (an extend copies them
+        anyway when it outgrows the storage: a copy made here would be copied again there)."""
         twin = FrameBuffer(self.dim)
-        if self._storage is not None:
-            twin._storage = self._storage.narrow(self.dim, 0, self.committed).clone()
-            twin.committed = self.committed
+        twin._storage, twin.committed, twin._shared = self._storage, self.committed, self._storage is not None
         return twin
 
     def committed_frames(self) -> torch.Tensor | None:
@@ -121,10 +122,10 @@ class KeyValueCache:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def copy(self) -> KeyValueCache:
-        """An independent cache with a copy of the committed keys and values (other fields shared:
-        they are replaced, never changed in place)."""
-        return replace(self, keys=self.keys.copy(), values=self.values.copy())
+    def fork(self) -> KeyValueCache:
+        """An independent cache with the same committed keys and values (:meth:`FrameBuffer.fork`;
+        other fields shared: they are replaced, never changed in place)."""
+        return replace(self, keys=self.keys.fork(), values=self.values.fork())
 
 
 def with_left_context(x: torch.Tensor, frames: int, owner: nn.Module, window: StreamWindow | None) -> torch.Tensor:
@@ -141,9 +142,11 @@ def with_left_context(x: torch.Tensor, frames: int, owner: nn.Module, window: St
     return padded
 
 
-def copy_states(states: dict[nn.Module, Any]) -> dict[nn.Module, Any]:
-    """An independent copy of one network pass's state (a stream forked from another's state)."""
-    return {owner: state.clone() if isinstance(state, torch.Tensor) else state.copy() for owner, state in states.items()}
+def fork_states(states: dict[nn.Module, Any]) -> dict[nn.Module, Any]:
+    """One network pass's state for a stream forked from another's, no copy made: tensors (a causal
+    convolution's left context) are shared, as a stream replaces them and never writes them in place;
+    key/value caches fork (:meth:`KeyValueCache.fork`)."""
+    return {owner: state if isinstance(state, torch.Tensor) else state.fork() for owner, state in states.items()}
 
 
 def state_bytes(states: dict[nn.Module, Any]) -> int:
