@@ -595,11 +595,17 @@ def test_first_prompt_pieces_padded_to_fixed_shapes_equal_the_packed_encoder(flo
 
 
 def _scheduled_chunks(engine: FlowEngine, streams: list, tokens: torch.Tensor, schedule) -> list[list[torch.Tensor]]:
-    """Every chunk of ``schedule`` (token counts, finalize) of every stream, packed together, on the CPU."""
+    """Every chunk of ``schedule`` (token counts, finalize) of every stream, packed together, on the CPU;
+    as the engine core runs them: a batch's windows start at once and are solved once ``solvable`` (a
+    first window may follow a prompt solve still being launched)."""
     got = [[] for _ in streams]
     for count, finalize in schedule:
-        for k, mel in enumerate(engine.run([(stream, tokens[:, :count], finalize) for stream in streams])):
-            got[k].append(mel.float().cpu())
+        windows = engine.start([(stream, tokens[:, :count], finalize) for stream in streams])
+        while not all(engine.solvable(window) for window in windows):
+            time.sleep(0.0005)
+        engine.solve(windows)
+        for k, window in enumerate(windows):
+            got[k].append(engine.finish(window).float().cpu())
     return got
 
 
