@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from cosyserve.bench.engine import main
+from cosyserve.bench.engine import FIRST_CHUNK_STAGES, main
 
 
 def test_levels_report_latency_underruns_and_the_loops_profile(tiny_bundle, tmp_path, capsys):
@@ -28,6 +28,10 @@ def test_levels_report_latency_underruns_and_the_loops_profile(tiny_bundle, tmp_
         assert level["flow_ms_per_iteration"] > 0 and level["llm_busy_s"] > 0
     assert report["levels"][-1]["peak_in_flight"] >= 1
     assert len(report["levels"][3]["first_chunks_ms"]) == 1 and report["levels"][3]["first_chunks_ms"][0] > 0
+    # the new clip's first chunk by stage: its front end, then each engine stage, within its first chunk
+    (stages,) = report["levels"][3]["first_chunk_stages_ms"]
+    assert len(stages) == len(FIRST_CHUNK_STAGES) and all(ms is not None and ms >= 0 for ms in stages)
+    assert stages[0] > 0 and sum(stages) <= report["levels"][3]["first_chunks_ms"][0] + 1
     assert report["registered_trace"]["marks"] == 1 and (tmp_path / "registered.json.gz").stat().st_size > 0
     # both traces end at the new clip's first chunk; the playing streams' outcomes come with the second
     assert report["new_clip_trace"]["marks"] == 1 and (tmp_path / "new.json.gz").stat().st_size > 0

@@ -95,6 +95,16 @@ def one_request(engine: TTSEngine, voice, tokens: int, request_id: str, on_first
                    None if failed is None else f"{type(failed).__name__}: {failed}", stages, voice_ms)
 
 
+# Each request's first chunk by stage in a level's ``first_chunk_stages_ms``: its new clip's front end
+# (voice), then ENGINE_STAGES.
+FIRST_CHUNK_STAGES = ("voice", *(stage for stage, _, _ in ENGINE_STAGES))
+
+
+def _first_chunk_stages(outcome: Outcome) -> list[float | None]:
+    stages = outcome.stages_ms or {}
+    return [outcome.voice_ms, *(stages.get(stage) for stage, _, _ in ENGINE_STAGES)]
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -129,9 +139,14 @@ def _profile(before: dict, after: dict) -> dict:
 
 def level(engine: TTSEngine, outcomes: list[Outcome], label: str, wall_s: float, before) -> dict:
     firsts = [o.first_chunk_ms for o in outcomes if o.first_chunk_ms is not None]
+    voiced = [o for o in outcomes if o.first_chunk_ms is not None]
     return {"level": label, "requests": len(outcomes), "failed": sum(o.error is not None for o in outcomes),
             "first_p50_ms": _percentile(firsts, 0.5), "first_p95_ms": _percentile(firsts, 0.95),
             "first_chunks_ms": [round(ms, 1) for ms in firsts],  # in arrival order: a slow round shows as a run
+            # the same requests' first chunks by stage (FIRST_CHUNK_STAGES; None: not measured), so that a
+            # late one shows where its time went
+            "first_chunk_stages_ms": [[None if v is None else round(v, 1) for v in _first_chunk_stages(o)]
+                                      for o in voiced],
             "underrun_requests": sum(o.underruns > 0 for o in outcomes),
             "stall_s": sum(o.stall_s for o in outcomes), "wall_s": wall_s,
             "errors": sorted({o.error for o in outcomes if o.error})[:3],
