@@ -130,7 +130,8 @@ class StepLaunch:
     is done waits for step k (:meth:`event`) before its own step k."""
 
     def __init__(self, solve_from: int) -> None:
-        self.solve_from = solve_from  # steps launched from which a window following them is solved (FlowEngine.solvable)
+        # steps launched from which a window following them is solved (FlowEngine.solvable)
+        self.solve_from = solve_from
         self._launched = threading.Condition()
         self._events: list[torch.cuda.Event | None] = []
         self._error: BaseException | None = None
