@@ -286,7 +286,7 @@ class EngineCore:
         started, to be solved."""
         return (any(seg.pending is not None and not self._waits_for_voice(state, seg)
                     for state in self._states.values() for seg in state.segments())
-                or any(self._beside.solvable(seg.job) for seg, state in self._parked if seg.job is not None))
+                or any(self._beside.solvable(seg.job) for seg, _ in self._parked if seg.job is not None))
 
     def _waits_for_voice(self, state: RequestState, seg: SegmentState) -> bool:
         """The segment's stream is not open and its voice, not kept, is queued for the preparation thread
@@ -485,21 +485,25 @@ class EngineCore:
 
     def _unparked(self) -> list[tuple[SegmentState, RequestState]]:
         """The parked jobs that the kind can solve now (no longer parked)."""
-        ready, parked = [], []
-        for seg, state in self._parked:
-            if seg.job is not None:  # (None: its request ended meanwhile, the job given back)
-                (ready if self._beside.solvable(seg.job) else parked).append((seg, state))
-        self._parked = parked
+        ready, self._parked = self._split_solvable(self._parked)
         return ready
 
     def _park(self, started: list[tuple[SegmentState, RequestState]]) -> list[tuple[SegmentState, RequestState]]:
         """Of the jobs just started, those the kind can solve now; the others are parked."""
         if self._beside is None:
             return started
-        ready = []
-        for seg, state in started:
-            (ready if self._beside.solvable(seg.job) else self._parked).append((seg, state))
+        ready, parked = self._split_solvable(started)
+        self._parked += parked
         return ready
+
+    def _split_solvable(self, jobs: list[tuple[SegmentState, RequestState]]) -> tuple[list, list]:
+        """(those the kind can solve now, the others) of these started jobs; one whose request ended
+        meanwhile (its job given back) is in neither."""
+        ready, waiting = [], []
+        for seg, state in jobs:
+            if seg.job is not None:
+                (ready if self._beside.solvable(seg.job) else waiting).append((seg, state))
+        return ready, waiting
 
     def _solve(self, batch: list[tuple[SegmentState, RequestState]]) -> None:
         """Every Euler step of the batch's jobs, launched."""
