@@ -4,6 +4,7 @@ reference's full re-run of the prefix; prints a markdown table (cosyserve/bench/
 
     python scripts/bench_flow_engine.py --device cuda --dtype fp16 --streams 1 16
     python scripts/bench_flow_engine.py --config tiny --modes eager        # CPU smoke run
+    python scripts/bench_flow_engine.py --page-moves                         # pool <-> step buffer moves
 
 Random weights of the released shapes (timing depends on shapes only).
 """
@@ -31,8 +32,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true",
                         help="also one first-chunk run per streams count under torch.profiler (CUDA): GPU busy vs wall")
+    parser.add_argument("--page-moves", action="store_true",
+                        help="only one step's page moves (pool <-> step buffer), PyTorch ops against the Triton kernel")
     args = parser.parse_args()
-    if "graphs" in args.modes and not args.device.startswith("cuda"):
+    if "graphs" in args.modes and not args.device.startswith("cuda") and not args.page_moves:
         parser.error("graphs need --device cuda")
     args.dtype = args.dtype or ("fp16" if args.device.startswith("cuda") else "fp32")
     print(HEADER, flush=True)

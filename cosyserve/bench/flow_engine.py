@@ -18,12 +18,16 @@ from dataclasses import dataclass
 import torch
 
 from ..models.flow import CosyVoice2Flow, FlowConfig
-from ..token2wav.flow_engine import FlowEngine
+from ..token2wav.flow_engine import FlowEngine, _page_keys
+from ..token2wav.page_pool import PageCopy
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CHUNKS = (18, 43, 93)  # tokens so far at each non-final chunk of the reference schedule
 FINAL = 150  # tokens of the utterance: the final chunk voices tokens 90..150
 NEW_VOICES = (1, 8)  # new voices prepared together
+# Page moves timed (--page-moves): (what, windows, pages of each): 8 new voices' 5.5 s prompts' blocks
+# (or 8 first windows' context), 16 streams' context a second into their replies (within an 8 GB pool).
+PAGE_MOVES = (("8 prompts of 5.5 s", 8, 5), ("16 streams at 5.5 s + 1 s", 16, 4))
 
 
 @dataclass
@@ -60,6 +64,10 @@ def run(args: argparse.Namespace) -> Iterator[Row]:
              torch.randn(1, 2 * args.prompt_tokens, cfg.output_size, generator=g).to(device, dtype),
              torch.randn(1, cfg.spk_embed_dim, generator=g).to(device, dtype))
     tokens = torch.randint(0, cfg.vocab_size, (1, FINAL), generator=g)
+    if getattr(args, "page_moves", False):
+        with torch.inference_mode():
+            yield from _page_moves(FlowEngine(flow, pool_bytes=int(args.pool_gb * (1 << 30))), device)
+        return
     with torch.inference_mode():
         full = []  # the re-run's frames that each chunk voices
         for i, count in enumerate(CHUNKS):
@@ -97,6 +105,29 @@ def run(args: argparse.Namespace) -> Iterator[Row]:
             engine = None  # its pool and graphs go before the next mode's
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _page_moves(engine: FlowEngine, device: torch.device, repeats: int = 20) -> Iterator[Row]:
+    """One step's page moves (:class:`PageCopy`) with PyTorch ops and with the Triton kernel (CUDA),
+    median of ``repeats``: each case's pages read into a step's key/value buffer, then written back."""
+    pool = engine.pool
+    layers, frames, width = pool.data.size(2), pool.page_frames, pool.data.size(-1)
+    kernels = ("torch", "triton") if device.type == "cuda" else ("torch",)
+    for what, windows, each in PAGE_MOVES:
+        pages = pool.allocate(windows * each)
+        if pages is None:
+            raise SystemExit(f"--pool-gb holds {pool.pages} pages, fewer than the {windows * each} of {what}")
+        stride = each * frames  # each window's row holds its pages' frames
+        kv = torch.zeros(layers, 2 * windows * stride, width, device=device, dtype=pool.data.dtype)
+        megabytes = 2 * windows * each * layers * frames * width * kv.element_size() / 1e6
+        for name in kernels:
+            pool.kernels = name
+            copy = PageCopy(pool, pages, _page_keys([each] * windows, windows, stride, 0, frames), kv)
+            for move in ("read", "write"):
+                run = getattr(copy, move)
+                times = sorted(_timed(lambda: run(3), device)[1] for _ in range(repeats))
+                yield Row(f"page moves ({name})", windows, f"{move}: {what}, {megabytes:.0f} MB", times[repeats // 2])
+        pool.release(pages)
 
 
 def _new_voices(engine: FlowEngine, cfg: FlowConfig, prompt_tokens: int, g: torch.Generator, mode: str) -> Iterator[Row]:
@@ -154,4 +185,4 @@ HEADER = "| path | streams | what | ms | rel-L2 vs re-run |\n|---|---:|---|---:|
 
 def markdown_row(r: Row) -> str:
     rel = "" if r.rel_l2 is None else f"{r.rel_l2:.1e}"
-    return f"| {r.mode} | {r.streams or ''} | {r.what} | {r.ms:.1f} | {rel} |"
+    return f"| {r.mode} | {r.streams or ''} | {r.what} | {r.ms:.2f} | {rel} |"

@@ -73,7 +73,7 @@ from ..models.flow.lanes import work_lane
 from ..models.flow.packed_encoder import EncoderWindow, encode_windows
 from ..runtime import HIGH_PRIORITY, host_to_device, role_stream
 from .graphs import FlowCounters
-from .page_pool import PagePool
+from .page_pool import PageCopy, PagePool
 from .prefix_encoder import PrefixEncoder
 from .step_graphs import PREFIX_PAIRS, PREFIX_SHAPES, EngineGraphs, StepBuffers
 
@@ -260,10 +260,8 @@ class _Steps:
     windows: list[_Window]
     buffers: StepBuffers
     rows: torch.Tensor  # the windows' rows of the call (conditional ones, then unconditional)
-    context_pages: torch.Tensor | None
-    context_keys: torch.Tensor | None
-    new_pages: torch.Tensor | None
-    new_keys: torch.Tensor | None
+    context: PageCopy | None  # the windows' context pages, read into the step's keys/values
+    blocks: PageCopy | None  # the pages of the blocks they complete, written from them
     conv: torch.Tensor | None  # (steps, rows, conv width), or None: stacked at each step
     kept: torch.Tensor  # (steps, rows, conv width): the windows' conv context at their commits, once run
     waits: list[StepLaunch]  # prompt solves whose steps the windows' steps follow
@@ -302,7 +300,8 @@ class FlowEngine:
         if pages < 1:
             raise InvalidInputError(
                 f"the token2wav state pool of {pool_bytes} bytes holds no page of {self.page_bytes} bytes")
-        self.pool = PagePool(pages, n_timesteps, layers, page_frames, 2 * self.fused.inner, self.device, self.dtype)
+        self.pool = PagePool(pages, n_timesteps, layers, page_frames, 2 * self.fused.inner, self.device, self.dtype,
+                             kernels=self.fused.kernels)
         self.max_voices = max_voices
         self.counters = counters or FlowCounters()
         self.graphs = EngineGraphs(self.fused) if cuda_graphs else None
@@ -802,18 +801,18 @@ class FlowEngine:
             fused.fill_input(inp, (j, pairs + j), w.x, w.mu, voice.spks, cond)
         buffers.commit.copy_(host_to_device([w.frame_commit - w.frame_start for w in windows] + idle, self.device,
                                             torch.long).repeat(2))
-        # Key indices of the windows' context pages (each page at both CFG rows) and of the pages
-        # they complete, in kv_flat's (row * key_stride + slot) numbering.
-        rows = np.concatenate([np.arange(count), np.arange(pairs, pairs + count)])
+        # The windows' context pages and the pages they complete, each page's CFG rows at their keys
+        # in kv_flat's (row * key_stride + slot) numbering.
+        rows = host_to_device(np.concatenate([np.arange(count), np.arange(pairs, pairs + count)]), self.device,
+                              torch.long)
         context_pages = [number for w in windows for number in w.state.pages]
         new_pages = [number for w in windows if not w.finalize for number in w.new_pages]
-        context_keys = _page_keys([len(w.state.pages) for w in windows], pairs, buffers.key_stride, 0, page)
-        new_keys = _page_keys([0 if w.finalize else len(w.new_pages) for w in windows], pairs, buffers.key_stride,
-                              buffers.slots, page)
-        rows = host_to_device(rows, self.device, torch.long)
-        context_pages, context_keys, new_pages, new_keys = (
-            host_to_device(v, self.device, torch.long) if len(v) else None
-            for v in (context_pages, context_keys, new_pages, new_keys))
+        context = PageCopy(self.pool, context_pages, _page_keys([len(w.state.pages) for w in windows], pairs,
+                                                                buffers.key_stride, 0, page),
+                           buffers.kv_flat) if context_pages else None
+        blocks = PageCopy(self.pool, new_pages, _page_keys([0 if w.finalize else len(w.new_pages) for w in windows],
+                                                           pairs, buffers.key_stride, buffers.slots, page),
+                          buffers.kv_flat) if new_pages else None
         # the prompt solves that streams opened before their end wait for, step by step (first windows)
         waits = list({id(w.stream._launch): w.stream._launch for w in windows if w.stream._launch is not None}.values())
         # conv context of every window at every step, (steps, rows of the call, conv width); stacked
@@ -822,8 +821,7 @@ class FlowEngine:
         kept = torch.empty(steps, 2, count, fused.conv_width, device=self.device, dtype=self.dtype)
         for j, w in enumerate(windows):
             w.kept = kept[:, :, j]
-        return _Steps(windows, buffers, rows, context_pages, context_keys, new_pages, new_keys, conv,
-                      kept.flatten(1, 2), waits)
+        return _Steps(windows, buffers, rows, context, blocks, conv, kept.flatten(1, 2), waits)
 
     def _launch_steps(self, plan: _Steps, steps_ahead: int = 0, launch: StepLaunch | None = None) -> None:
         """The planned steps: each gathers the context at its step from the pages, runs (or replays)
@@ -831,9 +829,8 @@ class FlowEngine:
         per window or page, no host sync. A step first waits for that step of the prompt solves in
         ``plan.waits``. With ``steps_ahead`` (on a GPU) a step is launched once the one that many
         before it has run; ``launch`` is told of each step launched."""
-        pool, buffers, windows, rows = self.pool, plan.buffers, plan.windows, plan.rows
-        kv, conv_all = buffers.kv_flat, buffers.state.conv_all
-        layers, width = kv.size(0), kv.size(2)
+        buffers, windows, rows = plan.buffers, plan.windows, plan.rows
+        conv_all = buffers.state.conv_all
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         launched: list[torch.cuda.Event] = []  # (with steps_ahead) the steps on the device
         for step in range(self.n_timesteps):
@@ -843,17 +840,15 @@ class FlowEngine:
                     stream.wait_event(event)
             if steps_ahead and len(launched) == steps_ahead:
                 launched.pop(0).synchronize()
-            if plan.context_pages is not None:
-                context = pool.data[plan.context_pages, step]  # (pages, layers, 2, page, width)
-                kv.index_copy_(1, plan.context_keys, context.transpose(0, 1).reshape(layers, -1, width))
+            if plan.context is not None:
+                plan.context.read(step)
             conv = (plan.conv[step] if plan.conv is not None
                     else torch.stack([w.state.conv[step] for w in windows], dim=1).flatten(0, 1))
             conv_all.index_copy_(0, rows, conv)
             x_out = buffers.step(self._time_bias[step], self._dt[step])
             plan.kept[step] = buffers.kept.index_select(0, rows)
-            if plan.new_pages is not None:
-                blocks = kv.index_select(1, plan.new_keys).unflatten(1, (len(plan.new_pages), 2, pool.page_frames))
-                pool.data[plan.new_pages, step] = blocks.transpose(0, 1)
+            if plan.blocks is not None:
+                plan.blocks.write(step)
             event = stream.record_event() if stream is not None and (steps_ahead or launch is not None) else None
             if steps_ahead and event is not None:
                 launched.append(event)
@@ -888,13 +883,13 @@ def _complete_blocks(w: _Window) -> _Window:
 
 
 def _page_keys(pages: list[int], pairs: int, key_stride: int, offset: int, page: int) -> np.ndarray:
-    """Keys (in :attr:`StepBuffers.kv_flat`'s ``row * key_stride + slot`` numbering) of ``pages[j]``
-    whole pages per window j, from slot ``offset`` of the window's rows on: page by page (window by
-    window), in each its conditional row's frames (row j), then its unconditional row's (pairs + j)."""
+    """First keys (in :attr:`StepBuffers.kv_flat`'s ``row * key_stride + slot`` numbering) of
+    ``pages[j]`` whole pages per window j, from slot ``offset`` of the window's rows on, (pages, 2):
+    page by page (window by window), its conditional row's (row j), then its unconditional row's
+    (pairs + j); each page's frames follow its first key."""
     window = np.repeat(np.arange(len(pages)), pages)
     index = np.concatenate([np.arange(n) for n in pages]) if pages else np.zeros(0, dtype=np.int64)
-    first = np.stack([window, pairs + window], axis=1) * key_stride + offset + index[:, None] * page
-    return (first[:, :, None] + np.arange(page)).reshape(-1)
+    return np.stack([window, pairs + window], axis=1) * key_stride + offset + index[:, None] * page
 
 
 def _floor_to(value: int, multiple: int) -> int:
