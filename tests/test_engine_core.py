@@ -375,6 +375,36 @@ def test_a_kind_preparing_beside_the_loop_gets_each_voice_as_it_comes_on_a_threa
     assert late.is_set() and "engine-core" not in kind.threads
 
 
+def test_voices_arriving_are_prepared_together_before_their_requests_and_not_again():
+    """The front end's new clips (voices_arriving) go to the preparation thread at once, in one call;
+    their requests, submitted later, hand over no voice the kind keeps or is launching. A cold-starting
+    kind prepares nothing for them."""
+    kind = FakeKind(prepares_beside=True)
+    core = EngineCore(kind, FakeLLM(30))
+    core._preparer.start()
+    core.voices_arriving([FakeVoice("clip 1"), FakeVoice("clip 2")])
+    deadline = time.monotonic() + 5
+    while not kind.prepared and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert kind.prepared == [[FakeVoice("clip 1"), FakeVoice("clip 2")]]
+    kind.launching_voices.add(FakeVoice("clip 3"))
+    listeners = [submit(core, f"r{k}", voice=FakeVoice(f"clip {k}")) for k in (1, 2)]
+    submit(core, "r3", voice=FakeVoice("clip 3"))
+    assert not core._preparer.queued(FakeVoice("clip 3"))  # being launched: not handed over again
+    kind.launching_voices.clear()
+    for _ in range(50):
+        core.step()
+    assert [listener.ended.get(timeout=5) for listener in listeners] == [None, None]
+    assert kind.prepared == [[FakeVoice("clip 1"), FakeVoice("clip 2")]]
+    core.close()
+    cold = FakeKind(cold_start=True)
+    core = EngineCore(cold, FakeLLM(30))
+    core.voices_arriving([FakeVoice("clip 1")])
+    core.step()
+    assert cold.prepared == []
+    core.close()
+
+
 def test_an_uploaded_voice_prepared_beside_the_loop_is_answered_once_the_device_has_computed_it():
     """The upload's answer waits for the kind's wait_prepared (the device computing the voice), on a
     thread of its own: the preparation thread meanwhile launches the next voices."""

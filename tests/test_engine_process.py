@@ -110,6 +110,21 @@ def test_an_uploaded_voice_is_prepared_and_answered_through_the_process(engine):
     assert collector.end() is None and sum(p.size for p in collector.pieces) == TOKENS * 960
 
 
+def test_a_new_clips_voice_is_prepared_as_the_front_end_computes_it(engine):
+    """A new clip resolved by the front door (no request sent yet) reaches the engine process at once
+    (voices_arriving): its voice is kept there before any request brings it."""
+    def cached() -> float:
+        return engine.stats().gauges["voices_cached"][1]
+
+    before = cached()
+    wav = np.random.default_rng(5).uniform(-0.5, 0.5, 16000 * 3).astype(np.float32)
+    engine.voices.resolve(wav, "希望你以后能够做的比我还好呦。")
+    deadline = time.monotonic() + 30
+    while cached() <= before and time.monotonic() < deadline:
+        time.sleep(0.05)  # the gauges come with the next stats message
+    assert cached() == before + 1
+
+
 def test_refusals_and_cancellation_end_their_request_only(engine):
     first = [Collector().submit(engine, request(engine, f"busy{k}", 200)) for k in range(2)]
     refused = Collector().submit(engine, request(engine, "refused"))

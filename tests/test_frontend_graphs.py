@@ -176,6 +176,26 @@ def test_a_burst_of_clips_is_one_call():
     assert len(results) == 4 and featurizer.batches == 1 == models.calls
 
 
+def test_each_batch_is_told_before_its_callers_are_answered():
+    """``on_features`` gets a batch's features (the very objects its callers then get) before any
+    caller has them: the engine starts on a burst's voices at once, together."""
+    models = CountingModels()
+    featurizer = PromptFeaturizer(Launched(models.tokenize_batch), Launched(models.embed_batch), gather_s=0.2,
+                                  gather_max_s=5.0)
+    told: list = []
+    results: list = []
+    featurizer.on_features = lambda features: told.append((list(features), len(results)))
+    threads = [threading.Thread(target=lambda a=audio(seed): results.append(featurizer.features(a)))
+               for seed in range(3)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.02)
+    for thread in threads:
+        thread.join()
+    assert len(told) == 1 and told[0][1] == 0
+    assert sorted(map(id, told[0][0])) == sorted(map(id, results))
+
+
 def test_a_batch_waits_for_clips_announced_and_not_yet_queued():
     """A clip its caller has announced (still preparing it on its own thread) joins the batch of a clip
     queued before it, the gap long past; an announcement given up, or held past announced_max_s, holds

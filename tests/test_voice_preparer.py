@@ -42,3 +42,18 @@ def test_close_answers_callbacks_still_queued():
     preparer.put(["a"], answered.set)
     preparer.close()
     assert answered.is_set()
+
+
+def test_a_voice_queued_again_is_queued_once():
+    """A voice put while one of its key waits is not queued again (a gathering preparation is not kept
+    waiting by it); its callback still follows the preparation."""
+    calls, answered = [], threading.Event()
+    preparer = VoicePreparer(calls.append, lambda voices: None, gather_s=0.001, gather_max_s=0.001, key=str.lower)
+    preparer.put(["a", "A", "b"])
+    preparer.put(["B"], answered.set)
+    assert preparer.queued("b") and preparer.queued("B") and not preparer.queued("c")
+    preparer.start()
+    try:
+        assert answered.wait(10) and calls == [["a", "b"]]
+    finally:
+        preparer.close()

@@ -126,6 +126,12 @@ class EngineClient:
                 self._voice_tickets[ticket] = done
         self._send(wire.VOICES, [wire.pack_voice(features) for features in voices], ticket)
 
+    def voices_arriving(self, voices: list[PromptFeatures]) -> None:
+        """:meth:`EngineCore.voices_arriving` in the engine process (not waited for; nothing when the
+        engine is gone or restarting: the requests then bring their voices)."""
+        if self._ready.is_set():
+            self._send(wire.ARRIVING, [wire.pack_voice(features) for features in voices])
+
     def cancel(self, request_id: str, error: BaseException | None = None) -> None:
         with self._lock:
             known = request_id in self._requests

@@ -19,7 +19,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,9 @@ class VoicePreparer:
 
     def __init__(self, prepare: Callable[[list], None], wait: Callable[[list], None],
                  name: str = "engine-voices", *, gather_s: float = PREPARE_GAP_S,
-                 gather_max_s: float = PREPARE_MAX_S) -> None:
+                 gather_max_s: float = PREPARE_MAX_S, key: Callable[[Any], Hashable] = id) -> None:
         self._prepare = prepare
+        self._key = key  # what makes two voices one: one queued already is not queued again
         self._wait = wait
         self._name = name
         self._gather_s, self._gather_max_s = gather_s, gather_max_s
@@ -66,18 +68,24 @@ class VoicePreparer:
                 if done is not None:
                     call_each([done])
                 return
-            self._voices += voices
+            queued = {self._key(voice) for voice in self._voices}
+            for voice in voices:  # a voice queued again would keep a gathering preparation waiting
+                key = self._key(voice)
+                if key not in queued:
+                    queued.add(key)
+                    self._voices.append(voice)
             if done is not None:
                 self._done.append(done)
             self._lock.notify()
 
     def queued(self, voice) -> bool:
-        """Whether this voice (the very object put) waits in the queue, not yet taken by the thread: a
+        """Whether this voice (or one of its key) waits in the queue, not yet taken by the thread: a
         stream of it opened now would have its voice computed on the opener's thread (the loop's),
         once the thread's current preparation is launched (CosyVoice2: ~85 ms for 7 new voices on an
         H100, the loop held all that time)."""
+        key = self._key(voice)
         with self._lock:
-            return any(v is voice for v in self._voices)
+            return any(self._key(v) == key for v in self._voices)
 
     def close(self) -> None:
         with self._lock:

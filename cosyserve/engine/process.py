@@ -211,6 +211,8 @@ class EngineServer:
             self.core.prepare_voices([wire.unpack_voice(voice) for voice in message[1]],
                                      done=None if ticket is None else
                                      lambda: self.outbox.put((client, wire.VOICES_DONE, ticket)))
+        elif kind == wire.ARRIVING:
+            self.core.voices_arriving([wire.unpack_voice(voice) for voice in message[1]])
         elif kind == wire.TOKENS:
             self.forwarded.put(*message[1:])
         elif kind == wire.HELLO:

@@ -57,13 +57,15 @@ WARM_UP_TEXT = "你好，欢迎使用语音合成服务。"
 
 class TTSEngine:
     """``core``: an :class:`~.core.EngineCore` or an :class:`~.client.EngineClient` (one interface:
-    ``submit``, ``cancel``, ``stats``, ``sample_rate``, ``close``)."""
+    ``submit``, ``cancel``, ``prepare_voices``, ``voices_arriving``, ``stats``, ``sample_rate``,
+    ``close``)."""
 
     def __init__(self, core, prompter: SegmentPrompter, voices: VoiceResolver, warm_voice: Voice) -> None:
         self.core = core
         self.prompter = prompter
         self.voices = voices
         self.warm_voice = warm_voice  # voices the warm-up (the default speaker, or a synthetic clip)
+        voices.featurizer.on_features = core.voices_arriving  # a new clip's voice prepared as soon as it is known
         self.load_phases: dict[str, float] = {}  # load_engine's phases, seconds each
 
     @property

@@ -15,6 +15,8 @@ client -> engine
               client's side (a Triton LLM model); ``end`` None, or [reason, error] once it is over
   ``voices``  [VOICES, [voice, ...], ticket]: voices whose state the engine computes and keeps now (just
               uploaded); ``ticket`` None, or a string the engine answers VOICES_DONE with once they are
+  ``arriving`` [ARRIVING, [voice, ...]]: new clips' voices whose requests are on their way (the front
+              end has just computed them together): a kind that keeps every voice starts on them now
 engine -> client
   ``welcome`` [WELCOME, info]: sample rate, model kind, pid, load time and the first stats
   ``pcm``     [PCM, request_id, float32 bytes]
@@ -41,7 +43,7 @@ from ..errors import (CapacityError, CosyServeError, InvalidInputError, ModelLoa
                       RequestTimeoutError)
 from ..frontend.prompt import PromptFeatures
 
-HELLO, SUBMIT, CANCEL, TOKENS, VOICES = "hello", "submit", "cancel", "tokens", "voices"
+HELLO, SUBMIT, CANCEL, TOKENS, VOICES, ARRIVING = "hello", "submit", "cancel", "tokens", "voices", "arriving"
 WELCOME, PCM, FINISH, STATS, LLM_START, LLM_STOP = "welcome", "pcm", "finish", "stats", "llm", "llm_stop"
 VOICES_DONE = "voices_done"
 

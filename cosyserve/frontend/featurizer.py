@@ -27,8 +27,10 @@ request whose clip caused it.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+from collections.abc import Callable
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -40,6 +42,8 @@ from ..audio.io import PromptAudio
 from ..runtime import BURST_GAP_S, BURST_MAX_S
 from .onnx_models import speaker_input, tokenizer_input
 from .prompt import COSYVOICE2_MEL_FMAX, PromptFeatures, build_prompt_features_batch, warm_device_prompt_mel
+
+log = logging.getLogger(__name__)
 
 # The most clips per batch.
 DEFAULT_MAX_BATCH = 8
@@ -82,6 +86,9 @@ class PromptFeaturizer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._announced = 0  # clips of Arrivals not yet queued
+        # told of each batch's features before its callers are answered (on this object's thread): the
+        # engine starts on those voices then (EngineCore.voices_arriving), not as each request arrives
+        self.on_features: Callable[[list[PromptFeatures]], None] | None = None
 
     @contextmanager
     def arrival(self) -> Iterator[Arrival]:
@@ -151,6 +158,11 @@ class PromptFeaturizer:
                 return
             batch[0][1].set_exception(exc)
             return
+        if self.on_features is not None:
+            try:
+                self.on_features(results)
+            except Exception:  # the requests still bring their voices
+                log.exception("prompt features: on_features failed")
         for (_, answer), features in zip(batch, results):
             answer.set_result(features)
 
