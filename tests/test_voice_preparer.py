@@ -57,3 +57,16 @@ def test_a_voice_queued_again_is_queued_once():
         assert answered.wait(10) and calls == [["a", "b"]]
     finally:
         preparer.close()
+
+
+def test_a_gathered_burst_is_prepared_without_waiting_for_more():
+    """A burst put as gathered (a front-end batch) is prepared at once, though the gather would wait
+    seconds for more."""
+    calls, answered = [], threading.Event()
+    preparer = VoicePreparer(calls.append, lambda voices: None, gather_s=5.0, gather_max_s=30.0).start()
+    try:
+        began = time.monotonic()
+        preparer.put(["a", "b"], answered.set, gathered=True)
+        assert answered.wait(10) and time.monotonic() - began < 4.0 and calls == [["a", "b"]]
+    finally:
+        preparer.close()

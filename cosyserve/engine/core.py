@@ -173,7 +173,7 @@ class EngineCore:
         GIL (8 new clips on an H100: over ~25 ms, the preparation thread gathering all that time, or a
         voice that came late prepared alone after the others' whole launch, ~45 ms later)."""
         if self._preparer is not None and not self.kind.cold_start:
-            self._preparer.put(voices)
+            self._preparer.put(voices, gathered=True)  # the front end's batch: no more to wait for
 
     def prepare_voices(self, voices: list, done: Callable[[], None] | None = None) -> None:
         """Have the loop compute and keep these voices' state (PromptFeatures) at its next iteration,

@@ -52,6 +52,7 @@ class VoicePreparer:
         self._done: list[Callable[[], None]] = []
         self._launched: queue.SimpleQueue = queue.SimpleQueue()  # (voices, done) for the waiting thread
         self._closing = False
+        self._gathered = False  # the queue holds a gathered burst: prepare it at once
         self._threads: list[threading.Thread] = []
 
     def start(self) -> "VoicePreparer":
@@ -62,7 +63,10 @@ class VoicePreparer:
                 thread.start()
         return self
 
-    def put(self, voices: list, done: Callable[[], None] | None = None) -> None:
+    def put(self, voices: list, done: Callable[[], None] | None = None, *, gathered: bool = False) -> None:
+        """Queue ``voices`` for the next preparation (``done`` called once it is computed). ``gathered``:
+        a burst gathered already (a front-end batch): the thread starts on the queue without waiting
+        for more."""
         with self._lock:
             if self._closing:
                 if done is not None:
@@ -76,6 +80,7 @@ class VoicePreparer:
                     self._voices.append(voice)
             if done is not None:
                 self._done.append(done)
+            self._gathered = self._gathered or gathered
             self._lock.notify()
 
     def queued(self, voice) -> bool:
@@ -107,8 +112,9 @@ class VoicePreparer:
                     self._lock.wait()
                 if self._closing:
                     return
-                self._gather()
-                voices, self._voices = self._voices, []
+                if not self._gathered:
+                    self._gather()
+                voices, self._voices, self._gathered = self._voices, [], False
                 done, self._done = self._done, []
             if voices:
                 try:
