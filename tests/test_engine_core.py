@@ -478,6 +478,32 @@ def test_a_first_chunk_started_while_its_voice_is_launched_is_solved_once_the_ki
     core.close()
 
 
+def test_a_parked_chunk_that_becomes_solvable_while_a_batch_starts_joins_that_batch():
+    """The kind can solve a parked first chunk from some moment during another batch's start (its
+    voice's launch ends meanwhile): the chunk is solved in that batch, not in one launched after it."""
+    kind = FakeKind(prepares_beside=True, unsolvable_voices={"new voice"})
+    kind.prepared += [["voice 1"], ["new voice"]]
+    core = EngineCore(kind, FakeLLM(30))  # stepped by hand
+    parked = submit(core, "new", voice="new voice")
+    for _ in range(5):
+        core.step()
+    assert kind.started == ["new voice"] and not kind.batches and core._parked
+    start_chunks = kind.start_chunks
+
+    def start_while_the_launch_ends(chunks):
+        kind.unsolvable_voices.clear()
+        return start_chunks(chunks)
+
+    kind.start_chunks = start_while_the_launch_ends
+    playing = submit(core, "registered", voice="voice 1")
+    core.step()
+    assert kind.batches == [2] and not core._parked
+    for _ in range(50):
+        core.step()
+    assert parked.ended.get(timeout=5) is None and playing.ended.get(timeout=5) is None
+    core.close()
+
+
 def test_a_stream_whose_new_voice_waits_for_the_preparation_thread_is_not_opened_by_the_loop():
     """A voice not kept and queued for the preparation thread (busy with earlier voices; here not
     started) is not computed by the loop through open: the stream's first chunk waits while a kept

@@ -10,7 +10,8 @@ Each iteration (:meth:`EngineCore.step`), read top to bottom:
 4. the :class:`~.scheduler.Scheduler` picks a batch of the waiting chunks (earliest deadline
    first, within a batch's budget); the kind starts them (their encoder, their state pages); a
    first chunk whose voice the preparation thread is still launching waits, started, until the kind
-   can solve it (:meth:`~.kinds.protocol.PreparesBeside.solvable`), then joins a later batch;
+   can solve it (:meth:`~.kinds.protocol.PreparesBeside.solvable`), then joins the first batch that
+   starts after it can (the same iteration's, if it became solvable while that batch started);
 5. the kind solves the batch: all 10 Euler steps of every chunk, each step one packed call
    (:meth:`solve`), then vocodes it in one batched call; the PCM is copied to the host
    asynchronously;
@@ -332,6 +333,10 @@ class EngineCore:
             start_begin = time.perf_counter()
             c.host_s += start_begin - began
             batch = ready + self._park(self._start_jobs(picked))
+            if not any(candidate.full_pass for candidate in picked):
+                # parked jobs that became solvable while these started (a start takes ~15-35 ms of host):
+                # this batch, not one launched after it, whose steps would queue behind its own on the GPU
+                batch += self._unparked()
             self._sync()
             flow_begin = time.perf_counter()
             c.start_s += flow_begin - start_begin
