@@ -159,13 +159,17 @@ def test_clips_arriving_together_share_one_call_and_get_their_own_features():
         torch.testing.assert_close(features.speech_feat, expected.speech_feat)
 
 
-def test_a_burst_of_clips_is_one_call():
+def test_a_burst_of_clips_is_one_call_told_before_its_callers_are_answered():
     """Clips that keep arriving close together (here 20 ms apart, within a gather of 200 ms) share one
-    call, though the models are idle when the first comes."""
+    call, though the models are idle when the first comes; ``on_features`` gets that batch's features
+    (the very objects its callers then get) before any caller has them: the engine starts on a burst's
+    voices at once, together."""
     models = CountingModels()
     featurizer = PromptFeaturizer(Launched(models.tokenize_batch), Launched(models.embed_batch), gather_s=0.2,
                                   gather_max_s=5.0)
+    told: list = []
     results: list = []
+    featurizer.on_features = lambda features: told.append((list(features), len(results)))
     threads = [threading.Thread(target=lambda a=audio(seed): results.append(featurizer.features(a)))
                for seed in range(4)]
     for thread in threads:
@@ -174,24 +178,6 @@ def test_a_burst_of_clips_is_one_call():
     for thread in threads:
         thread.join()
     assert len(results) == 4 and featurizer.batches == 1 == models.calls
-
-
-def test_each_batch_is_told_before_its_callers_are_answered():
-    """``on_features`` gets a batch's features (the very objects its callers then get) before any
-    caller has them: the engine starts on a burst's voices at once, together."""
-    models = CountingModels()
-    featurizer = PromptFeaturizer(Launched(models.tokenize_batch), Launched(models.embed_batch), gather_s=0.2,
-                                  gather_max_s=5.0)
-    told: list = []
-    results: list = []
-    featurizer.on_features = lambda features: told.append((list(features), len(results)))
-    threads = [threading.Thread(target=lambda a=audio(seed): results.append(featurizer.features(a)))
-               for seed in range(3)]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.02)
-    for thread in threads:
-        thread.join()
     assert len(told) == 1 and told[0][1] == 0
     assert sorted(map(id, told[0][0])) == sorted(map(id, results))
 
