@@ -123,7 +123,8 @@ class EngineCore:
         self._seen_voices: LruCache[str, bool] = LruCache(SEEN_VOICES)  # with kind.cold_start
         # a kind that prepares voices beside the loop (PreparesBeside), on the preparation thread
         self._beside: PreparesBeside | None = kind if kind.prepares_beside else None
-        self._preparer = VoicePreparer(self._prepare_voices, kind.wait_prepared, key=_voice_key) if self._beside else None
+        self._preparer = (VoicePreparer(self._prepare_voices, kind.wait_prepared, key=_voice_key) if self._beside
+                          else None)
         self._states: dict[str, RequestState] = {}  # admitted, not ended; guarded by _lock
         self._in_flight: deque[_Batch] = deque()  # launched, PCM not handed out (loop thread)
         # started, not solvable yet (a first chunk whose voice the preparation thread is still launching:
