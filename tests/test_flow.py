@@ -216,6 +216,29 @@ def test_bad_inputs(small_flow: CosyVoice2Flow, change, finalize: bool, match: s
         small_flow.inference(*change(_request()), streaming=True, finalize=finalize)
 
 
+def test_frame_buffers_extended_together_equal_each_extended_alone():
+    """extend_all (one copy for a batch of streams' windows) gives each buffer what its own extend
+    gives: a fresh one, a fork (copied into storage of its own), one with room, one that must grow."""
+    from cosyserve.models.flow.cache import FrameBuffer
+
+    def buffers() -> list:
+        fresh, voice, roomy, full = (FrameBuffer(dim=2) for _ in range(4))
+        voice.start_with(torch.arange(12.0).reshape(1, 2, 6), commit=4)
+        roomy.extend(torch.ones(1, 2, 5), commit=2)
+        roomy.extend(torch.ones(1, 2, 1), commit=1)  # 3 committed in storage of 5
+        full.start_with(torch.arange(8.0).reshape(1, 2, 4), commit=4)
+        return [fresh, voice.fork(), roomy, full]
+
+    windows = [torch.randn(1, 2, n, generator=torch.Generator().manual_seed(n)) for n in (3, 2, 1, 4)]
+    commits = [2, 2, 1, 3]
+    alone = [b.extend(w, c) for b, w, c in zip(buffers(), windows, commits)]
+    together_buffers = buffers()
+    together = FrameBuffer.extend_all(together_buffers, windows, commits)
+    for a, t in zip(alone, together):
+        assert torch.equal(a, t)
+    assert [b.committed for b in together_buffers] == [2, 6, 4, 7]
+
+
 def test_a_forked_frame_buffer_reads_the_committed_frames_and_never_writes_them():
     """A stream forked from a voice's state shares the voice's committed frames without a copy; its
     extends write only storage of its own, so the voice and every other fork keep theirs."""

@@ -738,10 +738,12 @@ class FlowEngine:
                 for (_, tokens, _), (_, state, finalize, _, token_commit, _) in zip(chunks, plans)]
             outputs = encode_windows(flow.encoder, encoder_windows)
             mus = flow.project(torch.cat(outputs)[None]).split([o.size(0) for o in outputs], dim=2)
+        mus = FrameBuffer.extend_all([state.mu for _, state, *_ in plans], list(mus),
+                                     [ratio * (token_commit - state.token_commit)
+                                      for _, state, _, _, token_commit, _ in plans])
         windows = []
         try:
             for (stream, state, finalize, valid_tokens, token_commit, frame_commit), mu in zip(plans, mus):
-                mu = state.mu.extend(mu, commit=ratio * (token_commit - state.token_commit))
                 frame_start = state.frame_commit
                 frames = ratio * valid_tokens
                 windows.append(_Window(stream, state, finalize, frames, frame_start, frame_commit,

@@ -61,20 +61,31 @@ class FrameBuffer:
 
     def extend(self, frames: torch.Tensor, commit: int) -> torch.Tensor:
         """[committed ‖ frames] (a view, valid until the next call); then commit ``commit`` frames."""
-        dim, new = self.dim, frames.size(self.dim)
-        end = self.committed + new
-        if self._storage is None or self._shared or self._storage.size(dim) < end:
-            capacity = max(end, int(_GROWTH * (0 if self._storage is None else self._storage.size(dim))))
-            shape = list(frames.shape)
-            shape[dim] = capacity
-            storage = frames.new_empty(shape)
-            if self.committed:
-                storage.narrow(dim, 0, self.committed).copy_(self._storage.narrow(dim, 0, self.committed))
-            self._storage, self._shared = storage, False
-        self._storage.narrow(dim, self.committed, new).copy_(frames)
-        view = self._storage.narrow(dim, 0, end)
-        self.committed += commit
-        return view
+        return FrameBuffer.extend_all([self], [frames], [commit])[0]
+
+    @staticmethod
+    def extend_all(buffers: list[FrameBuffer], frames: list[torch.Tensor], commits: list[int]) -> list[torch.Tensor]:
+        """:meth:`extend` of each buffer with its frames and commit, the frames written by one
+        ``_foreach_copy_`` (a batch of streams' windows: one operator, not one copy per buffer)."""
+        targets = []
+        for buffer, window in zip(buffers, frames):
+            dim, new = buffer.dim, window.size(buffer.dim)
+            end = buffer.committed + new
+            if buffer._storage is None or buffer._shared or buffer._storage.size(dim) < end:
+                capacity = max(end, int(_GROWTH * (0 if buffer._storage is None else buffer._storage.size(dim))))
+                shape = list(window.shape)
+                shape[dim] = capacity
+                storage = window.new_empty(shape)
+                if buffer.committed:
+                    storage.narrow(dim, 0, buffer.committed).copy_(buffer._storage.narrow(dim, 0, buffer.committed))
+                buffer._storage, buffer._shared = storage, False
+            targets.append(buffer._storage.narrow(dim, buffer.committed, new))
+        torch._foreach_copy_(targets, frames)
+        views = []
+        for buffer, window, commit in zip(buffers, frames, commits):
+            views.append(buffer._storage.narrow(buffer.dim, 0, buffer.committed + window.size(buffer.dim)))
+            buffer.committed += commit
+        return views
 
     def start_with(self, frames: torch.Tensor, commit: int) -> None:
         """A buffer without committed frames takes ``frames`` as they are (a view of the caller's

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from ...runtime import host_to_device
+from .cache import FrameBuffer
 from .config import UP_STRIDE
 from .encoder import RelAttentionState, UpsampleConformerEncoder, relative_position_rows
 
@@ -145,9 +146,9 @@ class _StreamStates:
         left = torch.cat([w.states[conv] if conv in w.states else x.new_zeros(1, x.size(1), frames)
                           for w in self.windows])
         padded = torch.cat([left, x], dim=2)
-        for j, w in enumerate(self.windows):
+        for j, w in enumerate(self.windows):  # views of this pass's tensor, never written (as first windows')
             commit = w.commit * rate.scale
-            w.states[conv] = padded[j:j + 1, :, commit:commit + frames].clone()
+            w.states[conv] = padded[j:j + 1, :, commit:commit + frames]
         return padded
 
     def keys(self, attn, k: torch.Tensor, v: torch.Tensor, rate: _Rate) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,14 +159,18 @@ class _StreamStates:
         states = [w.states.get(attn) or w.states.setdefault(attn, RelAttentionState()) for w in self.windows]
         if rows == 1:  # its stream's own buffer is the row, no padding (six kernels a layer fewer alone)
             return states[0].extend(k, v, self.windows[0].commit * rate.scale)
-        positions = rate.cached + length
-        row_keys, row_values = [], []
-        for j, (w, state) in enumerate(zip(self.windows, states)):
-            length_j = w.embedded.size(0) * rate.scale
-            keys, values = state.extend(k[j:j + 1, :, :length_j], v[j:j + 1, :, :length_j], w.commit * rate.scale)
-            row_keys.append(F.pad(keys, (0, 0, 0, positions - keys.size(2))))  # zeros after its positions
-            row_values.append(F.pad(values, (0, 0, 0, positions - values.size(2))))
-        return torch.cat(row_keys), torch.cat(row_values)
+        lengths = [w.embedded.size(0) * rate.scale for w in self.windows]
+        commits = [w.commit * rate.scale for w in self.windows]
+        # every row's window appended to its own buffers in one copy; the rows then padded into the batch
+        rows_kv = FrameBuffer.extend_all([s.keys for s in states] + [s.values for s in states],
+                                         [k[j:j + 1, :, :n] for j, n in enumerate(lengths)]
+                                         + [v[j:j + 1, :, :n] for j, n in enumerate(lengths)], commits * 2)
+        keys = k.new_zeros(rows, k.size(1), rate.cached + length, k.size(3))  # zeros after each row's positions
+        values = torch.zeros_like(keys)
+        torch._foreach_copy_([batch[j:j + 1, :, :row.size(2)] for batch, part in ((keys, rows_kv[:rows]),
+                                                                                  (values, rows_kv[rows:]))
+                              for j, row in enumerate(part)], rows_kv)
+        return keys, values
 
 
 def _encode(encoder: UpsampleConformerEncoder, packed: torch.Tensor, lengths: torch.Tensor, tokens: _Rate,
