@@ -237,6 +237,7 @@ def test_frame_buffers_extended_together_equal_each_extended_alone():
     for a, t in zip(alone, together):
         assert torch.equal(a, t)
     assert [b.committed for b in together_buffers] == [2, 6, 4, 7]
+    assert FrameBuffer.extend_all([], [], []) == []
 
 
 def test_a_forked_frame_buffer_reads_the_committed_frames_and_never_writes_them():

@@ -80,7 +80,8 @@ class FrameBuffer:
                     storage.narrow(dim, 0, buffer.committed).copy_(buffer._storage.narrow(dim, 0, buffer.committed))
                 buffer._storage, buffer._shared = storage, False
             targets.append(buffer._storage.narrow(dim, buffer.committed, new))
-        torch._foreach_copy_(targets, frames)
+        if targets:  # (_foreach_copy_ takes no empty list)
+            torch._foreach_copy_(targets, frames)
         views = []
         for buffer, window, commit in zip(buffers, frames, commits):
             views.append(buffer._storage.narrow(buffer.dim, 0, buffer.committed + window.size(buffer.dim)))
