@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.flow import CosyVoice2Flow, FlowConfig
-from ..token2wav.flow_engine import FlowEngine, _page_keys
+from ..token2wav.flow_engine import FlowEngine, page_key_starts
 from ..token2wav.page_pool import PageCopy
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -122,7 +122,7 @@ def _page_moves(engine: FlowEngine, device: torch.device, repeats: int = 20) -> 
         megabytes = 2 * windows * each * layers * frames * width * kv.element_size() / 1e6
         for name in kernels:
             pool.kernels = name
-            copy = PageCopy(pool, pages, _page_keys([each] * windows, windows, stride, 0, frames), kv)
+            copy = PageCopy(pool, pages, page_key_starts([each] * windows, windows, stride, 0, frames), kv)
             for move in ("read", "write"):
                 run = getattr(copy, move)
                 times = sorted(_timed(lambda: run(3), device)[1] for _ in range(repeats))

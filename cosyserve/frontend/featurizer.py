@@ -30,8 +30,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Iterator

@@ -809,12 +809,11 @@ class FlowEngine:
                               torch.long)
         context_pages = [number for w in windows for number in w.state.pages]
         new_pages = [number for w in windows if not w.finalize for number in w.new_pages]
-        context = PageCopy(self.pool, context_pages, _page_keys([len(w.state.pages) for w in windows], pairs,
-                                                                buffers.key_stride, 0, page),
-                           buffers.kv_flat) if context_pages else None
-        blocks = PageCopy(self.pool, new_pages, _page_keys([0 if w.finalize else len(w.new_pages) for w in windows],
-                                                           pairs, buffers.key_stride, buffers.slots, page),
-                          buffers.kv_flat) if new_pages else None
+        context_keys = page_key_starts([len(w.state.pages) for w in windows], pairs, buffers.key_stride, 0, page)
+        new_keys = page_key_starts([0 if w.finalize else len(w.new_pages) for w in windows], pairs,
+                                   buffers.key_stride, buffers.slots, page)
+        context = PageCopy(self.pool, context_pages, context_keys, buffers.kv_flat) if context_pages else None
+        blocks = PageCopy(self.pool, new_pages, new_keys, buffers.kv_flat) if new_pages else None
         # the prompt solves that streams opened before their end wait for, step by step (first windows)
         waits = list({id(w.stream._launch): w.stream._launch for w in windows if w.stream._launch is not None}.values())
         # conv context of every window at every step, (steps, rows of the call, conv width); stacked
@@ -884,7 +883,7 @@ def _complete_blocks(w: _Window) -> _Window:
     return replace(w, frames=w.frame_commit, mu=w.mu[:, :, :keep], x=w.x[:, :, :keep])
 
 
-def _page_keys(pages: list[int], pairs: int, key_stride: int, offset: int, page: int) -> np.ndarray:
+def page_key_starts(pages: list[int], pairs: int, key_stride: int, offset: int, page: int) -> np.ndarray:
     """First keys (in :attr:`StepBuffers.kv_flat`'s ``row * key_stride + slot`` numbering) of
     ``pages[j]`` whole pages per window j, from slot ``offset`` of the window's rows on, (pages, 2):
     page by page (window by window), its conditional row's (row j), then its unconditional row's

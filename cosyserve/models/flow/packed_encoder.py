@@ -167,9 +167,8 @@ class _StreamStates:
                                          + [v[j:j + 1, :, :n] for j, n in enumerate(lengths)], commits * 2)
         keys = k.new_zeros(rows, k.size(1), rate.cached + length, k.size(3))  # zeros after each row's positions
         values = torch.zeros_like(keys)
-        torch._foreach_copy_([batch[j:j + 1, :, :row.size(2)] for batch, part in ((keys, rows_kv[:rows]),
-                                                                                  (values, rows_kv[rows:]))
-                              for j, row in enumerate(part)], rows_kv)
+        torch._foreach_copy_([keys[j:j + 1, :, :row.size(2)] for j, row in enumerate(rows_kv[:rows])]
+                             + [values[j:j + 1, :, :row.size(2)] for j, row in enumerate(rows_kv[rows:])], rows_kv)
         return keys, values
 
 
